@@ -1,0 +1,46 @@
+"""circuitmath: machine-checked linear algebra behind transformer interpretability.
+
+Each identity is stated once and seen three ways: a sympy proof for symbolic dimensions, a
+numeric check on weights, and the weight transform it licenses.
+"""
+
+from ._config import Config as Config
+from ._errors import (
+    AlreadyAppliedError as AlreadyAppliedError,
+    CircuitMathError as CircuitMathError,
+    PreconditionError as PreconditionError,
+    StateDictError as StateDictError,
+)
+from ._processing import (
+    center_reading_weights as center_reading_weights,
+    fold_layer_norm as fold_layer_norm,
+)
+from ._proof import Proof as Proof, ProofReport as ProofReport
+from ._reference import forward as forward, log_probs as log_probs
+from ._registry import Identity as Identity, get_identity as get_identity, identities as identities
+from ._state import expected_shapes as expected_shapes, validate_state_dict as validate_state_dict
+from ._weights import random_state_dict as random_state_dict
+from .testing import assert_equivalent as assert_equivalent
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlreadyAppliedError",
+    "CircuitMathError",
+    "Config",
+    "Identity",
+    "PreconditionError",
+    "Proof",
+    "ProofReport",
+    "StateDictError",
+    "assert_equivalent",
+    "center_reading_weights",
+    "expected_shapes",
+    "fold_layer_norm",
+    "forward",
+    "get_identity",
+    "identities",
+    "log_probs",
+    "random_state_dict",
+    "validate_state_dict",
+]

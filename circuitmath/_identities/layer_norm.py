@@ -1,0 +1,189 @@
+"""LayerNorm folding and centring of reading weights.
+
+Symbols (row-vector convention, one position of the residual stream at a time; positions are
+independent because a norm acts on each row separately):
+
+- ``x`` ``[1, d]`` the residual stream; ``W`` ``[d, m]`` and ``b_W`` ``[1, m]`` a reader;
+- ``w`` ``[d, 1]`` and ``b`` ``[1, d]`` the LayerNorm gain and bias;
+- ``C = I - 1 1^T / d`` the centring matrix;
+- ``rho`` the scalar ``(|x C|^2 / d + eps)^(-1/2)``. Every proof below holds for *any* scalar
+  ``rho``, so it holds with ``eps > 0``: this is why the fold is exact with ``eps`` kept
+  inside ``LNPre``.
+"""
+
+from __future__ import annotations
+
+import torch
+from sympy import DiagMatrix, Identity as Eye, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol
+
+from .._processing import center_reading_weights, fold_layer_norm, readers
+from .._proof import Definition, Proof, Step, Twin
+from .._registry import Identity, register
+
+d, m = Symbol("d", positive=True, integer=True), Symbol("m", positive=True, integer=True)
+rho = Symbol(r"\rho", positive=True)
+x = MatrixSymbol("x", 1, d)
+w = MatrixSymbol("w", d, 1)
+b = MatrixSymbol("b", 1, d)
+W = MatrixSymbol("W", d, m)
+b_W = MatrixSymbol("b_W", 1, m)
+ones = OneMatrix(d, 1)
+C = MatrixSymbol("C", d, d)
+LNPre = MatrixSymbol(r"\mathrm{LNPre}(x)", 1, d)
+LN = MatrixSymbol(r"\mathrm{LN}(x)", 1, d)
+RMSPre = MatrixSymbol(r"\mathrm{RMSPre}(x)", 1, d)
+
+DEFINITIONS = (
+    Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones, ones.T)), "the centring matrix"),
+    Definition(LNPre, MatMul(rho, x, C), "centre, then divide by the RMS (eps inside rho)"),
+    Definition(LN, MatAdd(MatMul(LNPre, DiagMatrix(w)), b), "LNPre, then gain and bias"),
+    Definition(RMSPre, MatMul(rho, x), "divide by the RMS, no centring"),
+)
+EXPLICIT_DIMS = {d: 4, m: 3}
+
+
+def _layer_norm_fold_proof() -> Proof:
+    folded = MatAdd(MatMul(LNPre, MatMul(DiagMatrix(w), W)), MatAdd(b_W, MatMul(b, W)))
+    lhs = MatAdd(MatMul(LN, W), b_W)
+    W_sq, b_sq = MatrixSymbol("W", d, d), MatrixSymbol("b_W", 1, d)
+    return Proof(
+        lhs=lhs,
+        rhs=folded,
+        steps=(
+            Step(MatAdd(MatMul(MatAdd(MatMul(LNPre, DiagMatrix(w)), b), W), b_W), r"definition of $\mathrm{LN}$"),
+            Step(MatAdd(MatMul(LNPre, DiagMatrix(w), W), MatMul(b, W), b_W), "distribute over the sum"),
+            Step(folded, r"regroup: $W_\mathrm{eff} = \operatorname{diag}(w) W$, $b_\mathrm{eff} = b_W + b W$"),
+        ),
+        definitions=DEFINITIONS,
+        explicit_dims=EXPLICIT_DIMS,
+        assumptions=("rho is any scalar: eps stays inside LNPre",),
+        twins=(
+            Twin(
+                "scale_columns",
+                "scale the reader's columns, not its rows (W * w[None, :], square W)",
+                MatAdd(MatMul(LN, W_sq), b_sq),
+                MatAdd(MatMul(LNPre, W_sq, DiagMatrix(w)), b_sq, MatMul(b, W_sq)),
+            ),
+            Twin(
+                "drop_bias",
+                "forget the LayerNorm bias term b W",
+                lhs,
+                MatAdd(MatMul(LNPre, DiagMatrix(w), W), b_W),
+            ),
+            Twin(
+                "bias_through_gain",
+                "push the LayerNorm bias through the folded weight: b diag(w) W",
+                lhs,
+                MatAdd(MatMul(LNPre, DiagMatrix(w), W), b_W, MatMul(b, DiagMatrix(w), W)),
+            ),
+            Twin(
+                "fold_twice",
+                "fold into a model that still applies LN (the fold applied twice)",
+                lhs,
+                MatAdd(MatMul(LN, DiagMatrix(w), W), b_W, MatMul(b, W)),
+            ),
+        ),
+    )
+
+
+def _center_reading_proof() -> Proof:
+    centred = MatAdd(W, MatMul(-1 / d, ones, ones.T, W))
+    lhs = MatMul(LNPre, centred)
+    rhs = MatMul(LNPre, W)
+    ones_m = OneMatrix(m, 1)
+    return Proof(
+        lhs=lhs,
+        rhs=rhs,
+        steps=(
+            Step(MatAdd(MatMul(LNPre, W), MatMul(-1 / d, LNPre, ones, ones.T, W)), "distribute over the sum"),
+            Step(MatAdd(MatMul(LNPre, W), MatMul(-rho / d, x, C, ones, ones.T, W)), r"definition of $\mathrm{LNPre}$"),
+            Step(
+                MatAdd(MatMul(LNPre, W), MatMul(-rho / d, x, MatAdd(ones, MatMul(-1 / d, ones, ones.T, ones)), ones.T, W)),
+                r"definition of $C$",
+            ),
+            Step(MatAdd(MatMul(LNPre, W), MatMul(-rho / d, x, MatAdd(ones, MatMul(-d / d, ones)), ones.T, W)), r"$\mathbf{1}_d^\top \mathbf{1}_d = d$"),
+            Step(rhs, r"$C \mathbf{1}_d = 0$: $\mathrm{LNPre}(x)$ is orthogonal to $\mathbf{1}_d$"),
+        ),
+        definitions=DEFINITIONS,
+        explicit_dims=EXPLICIT_DIMS,
+        assumptions=("rho is any scalar: eps stays inside LNPre",),
+        twins=(
+            Twin(
+                "wrong_axis",
+                "centre over the reader's output axis (mean over m), not over d_model",
+                MatMul(LNPre, MatAdd(W, MatMul(-1 / m, W, ones_m, ones_m.T))),
+                rhs,
+            ),
+            Twin(
+                "behind_rms_norm",
+                "centre a reader behind RMSNorm, whose output is not orthogonal to 1",
+                MatMul(RMSPre, centred),
+                MatMul(RMSPre, W),
+            ),
+            Twin(
+                "before_folding",
+                "centre a reader behind LN before folding its gain and bias",
+                MatMul(LN, centred),
+                MatMul(LN, W),
+            ),
+        ),
+    )
+
+
+# -- numeric twins: wrong transforms the numeric check must reject ---------------------------
+
+
+def _fold_with_bias_term(state_dict, cfg, bias_term):
+    """Fold, but give each reader the bias ``b_W + bias_term(b, W_eff)`` instead."""
+    out, new_cfg = fold_layer_norm(state_dict, cfg)
+    for norm, pairs in readers(cfg):
+        for weight, bias in pairs:
+            out[bias] = state_dict[bias] + bias_term(state_dict[f"{norm}.b"], out[weight])
+    return out, new_cfg
+
+
+def _center_wrong_axis(state_dict, cfg):
+    out, new_cfg = center_reading_weights(state_dict, cfg)
+    for _norm, pairs in readers(cfg):
+        for weight, _bias in pairs:
+            W_ = state_dict[weight]
+            out[weight] = W_ - W_.mean(dim=-1, keepdim=True)
+    return out, new_cfg
+
+
+LAYER_NORM_FOLD = register(
+    Identity(
+        name="layer_norm_fold",
+        title="Folding LayerNorm into its readers",
+        summary="LN(x) W + b_W = LNPre(x) (diag(w) W) + (b_W + b W), with eps kept inside LNPre",
+        preconditions=(
+            "pre-norm: each norm's output is read only by linear maps (W_Q, W_K, W_V, W_in, W_U)",
+            "normalization_type is LN",
+            "no shortformer W_pos added to the norm's output before W_Q and W_K",
+            "not already applied",
+        ),
+        build_proof=_layer_norm_fold_proof,
+        transform=fold_layer_norm,
+        corruptions={
+            "drop_bias": lambda sd, cfg: _fold_with_bias_term(sd, cfg, lambda b, W_eff: 0),
+            "bias_through_gain": lambda sd, cfg: _fold_with_bias_term(sd, cfg, torch.matmul),
+        },
+    )
+)
+
+CENTER_READING_WEIGHTS = register(
+    Identity(
+        name="center_reading_weights",
+        title="Centring the weights that read the residual stream",
+        summary="LNPre(x) is orthogonal to 1, so W - 1 mean_d(W) reads the same values as W",
+        preconditions=(
+            "every reader's input is LNPre(x) (normalization_type LNPre, e.g. after layer_norm_fold)",
+            "pre-norm, no shortformer W_pos added before W_Q and W_K",
+            "not already applied",
+        ),
+        build_proof=_center_reading_proof,
+        transform=center_reading_weights,
+        corruptions={"wrong_axis": _center_wrong_axis},
+        prepare=lambda sd, cfg: fold_layer_norm(sd, cfg) if cfg.normalization_type == "LN" else (sd, cfg),
+    )
+)

@@ -1,0 +1,124 @@
+"""The reference forward pass: the function every weight transform must preserve.
+
+Written for clarity, not speed. Row-vector convention: a residual stream ``x`` of shape
+``[batch, pos, d_model]`` is read by ``x @ W``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._config import Config
+from ._state import StateDict, validate_state_dict
+
+__all__ = ["forward", "log_probs", "normalize"]
+
+
+def normalize(x: torch.Tensor, kind, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Apply the norm ``kind`` over the last axis of ``x`` (``[..., d_model]`` to ``[..., d_model]``).
+
+    ``LNPre(x) = (x - mean(x)) / sqrt(mean((x - mean(x))^2) + eps)``; ``LN`` then scales by ``w``
+    and adds ``b``. ``RMSPre(x) = x / sqrt(mean(x^2) + eps)``; ``RMS`` then scales by ``w``.
+    """
+    if kind is None:
+        return x
+    if kind in ("LN", "LNPre"):
+        x = x - x.mean(dim=-1, keepdim=True)
+    x = x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if kind in ("LN", "RMS"):
+        x = x * w
+    if kind == "LN":
+        x = x + b
+    return x
+
+
+def _norm(params: StateDict, prefix: str, cfg: Config, x: torch.Tensor) -> torch.Tensor:
+    return normalize(x, cfg.normalization_type, params.get(f"{prefix}.w"), params.get(f"{prefix}.b"), cfg.eps)
+
+
+def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    if name == "relu":
+        return torch.relu(x)
+    if name == "gelu":
+        return torch.nn.functional.gelu(x)
+    return torch.nn.functional.gelu(x, approximate="tanh")  # gelu_new (GPT-2)
+
+
+def _rotate(x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Rotary embedding of ``x: [batch, pos, head, d_head]`` (GPT-NeoX layout: halves rotate)."""
+    rotary_dim = cfg.rotary_dim or cfg.d_head
+    half = rotary_dim // 2
+    positions = torch.arange(x.shape[1], dtype=torch.float64)
+    freqs = cfg.rotary_base ** (-torch.arange(half, dtype=torch.float64) / half)
+    angles = positions[:, None] * freqs[None, :]
+    cos = torch.cos(angles).to(x.dtype)[None, :, None, :]
+    sin = torch.sin(angles).to(x.dtype)[None, :, None, :]
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in) -> torch.Tensor:
+    q = torch.einsum("bpd,hde->bphe", q_in, params[f"{p}.W_Q"]) + params[f"{p}.b_Q"]
+    k = torch.einsum("bpd,hde->bphe", k_in, params[f"{p}.W_K"]) + params[f"{p}.b_K"]
+    v = torch.einsum("bpd,hde->bphe", v_in, params[f"{p}.W_V"]) + params[f"{p}.b_V"]
+    if cfg.positional_embedding_type == "rotary":
+        q, k = _rotate(q, cfg), _rotate(k, cfg)
+    scores = torch.einsum("bqhe,bkhe->bhqk", q, k) / math.sqrt(cfg.d_head)
+    if cfg.causal:
+        n = scores.shape[-1]
+        future = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
+        scores = scores.masked_fill(future, float("-inf"))
+    pattern = torch.softmax(scores, dim=-1)
+    z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
+    return torch.einsum("bqhe,hed->bqd", z, params[f"{p}.W_O"]) + params[f"{p}.b_O"]
+
+
+def _mlp(params: StateDict, p: str, cfg: Config, x: torch.Tensor) -> torch.Tensor:
+    hidden = _activation(cfg.act_fn, x @ params[f"{p}.W_in"] + params[f"{p}.b_in"])
+    return hidden @ params[f"{p}.W_out"] + params[f"{p}.b_out"]
+
+
+def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits ``[batch, pos, d_vocab]`` for integer ``tokens: [batch, pos]``.
+
+    Pre-norm block: ``x += attn(norm1(x)); x += mlp(norm2(x))``, then ``norm_final`` and the
+    unembed. Post-norm block: ``x = norm1(x + attn(x)); x = norm2(x + mlp(x))``, no final norm.
+    With shortformer embeddings ``W_pos`` is added to the query and key inputs after ``ln1``
+    and never enters the residual stream.
+    """
+    validate_state_dict(state_dict, cfg)
+    tokens = torch.as_tensor(tokens)
+    if tokens.ndim != 2 or tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"tokens must be an integer tensor [batch, pos], got {tokens.dtype} {tuple(tokens.shape)}")
+    if tokens.shape[1] > cfg.n_ctx or tokens.shape[1] < 1:
+        raise ValueError(f"sequence length {tokens.shape[1]} is outside [1, n_ctx={cfg.n_ctx}]")
+    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= cfg.d_vocab):
+        raise ValueError(f"token ids must lie in [0, d_vocab={cfg.d_vocab})")
+    params = state_dict
+    positions = tokens.shape[1]
+    x = params["embed.W_E"][tokens]
+    pos = params["pos_embed.W_pos"][:positions] if "pos_embed.W_pos" in params else None
+    if cfg.positional_embedding_type == "standard":
+        x = x + pos
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}"
+        if cfg.norm_position == "post":
+            x = _norm(params, f"{p}.ln1", cfg, x + _attention(params, f"{p}.attn", cfg, x, x, x))
+            if not cfg.attn_only:
+                x = _norm(params, f"{p}.ln2", cfg, x + _mlp(params, f"{p}.mlp", cfg, x))
+            continue
+        normed = _norm(params, f"{p}.ln1", cfg, x)
+        qk_in = normed + pos if cfg.positional_embedding_type == "shortformer" else normed
+        x = x + _attention(params, f"{p}.attn", cfg, qk_in, qk_in, normed)
+        if not cfg.attn_only:
+            x = x + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x))
+    if cfg.norm_position == "pre":
+        x = _norm(params, "ln_final", cfg, x)
+    return x @ params["unembed.W_U"] + params["unembed.b_U"]
+
+
+def log_probs(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` of :func:`forward` over the vocabulary: ``[batch, pos, d_vocab]``."""
+    return torch.log_softmax(forward(state_dict, cfg, tokens), dim=-1)

@@ -1,0 +1,93 @@
+"""The one list of identities. The CLI, the tests and the book iterate it."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from ._config import Config
+from ._proof import Proof, ProofReport
+from ._state import StateDict
+from .testing import Comparison, compare_log_probs
+
+__all__ = ["Identity", "register", "identities", "get_identity"]
+
+Transform = Callable[[StateDict, Config], tuple[dict, Config]]
+
+
+@dataclass(frozen=True, eq=False)
+class Identity:
+    """One identity, seen three ways: a proof, a numeric check, and the transform it licenses.
+
+    ``summary`` is the statement in one plain line; the LaTeX statement comes from the proof.
+    ``prepare`` brings a model into the form the transform needs (e.g. folds the LayerNorm
+    before reading weights are centred); the numeric check compares the prepared model with its
+    transform, so it tests this identity alone. ``corruptions`` are wrong transforms (the
+    numeric twins) that the same check must reject.
+    """
+
+    name: str
+    title: str
+    summary: str
+    preconditions: tuple[str, ...]
+    build_proof: Callable[[], Proof] = field(repr=False)
+    transform: Transform = field(repr=False)
+    corruptions: Mapping[str, Transform] = field(repr=False)
+    prepare: Transform | None = field(default=None, repr=False)
+
+    @cached_property
+    def proof(self) -> Proof:
+        return self.build_proof()
+
+    @property
+    def statement_latex(self) -> str:
+        return self.proof.statement_latex()
+
+    def prove(self) -> ProofReport:
+        return self.proof.verify(self.name)
+
+    def _prepared(self, state_dict: StateDict, cfg: Config) -> tuple[StateDict, Config]:
+        return self.prepare(state_dict, cfg) if self.prepare else (state_dict, cfg)
+
+    def check(self, state_dict: StateDict, cfg: Config, tokens: torch.Tensor | None = None) -> Comparison:
+        """Apply the transform and compare log-probs with the model it started from."""
+        before, before_cfg = self._prepared(state_dict, cfg)
+        after, after_cfg = self.transform(before, before_cfg)
+        return compare_log_probs(before, before_cfg, after, after_cfg, tokens)
+
+    def check_corruption(
+        self, corruption: str, state_dict: StateDict, cfg: Config, tokens: torch.Tensor | None = None
+    ) -> Comparison:
+        """The same comparison for one of the wrong transforms; it is expected to fail."""
+        before, before_cfg = self._prepared(state_dict, cfg)
+        after, after_cfg = self.corruptions[corruption](before, before_cfg)
+        return compare_log_probs(before, before_cfg, after, after_cfg, tokens)
+
+
+_REGISTRY: dict[str, Identity] = {}
+
+
+def register(identity: Identity) -> Identity:
+    if identity.name in _REGISTRY:
+        raise ValueError(f"identity {identity.name!r} is registered twice")
+    _REGISTRY[identity.name] = identity
+    return identity
+
+
+def identities() -> tuple[Identity, ...]:
+    """Every registered identity, in registration order."""
+    importlib.import_module(f"{__package__}._identities")  # registers the families
+
+    return tuple(_REGISTRY.values())
+
+
+def get_identity(name: str) -> Identity:
+    identities()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no identity named {name!r}; known: {sorted(_REGISTRY)}") from None

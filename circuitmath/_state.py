@@ -1,0 +1,88 @@
+"""Which tensors a config implies, and validation of state dicts against it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ._config import Config
+from ._errors import StateDictError
+
+__all__ = ["expected_shapes", "validate_state_dict", "StateDict"]
+
+StateDict = Mapping[str, torch.Tensor]
+
+
+def _norm_shapes(prefix: str, kind, d_model: int) -> dict[str, tuple[int, ...]]:
+    if kind == "LN":
+        return {f"{prefix}.w": (d_model,), f"{prefix}.b": (d_model,)}
+    if kind == "RMS":
+        return {f"{prefix}.w": (d_model,)}
+    return {}
+
+
+def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """Every parameter name the config implies, with its shape (TransformerLens names)."""
+    d, h, e = cfg.d_model, cfg.n_heads, cfg.d_head
+    shapes: dict[str, tuple[int, ...]] = {"embed.W_E": (cfg.d_vocab, d)}
+    if cfg.positional_embedding_type != "rotary":
+        shapes["pos_embed.W_pos"] = (cfg.n_ctx, d)
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}"
+        shapes |= _norm_shapes(f"{p}.ln1", cfg.normalization_type, d)
+        for name in ("Q", "K", "V"):
+            shapes[f"{p}.attn.W_{name}"] = (h, d, e)
+            shapes[f"{p}.attn.b_{name}"] = (h, e)
+        shapes[f"{p}.attn.W_O"] = (h, e, d)
+        shapes[f"{p}.attn.b_O"] = (d,)
+        if not cfg.attn_only:
+            shapes |= _norm_shapes(f"{p}.ln2", cfg.normalization_type, d)
+            shapes[f"{p}.mlp.W_in"] = (d, cfg.d_mlp)
+            shapes[f"{p}.mlp.b_in"] = (cfg.d_mlp,)
+            shapes[f"{p}.mlp.W_out"] = (cfg.d_mlp, d)
+            shapes[f"{p}.mlp.b_out"] = (d,)
+    if cfg.norm_position == "pre":
+        shapes |= _norm_shapes("ln_final", cfg.normalization_type, d)
+    shapes["unembed.W_U"] = (d, cfg.d_vocab)
+    shapes["unembed.b_U"] = (cfg.d_vocab,)
+    return shapes
+
+
+def validate_state_dict(state_dict: StateDict, cfg: Config) -> torch.dtype:
+    """Check names, shapes, dtypes and finiteness; return the common floating dtype.
+
+    Raises :class:`StateDictError` listing every problem found.
+    """
+    if not isinstance(cfg, Config):
+        raise StateDictError(f"expected a circuitmath Config, got {type(cfg).__name__}")
+    if not isinstance(state_dict, Mapping):
+        raise StateDictError(f"expected a mapping of names to tensors, got {type(state_dict).__name__}")
+    shapes = expected_shapes(cfg)
+    problems = []
+    missing = sorted(set(shapes) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(shapes))
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected} (does the config match the weights?)")
+    dtypes = set()
+    for name in sorted(set(shapes) & set(state_dict)):
+        tensor = state_dict[name]
+        if not isinstance(tensor, torch.Tensor):
+            problems.append(f"{name} is a {type(tensor).__name__}, not a torch.Tensor")
+            continue
+        if tuple(tensor.shape) != shapes[name]:
+            problems.append(f"{name} has shape {tuple(tensor.shape)}, the config implies {shapes[name]}")
+        if not tensor.is_floating_point():
+            problems.append(f"{name} has dtype {tensor.dtype}, expected a floating dtype")
+            continue
+        dtypes.add(tensor.dtype)
+        if not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            problems.append(f"{name} has {bad} NaN or Inf entries")
+    if len(dtypes) > 1:
+        problems.append(f"mixed dtypes {sorted(map(str, dtypes))}; use one floating dtype")
+    if problems:
+        raise StateDictError("state dict does not match its config: " + "; ".join(problems))
+    return dtypes.pop() if dtypes else torch.get_default_dtype()
