@@ -70,7 +70,7 @@ def _multiply(left: Terms, right: Terms) -> Terms:
 
 def _reduce_product(factors: Factors, coeff) -> Terms:
     """Apply the size-independent product rules until none applies."""
-    factors = list(factors)
+    factors = [f for f in factors if not (isinstance(f, OneMatrix) and f.shape == (1, 1))]
     changed = True
     while changed:
         changed = False
@@ -78,7 +78,8 @@ def _reduce_product(factors: Factors, coeff) -> Terms:
             a, b = factors[i], factors[i + 1]
             if isinstance(a, OneMatrix) and isinstance(b, OneMatrix):
                 coeff = coeff * a.shape[1]
-                factors[i : i + 2] = [OneMatrix(a.shape[0], b.shape[1])]
+                merged = OneMatrix(a.shape[0], b.shape[1])
+                factors[i : i + 2] = [] if merged.shape == (1, 1) else [merged]
             elif (isinstance(b, Inverse) and b.arg == a) or (isinstance(a, Inverse) and a.arg == b):
                 factors[i : i + 2] = []
             else:

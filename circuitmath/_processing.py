@@ -47,7 +47,8 @@ def _common_preconditions(identity: str, cfg: Config) -> None:
         " the next norm (a non-linear reader), so there is no linear map to fold into",
     )
     _require(
-        identity, cfg, "norm output read only by linear maps", cfg.positional_embedding_type != "shortformer",
+        identity, cfg, "norm output read only by linear maps",
+        cfg.positional_embedding_type != "shortformer" or cfg.n_layers == 0,
         "with shortformer embeddings W_pos is added to ln1's output before W_Q and W_K read it,"
         " so rewriting W_Q and W_K would rewrite W_pos's contribution too",
     )
@@ -79,8 +80,8 @@ def fold_layer_norm(
     True
     """
     identity = "layer_norm_fold"
-    validate_state_dict(state_dict, cfg)
     _common_preconditions(identity, cfg)
+    validate_state_dict(state_dict, cfg)
     _require(
         identity, cfg, "normalization_type is LN", cfg.normalization_type == "LN",
         f"normalization_type is {cfg.normalization_type!r}; there is no LayerNorm gain and bias"

@@ -72,6 +72,7 @@ _REGISTRY: dict[str, Identity] = {}
 
 
 def register(identity: Identity) -> Identity:
+    """Add ``identity`` to the registry; a second identity of the same name is an error."""
     if identity.name in _REGISTRY:
         raise ValueError(f"identity {identity.name!r} is registered twice")
     _REGISTRY[identity.name] = identity
@@ -86,6 +87,7 @@ def identities() -> tuple[Identity, ...]:
 
 
 def get_identity(name: str) -> Identity:
+    """The registered identity called ``name`` (``KeyError`` listing the known names if none)."""
     identities()
     try:
         return _REGISTRY[name]

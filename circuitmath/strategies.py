@@ -1,0 +1,181 @@
+"""Hypothesis strategies for transformer configs, weights and tokens.
+
+Every function returns a strategy, takes its options as keywords, and checks them when called,
+not when drawn from. Weights are drawn with realistic structure (see
+:func:`circuitmath.random_state_dict`): non-unit and occasionally negative norm gains, large
+biases, a few outlier residual dimensions.
+
+>>> from hypothesis import given
+>>> from circuitmath import fold_layer_norm
+>>> from circuitmath.strategies import models
+>>> from circuitmath.testing import assert_equivalent
+>>> @given(models(normalization_types=("LN",), positional_embedding_types=("standard", "rotary")))
+... def test_fold_layer_norm(model):
+...     cfg, state_dict = model
+...     folded, folded_cfg = fold_layer_norm(state_dict, cfg)
+...     assert_equivalent(state_dict, folded, cfg, after_cfg=folded_cfg)
+>>> test_fold_layer_norm()
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+
+from ._config import ACTIVATIONS, NORM_POSITIONS, NORMALIZATIONS, POSITIONAL, Config
+from ._weights import random_state_dict
+
+__all__ = ["configs", "state_dicts", "models", "tokens"]
+
+
+def _check_range(name: str, low: int, high: int, floor: int) -> None:
+    for label, value in ((f"min_{name}", low), (f"max_{name}", high)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidArgument(f"{label} must be an int, got {value!r}")
+    if low < floor or high < low:
+        raise InvalidArgument(f"need {floor} <= min_{name} <= max_{name}, got min_{name}={low}, max_{name}={high}")
+
+
+def _check_choices(name: str, values, allowed) -> tuple:
+    values = tuple(values)
+    if not values:
+        raise InvalidArgument(f"{name} must not be empty")
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise InvalidArgument(f"{name} has {bad!r}; allowed: {allowed!r}")
+    return values
+
+
+def configs(
+    *,
+    min_layers: int = 0,
+    max_layers: int = 2,
+    max_d_model: int = 12,
+    max_heads: int = 3,
+    max_d_head: int = 4,
+    max_d_mlp: int = 16,
+    max_vocab: int = 12,
+    max_ctx: int = 6,
+    normalization_types=NORMALIZATIONS,
+    norm_positions=("pre",),
+    positional_embedding_types=POSITIONAL,
+    act_fns=ACTIVATIONS,
+    attn_only: bool | None = None,
+) -> st.SearchStrategy[Config]:
+    """Strategy for :class:`~circuitmath.Config`\\ s no larger than the ``max_*`` sizes.
+
+    ``attn_only=None`` draws both attention-only models and models with MLPs. ``d_model`` is at
+    least 2 (a LayerNorm over one dimension is identically zero) and ``rotary`` models get an
+    even ``d_head``.
+    """
+    _check_range("layers", min_layers, max_layers, 0)
+    for name, value, floor in (("max_d_model", max_d_model, 2), ("max_heads", max_heads, 1),
+                               ("max_d_head", max_d_head, 2), ("max_d_mlp", max_d_mlp, 1),
+                               ("max_vocab", max_vocab, 2), ("max_ctx", max_ctx, 1)):
+        if not isinstance(value, int) or value < floor:
+            raise InvalidArgument(f"{name} must be an int >= {floor}, got {value!r}")
+    normalization_types = _check_choices("normalization_types", normalization_types, NORMALIZATIONS)
+    norm_positions = _check_choices("norm_positions", norm_positions, NORM_POSITIONS)
+    positional_embedding_types = _check_choices("positional_embedding_types", positional_embedding_types, POSITIONAL)
+    act_fns = _check_choices("act_fns", act_fns, ACTIVATIONS)
+    if attn_only not in (None, True, False):
+        raise InvalidArgument(f"attn_only must be None, True or False, got {attn_only!r}")
+    if norm_positions == ("post",) and normalization_types == (None,):
+        raise InvalidArgument("post-norm models need a normalization type other than None")
+
+    @st.composite
+    def build(draw):
+        position = draw(st.sampled_from(norm_positions))
+        norms = [n for n in normalization_types if position == "pre" or n is not None]
+        positional = draw(st.sampled_from(positional_embedding_types))
+        d_head = draw(st.integers(1, max_d_head // 2)) * 2 if positional == "rotary" else draw(st.integers(1, max_d_head))
+        mlp = draw(st.booleans()) if attn_only is None else not attn_only
+        return Config(
+            n_layers=draw(st.integers(min_layers, max_layers)),
+            d_model=draw(st.integers(2, max_d_model)),
+            n_heads=draw(st.integers(1, max_heads)),
+            d_head=d_head,
+            d_mlp=draw(st.integers(1, max_d_mlp)) if mlp else None,
+            d_vocab=draw(st.integers(2, max_vocab)),
+            n_ctx=draw(st.integers(1, max_ctx)),
+            act_fn=draw(st.sampled_from(act_fns)),
+            normalization_type=draw(st.sampled_from(norms)),
+            norm_position=position,
+            positional_embedding_type=positional,
+        )
+
+    return build()
+
+
+def state_dicts(
+    cfg: Config,
+    *,
+    dtype: torch.dtype = torch.float64,
+    min_gain_spread: float = 0.0,
+    max_gain_spread: float = 0.8,
+    min_bias_scale: float = 0.1,
+    max_bias_scale: float = 2.0,
+    max_outlier_dims: int = 3,
+    max_outlier_scale: float = 30.0,
+) -> st.SearchStrategy[dict]:
+    """Strategy for state dicts of ``cfg`` in ``dtype``, with drawn structure.
+
+    The gain spread, bias scale, number of outlier residual dimensions and their scale are drawn
+    from the given ranges and passed to :func:`circuitmath.random_state_dict`. A negative
+    control that needs non-trivial gains (a wrong fold that only differs when ``w != 1``) sets
+    ``min_gain_spread > 0``.
+    """
+    if not isinstance(cfg, Config):
+        raise InvalidArgument(f"cfg must be a circuitmath Config, got {type(cfg).__name__}")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise InvalidArgument(f"dtype must be a floating torch dtype, got {dtype!r}")
+    for name, low, high in (("gain_spread", min_gain_spread, max_gain_spread),
+                            ("bias_scale", min_bias_scale, max_bias_scale)):
+        if not 0 <= low <= high:
+            raise InvalidArgument(f"need 0 <= min_{name} <= max_{name}, got {low!r}, {high!r}")
+    if not (isinstance(max_outlier_dims, int) and max_outlier_dims >= 0):
+        raise InvalidArgument(f"max_outlier_dims must be an int >= 0, got {max_outlier_dims!r}")
+    if not max_outlier_scale >= 1:
+        raise InvalidArgument(f"max_outlier_scale must be >= 1, got {max_outlier_scale!r}")
+    return st.builds(
+        lambda seed, spread, bias, outliers, scale: random_state_dict(
+            cfg, seed=seed, dtype=dtype, gain_spread=spread, bias_scale=bias,
+            outlier_dims=min(outliers, cfg.d_model), outlier_scale=scale),
+        st.integers(0, 2**32 - 1),
+        st.floats(min_gain_spread, max_gain_spread),
+        st.floats(min_bias_scale, max_bias_scale),
+        st.integers(0, max_outlier_dims),
+        st.floats(1.0, max_outlier_scale),
+    )
+
+
+def models(
+    *, dtype: torch.dtype = torch.float64, weights: dict | None = None, **config_options
+) -> st.SearchStrategy[tuple[Config, dict]]:
+    """Strategy for ``(cfg, state_dict)`` pairs.
+
+    ``config_options`` go to :func:`configs`, ``weights`` (a dict of keyword options) to
+    :func:`state_dicts`.
+    """
+    weights = dict(weights or {})
+    configs_strategy = configs(**config_options)
+    state_dicts(Config(n_layers=0, d_model=2, n_heads=1, d_head=2, d_vocab=2, n_ctx=1), dtype=dtype, **weights)
+    return configs_strategy.flatmap(lambda cfg: state_dicts(cfg, dtype=dtype, **weights).map(lambda sd: (cfg, sd)))
+
+
+def tokens(cfg: Config, *, max_batch: int = 2) -> st.SearchStrategy[torch.Tensor]:
+    """Strategy for token tensors ``[batch, pos]`` with ``1 <= pos <= n_ctx``."""
+    if not isinstance(cfg, Config):
+        raise InvalidArgument(f"cfg must be a circuitmath Config, got {type(cfg).__name__}")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise InvalidArgument(f"max_batch must be an int >= 1, got {max_batch!r}")
+
+    @st.composite
+    def build(draw):
+        batch = draw(st.integers(1, max_batch))
+        length = draw(st.integers(1, cfg.n_ctx))
+        ids = draw(st.lists(st.integers(0, cfg.d_vocab - 1), min_size=batch * length, max_size=batch * length))
+        return torch.tensor(ids, dtype=torch.long).reshape(batch, length)
+
+    return build()

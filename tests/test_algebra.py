@@ -1,0 +1,97 @@
+"""The normal form proves what is true and refuses what is false."""
+
+import pytest
+import sympy
+from sympy import DiagMatrix, Identity, MatAdd, MatMul, MatPow, MatrixSymbol, OneMatrix, Symbol, Transpose
+
+from circuitmath._algebra import evaluate, is_zero, normal_form, random_instance, to_latex
+from circuitmath._proof import Proof, Step, Twin
+
+n, k = Symbol("n", positive=True, integer=True), Symbol("k", positive=True, integer=True)
+A, B, C = MatrixSymbol("A", n, n), MatrixSymbol("B", n, n), MatrixSymbol("C", n, k)
+v = MatrixSymbol("v", n, 1)
+ones = OneMatrix(n, 1)
+P = MatrixSymbol("P", n, n)
+CENTRING = {P: MatAdd(Identity(n), MatMul(-1 / n, ones, ones.T))}
+
+
+def test_distributivity_and_powers():
+    assert is_zero(MatMul(A, MatAdd(B, A)) - MatAdd(MatMul(A, B), MatPow(A, 2)))
+    assert is_zero(MatPow(MatAdd(A, B), 2) - MatAdd(MatPow(A, 2), MatMul(A, B), MatMul(B, A), MatPow(B, 2)))
+
+
+def test_non_commutativity_is_respected():
+    assert not is_zero(MatMul(A, B) - MatMul(B, A))
+    assert not is_zero(MatPow(MatAdd(A, B), 2) - MatAdd(MatPow(A, 2), MatMul(2, A, B), MatPow(B, 2)))
+
+
+def test_transpose_of_product_reverses():
+    assert is_zero(Transpose(MatMul(A, C)) - MatMul(Transpose(C), Transpose(A)))
+    assert not is_zero(Transpose(MatMul(A, C)) - MatMul(Transpose(A), Transpose(C)).T.T.T)
+
+
+def test_centring_matrix_is_idempotent_symmetric_and_kills_ones():
+    assert is_zero(MatMul(P, P) - P, CENTRING)
+    assert is_zero(Transpose(P) - P, CENTRING)
+    assert is_zero(MatMul(P, ones), CENTRING)
+    assert not is_zero(MatMul(P, v), CENTRING)
+
+
+def test_ones_products_count_the_inner_dimension():
+    terms = normal_form(MatMul(ones.T, ones))
+    assert terms == {(): n}
+
+
+def test_diag_matrix_does_not_commute():
+    assert not is_zero(MatMul(DiagMatrix(v), A) - MatMul(A, DiagMatrix(v)))
+
+
+def test_evaluate_matches_explicit_arithmetic():
+    values = random_instance([MatMul(A, B)], {n: 3, k: 2}, seed=1)
+    explicit = sympy.Matrix(values[A]) * sympy.Matrix(values[B])
+    assert evaluate(MatMul(A, B), values) == explicit
+
+
+def test_proof_with_a_broken_step_is_not_proved():
+    proof = Proof(
+        lhs=MatMul(A, MatAdd(B, A)),
+        rhs=MatAdd(MatMul(A, B), MatMul(A, A)),
+        steps=(Step(MatAdd(MatMul(B, A), MatMul(A, A)), "a wrong step: A B = B A"),
+               Step(MatAdd(MatMul(A, B), MatMul(A, A)), "back")),
+        explicit_dims={n: 3, k: 2},
+    )
+    report = proof.verify()
+    assert not report.proved
+    assert [s.holds for s in report.steps] == [False, False]
+
+
+def test_proof_whose_chain_does_not_reach_the_claim_is_not_proved():
+    proof = Proof(lhs=MatMul(A, B), rhs=MatMul(B, A), steps=(Step(MatMul(A, B), "nothing"),), explicit_dims={n: 3, k: 2})
+    assert not proof.verify().proved
+
+
+def test_a_true_twin_is_not_rejected():
+    proof = Proof(
+        lhs=MatMul(A, MatAdd(B, A)),
+        rhs=MatAdd(MatMul(A, B), MatMul(A, A)),
+        steps=(Step(MatAdd(MatMul(A, B), MatMul(A, A)), "distribute"),),
+        explicit_dims={n: 3, k: 2},
+        twins=(Twin("true", "actually true", MatMul(A, B), MatMul(A, B)),
+               Twin("false", "commute", MatMul(A, B), MatMul(B, A))),
+    )
+    report = proof.verify()
+    assert report.proved
+    assert [t.rejected for t in report.twins] == [False, True]
+    assert not report.ok
+
+
+def test_latex_writes_ones_and_diag_the_usual_way():
+    assert to_latex(ones) == r"\mathbf{1}_{n}"
+    assert to_latex(DiagMatrix(v)) == r"\operatorname{diag}(v)"
+    assert to_latex(Transpose(MatMul(A, B))) == r"\left(A B\right)^{\top}"
+
+
+@pytest.mark.parametrize("bad", [MatPow(A, -1)])
+def test_negative_powers_are_refused(bad):
+    with pytest.raises(ValueError):
+        normal_form(bad)

@@ -1,0 +1,44 @@
+"""Every registered identity has a proof, negative twins, a numeric check and wrong transforms."""
+
+import pytest
+
+import circuitmath as cm
+
+IDENTITIES = cm.identities()
+NAMES = [i.name for i in IDENTITIES]
+
+
+def test_registry_is_not_empty_and_names_are_unique():
+    assert {"layer_norm_fold", "center_reading_weights"} <= set(NAMES)
+    assert len(NAMES) == len(set(NAMES))
+
+
+@pytest.mark.parametrize("identity", IDENTITIES, ids=NAMES)
+def test_identity_is_complete(identity):
+    assert identity.summary and identity.title and identity.preconditions
+    assert identity.proof.steps, "a proof needs at least one step"
+    assert identity.proof.twins, "every proof needs at least one negative twin"
+    assert identity.corruptions, "every numeric check needs at least one negative control"
+    assert callable(identity.transform)
+
+
+@pytest.mark.parametrize("identity", IDENTITIES, ids=NAMES)
+def test_proof_holds_and_every_twin_is_rejected(identity):
+    report = identity.prove()
+    assert report.proved, [s for s in report.steps if not s.holds]
+    assert all(step.holds for step in report.steps)
+    assert report.concrete_check
+    for twin in report.twins:
+        assert twin.rejected, f"twin {twin.name} was not rejected: {twin}"
+        assert twin.counterexample_gap and twin.counterexample_gap > 0
+    assert report.ok
+
+
+@pytest.mark.parametrize("name", ["layer_norm_fold", "center_reading_weights"])
+def test_weight_processing_proofs_use_symbolic_dimensions(name):
+    assert cm.get_identity(name).proof.symbolic_dims
+
+
+def test_unknown_identity_is_a_clear_error():
+    with pytest.raises(KeyError, match="no identity named 'nope'"):
+        cm.get_identity("nope")
