@@ -18,6 +18,6 @@ settings.register_profile(
 settings.register_profile(
     "ci",
     settings.get_profile("ci"),
-    max_examples=60,
+    max_examples=200,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
