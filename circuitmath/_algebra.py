@@ -131,19 +131,57 @@ def _expand(expr, definitions: Mapping) -> Terms:
     return {(expr,): sympy.Integer(1)}
 
 
-def normal_form(expr, definitions: Mapping | None = None) -> Terms:
+def _product_pattern(expr, definitions: Mapping) -> Factors:
+    terms = _expand(expr, definitions)
+    if len(terms) != 1 or next(iter(terms.values())) != 1 or not next(iter(terms)):
+        raise ValueError(f"the left side of a fact must be a plain product of matrices, got {expr}")
+    return next(iter(terms))
+
+
+def _rewrite(terms: Terms, facts, definitions: Mapping, limit: int = 200) -> Terms:
+    """Replace every contiguous occurrence of a fact's left side by its right side."""
+    patterns = [(_product_pattern(lhs, definitions), rhs) for lhs, rhs in facts]
+    for _ in range(limit):
+        out: Terms = {}
+        changed = False
+        for factors, coeff in terms.items():
+            hit = next(
+                ((i, len(p), rhs) for p, rhs in patterns for i in range(len(factors) - len(p) + 1)
+                 if factors[i : i + len(p)] == p),
+                None,
+            )
+            if hit is None:
+                _add(out, factors, coeff)
+                continue
+            changed = True
+            i, n, rhs = hit
+            replaced = _multiply(_multiply({factors[:i]: coeff}, _expand(rhs, definitions)), {factors[i + n :]: 1})
+            for f, c in replaced.items():
+                _add(out, f, c)
+        terms = out
+        if not changed:
+            return terms
+    raise ValueError("rewriting with the facts did not terminate")
+
+
+def normal_form(expr, definitions: Mapping | None = None, facts=()) -> Terms:
     """Expand ``expr`` into ``{factors: coefficient}`` with like terms collected and zeros dropped.
 
     ``definitions`` maps a symbol to the expression it abbreviates; each is unfolded wherever it
-    occurs. Coefficients are simplified with ``sympy.simplify``.
+    occurs. ``facts`` are ``(product, value)`` pairs assumed to hold (say ``A 1 = 1`` for an
+    attention pattern); every contiguous occurrence of ``product`` is replaced by ``value``.
+    Coefficients are simplified with ``sympy.simplify``.
     """
-    terms = _expand(expr, dict(definitions or {}))
+    definitions = dict(definitions or {})
+    terms = _expand(expr, definitions)
+    if facts:
+        terms = _rewrite(terms, facts, definitions)
     return {f: c for f, c in ((f, sympy.simplify(c)) for f, c in terms.items()) if c != 0}
 
 
-def is_zero(expr, definitions: Mapping | None = None) -> bool:
+def is_zero(expr, definitions: Mapping | None = None, facts=()) -> bool:
     """True when the normal form of ``expr`` has no terms: a proof that ``expr`` is zero."""
-    return not normal_form(expr, definitions)
+    return not normal_form(expr, definitions, facts)
 
 
 # ---------------------------------------------------------------------------------------------

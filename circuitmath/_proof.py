@@ -11,7 +11,7 @@ from sympy import MatrixSymbol
 
 from ._algebra import evaluate, normal_form, random_instance, to_latex
 
-__all__ = ["Definition", "Step", "Twin", "Proof", "ProofReport", "StepReport", "TwinReport"]
+__all__ = ["Definition", "Fact", "Step", "Twin", "Proof", "ProofReport", "StepReport", "TwinReport"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,22 @@ class Definition:
 
     def latex(self) -> str:
         return rf"{to_latex(self.symbol)} := {to_latex(self.value)}"
+
+
+@dataclass(frozen=True)
+class Fact:
+    """An assumption ``product = value`` the proof may use, e.g. ``A 1 = 1`` for attention rows.
+
+    Every concrete instance the engine draws is checked to satisfy it exactly, so a sampler that
+    breaks the assumption is an error, not a silent counterexample.
+    """
+
+    product: sympy.Basic
+    value: sympy.Basic
+    text: str
+
+    def latex(self) -> str:
+        return rf"{to_latex(self.product)} = {to_latex(self.value)}"
 
 
 @dataclass(frozen=True)
@@ -130,6 +146,7 @@ class Proof:
     definitions: tuple[Definition, ...] = ()
     twins: tuple[Twin, ...] = ()
     samplers: Mapping = field(default_factory=dict)
+    facts: tuple[Fact, ...] = ()
     assumptions: tuple[str, ...] = ()
     explicit_only: str | None = None
 
@@ -149,12 +166,15 @@ class Proof:
         return {d.symbol: d.value for d in self.definitions}
 
     def _residual(self, a, b):
-        return normal_form(a - b, self._definitions)
+        return normal_form(a - b, self._definitions, [(f.product, f.value) for f in self.facts])
 
     def _instance(self, exprs, dims, seed):
-        return random_instance(
-            exprs, dims, seed=seed, samplers=self.samplers, definitions=self._definitions
-        )
+        exprs = [*exprs, *(f.product for f in self.facts), *(f.value for f in self.facts)]
+        values = random_instance(exprs, dims, seed=seed, samplers=self.samplers, definitions=self._definitions)
+        for fact in self.facts:
+            if _gap(evaluate(fact.product - fact.value, values, self._definitions)) != 0:
+                raise ValueError(f"the sampled instance breaks the assumption {fact.text!r}: fix the sampler")
+        return values
 
     def verify(self, name: str = "") -> ProofReport:
         start = time.perf_counter()

@@ -95,3 +95,22 @@ def test_latex_writes_ones_and_diag_the_usual_way():
 def test_negative_powers_are_refused(bad):
     with pytest.raises(ValueError):
         normal_form(bad)
+
+
+def test_facts_rewrite_contiguous_products_only():
+    pattern = MatrixSymbol("A", n, n)
+    fact = [(MatMul(pattern, ones), ones)]
+    assert is_zero(MatMul(B, pattern, ones) - MatMul(B, ones), facts=fact)
+    assert not is_zero(MatMul(pattern, B, ones) - MatMul(B, ones), facts=fact)
+    assert not is_zero(MatMul(B, pattern, ones) - MatMul(B, ones))
+
+
+def test_a_sampler_that_breaks_a_fact_is_an_error():
+    from circuitmath._proof import Fact
+
+    proof = Proof(
+        lhs=MatMul(A, ones), rhs=ones, steps=(Step(ones, "rows of A sum to 1"),),
+        explicit_dims={n: 3, k: 2}, facts=(Fact(MatMul(A, ones), ones, "rows of A sum to 1"),),
+    )
+    with pytest.raises(ValueError, match="breaks the assumption"):
+        proof.verify()
