@@ -30,6 +30,12 @@ class Config:
     ``"shortformer"`` adds ``W_pos`` only to the query and key inputs (after ``ln1``);
     ``"rotary"`` rotates queries and keys by position and has no ``W_pos``.
 
+    ``gated_mlp``: the MLP computes ``act(x W_gate) * (x W_in + b_in)`` before ``W_out``
+    (LLaMA). ``parallel_attn_mlp``: attention and MLP both read the block's input,
+    ``x + attn(ln1(x)) + mlp(ln2(x))`` (GPT-J, GPT-NeoX). ``n_key_value_heads``: grouped-query
+    attention, with keys and values (``attn._W_K``, ``attn._W_V``, ``[n_key_value_heads,
+    d_model, d_head]``) shared by ``n_heads // n_key_value_heads`` query heads each.
+
     ``applied`` records, in order, the weight transforms that produced the state dict.
     """
 
@@ -47,6 +53,9 @@ class Config:
     rotary_dim: int | None = None
     rotary_base: float = 10000.0
     causal: bool = True
+    gated_mlp: bool = False
+    parallel_attn_mlp: bool = False
+    n_key_value_heads: int | None = None
     eps: float = 1e-5
     applied: tuple[str, ...] = ()
 
@@ -75,6 +84,18 @@ class Config:
             rotary_dim = self.rotary_dim if self.rotary_dim is not None else self.d_head
             if rotary_dim % 2 or not 0 < rotary_dim <= self.d_head:
                 problems.append(f"rotary_dim must be even and in (0, d_head={self.d_head}], got {rotary_dim}")
+        if self.gated_mlp and self.d_mlp is None:
+            problems.append("gated_mlp needs d_mlp (an attention-only model has no MLP)")
+        if self.parallel_attn_mlp and (self.d_mlp is None or self.norm_position == "post"):
+            problems.append("parallel_attn_mlp needs an MLP and a pre-norm model")
+        if self.n_key_value_heads is not None and (
+            not isinstance(self.n_key_value_heads, int)
+            or self.n_key_value_heads < 1
+            or self.n_heads % self.n_key_value_heads
+        ):
+            problems.append(
+                f"n_key_value_heads must be None or a divisor of n_heads={self.n_heads}, got {self.n_key_value_heads!r}"
+            )
         if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
             problems.append(f"eps must be a number >= 0, got {self.eps!r}")
         if problems:

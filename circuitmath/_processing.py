@@ -12,13 +12,13 @@ import torch
 
 from ._config import Config
 from ._errors import AlreadyAppliedError, PreconditionError
-from ._state import StateDict, validate_state_dict
+from ._state import StateDict, attention_names, validate_state_dict
 
 __all__ = ["fold_layer_norm", "center_reading_weights", "readers"]
 
 
 def readers(cfg: Config) -> list[tuple[str, list[tuple[str, str]]]]:
-    """For each norm, the (weight, bias) pairs that read its output.
+    """For each norm, the (weight, bias) pairs that read its output (bias ``None``: W_gate has none).
 
     Attention weights are ``[n_heads, d_model, d_head]``, MLP and unembed ``[d_model, out]``;
     in both the residual axis is the second to last.
@@ -26,9 +26,11 @@ def readers(cfg: Config) -> list[tuple[str, list[tuple[str, str]]]]:
     out = []
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}"
-        out.append((f"{p}.ln1", [(f"{p}.attn.W_{n}", f"{p}.attn.b_{n}") for n in "QKV"]))
+        names = [attention_names(cfg, n) for n in "QKV"]
+        out.append((f"{p}.ln1", [(f"{p}.attn.{w}", f"{p}.attn.{b}") for w, b, _ in names]))
         if not cfg.attn_only:
-            out.append((f"{p}.ln2", [(f"{p}.mlp.W_in", f"{p}.mlp.b_in")]))
+            mlp = [(f"{p}.mlp.W_in", f"{p}.mlp.b_in")] + ([(f"{p}.mlp.W_gate", None)] if cfg.gated_mlp else [])
+            out.append((f"{p}.ln2", mlp))
     out.append(("ln_final", [("unembed.W_U", "unembed.b_U")]))
     return out
 
@@ -87,13 +89,22 @@ def fold_layer_norm(
         f"normalization_type is {cfg.normalization_type!r}; there is no LayerNorm gain and bias"
         + (" (RMSNorm gains fold by a different identity)" if cfg.normalization_type == "RMS" else ""),
     )
+    for norm, pairs in readers(cfg):
+        for weight, bias in pairs:
+            _require(
+                identity, cfg, "every reader has a bias to absorb b @ W",
+                bias is not None or not torch.any(state_dict[f"{norm}.b"] @ state_dict[weight]),
+                f"{weight} has no bias, so {norm}.b @ {weight} (nonzero) cannot be folded;"
+                " its non-linearity sits right behind it",
+            )
     out = dict(state_dict)
     for norm, pairs in readers(cfg):
         w, b = out.pop(f"{norm}.w"), out.pop(f"{norm}.b")
         for weight, bias in pairs:
             W = state_dict[weight]
             out[weight] = W * w[:, None]
-            out[bias] = state_dict[bias] + torch.matmul(b, W)
+            if bias is not None:
+                out[bias] = state_dict[bias] + torch.matmul(b, W)
     new_cfg = cfg.replace(normalization_type="LNPre", applied=cfg.applied + (identity,))
     return _center_reading(out, new_cfg) if center_reading_weights else (out, new_cfg)
 

@@ -11,7 +11,7 @@ import math
 import torch
 
 from ._config import Config
-from ._state import StateDict, validate_state_dict
+from ._state import StateDict, attention_names, validate_state_dict
 
 __all__ = ["forward", "log_probs", "normalize"]
 
@@ -59,10 +59,19 @@ def _rotate(x: torch.Tensor, cfg: Config) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
+def _project(params: StateDict, p: str, cfg: Config, name: str, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W_name + b_name`` per head: ``[batch, pos, d_model]`` to ``[batch, pos, n_heads, d_head]``.
+
+    Grouped-query keys and values are computed once per key/value head and shared by the
+    ``n_heads // n_key_value_heads`` query heads of their group.
+    """
+    weight, bias, heads = attention_names(cfg, name)
+    out = torch.einsum("bpd,hde->bphe", x, params[f"{p}.{weight}"]) + params[f"{p}.{bias}"]
+    return out.repeat_interleave(cfg.n_heads // heads, dim=2) if heads != cfg.n_heads else out
+
+
 def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in) -> torch.Tensor:
-    q = torch.einsum("bpd,hde->bphe", q_in, params[f"{p}.W_Q"]) + params[f"{p}.b_Q"]
-    k = torch.einsum("bpd,hde->bphe", k_in, params[f"{p}.W_K"]) + params[f"{p}.b_K"]
-    v = torch.einsum("bpd,hde->bphe", v_in, params[f"{p}.W_V"]) + params[f"{p}.b_V"]
+    q, k, v = (_project(params, p, cfg, n, x) for n, x in (("Q", q_in), ("K", k_in), ("V", v_in)))
     if cfg.positional_embedding_type == "rotary":
         q, k = _rotate(q, cfg), _rotate(k, cfg)
     scores = torch.einsum("bqhe,bkhe->bhqk", q, k) / math.sqrt(cfg.d_head)
@@ -76,15 +85,19 @@ def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in) -> torc
 
 
 def _mlp(params: StateDict, p: str, cfg: Config, x: torch.Tensor) -> torch.Tensor:
-    hidden = _activation(cfg.act_fn, x @ params[f"{p}.W_in"] + params[f"{p}.b_in"])
+    hidden = x @ params[f"{p}.W_in"] + params[f"{p}.b_in"]
+    if cfg.gated_mlp:
+        hidden = _activation(cfg.act_fn, x @ params[f"{p}.W_gate"]) * hidden
+    else:
+        hidden = _activation(cfg.act_fn, hidden)
     return hidden @ params[f"{p}.W_out"] + params[f"{p}.b_out"]
 
 
 def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> torch.Tensor:
     """Logits ``[batch, pos, d_vocab]`` for integer ``tokens: [batch, pos]``.
 
-    Pre-norm block: ``x += attn(norm1(x)); x += mlp(norm2(x))``, then ``norm_final`` and the
-    unembed. Post-norm block: ``x = norm1(x + attn(x)); x = norm2(x + mlp(x))``, no final norm.
+    Pre-norm block: ``x += attn(norm1(x)); x += mlp(norm2(x))`` (parallel: ``x += attn(norm1(x))
+    + mlp(norm2(x))``), then ``norm_final`` and the unembed. Post-norm block: ``x = norm1(x + attn(x)); x = norm2(x + mlp(x))``, no final norm.
     With shortformer embeddings ``W_pos`` is added to the query and key inputs after ``ln1``
     and never enters the residual stream.
     """
@@ -111,7 +124,11 @@ def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> torch.T
             continue
         normed = _norm(params, f"{p}.ln1", cfg, x)
         qk_in = normed + pos if cfg.positional_embedding_type == "shortformer" else normed
-        x = x + _attention(params, f"{p}.attn", cfg, qk_in, qk_in, normed)
+        attn_out = _attention(params, f"{p}.attn", cfg, qk_in, qk_in, normed)
+        if cfg.parallel_attn_mlp:
+            x = x + attn_out + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x))
+            continue
+        x = x + attn_out
         if not cfg.attn_only:
             x = x + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x))
     if cfg.norm_position == "pre":

@@ -9,7 +9,7 @@ import torch
 from ._config import Config
 from ._errors import StateDictError
 
-__all__ = ["expected_shapes", "validate_state_dict", "StateDict"]
+__all__ = ["attention_names", "expected_shapes", "validate_state_dict", "StateDict"]
 
 StateDict = Mapping[str, torch.Tensor]
 
@@ -22,6 +22,14 @@ def _norm_shapes(prefix: str, kind, d_model: int) -> dict[str, tuple[int, ...]]:
     return {}
 
 
+def attention_names(cfg: Config, name: str) -> tuple[str, str, int]:
+    """``(weight, bias, heads)`` for Q, K or V: ``("W_K", "b_K", n_heads)``, or for grouped-query
+    keys and values ``("_W_K", "_b_K", n_key_value_heads)`` (TransformerLens's names)."""
+    if name != "Q" and cfg.n_key_value_heads is not None:
+        return f"_W_{name}", f"_b_{name}", cfg.n_key_value_heads
+    return f"W_{name}", f"b_{name}", cfg.n_heads
+
+
 def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     """Every parameter name the config implies, with its shape (TransformerLens names)."""
     d, h, e = cfg.d_model, cfg.n_heads, cfg.d_head
@@ -32,13 +40,16 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
         p = f"blocks.{layer}"
         shapes |= _norm_shapes(f"{p}.ln1", cfg.normalization_type, d)
         for name in ("Q", "K", "V"):
-            shapes[f"{p}.attn.W_{name}"] = (h, d, e)
-            shapes[f"{p}.attn.b_{name}"] = (h, e)
+            weight, bias, heads = attention_names(cfg, name)
+            shapes[f"{p}.attn.{weight}"] = (heads, d, e)
+            shapes[f"{p}.attn.{bias}"] = (heads, e)
         shapes[f"{p}.attn.W_O"] = (h, e, d)
         shapes[f"{p}.attn.b_O"] = (d,)
         if not cfg.attn_only:
             shapes |= _norm_shapes(f"{p}.ln2", cfg.normalization_type, d)
             shapes[f"{p}.mlp.W_in"] = (d, cfg.d_mlp)
+            if cfg.gated_mlp:
+                shapes[f"{p}.mlp.W_gate"] = (d, cfg.d_mlp)
             shapes[f"{p}.mlp.b_in"] = (cfg.d_mlp,)
             shapes[f"{p}.mlp.W_out"] = (cfg.d_mlp, d)
             shapes[f"{p}.mlp.b_out"] = (d,)

@@ -9,7 +9,8 @@ biases, a few outlier residual dimensions.
 >>> from circuitmath import fold_layer_norm
 >>> from circuitmath.strategies import models
 >>> from circuitmath.testing import assert_equivalent
->>> @given(models(normalization_types=("LN",), positional_embedding_types=("standard", "rotary")))
+>>> @given(models(normalization_types=("LN",), positional_embedding_types=("standard", "rotary"),
+...                gated_mlp=(False,)))
 ... def test_fold_layer_norm(model):
 ...     cfg, state_dict = model
 ...     folded, folded_cfg = fold_layer_norm(state_dict, cfg)
@@ -62,10 +63,16 @@ def configs(
     positional_embedding_types=POSITIONAL,
     act_fns=ACTIVATIONS,
     attn_only: bool | None = None,
+    gated_mlp=(False, True),
+    parallel_attn_mlp=(False, True),
+    grouped_query=(False, True),
 ) -> st.SearchStrategy[Config]:
     """Strategy for :class:`~circuitmath.Config`\\ s no larger than the ``max_*`` sizes.
 
-    ``attn_only=None`` draws both attention-only models and models with MLPs. ``d_model`` is at
+    ``attn_only=None`` draws both attention-only models and models with MLPs. ``gated_mlp``,
+    ``parallel_attn_mlp`` and ``grouped_query`` are the choices drawn from for those
+    architecture options (grouped-query draws ``n_key_value_heads`` among ``n_heads``'s
+    divisors). ``d_model`` is at
     least 2 (a LayerNorm over one dimension is identically zero) and ``rotary`` models get an
     even ``d_head``.
     """
@@ -81,6 +88,9 @@ def configs(
     act_fns = _check_choices("act_fns", act_fns, ACTIVATIONS)
     if attn_only not in (None, True, False):
         raise InvalidArgument(f"attn_only must be None, True or False, got {attn_only!r}")
+    gated_mlp = _check_choices("gated_mlp", gated_mlp, (False, True))
+    parallel_attn_mlp = _check_choices("parallel_attn_mlp", parallel_attn_mlp, (False, True))
+    grouped_query = _check_choices("grouped_query", grouped_query, (False, True))
     if norm_positions == ("post",) and normalization_types == (None,):
         raise InvalidArgument("post-norm models need a normalization type other than None")
 
@@ -91,10 +101,17 @@ def configs(
         positional = draw(st.sampled_from(positional_embedding_types))
         d_head = draw(st.integers(1, max_d_head // 2)) * 2 if positional == "rotary" else draw(st.integers(1, max_d_head))
         mlp = draw(st.booleans()) if attn_only is None else not attn_only
+        n_heads = draw(st.integers(1, max_heads))
+        kv_heads = None
+        if draw(st.sampled_from(grouped_query)):
+            kv_heads = draw(st.sampled_from([k for k in range(1, n_heads + 1) if n_heads % k == 0]))
         return Config(
             n_layers=draw(st.integers(min_layers, max_layers)),
             d_model=draw(st.integers(2, max_d_model)),
-            n_heads=draw(st.integers(1, max_heads)),
+            n_heads=n_heads,
+            n_key_value_heads=kv_heads,
+            gated_mlp=mlp and draw(st.sampled_from(gated_mlp)),
+            parallel_attn_mlp=mlp and position == "pre" and draw(st.sampled_from(parallel_attn_mlp)),
             d_head=d_head,
             d_mlp=draw(st.integers(1, max_d_mlp)) if mlp else None,
             d_vocab=draw(st.integers(2, max_vocab)),

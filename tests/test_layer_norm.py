@@ -9,7 +9,7 @@ import circuitmath as cm
 from circuitmath.strategies import configs, models, state_dicts, tokens
 from circuitmath.testing import compare_log_probs
 
-FOLDABLE = dict(normalization_types=("LN",), positional_embedding_types=("standard", "rotary"))
+FOLDABLE = dict(normalization_types=("LN",), positional_embedding_types=("standard", "rotary"), gated_mlp=(False,))
 LN_FOLD = cm.get_identity("layer_norm_fold")
 CENTER = cm.get_identity("center_reading_weights")
 
@@ -123,6 +123,17 @@ def test_centring_refuses_readers_whose_input_is_not_centred(model):
     assert info.value.identity == "center_reading_weights"
     if cfg.normalization_type == "LN":
         assert "fold the LayerNorm first" in info.value.detail
+
+
+@given(models(normalization_types=("LN",), positional_embedding_types=("standard",), gated_mlp=(True,),
+              attn_only=False, min_layers=1))
+def test_gated_mlp_fold_is_exact_without_ln2_bias_and_refused_with_it(model):
+    cfg, sd = model
+    with pytest.raises(cm.PreconditionError, match="W_gate has no bias"):
+        cm.fold_layer_norm(sd, cfg)
+    unbiased = {k: (torch.zeros_like(v) if k.endswith("ln2.b") else v) for k, v in sd.items()}
+    folded, folded_cfg = cm.fold_layer_norm(unbiased, cfg)
+    assert compare_log_probs(unbiased, cfg, folded, folded_cfg).passed
 
 
 def test_shortformer_refusal_is_not_a_formality():

@@ -123,3 +123,30 @@ def test_bad_tokens_are_refused(tokens, message):
     sd = cm.random_state_dict(cfg, seed=0)
     with pytest.raises(ValueError, match=message):
         cm.forward(sd, cfg, tokens)
+
+
+def test_grouped_query_attention_equals_repeated_key_value_heads():
+    cfg = cm.Config(**{**TINY, "n_heads": 4}, n_key_value_heads=2, d_mlp=16)
+    sd = cm.random_state_dict(cfg, seed=7, dtype=torch.float64)
+    full_cfg = cfg.replace(n_key_value_heads=None)
+    full = {k.replace("attn._", "attn."): v for k, v in sd.items()}
+    for name in ("W_K", "W_V", "b_K", "b_V"):
+        full[f"blocks.0.attn.{name}"] = sd[f"blocks.0.attn._{name}"].repeat_interleave(2, dim=0)
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    assert torch.allclose(cm.forward(sd, cfg, tokens), cm.forward(full, full_cfg, tokens), atol=1e-12)
+    wrong = dict(full)
+    wrong["blocks.0.attn.W_K"] = sd["blocks.0.attn._W_K"].repeat(2, 1, 1)  # heads grouped wrongly
+    assert not torch.allclose(cm.forward(sd, cfg, tokens), cm.forward(wrong, full_cfg, tokens), atol=1e-3)
+
+
+def test_parallel_and_gated_blocks_match_their_formulas():
+    cfg = cm.Config(**TINY, d_mlp=16, act_fn="relu", parallel_attn_mlp=True, gated_mlp=True, normalization_type="RMS")
+    sd = cm.random_state_dict(cfg, seed=8, dtype=torch.float64)
+    tokens = torch.tensor([[0, 7, 2, 9]])
+    x = sd["embed.W_E"][tokens[0]] + sd["pos_embed.W_pos"][:4]
+    rms = lambda name, v: torch.nn.functional.rms_norm(v, (8,), sd[f"{name}.w"], eps=1e-5)
+    h = rms("blocks.0.ln2", x)
+    mlp = (torch.relu(h @ sd["blocks.0.mlp.W_gate"]) * (h @ sd["blocks.0.mlp.W_in"] + sd["blocks.0.mlp.b_in"])) @ sd["blocks.0.mlp.W_out"] + sd["blocks.0.mlp.b_out"]
+    x = x + _loop_attention(sd, cfg, rms("blocks.0.ln1", x)) + mlp
+    expected = rms("ln_final", x) @ sd["unembed.W_U"] + sd["unembed.b_U"]
+    assert torch.allclose(cm.forward(sd, cfg, tokens)[0], expected, atol=1e-10)

@@ -138,7 +138,8 @@ def _fold_with_bias_term(state_dict, cfg, bias_term):
     out, new_cfg = fold_layer_norm(state_dict, cfg)
     for norm, pairs in readers(cfg):
         for weight, bias in pairs:
-            out[bias] = state_dict[bias] + bias_term(state_dict[f"{norm}.b"], out[weight])
+            if bias is not None:
+                out[bias] = state_dict[bias] + bias_term(state_dict[f"{norm}.b"], out[weight])
     return out, new_cfg
 
 
