@@ -1,0 +1,11 @@
+"""Pure weight transforms: a state dict and config in, a new state dict and config out.
+
+Every transform validates its input, refuses a model it cannot rewrite exactly (raising
+:class:`~circuitmath.PreconditionError` naming the identity and the broken precondition), keeps
+every dtype, records itself in ``cfg.applied`` and refuses to run twice. Inputs are never
+mutated; tensors a transform does not change are shared with the input, not copied. One module
+per family of identities.
+"""
+
+from ._common import readers as readers
+from .layer_norm import center_reading_weights as center_reading_weights, fold_layer_norm as fold_layer_norm
