@@ -13,7 +13,10 @@ from ._errors import (
 )
 from ._processing import (
     center_reading_weights as center_reading_weights,
+    fold_value_biases as fold_value_biases,
     fold_layer_norm as fold_layer_norm,
+    refactor_factored_attn_matrices as refactor_factored_attn_matrices,
+    remove_key_biases as remove_key_biases,
 )
 from ._proof import Proof as Proof, ProofReport as ProofReport
 from ._reference import forward as forward, log_probs as log_probs
@@ -37,10 +40,13 @@ __all__ = [
     "center_reading_weights",
     "expected_shapes",
     "fold_layer_norm",
+    "fold_value_biases",
     "forward",
     "get_identity",
     "identities",
     "log_probs",
     "random_state_dict",
+    "refactor_factored_attn_matrices",
+    "remove_key_biases",
     "validate_state_dict",
 ]

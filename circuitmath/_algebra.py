@@ -113,7 +113,7 @@ def _expand(expr, definitions: Mapping) -> Terms:
             else:
                 scalar = scalar * arg
         return {f: c * scalar for f, c in result.items()}
-    if isinstance(expr, MatPow):
+    if isinstance(expr, MatPow) and not isinstance(expr, Inverse):  # sympy's Inverse is a MatPow
         exponent = expr.args[1]
         if not (exponent.is_Integer and exponent >= 0):
             raise ValueError(f"only non-negative integer powers expand: {expr}")
@@ -305,8 +305,17 @@ class _Printer(LatexPrinter):
     def _print_DiagMatrix(self, expr):
         return r"\operatorname{diag}(%s)" % self._print(expr.args[0])
 
+    def _print_Inverse(self, expr):
+        if isinstance(expr.arg, Transpose) and isinstance(expr.arg.arg, MatrixSymbol):
+            return r"%s^{-\top}" % self._print(expr.arg.arg)
+        if isinstance(expr.arg, DiagMatrix):
+            return r"%s^{-1}" % self._print(expr.arg)
+        return super()._print_MatPow(expr)
+
     def _print_Transpose(self, expr):
         arg = expr.arg
+        if isinstance(arg, Inverse) and isinstance(arg.arg, MatrixSymbol):
+            return r"%s^{-\top}" % self._print(arg.arg)
         inner = self._print(arg)
         if not isinstance(arg, MatrixSymbol):
             inner = r"\left(%s\right)" % inner

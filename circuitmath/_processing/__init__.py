@@ -8,4 +8,9 @@ per family of identities.
 """
 
 from ._common import readers as readers
+from .attention import (
+    fold_value_biases as fold_value_biases,
+    refactor_factored_attn_matrices as refactor_factored_attn_matrices,
+    remove_key_biases as remove_key_biases,
+)
 from .layer_norm import center_reading_weights as center_reading_weights, fold_layer_norm as fold_layer_norm

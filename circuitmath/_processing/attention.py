@@ -1,0 +1,220 @@
+"""Rewrites inside attention layers: value biases, key biases, and the factorisation of W_QK, W_OV."""
+
+from __future__ import annotations
+
+import torch
+
+from .._config import Config
+from .._errors import AlreadyAppliedError
+from .._state import StateDict, attention_names, validate_state_dict
+from ._common import require
+
+__all__ = ["fold_value_biases", "remove_key_biases", "refactor_factored_attn_matrices"]
+
+
+def _refuse_second_application(identity: str, cfg: Config) -> None:
+    if identity in cfg.applied:
+        raise AlreadyAppliedError(identity)
+
+
+def _refuse_rotary(identity: str, cfg: Config, why: str) -> None:
+    require(
+        identity, "keys and queries are not rotated by position", cfg.positional_embedding_type != "rotary",
+        f"the model uses rotary embeddings: {why}",
+    )
+
+
+def _key_value_groups(cfg: Config) -> list[range]:
+    """The query heads of each key/value head (one head each without grouped-query attention)."""
+    kv_heads = cfg.n_key_value_heads or cfg.n_heads
+    size = cfg.n_heads // kv_heads
+    return [range(j * size, (j + 1) * size) for j in range(kv_heads)]
+
+
+def fold_value_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Move every value bias into the layer's output bias: ``b_O += Σ_h b_V[h] @ W_O[h]``, ``b_V = 0``.
+
+    ``b_V`` is ``[n_heads, d_head]`` (``attn._b_V``, ``[n_key_value_heads, d_head]``, with
+    grouped-query attention, where each key/value head's bias reaches the output through the
+    ``W_O[h]`` of every query head of its group), ``W_O`` is ``[n_heads, d_head, d_model]`` and
+    ``b_O`` is ``[d_model]``. Exact because every row of an attention pattern sums to 1, so a bias
+    added to every value comes out of the pattern unchanged; the reference forward pass masks
+    causally, so no row is ever fully masked. The sum is accumulated in float64 and rounded once
+    to the input dtype. Records ``"fold_value_biases"``.
+
+    >>> import torch
+    >>> from circuitmath import Config, fold_value_biases, random_state_dict
+    >>> cfg = Config(n_layers=1, d_model=6, n_heads=2, d_head=3, d_vocab=7, n_ctx=4)
+    >>> folded, folded_cfg = fold_value_biases(random_state_dict(cfg, seed=0), cfg)
+    >>> bool(folded["blocks.0.attn.b_V"].eq(0).all()), folded_cfg.applied
+    (True, ('fold_value_biases',))
+    """
+    identity = "fold_value_biases"
+    _refuse_second_application(identity, cfg)
+    validate_state_dict(state_dict, cfg)
+    _weight, bias, _heads = attention_names(cfg, "V")
+    out = dict(state_dict)
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}.attn"
+        b_V, W_O, b_O = state_dict[f"{p}.{bias}"], state_dict[f"{p}.W_O"], state_dict[f"{p}.b_O"]
+        per_query_head = b_V.double().repeat_interleave(cfg.n_heads // b_V.shape[0], dim=0)
+        folded = b_O.double() + torch.einsum("he,hed->d", per_query_head, W_O.double())
+        out[f"{p}.b_O"] = folded.to(b_O.dtype)
+        out[f"{p}.{bias}"] = torch.zeros_like(b_V)
+    return out, cfg.replace(applied=cfg.applied + (identity,))
+
+
+def remove_key_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Set every key bias ``b_K`` (``[n_heads, d_head]``, or ``attn._b_K``) to zero.
+
+    A key bias adds ``q_i · b_K`` to every score of query ``i``: the same number for every key
+    ``j``, which the softmax over ``j`` cancels. Refused for rotary models, where the key bias is
+    rotated by the key's position and ``q_i · R_j b_K`` changes along the row. Records
+    ``"remove_key_biases"``.
+    """
+    identity = "remove_key_biases"
+    _refuse_second_application(identity, cfg)
+    _refuse_rotary(
+        identity, cfg,
+        "each key, bias included, is rotated by an angle that depends on its position, so the bias"
+        " adds a different amount to each score of a row and the softmax does not cancel it",
+    )
+    validate_state_dict(state_dict, cfg)
+    _weight, bias, _heads = attention_names(cfg, "K")
+    out = dict(state_dict)
+    for layer in range(cfg.n_layers):
+        name = f"blocks.{layer}.attn.{bias}"
+        out[name] = torch.zeros_like(state_dict[name])
+    return out, cfg.replace(applied=cfg.applied + (identity,))
+
+
+def _svd_of_product(left: torch.Tensor, right: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``left @ right = U diag(S) Vh`` for ``left: [p, r]``, ``right: [r, q]``, with exactly ``r`` terms.
+
+    Returns ``U: [p, r]`` (orthonormal columns), ``S: [r]`` (descending, >= 0) and ``Vh: [r, q]``
+    (orthonormal rows); when ``p`` or ``q`` is below ``r`` the missing terms are zero. Computed from
+    QR factors of ``left`` and ``right.T`` and the SVD of the small ``R_left @ R_right.T``, without
+    forming the ``[p, q]`` product.
+    """
+    rank = left.shape[1]
+    q_left, r_left = torch.linalg.qr(left)
+    q_right, r_right = torch.linalg.qr(right.T)
+    u, s, vh = torch.linalg.svd(r_left @ r_right.T, full_matrices=False)
+    U, Vh = q_left @ u, vh @ q_right.T
+    missing = rank - s.shape[0]
+    if missing:
+        U = torch.cat([U, U.new_zeros(U.shape[0], missing)], dim=1)
+        s = torch.cat([s, s.new_zeros(missing)])
+        Vh = torch.cat([Vh, Vh.new_zeros(missing, Vh.shape[1])])
+    return U, s, Vh
+
+
+def refactor_factored_attn_matrices(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Refactor every head's ``W_Q, W_K`` and ``W_V, W_O`` into balanced factors of the same products.
+
+    A head depends on its query and key weights only through the bilinear form
+    ``(x W_Q + b_Q)(y W_K + b_K)^T`` and on its value and output weights only through
+    ``(y W_V + b_V) W_O``; ``W_Q -> W_Q N``, ``W_K -> W_K N^{-T}``, ``W_V -> W_V M``,
+    ``W_O -> M^{-1} W_O`` (biases alike) change neither. This picks the factors from the singular
+    value decomposition of each product, with the bias as one more input row ``(x, 1)`` (and the
+    positional tables ``pos_Q``, ``pos_K`` of a ``"shortformer_tables"`` model as further rows):
+
+    - ``[W_Q; b_Q] [W_K; b_K]^T = U S V^T`` gives ``[W_Q; b_Q] = U S^{1/2}``,
+      ``[W_K; b_K] = V S^{1/2}``: orthogonal columns, the i-th of equal norm in both;
+    - ``[W_V; b_V] W_O = U S V^T`` gives ``[W_V; b_V] = U S`` and ``W_O = V^T``: the rows of ``W_O``
+      are orthonormal, so ``W_O`` only rotates ``z`` into the residual stream.
+
+    With grouped-query attention a key/value head is shared by a group of query heads, so one
+    ``N`` and one ``M`` must serve the whole group: the queries of the group are stacked on the
+    left of one SVD (against their shared keys), and their ``W_O`` side by side on the right of
+    another. Shapes are kept: ``W_Q, W_K, W_V`` ``[heads, d_model, d_head]``, ``W_O``
+    ``[n_heads, d_head, d_model]``, biases ``[heads, d_head]``. A side whose biases are all zero
+    is not extended, so zero biases (after :func:`fold_value_biases` or :func:`remove_key_biases`)
+    stay exactly zero. Computed in float64, rounded once to the input dtype. Refused for rotary
+    models. Records ``"refactor_factored_attn_matrices"``.
+    """
+    identity = "refactor_factored_attn_matrices"
+    _refuse_second_application(identity, cfg)
+    _refuse_rotary(
+        identity, cfg,
+        "queries and keys are rotated by position between W_Q, W_K and the scores, and a rotation"
+        " commutes with a change of basis N only when N commutes with every rotation",
+    )
+    validate_state_dict(state_dict, cfg)
+    out = dict(state_dict)
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}.attn"
+        out |= _refactor_qk(state_dict, cfg, p)
+        out |= _refactor_ov(state_dict, cfg, p)
+    return out, cfg.replace(applied=cfg.applied + (identity,))
+
+
+class _Side:
+    """One side of a factored product, per head, in float64 copies that can be overwritten.
+
+    ``names`` are the state dict's weight ``[heads, d_model, d_head]``, bias ``[heads, d_head]``
+    and, for the queries and keys of a ``"shortformer_tables"`` model, positional table
+    ``[n_ctx, heads, d_head]``.
+    """
+
+    def __init__(self, state_dict: StateDict, *names: str):
+        self.names = names
+        self.dtype = state_dict[names[0]].dtype
+        self.weight, self.bias, *table = (state_dict[n].double().clone() for n in names)
+        self.table = table[0] if table else None
+
+    def extends(self, heads) -> bool:
+        """Whether these heads need the extended input: a nonzero bias or a positional table."""
+        return self.table is not None or bool(self.bias[list(heads)].any())
+
+    def rows(self, head: int, extend: bool) -> torch.Tensor:
+        """The head's map on the extended input ``(x, 1, onehot(position))``: ``[rows, d_head]``.
+
+        ``extend=False`` gives the weight alone, ``[d_model, d_head]``.
+        """
+        if not extend:
+            return self.weight[head]
+        table = [self.table[:, head]] if self.table is not None else []
+        return torch.cat([self.weight[head], self.bias[head][None, :], *table])
+
+    def store(self, head: int, rows: torch.Tensor) -> None:
+        """Write back rows laid out as :meth:`rows` returns them."""
+        d_model = self.weight.shape[1]
+        self.weight[head] = rows[:d_model]
+        if rows.shape[0] > d_model:
+            self.bias[head] = rows[d_model]
+        if self.table is not None:
+            self.table[:, head] = rows[d_model + 1 :]
+
+    def result(self) -> dict[str, torch.Tensor]:
+        tensors = [self.weight, self.bias] + ([self.table] if self.table is not None else [])
+        return {name: t.to(self.dtype) for name, t in zip(self.names, tensors)}
+
+
+def _refactor_qk(state_dict: StateDict, cfg: Config, p: str) -> dict[str, torch.Tensor]:
+    """Balanced SVD factors of every ``[W_Q; b_Q] [W_K; b_K]^T``, query heads of a group stacked."""
+    tables = cfg.positional_embedding_type == "shortformer_tables"
+    queries, keys = (
+        _Side(state_dict, *(f"{p}.{n}" for n in attention_names(cfg, side)[:2]), *([f"{p}.pos_{side}"] if tables else []))
+        for side in "QK"
+    )
+    for j, heads in enumerate(_key_value_groups(cfg)):
+        extend_queries, extend_keys = queries.extends(heads), keys.extends([j])
+        rows = [queries.rows(h, extend_queries) for h in heads]
+        U, S, Vh = _svd_of_product(torch.cat(rows), keys.rows(j, extend_keys).T)
+        for h, block in zip(heads, (U * S.sqrt()).split([r.shape[0] for r in rows])):
+            queries.store(h, block)
+        keys.store(j, Vh.T * S.sqrt())
+    return queries.result() | keys.result()
+
+
+def _refactor_ov(state_dict: StateDict, cfg: Config, p: str) -> dict[str, torch.Tensor]:
+    """``[W_V; b_V] = U S`` and ``W_O = V^T`` from the SVD of ``[W_V; b_V] [W_O[h] for h in group]``."""
+    values = _Side(state_dict, *(f"{p}.{n}" for n in attention_names(cfg, "V")[:2]))
+    W_O = state_dict[f"{p}.W_O"].double().clone()  # [n_heads, d_head, d_model]
+    for j, heads in enumerate(_key_value_groups(cfg)):
+        side_by_side = torch.cat([W_O[h] for h in heads], dim=1)  # [d_head, group * d_model]
+        U, S, Vh = _svd_of_product(values.rows(j, values.extends([j])), side_by_side)
+        values.store(j, U * S)
+        W_O[list(heads)] = torch.stack(Vh.split(cfg.d_model, dim=1))
+    return values.result() | {f"{p}.W_O": W_O.to(state_dict[f"{p}.W_O"].dtype)}
