@@ -54,6 +54,15 @@ def test_removal_zeroes_key_biases_only_and_is_pure(model):
         cm.remove_key_biases(out, out_cfg)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_removal_is_exact_with_bidirectional_attention(seed):
+    cfg = cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=5, d_mlp=8,
+                    causal=False, norm_position="post")
+    sd = cm.random_state_dict(cfg, seed=seed, dtype=torch.float64)
+    assert REMOVE.check(sd, cfg).passed
+    assert not REMOVE.check_corruption("drop_query_biases", sd, cfg).passed
+
+
 @given(models(positional_embedding_types=("rotary",)))
 def test_rotary_models_are_refused(model):
     cfg, sd = model

@@ -94,6 +94,16 @@ def test_double_application_is_refused(model):
         cm.fold_value_biases(folded, folded_cfg)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_fold_is_exact_with_bidirectional_attention(seed):
+    """Without a causal mask every row sees every key, and still sums to 1 (BERT-like layout)."""
+    cfg = cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=5, d_mlp=8,
+                    causal=False, norm_position="post")
+    sd = cm.random_state_dict(cfg, seed=seed, dtype=torch.float64)
+    assert FOLD.check(sd, cfg).passed
+    assert not FOLD.check_corruption("drop_value_biases", sd, cfg).passed
+
+
 def test_fold_keeps_bfloat16():
     cfg = cm.Config(n_layers=1, d_model=8, n_heads=4, d_head=2, d_vocab=10, n_ctx=4, n_key_value_heads=2)
     sd = cm.random_state_dict(cfg, seed=3, dtype=torch.bfloat16)
