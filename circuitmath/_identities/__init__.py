@@ -1,5 +1,7 @@
 """Identity families. Importing this package registers every identity, in book order."""
 
 from . import layer_norm  # noqa: F401
+from . import centring  # noqa: F401
+from . import norms  # noqa: F401
 from . import attention_biases  # noqa: F401
 from . import reparametrise  # noqa: F401

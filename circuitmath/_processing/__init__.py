@@ -13,4 +13,10 @@ from .attention import (
     refactor_factored_attn_matrices as refactor_factored_attn_matrices,
     remove_key_biases as remove_key_biases,
 )
+from .centring import center_unembed as center_unembed, center_writing_weights as center_writing_weights, writers as writers
 from .layer_norm import center_reading_weights as center_reading_weights, fold_layer_norm as fold_layer_norm
+from .norms import (
+    fold_rms_norm as fold_rms_norm,
+    layer_norm_to_rms_norm as layer_norm_to_rms_norm,
+    rescale_residual_stream as rescale_residual_stream,
+)

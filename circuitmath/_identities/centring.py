@@ -1,0 +1,250 @@
+"""Centring the weights that write to the residual stream, and centring the unembed.
+
+Symbols (row-vector convention, one position at a time):
+
+- ``d`` is ``d_model``, ``V`` the vocabulary, ``e`` ``d_head``, ``k`` ``d_mlp``;
+- ``t`` ``[1, V]`` a one-hot token, ``p`` ``[1, d]`` its row of ``W_pos``, ``z`` ``[1, e]`` a
+  head's mixed values, ``a`` ``[1, k]`` an MLP's activations. One head and one MLP stand for all
+  of them: every write is treated the same way and the residual stream is their sum;
+- ``C = I - 1 1^T / d`` the centring matrix; ``rho`` the normaliser of ``LNPre``.
+
+``LNPre(y) = n(y C)`` with ``n(v) = v (|v|^2 / d + eps)^(-1/2)``: LNPre sees ``y`` only through
+``y C``. The writing-weight proof shows that centring every write leaves ``x C`` unchanged, so
+``rho``, computed from ``x C``, is the same scalar on both sides, whatever ``eps``.
+
+For the unembed: ``l = y W_U + b_U`` ``[1, V]`` are a position's logits (``y`` the final norm's
+output) and ``m`` their mean. ``log_softmax(v) = v - log(sum_j e^{v_j}) 1^T``; the sums run over
+the symbolic vocabulary size ``V``.
+"""
+
+from __future__ import annotations
+
+import torch
+from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, OneMatrix, Rational, Sum, Symbol, exp, log
+
+from .._processing import center_unembed, center_writing_weights
+from .._proof import Definition, Fact, Proof, Step, Twin
+from .._registry import Identity, register
+
+d, V = Symbol("d", positive=True, integer=True), Symbol("V", positive=True, integer=True)
+e, k = Symbol("e", positive=True, integer=True), Symbol("k", positive=True, integer=True)
+rho = Symbol(r"\rho", positive=True)
+ones = OneMatrix(d, 1)
+C = MatrixSymbol("C", d, d)
+
+
+def _centred(W: MatrixSymbol) -> MatAdd:
+    """``W - (1/d) W 1 1^T``: ``W`` minus its mean over ``d_model`` (its last axis)."""
+    return MatAdd(W, MatMul(-1 / d, W, ones, ones.T))
+
+
+# -- writing weights -------------------------------------------------------------------------
+
+t, p, z, a = MatrixSymbol("t", 1, V), MatrixSymbol("p", 1, d), MatrixSymbol("z", 1, e), MatrixSymbol("a", 1, k)
+W_E, W_O, W_out = MatrixSymbol("W_E", V, d), MatrixSymbol("W_O", e, d), MatrixSymbol(r"W_{out}", k, d)
+b_O, b_out = MatrixSymbol("b_O", 1, d), MatrixSymbol(r"b_{out}", 1, d)
+WRITES = ((t, W_E), (None, p), (z, W_O), (None, b_O), (a, W_out), (None, b_out))
+BARS = {W: MatrixSymbol(r"\bar{%s}" % W.name, *W.shape) for _, W in WRITES}
+x, x_c = MatrixSymbol("x", 1, d), MatrixSymbol("x'", 1, d)
+LNPre_x, LNPre_xc = MatrixSymbol(r"\mathrm{LNPre}(x)", 1, d), MatrixSymbol(r"\mathrm{LNPre}(x')", 1, d)
+RMSPre_x, RMSPre_xc = MatrixSymbol(r"\mathrm{RMSPre}(x)", 1, d), MatrixSymbol(r"\mathrm{RMSPre}(x')", 1, d)
+
+
+def _stream(weights, right=None) -> MatAdd:
+    """The sum of the writes ``reader @ weights[W]`` (or ``weights[W]`` for a bias), each times ``right``."""
+    terms = [MatMul(*(f for f in (r, weights.get(W, W), right) if f is not None)) for r, W in WRITES]
+    return MatAdd(*terms)
+
+
+def _writing_proof() -> Proof:
+    definitions = (
+        Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones, ones.T)), "the centring matrix"),
+        Definition(x, _stream({}), "the residual stream: the sum of every write"),
+        *(Definition(BARS[W], _centred(W), "centred over d_model") for _, W in WRITES),
+        Definition(x_c, _stream(BARS), "the residual stream with every write centred"),
+        Definition(LNPre_x, MatMul(rho, x, C), r"centre, then normalise; rho is computed from x C"),
+        Definition(LNPre_xc, MatMul(rho, x_c, C), "the same rho: x' C = x C, shown below"),
+        Definition(RMSPre_x, MatMul(rho, x), "RMSNorm's normalisation, no centring"),
+        Definition(RMSPre_xc, MatMul(rho, x_c), "the same for x'"),
+    )
+    W_O_tilde = MatrixSymbol(r"\tilde{W}_O", e, d)
+    ones_e = OneMatrix(e, 1)
+    wrong_W_O = _stream({W_O: MatAdd(W_O, MatMul(-1 / e, ones_e, ones_e.T, W_O))})
+    return Proof(
+        lhs=LNPre_xc,
+        rhs=LNPre_x,
+        steps=(
+            Step(MatMul(rho, x_c, C), r"definition of $\mathrm{LNPre}$"),
+            Step(MatMul(rho, _stream({}, C), C), r"each centred write is the write times $C$: $W - \tfrac{1}{d} W \mathbf{1}_d \mathbf{1}_d^\top = W C$"),
+            Step(MatMul(rho, _stream({}), C, C), r"factor out $C$"),
+            Step(MatMul(rho, x, C), r"$C C = C$ (with $\mathbf{1}_d^\top \mathbf{1}_d = d$); definition of $x$"),
+            Step(LNPre_x, r"definition of $\mathrm{LNPre}$"),
+        ),
+        definitions=definitions,
+        explicit_dims={d: 4, V: 3, e: 2, k: 3},
+        assumptions=(
+            "LNPre(y) = n(y C) depends on y only through y C; rho, computed from x C = x' C, is the same on both sides",
+            "eps stays inside rho: the identity holds for every eps >= 0",
+        ),
+        twins=(
+            Twin(
+                "behind_rms_norm",
+                "centre the writes of a model whose norm is RMSNorm, which does not centre",
+                RMSPre_xc,
+                RMSPre_x,
+            ),
+            Twin(
+                "W_O_over_d_head",
+                "centre W_O [n_heads, d_head, d_model] over axis 1 (d_head), as `mean(dim=1)` in the source notes",
+                MatMul(rho, wrong_W_O, C),
+                LNPre_x,
+            ),
+            Twin(
+                "shortformer_W_pos",
+                "centre a shortformer W_pos, which is added to the norm's output (the query and key input)",
+                MatAdd(LNPre_x, BARS[p]),
+                MatAdd(LNPre_x, p),
+            ),
+        ),
+    )
+
+
+# -- unembed ---------------------------------------------------------------------------------
+
+y = MatrixSymbol("y", 1, d)
+ell = MatrixSymbol(r"\ell", 1, V)
+W_U, b_U = MatrixSymbol("W_U", d, V), MatrixSymbol("b_U", 1, V)
+W_U_bar, b_U_bar = MatrixSymbol(r"\bar{W}_U", d, V), MatrixSymbol(r"\bar{b}_U", 1, V)
+m = Symbol("m", real=True)
+j = Symbol("j", integer=True)
+ones_V = OneMatrix(V, 1)
+MEAN = Rational(1, 2)  # the mean every sampled row of logits is drawn with
+
+
+def _log_sum_exp(entry) -> log:
+    """``log(sum_j e^{entry_j})`` over the vocabulary; ``entry`` is a function of the index ``j``."""
+    return log(Sum(exp(entry), (j, 0, V - 1)))
+
+
+def _logits_with_mean(rng, shape) -> list[list]:
+    """A row of integer logits whose mean is :data:`MEAN`, so the fact defining ``m`` holds."""
+    head = [rng.randint(-4, 4) for _ in range(shape[1] - 1)]
+    return [head + [shape[1] * MEAN - sum(head)]]
+
+
+def _unembed_proof() -> Proof:
+    row = ones_V.T
+    lse_centred = _log_sum_exp(ell[0, j] - m)
+    lse = _log_sum_exp(ell[0, j])
+    rhs = MatAdd(ell, MatMul(-lse, row))
+    W_U_over_d = MatAdd(W_U, MatMul(-1 / d, ones, ones.T, W_U))
+    return Proof(
+        lhs=MatAdd(MatMul(y, W_U_bar), b_U_bar, MatMul(-lse_centred, row)),
+        rhs=rhs,
+        steps=(
+            Step(
+                MatAdd(ell, MatMul(-m, row), MatMul(-lse_centred, row)),
+                r"$\bar{W}_U$ and $\bar{b}_U$ give the logits $\ell - \tfrac{1}{V}\ell \mathbf{1}_V \mathbf{1}_V^\top"
+                r" = \ell - m \mathbf{1}_V^\top$: every raw logit shifts by $-m$ (so the entries in the sum are $\ell_j - m$)",
+            ),
+            Step(
+                MatAdd(ell, MatMul(-m, row), MatMul(m - lse, row)),
+                r"$e^{\ell_j - m} = e^{-m} e^{\ell_j}$ and $\log(e^{-m} Z) = -m + \log Z$ for real $m$",
+            ),
+            Step(rhs, "collect: the shift cancels"),
+        ),
+        definitions=(
+            Definition(b_U, MatAdd(ell, MatMul(-1, y, W_U)), "the unembed bias, written through the logits l = y W_U + b_U"),
+            Definition(W_U_bar, MatAdd(W_U, MatMul(-1 / V, W_U, ones_V, ones_V.T)), "W_U centred over the vocabulary"),
+            Definition(b_U_bar, MatAdd(b_U, MatMul(-1 / V, b_U, ones_V, ones_V.T)), "b_U centred over the vocabulary"),
+        ),
+        facts=(
+            Fact(MatMul(ell, OneMatrix(V, V)), MatMul(V * m, row), "m is the mean of the logits: every entry of l 1 1^T is V m"),
+        ),
+        samplers={ell: _logits_with_mean, m: lambda rng, shape: MEAN},
+        explicit_dims={d: 3, V: 4},
+        assumptions=("the logits are real, so m is real",),
+        twins=(
+            Twin(
+                "raw_logits_unchanged",
+                "claim that centring leaves the raw logits unchanged: they shift by -m",
+                MatAdd(MatMul(y, W_U_bar), b_U_bar),
+                ell,
+            ),
+            Twin(
+                "over_d_model",
+                "centre W_U over d_model instead of the vocabulary: the shift (1/d)(y 1)(1^T W_U) is not constant",
+                MatAdd(MatMul(y, W_U_over_d), b_U),
+                MatAdd(ell, MatMul(-m, row)),
+            ),
+            Twin(
+                "log_probs_shift_too",
+                "claim that the log-probs shift like the raw logits: log_softmax(l - m 1^T) = log_softmax(l) - m 1^T",
+                MatAdd(ell, MatMul(-m, row), MatMul(-lse_centred, row)),
+                MatAdd(rhs, MatMul(-m, row)),
+            ),
+        ),
+    )
+
+
+# -- numeric twins: wrong transforms the numeric check must reject ---------------------------
+
+
+def _center_W_O_over_d_head(state_dict, cfg):
+    """The source notes' ``mean(dim=1)``: for ``W_O [n_heads, d_head, d_model]`` that is ``d_head``."""
+    out, new_cfg = center_writing_weights(state_dict, cfg)
+    for layer in range(cfg.n_layers):
+        W = state_dict[f"blocks.{layer}.attn.W_O"]
+        out[f"blocks.{layer}.attn.W_O"] = W - W.mean(dim=1, keepdim=True)
+    return out, new_cfg
+
+
+def _center_shortformer_W_pos(state_dict, cfg):
+    out, new_cfg = center_writing_weights(state_dict, cfg)
+    if "pos_embed.W_pos" in state_dict:
+        W = state_dict["pos_embed.W_pos"]
+        out["pos_embed.W_pos"] = W - W.mean(dim=-1, keepdim=True)
+    return out, new_cfg
+
+
+def _center_unembed_over_d_model(state_dict, cfg):
+    out, new_cfg = center_unembed(state_dict, cfg)
+    W_U = state_dict["unembed.W_U"]
+    out["unembed.W_U"] = W_U - W_U.mean(dim=0, keepdim=True)
+    out["unembed.b_U"] = state_dict["unembed.b_U"]
+    return out, new_cfg
+
+
+CENTER_WRITING_WEIGHTS = register(
+    Identity(
+        name="center_writing_weights",
+        title="Centring the weights that write to the residual stream",
+        summary="every reader sees the stream x through LNPre(x) = n(x C); centring every write turns x into"
+        " x C, and (x C) C = x C, so LNPre is unchanged, eps included",
+        preconditions=(
+            "pre-norm: every reader of the residual stream (attention, MLP, unembed) sits behind a norm",
+            "the norm centres: normalization_type is LN or LNPre (not RMS, RMSPre or None)",
+            "a shortformer W_pos is not a write to the stream and is left unchanged",
+            "not already applied",
+        ),
+        build_proof=_writing_proof,
+        transform=center_writing_weights,
+        corruptions={"W_O_over_d_head": _center_W_O_over_d_head, "shortformer_W_pos": _center_shortformer_W_pos},
+    )
+)
+
+CENTER_UNEMBED = register(
+    Identity(
+        name="center_unembed",
+        title="Centring the unembed",
+        summary="centring W_U and b_U over the vocabulary shifts each position's logits by minus their mean;"
+        " log_softmax is shift invariant, so the log-probs are unchanged",
+        preconditions=(
+            "the logits are read through a softmax: compare log-probs, not raw logits",
+            "not already applied",
+        ),
+        build_proof=_unembed_proof,
+        transform=center_unembed,
+        corruptions={"over_d_model": _center_unembed_over_d_model},
+    )
+)

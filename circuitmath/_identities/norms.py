@@ -1,0 +1,349 @@
+"""LayerNorm as linear algebra, LayerNorm to RMSNorm, and RMSNorm folding.
+
+Symbols (row-vector convention, one position of the residual stream at a time):
+
+- ``x`` ``[1, d]`` the residual stream, ``C = I - 1 1^T / d`` the centring matrix;
+- ``LNPre(y) = n(y C)`` and ``RMSPre(y) = n(y)`` with ``n(v) = v (|v|^2 / d + eps)^(-1/2)``;
+- ``q = |x C|^2 > 0`` the squared norm of the centred stream (a scalar symbol: the proofs of
+  scale invariance need only that it is positive and that ``|s x C|^2 = s^2 q``);
+- ``rho`` the normaliser ``(q / d + eps)^(-1/2)`` where a proof holds for any value of it;
+- ``w`` ``[d, 1]`` an RMSNorm gain, ``W`` ``[d, m]`` and ``b_W`` ``[1, m]`` a reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from sympy import DiagMatrix, Identity as Eye, MatAdd, MatMul, MatrixSymbol, Mul, OneMatrix, Pow, Rational, Symbol, sqrt
+
+from .._processing import (
+    center_writing_weights,
+    fold_layer_norm,
+    fold_rms_norm,
+    layer_norm_to_rms_norm,
+    readers,
+    rescale_residual_stream,
+    writers,
+)
+from .._proof import Definition, Proof, Step, Twin
+from .._registry import Identity, register
+
+d, m = Symbol("d", positive=True, integer=True), Symbol("m", positive=True, integer=True)
+a = Symbol("a", real=True)
+s, q = Symbol("s", positive=True), Symbol("q", positive=True)
+eps, eps_other = Symbol(r"\varepsilon", positive=True), Symbol(r"\varepsilon'", positive=True)
+rho, rho_other = Symbol(r"\rho", positive=True), Symbol(r"\rho'", positive=True)
+x = MatrixSymbol("x", 1, d)
+ones = OneMatrix(d, 1)
+C = MatrixSymbol("C", d, d)
+CENTRING = Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones, ones.T)), "the centring matrix")
+
+
+# -- LayerNorm as linear algebra -------------------------------------------------------------
+
+
+def _projection_proof() -> Proof:
+    shifted = MatAdd(x, MatMul(a, ones.T))
+    P, C_root = MatrixSymbol("P", d, d), MatrixSymbol(r"\tilde{C}", d, d)
+    return Proof(
+        lhs=MatMul(shifted, C.T, C),
+        rhs=MatMul(x, C),
+        steps=(
+            Step(MatMul(shifted, C, C), r"$C^\top = C$: $I_d$ and $\mathbf{1}_d \mathbf{1}_d^\top$ are symmetric"),
+            Step(MatMul(shifted, C), r"$C C = C - \tfrac{2}{d} \mathbf{1}_d \mathbf{1}_d^\top + \tfrac{1}{d^2} \mathbf{1}_d (\mathbf{1}_d^\top \mathbf{1}_d) \mathbf{1}_d^\top = C$"),
+            Step(MatAdd(MatMul(x, C), MatMul(a, ones.T, C)), "distribute"),
+            Step(MatMul(x, C), r"$\mathbf{1}_d^\top C = \mathbf{1}_d^\top - \tfrac{1}{d} (\mathbf{1}_d^\top \mathbf{1}_d) \mathbf{1}_d^\top = 0$"),
+        ),
+        definitions=(
+            CENTRING,
+            Definition(P, MatMul(1 / d, ones, ones.T), "the projection onto the all-ones direction"),
+            Definition(C_root, MatAdd(Eye(d), MatMul(-1 / sqrt(d), ones, ones.T)), "ones/sqrt(d) used once, not twice"),
+        ),
+        explicit_dims={d: 4},
+        assumptions=("for every x and every real a: equivalent to C^T = C, C C = C and C 1 = 0",),
+        twins=(
+            Twin(
+                "notes_drop_x0",
+                "the older notes' centring step without `x0 -`: (x0 . 1/sqrt(n)) 1/sqrt(n) = x P keeps only the mean",
+                MatMul(shifted, P.T, P),
+                MatMul(x, P),
+            ),
+            Twin(
+                "ones_over_root_d_once",
+                "subtract (x 1) 1^T / sqrt(d): divide by sqrt(d) once instead of twice",
+                MatMul(shifted, C_root.T, C_root),
+                MatMul(x, C_root),
+            ),
+        ),
+    )
+
+
+def _scale_invariance_proof() -> Proof:
+    LNPre_x, LNPre_sx = MatrixSymbol(r"\mathrm{LNPre}(x)", 1, d), MatrixSymbol(r"\mathrm{LNPre}(s x)", 1, d)
+    t = Symbol("t", real=True)
+    norm = Pow(q / d, Rational(-1, 2), evaluate=False)
+    scaled_norm = Pow(s**2 * q / d, Rational(-1, 2), evaluate=False)
+    return Proof(
+        lhs=LNPre_sx,
+        rhs=LNPre_x,
+        steps=(
+            Step(MatMul(scaled_norm, s, x, C), r"definition, with $\lVert s x C \rVert^2 = s^2 q$ and $\varepsilon = 0$"),
+            Step(MatMul(Pow(Mul(s, Pow(q / d, Rational(1, 2), evaluate=False), evaluate=False), -1, evaluate=False), s, x, C), r"$\sqrt{s^2 q / d} = s \sqrt{q / d}$ because $s > 0$"),
+            Step(MatMul(norm, x, C), r"$s / s = 1$"),
+            Step(LNPre_x, r"definition of $\mathrm{LNPre}(x)$ with $\varepsilon = 0$"),
+        ),
+        definitions=(
+            CENTRING,
+            Definition(LNPre_x, MatMul(norm, x, C), r"eps = 0; q = |x C|^2 > 0"),
+            Definition(LNPre_sx, MatMul(scaled_norm, s, x, C), "eps = 0; |s x C|^2 = s^2 q"),
+        ),
+        samplers={t: lambda rng, shape: -Rational(rng.randint(1, 9), rng.randint(1, 5))},
+        explicit_dims={d: 4},
+        assumptions=("s > 0", "eps = 0", "q = |x C|^2 > 0: x is not constant"),
+        twins=(
+            Twin(
+                "with_eps",
+                "scale invariance with eps > 0: the normaliser (s^2 q/d + eps)^(-1/2) s differs from (q/d + eps)^(-1/2)",
+                MatMul(Pow(s**2 * q / d + eps, Rational(-1, 2), evaluate=False), s, x, C),
+                MatMul(Pow(q / d + eps, Rational(-1, 2), evaluate=False), x, C),
+            ),
+            Twin(
+                "negative_scale",
+                "scale by t < 0: sqrt(t^2) = |t|, so LNPre(t x) = -LNPre(x)",
+                MatMul(Pow(t**2 * q / d, Rational(-1, 2), evaluate=False), t, x, C),
+                LNPre_x,
+            ),
+        ),
+    )
+
+
+def with_explicit_eps(proof: Proof) -> Proof:
+    """``proof`` with every ``rho`` replaced by ``(q / d + eps)^(-1/2)``, ``eps > 0`` written out.
+
+    A proof that holds for every scalar ``rho`` (the LayerNorm fold, the RMSNorm fold) still
+    holds, and is checked again, with the normaliser of ``eps > 0`` in place; the same is not
+    true of scale invariance (its twin ``with_eps``).
+    """
+    normaliser = {rho: Pow(q / d + eps, Rational(-1, 2), evaluate=False)}
+
+    def sub(expr):
+        return expr.xreplace(normaliser)
+
+    return dataclasses.replace(
+        proof,
+        lhs=sub(proof.lhs),
+        rhs=sub(proof.rhs),
+        steps=tuple(dataclasses.replace(step, expr=sub(step.expr)) for step in proof.steps),
+        definitions=tuple(dataclasses.replace(d_, value=sub(d_.value)) for d_ in proof.definitions),
+        facts=tuple(dataclasses.replace(f, product=sub(f.product), value=sub(f.value)) for f in proof.facts),
+        twins=tuple(dataclasses.replace(t, lhs=sub(t.lhs), rhs=sub(t.rhs)) for t in proof.twins),
+    )
+
+
+# -- LayerNorm to RMSNorm ---------------------------------------------------------------------
+
+
+def _layer_norm_to_rms_proof() -> Proof:
+    x_c = MatrixSymbol("x'", 1, d)
+    LNPre_xc, RMSPre_xc = MatrixSymbol(r"\mathrm{LNPre}(x')", 1, d), MatrixSymbol(r"\mathrm{RMSPre}(x')", 1, d)
+    return Proof(
+        lhs=LNPre_xc,
+        rhs=RMSPre_xc,
+        steps=(
+            Step(MatMul(rho, x_c, C), r"definition of $\mathrm{LNPre}$"),
+            Step(MatMul(rho, x, C, C), r"definition of $x'$"),
+            Step(MatMul(rho, x, C), r"$C C = C$"),
+            Step(MatMul(rho, x_c), r"definition of $x'$: $x' C = x'$, so $\rho$ is computed from the same vector"),
+            Step(RMSPre_xc, r"definition of $\mathrm{RMSPre}$, same $\varepsilon$"),
+        ),
+        definitions=(
+            CENTRING,
+            Definition(x_c, MatMul(x, C), "the stream once every write is centred: the sum of the writes w C"),
+            Definition(LNPre_xc, MatMul(rho, x_c, C), "rho = (|x' C|^2 / d + eps)^(-1/2)"),
+            Definition(RMSPre_xc, MatMul(rho, x_c), "rho = (|x'|^2 / d + eps)^(-1/2), the same scalar as x' C = x'"),
+        ),
+        explicit_dims={d: 4},
+        assumptions=("every write to the residual stream is centred (center_writing_weights)", "the same eps in both norms"),
+        twins=(
+            Twin(
+                "uncentred_stream",
+                "switch to RMSNorm without centring the writes: x C != x",
+                MatMul(rho, x, C),
+                MatMul(rho, x),
+            ),
+            Twin(
+                "other_eps",
+                "switch to an RMSNorm with another eps (say RMSNorm's customary 1e-6): rho' != rho",
+                MatMul(rho, x_c, C),
+                MatMul(rho_other, x_c),
+            ),
+        ),
+    )
+
+
+# -- RMSNorm folding --------------------------------------------------------------------------
+
+
+def _rms_fold_proof() -> Proof:
+    w = MatrixSymbol("w", d, 1)
+    W, b_W, W_gate = MatrixSymbol("W", d, m), MatrixSymbol("b_W", 1, m), MatrixSymbol(r"W_{gate}", d, m)
+    W_sq = MatrixSymbol("W", d, d)
+    RMSPre, RMS = MatrixSymbol(r"\mathrm{RMSPre}(x)", 1, d), MatrixSymbol(r"\mathrm{RMS}(x)", 1, d)
+    folded = MatAdd(MatMul(RMSPre, MatMul(DiagMatrix(w), W)), b_W)
+    lhs = MatAdd(MatMul(RMS, W), b_W)
+    W_eff = MatMul(DiagMatrix(w), W)
+    return Proof(
+        lhs=lhs,
+        rhs=folded,
+        steps=(
+            Step(MatAdd(MatMul(MatMul(RMSPre, DiagMatrix(w)), W), b_W), r"definition of $\mathrm{RMS}$"),
+            Step(folded, r"regroup: $W_\mathrm{eff} = \operatorname{diag}(w) W$; the bias is unchanged (RMSNorm has none)"),
+        ),
+        definitions=(
+            CENTRING,
+            Definition(RMSPre, MatMul(rho, x), "divide by the RMS (eps inside rho), no centring"),
+            Definition(RMS, MatMul(RMSPre, DiagMatrix(w)), "RMSPre, then the gain"),
+        ),
+        explicit_dims={d: 4, m: 3},
+        assumptions=("rho is any scalar: eps stays inside RMSPre", "W_gate, which has no bias, folds the same way"),
+        twins=(
+            Twin(
+                "forget_W_gate",
+                "fold the gain into W_in but not into W_gate of a gated MLP",
+                MatMul(RMS, W_gate),
+                MatMul(RMSPre, W_gate),
+            ),
+            Twin(
+                "centre_after_fold",
+                "centre the folded reader as after a LayerNorm fold: RMSPre(x) is not orthogonal to 1",
+                lhs,
+                MatAdd(MatMul(RMSPre, MatMul(C, W_eff)), b_W),
+            ),
+            Twin(
+                "scale_columns",
+                "scale the reader's columns, not its rows (W * w[None, :], square W)",
+                MatMul(RMS, W_sq),
+                MatMul(RMSPre, W_sq, DiagMatrix(w)),
+            ),
+        ),
+    )
+
+
+# -- numeric twins: wrong transforms the numeric check must reject ---------------------------
+
+
+def _keep_only_the_mean(state_dict, cfg):
+    """The older notes' slip applied to the writes: keep ``(w . 1/sqrt(d)) 1/sqrt(d)``, drop the rest."""
+    out, new_cfg = center_writing_weights(state_dict, cfg)
+    for name in writers(cfg):
+        out[name] = state_dict[name].mean(dim=-1, keepdim=True).expand_as(state_dict[name]).clone()
+    return out, new_cfg
+
+
+def _switch_with_other_eps(state_dict, cfg):
+    out, new_cfg = layer_norm_to_rms_norm(state_dict, cfg)
+    return out, new_cfg.replace(eps=cfg.eps * 10 + 1e-3)
+
+
+def _fold_forgetting_W_gate(state_dict, cfg):
+    out, new_cfg = fold_rms_norm(state_dict, cfg)
+    for layer in range(cfg.n_layers if cfg.gated_mlp else 0):
+        out[f"blocks.{layer}.mlp.W_gate"] = state_dict[f"blocks.{layer}.mlp.W_gate"]
+    return out, new_cfg
+
+
+def _fold_and_centre_readers(state_dict, cfg):
+    out, new_cfg = fold_rms_norm(state_dict, cfg)
+    for _norm, pairs in readers(cfg):
+        for weight, _bias in pairs:
+            out[weight] = out[weight] - out[weight].mean(dim=-2, keepdim=True)
+    return out, new_cfg
+
+
+def _centred_layer_norm_model(state_dict, cfg):
+    """Fold an ``LN`` model's gain and bias, then centre every write: what the LN to RMS switch needs."""
+    if cfg.normalization_type == "LN":
+        state_dict, cfg = fold_layer_norm(state_dict, cfg)
+    return center_writing_weights(state_dict, cfg)
+
+
+def _rescale_by_negative_scale(state_dict, cfg):
+    """Rescale by ``-CHECK_SCALE``, which the transform refuses: the norms are odd, not even."""
+    out, new_cfg = rescale_residual_stream(state_dict, cfg, scale=CHECK_SCALE)
+    for name in writers(cfg):
+        out[name] = -out[name]
+    return out, new_cfg
+
+
+#: The scale the numeric check of scale invariance rescales the residual stream by.
+CHECK_SCALE = 3.7
+
+CENTRING_PROJECTION = register(
+    Identity(
+        name="centring_projection",
+        title="Centring is the orthogonal projection C = I - 1 1^T / d",
+        summary="(x + a 1^T) C^T C = x C for all x and a: C is symmetric, idempotent and kills 1,"
+        " so the 1 direction of the residual stream is invisible to LayerNorm",
+        preconditions=(
+            "the transform it licenses is center_writing_weights: pre-norm, normalization_type LN or LNPre",
+            "not already applied",
+        ),
+        build_proof=_projection_proof,
+        transform=center_writing_weights,
+        corruptions={"keep_only_the_mean": _keep_only_the_mean},
+    )
+)
+
+SCALE_INVARIANCE = register(
+    Identity(
+        name="scale_invariance",
+        title="LayerNorm is invariant to positive scaling exactly when eps = 0",
+        summary="LNPre(s x) = LNPre(x) for s > 0 when eps = 0; with eps > 0 it is not, while the"
+        " LayerNorm fold, which holds for any normaliser, stays exact",
+        preconditions=(
+            "eps == 0",
+            "pre-norm, every reader behind a norm (LN, LNPre, RMS or RMSPre)",
+            "scale > 0",
+            "not already applied",
+        ),
+        build_proof=_scale_invariance_proof,
+        transform=functools.partial(rescale_residual_stream, scale=CHECK_SCALE),
+        corruptions={"negative_scale": _rescale_by_negative_scale},
+    )
+)
+
+LAYER_NORM_TO_RMS_NORM = register(
+    Identity(
+        name="layer_norm_to_rms_norm",
+        title="LayerNorm becomes RMSNorm once every write is centred",
+        summary="if every write to the residual stream is centred then x C = x, so LNPre(x) = RMSPre(x) with the same eps",
+        preconditions=(
+            "every write to the residual stream is centred (checked on the weights, to rounding)",
+            "pre-norm, normalization_type LNPre (fold a LayerNorm first)",
+            "not already applied",
+        ),
+        build_proof=_layer_norm_to_rms_proof,
+        transform=layer_norm_to_rms_norm,
+        corruptions={"other_eps": _switch_with_other_eps},
+        prepare=_centred_layer_norm_model,
+    )
+)
+
+RMS_NORM_FOLD = register(
+    Identity(
+        name="rms_norm_fold",
+        title="Folding RMSNorm into its readers, W_gate included",
+        summary="RMS(x) W + b_W = RMSPre(x) (diag(w) W) + b_W for every reader, W_gate of a gated MLP"
+        " included; nothing is centred",
+        preconditions=(
+            "pre-norm: each norm's output is read only by linear maps (W_Q, W_K, W_V, W_in, W_gate, W_U)",
+            "normalization_type is RMS",
+            "no shortformer W_pos added to the norm's output before W_Q and W_K",
+            "not already applied",
+        ),
+        build_proof=_rms_fold_proof,
+        transform=fold_rms_norm,
+        corruptions={"forget_W_gate": _fold_forgetting_W_gate, "centre_reading_weights": _fold_and_centre_readers},
+    )
+)

@@ -1,0 +1,105 @@
+"""Centring the weights that write to the residual stream, and centring the unembed."""
+
+from __future__ import annotations
+
+import torch
+
+from .._config import Config
+from .._errors import AlreadyAppliedError
+from .._state import StateDict, validate_state_dict
+from ._common import require
+
+__all__ = ["writers", "center_writing_weights", "center_unembed"]
+
+
+def writers(cfg: Config) -> list[str]:
+    """Every tensor that writes to the residual stream; its last axis is ``d_model``.
+
+    ``embed.W_E`` ``[d_vocab, d_model]``, ``pos_embed.W_pos`` ``[n_ctx, d_model]`` (standard
+    positional embeddings only: a shortformer ``W_pos`` is added to the query and key inputs
+    after ``ln1`` and never enters the stream), and per layer ``attn.W_O`` ``[n_heads, d_head,
+    d_model]``, ``attn.b_O`` ``[d_model]``, ``mlp.W_out`` ``[d_mlp, d_model]`` and ``mlp.b_out``
+    ``[d_model]``.
+    """
+    names = ["embed.W_E"] + (["pos_embed.W_pos"] if cfg.positional_embedding_type == "standard" else [])
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}"
+        names += [f"{p}.attn.W_O", f"{p}.attn.b_O"]
+        if not cfg.attn_only:
+            names += [f"{p}.mlp.W_out", f"{p}.mlp.b_out"]
+    return names
+
+
+def _not_applied(identity: str, cfg: Config) -> None:
+    if identity in cfg.applied:
+        raise AlreadyAppliedError(identity)
+
+
+def require_pre_norm(identity: str, cfg: Config) -> None:
+    """Refuse a post-norm model: there the sub-layers read the residual stream with no norm."""
+    require(
+        identity, "pre-norm", cfg.norm_position == "pre",
+        "the model is post-norm: attention and MLPs read the residual stream directly, not through"
+        " a norm, so what is written to it is not only seen through a norm",
+    )
+
+
+def center_writing_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Subtract from every write to the residual stream its mean over ``d_model``.
+
+    Each tensor of :func:`writers` becomes ``W - W.mean(-1, keepdim=True)``: every write ``w``
+    becomes ``w C`` with ``C = I - 1 1^T / d_model``, so the residual stream ``x`` becomes ``x C``.
+    Every reader sees the stream through ``LNPre``, and ``LNPre(x) = n(x C)`` depends on ``x``
+    only through ``x C = (x C) C``, ``eps`` included: the model computes the same function.
+
+    Needs a pre-norm model whose norms centre (``normalization_type`` ``"LN"`` or ``"LNPre"``;
+    ``LN`` is fine unfolded, it sees ``x`` only through ``LNPre(x)``). RMS norms, no norm and
+    post-norm models are refused. A shortformer ``W_pos`` is not a write to the stream and is
+    left unchanged (centring it would change the queries and keys). Records
+    ``"center_writing_weights"``.
+
+    >>> import torch
+    >>> from circuitmath import Config, center_writing_weights, random_state_dict
+    >>> from circuitmath.testing import assert_equivalent
+    >>> cfg = Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
+    >>> sd = random_state_dict(cfg, seed=0, dtype=torch.float64)
+    >>> centred, centred_cfg = center_writing_weights(sd, cfg)
+    >>> float(centred["blocks.0.attn.W_O"].mean(-1).abs().max()) < 1e-15
+    True
+    >>> _ = assert_equivalent(sd, centred, cfg, after_cfg=centred_cfg)
+    """
+    identity = "center_writing_weights"
+    _not_applied(identity, cfg)
+    require_pre_norm(identity, cfg)
+    require(
+        identity, "every reader sits behind a centring norm", cfg.normalization_type in ("LN", "LNPre"),
+        {
+            "RMS": "normalization_type is 'RMS': RMSNorm does not centre, RMS(x C) != RMS(x)",
+            "RMSPre": "normalization_type is 'RMSPre': RMSNorm does not centre, RMSPre(x C) != RMSPre(x)",
+            None: "normalization_type is None: the readers see the residual stream itself, mean included",
+        }.get(cfg.normalization_type, f"normalization_type is {cfg.normalization_type!r}"),
+    )
+    validate_state_dict(state_dict, cfg)
+    out = dict(state_dict)
+    for name in writers(cfg):
+        W = state_dict[name]
+        out[name] = W - W.mean(dim=-1, keepdim=True)
+    return out, cfg.replace(applied=cfg.applied + (identity,))
+
+
+def center_unembed(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Subtract from ``W_U`` (``[d_model, d_vocab]``) and ``b_U`` (``[d_vocab]``) their means over the vocabulary.
+
+    Every position's logits ``l`` become ``l - mean(l)``: each raw logit of a position shifts by
+    the same constant, and ``log_softmax(l + c) = log_softmax(l)``, so the log-probabilities are
+    unchanged (the raw logits are not: compare log-probs). Holds for every architecture: it only
+    uses the softmax at the output. Records ``"center_unembed"``.
+    """
+    identity = "center_unembed"
+    _not_applied(identity, cfg)
+    validate_state_dict(state_dict, cfg)
+    out = dict(state_dict)
+    W_U, b_U = state_dict["unembed.W_U"], state_dict["unembed.b_U"]
+    out["unembed.W_U"] = W_U - W_U.mean(dim=-1, keepdim=True)
+    out["unembed.b_U"] = b_U - b_U.mean()
+    return out, cfg.replace(applied=cfg.applied + (identity,))

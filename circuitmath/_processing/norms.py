@@ -1,0 +1,144 @@
+"""RMSNorm folding, LayerNorm to RMSNorm once every write is centred, and rescaling the stream."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._config import Config
+from .._errors import AlreadyAppliedError
+from .._state import StateDict, validate_state_dict
+from ._common import common_preconditions, readers, require
+from .centring import require_pre_norm, writers
+
+__all__ = ["fold_rms_norm", "layer_norm_to_rms_norm", "rescale_residual_stream", "uncentred_writers"]
+
+
+def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Fold every RMSNorm gain ``w`` into the linear maps that read it: ``W -> w[:, None] * W``.
+
+    ``RMS(x) @ W = RMSPre(x) @ (w[:, None] * W)`` for each reader: ``W_Q``, ``W_K``, ``W_V``
+    (``[n_heads, d_model, d_head]``), ``W_in`` and, in a gated MLP, ``W_gate`` (``[d_model,
+    d_mlp]``), and ``W_U`` (``[d_model, d_vocab]``). An RMSNorm has no bias, so no reader's bias
+    changes and ``W_gate`` needs none; nothing is centred (``RMSPre(x)`` is not orthogonal to the
+    all-ones vector). ``eps`` stays inside ``RMSPre``. Returns ``normalization_type="RMSPre"``
+    and records ``"rms_norm_fold"``.
+
+    >>> import torch
+    >>> from circuitmath import Config, fold_rms_norm, random_state_dict
+    >>> from circuitmath.testing import assert_equivalent
+    >>> cfg = Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16,
+    ...              normalization_type="RMS", gated_mlp=True, act_fn="relu")
+    >>> sd = random_state_dict(cfg, seed=0, dtype=torch.float64)
+    >>> folded, folded_cfg = fold_rms_norm(sd, cfg)
+    >>> folded_cfg.normalization_type, "blocks.0.ln2.w" in folded
+    ('RMSPre', False)
+    >>> _ = assert_equivalent(sd, folded, cfg, after_cfg=folded_cfg)
+    """
+    identity = "rms_norm_fold"
+    common_preconditions(identity, cfg)
+    require(
+        identity, "normalization_type is RMS", cfg.normalization_type == "RMS",
+        f"normalization_type is {cfg.normalization_type!r}; there is no RMSNorm gain to fold"
+        + (" (LayerNorm folds by layer_norm_fold)" if cfg.normalization_type == "LN" else ""),
+    )
+    validate_state_dict(state_dict, cfg)
+    out = dict(state_dict)
+    for norm, pairs in readers(cfg):
+        w = out.pop(f"{norm}.w")
+        for weight, _bias in pairs:
+            out[weight] = state_dict[weight] * w[:, None]
+    return out, cfg.replace(normalization_type="RMSPre", applied=cfg.applied + (identity,))
+
+
+def uncentred_writers(state_dict: StateDict, cfg: Config) -> dict[str, float]:
+    """The writers (see :func:`~circuitmath._processing.centring.writers`) whose mean over ``d_model`` is not zero.
+
+    Maps each such tensor's name to its largest ``|mean over d_model|``. A mean counts as zero
+    when it is at most ``d_model * eps(dtype) * M``, with ``M`` the largest ``|entry|`` of any
+    writer: what centring leaves from rounding, measured against the scale of the residual
+    stream (a small bias with a large common offset keeps a rounding error of the offset's size,
+    so its own size is no yardstick).
+    """
+    names = writers(cfg)
+    scale = max(float(state_dict[name].double().abs().max()) for name in names)
+    out = {}
+    for name in names:
+        W = state_dict[name]
+        mean = float(W.double().mean(dim=-1).abs().max())
+        if mean > cfg.d_model * torch.finfo(W.dtype).eps * scale:
+            out[name] = mean
+    return out
+
+
+def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Replace every ``LNPre`` by ``RMSPre`` (same ``eps``) in a model whose writes are all centred.
+
+    When every write to the residual stream has mean zero over ``d_model`` the stream ``x``
+    satisfies ``x C = x`` (``C = I - 1 1^T / d_model``), so ``LNPre(x) = n(x C) = n(x) =
+    RMSPre(x)``. The weights are unchanged; only ``normalization_type`` becomes ``"RMSPre"``.
+    Records ``"layer_norm_to_rms_norm"``.
+
+    Centring is verified on the weights themselves, not read from ``cfg.applied``: a model
+    centred elsewhere qualifies, and one whose writes a later rewrite un-centred does not. Each
+    writer's mean must be zero up to rounding (see :func:`uncentred_writers`); run
+    :func:`~circuitmath.center_writing_weights` first. Needs a pre-norm ``LNPre`` model (fold a
+    LayerNorm's gain and bias first: an RMSNorm has no bias).
+    """
+    identity = "layer_norm_to_rms_norm"
+    if identity in cfg.applied:
+        raise AlreadyAppliedError(identity)
+    require_pre_norm(identity, cfg)
+    require(
+        identity, "normalization_type is LNPre", cfg.normalization_type == "LNPre",
+        f"normalization_type is {cfg.normalization_type!r}"
+        + ("; fold the LayerNorm's gain and bias first (layer_norm_fold)" if cfg.normalization_type == "LN" else
+           ": there is no LayerNorm to replace"),
+    )
+    validate_state_dict(state_dict, cfg)
+    uncentred = uncentred_writers(state_dict, cfg)
+    worst = max(uncentred, key=uncentred.get, default=None)
+    require(
+        identity, "every write to the residual stream is centred", not uncentred,
+        f"{len(uncentred)} writer(s) have a nonzero mean over d_model, largest |mean| {uncentred.get(worst, 0):.3g}"
+        f" in {worst}; centre them first (center_writing_weights)",
+    )
+    return dict(state_dict), cfg.replace(normalization_type="RMSPre", applied=cfg.applied + (identity,))
+
+
+def rescale_residual_stream(
+    state_dict: StateDict, cfg: Config, *, scale: float
+) -> tuple[dict[str, torch.Tensor], Config]:
+    """Multiply every write to the residual stream by ``scale > 0``; exact only when ``eps == 0``.
+
+    The stream ``x`` becomes ``scale * x``. Every norm (``LN``, ``LNPre``, ``RMS``, ``RMSPre``)
+    divides by the root mean square of its (centred) input, which is invariant to a positive
+    scale exactly when ``eps = 0``: with ``eps > 0``, ``LNPre(s x) != LNPre(x)``, so such models
+    are refused. The writers are those of :func:`~circuitmath.center_writing_weights`. Needs a
+    pre-norm model with a norm. Records ``"scale_invariance"``.
+    """
+    identity = "scale_invariance"
+    if identity in cfg.applied:
+        raise AlreadyAppliedError(identity)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    require(
+        identity, "scale > 0", scale > 0,
+        f"scale is {scale!r}: the norms are odd, LNPre(-x) = -LNPre(x), so a sign flip reaches every reader",
+    )
+    require_pre_norm(identity, cfg)
+    require(
+        identity, "every reader sits behind a norm", cfg.normalization_type is not None,
+        "normalization_type is None: the readers see the residual stream's scale",
+    )
+    require(
+        identity, "eps == 0", cfg.eps == 0,
+        f"eps is {cfg.eps!r}: LNPre(s x) = s x C / sqrt(s^2 |x C|^2 / d + eps) differs from LNPre(x)"
+        " unless eps = 0",
+    )
+    validate_state_dict(state_dict, cfg)
+    out = dict(state_dict)
+    for name in writers(cfg):
+        out[name] = state_dict[name] * scale
+    return out, cfg.replace(applied=cfg.applied + (identity,))
