@@ -59,12 +59,12 @@ def _stream(weights, right=None) -> MatAdd:
 def _writing_proof() -> Proof:
     definitions = (
         Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones, ones.T)), "the centring matrix"),
-        Definition(x, _stream({}), "the residual stream: the sum of every write"),
-        *(Definition(BARS[W], _centred(W), "centred over d_model") for _, W in WRITES),
-        Definition(x_c, _stream(BARS), "the residual stream with every write centred"),
-        Definition(LNPre_x, MatMul(rho, x, C), r"centre, then normalise; rho is computed from x C"),
-        Definition(LNPre_xc, MatMul(rho, x_c, C), "the same rho: x' C = x C, shown below"),
-        Definition(RMSPre_x, MatMul(rho, x), "RMSNorm's normalisation, no centring"),
+        Definition(x, _stream({}), "the stream: every write summed"),
+        *(Definition(BARS[W], _centred(W), "mean over d subtracted") for _, W in WRITES),
+        Definition(x_c, _stream(BARS), "every write centred"),
+        Definition(LNPre_x, MatMul(rho, x, C), "rho is computed from x C"),
+        Definition(LNPre_xc, MatMul(rho, x_c, C), "the same rho, as x' C = x C"),
+        Definition(RMSPre_x, MatMul(rho, x), "no centring"),
         Definition(RMSPre_xc, MatMul(rho, x_c), "the same for x'"),
     )
     W_O_tilde = MatrixSymbol(r"\tilde{W}_O", e, d)
@@ -75,9 +75,9 @@ def _writing_proof() -> Proof:
         rhs=LNPre_x,
         steps=(
             Step(MatMul(rho, x_c, C), r"definition of $\mathrm{LNPre}$"),
-            Step(MatMul(rho, _stream({}, C), C), r"each centred write is the write times $C$: $W - \tfrac{1}{d} W \mathbf{1}_d \mathbf{1}_d^\top = W C$"),
+            Step(MatMul(rho, _stream({}, C), C), r"$\bar{W} = W C$ for every write"),
             Step(MatMul(rho, _stream({}), C, C), r"factor out $C$"),
-            Step(MatMul(rho, x, C), r"$C C = C$ (with $\mathbf{1}_d^\top \mathbf{1}_d = d$); definition of $x$"),
+            Step(MatMul(rho, x, C), r"$C C = C$; definition of $x$"),
             Step(LNPre_x, r"definition of $\mathrm{LNPre}$"),
         ),
         definitions=definitions,
@@ -144,19 +144,18 @@ def _unembed_proof() -> Proof:
         steps=(
             Step(
                 MatAdd(ell, MatMul(-m, row), MatMul(-lse_centred, row)),
-                r"$\bar{W}_U$ and $\bar{b}_U$ give the logits $\ell - \tfrac{1}{V}\ell \mathbf{1}_V \mathbf{1}_V^\top"
-                r" = \ell - m \mathbf{1}_V^\top$: every raw logit shifts by $-m$ (so the entries in the sum are $\ell_j - m$)",
+                r"the logits are $\ell - \tfrac{1}{V}\ell \mathbf{1}_V \mathbf{1}_V^\top = \ell - m \mathbf{1}_V^\top$",
             ),
             Step(
                 MatAdd(ell, MatMul(-m, row), MatMul(m - lse, row)),
-                r"$e^{\ell_j - m} = e^{-m} e^{\ell_j}$ and $\log(e^{-m} Z) = -m + \log Z$ for real $m$",
+                r"$\log \sum_j e^{\ell_j - m} = -m + \log \sum_j e^{\ell_j}$, $m$ real",
             ),
             Step(rhs, "collect: the shift cancels"),
         ),
         definitions=(
-            Definition(b_U, MatAdd(ell, MatMul(-1, y, W_U)), "the unembed bias, written through the logits l = y W_U + b_U"),
-            Definition(W_U_bar, MatAdd(W_U, MatMul(-1 / V, W_U, ones_V, ones_V.T)), "W_U centred over the vocabulary"),
-            Definition(b_U_bar, MatAdd(b_U, MatMul(-1 / V, b_U, ones_V, ones_V.T)), "b_U centred over the vocabulary"),
+            Definition(b_U, MatAdd(ell, MatMul(-1, y, W_U)), "written through the logits: l = y W + b"),
+            Definition(W_U_bar, MatAdd(W_U, MatMul(-1 / V, W_U, ones_V, ones_V.T)), "centred over the vocabulary"),
+            Definition(b_U_bar, MatAdd(b_U, MatMul(-1 / V, b_U, ones_V, ones_V.T)), "centred over the vocabulary"),
         ),
         facts=(
             Fact(MatMul(ell, OneMatrix(V, V)), MatMul(V * m, row), "m is the mean of the logits: every entry of l 1 1^T is V m"),
