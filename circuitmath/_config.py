@@ -12,7 +12,7 @@ __all__ = ["Config"]
 Normalization = Literal["LN", "LNPre", "RMS", "RMSPre"] | None
 NORMALIZATIONS = ("LN", "LNPre", "RMS", "RMSPre", None)
 POSITIONAL = ("standard", "shortformer", "rotary")
-ACTIVATIONS = ("relu", "gelu", "gelu_new")
+ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu")
 NORM_POSITIONS = ("pre", "post")
 
 
@@ -36,6 +36,9 @@ class Config:
     attention, with keys and values (``attn._W_K``, ``attn._W_V``, ``[n_key_value_heads,
     d_model, d_head]``) shared by ``n_heads // n_key_value_heads`` query heads each.
 
+    ``embedding_norm``: the embeddings pass through a norm (``embed.ln``, of
+    ``normalization_type``) before the first block (BERT); only post-norm models have it here.
+
     ``applied`` records, in order, the weight transforms that produced the state dict.
     """
 
@@ -56,6 +59,7 @@ class Config:
     gated_mlp: bool = False
     parallel_attn_mlp: bool = False
     n_key_value_heads: int | None = None
+    embedding_norm: bool = False
     eps: float = 1e-5
     applied: tuple[str, ...] = ()
 
@@ -88,6 +92,8 @@ class Config:
             problems.append("gated_mlp needs d_mlp (an attention-only model has no MLP)")
         if self.parallel_attn_mlp and (self.d_mlp is None or self.norm_position == "post"):
             problems.append("parallel_attn_mlp needs an MLP and a pre-norm model")
+        if self.embedding_norm and self.norm_position != "post":
+            problems.append("embedding_norm is the post-norm (BERT) layout; it needs norm_position='post'")
         if self.n_key_value_heads is not None and (
             not isinstance(self.n_key_value_heads, int)
             or self.n_key_value_heads < 1

@@ -43,6 +43,8 @@ def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x)
     if name == "gelu":
         return torch.nn.functional.gelu(x)
+    if name == "silu":
+        return torch.nn.functional.silu(x)
     return torch.nn.functional.gelu(x, approximate="tanh")  # gelu_new (GPT-2)
 
 
@@ -97,7 +99,8 @@ def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> torch.T
     """Logits ``[batch, pos, d_vocab]`` for integer ``tokens: [batch, pos]``.
 
     Pre-norm block: ``x += attn(norm1(x)); x += mlp(norm2(x))`` (parallel: ``x += attn(norm1(x))
-    + mlp(norm2(x))``), then ``norm_final`` and the unembed. Post-norm block: ``x = norm1(x + attn(x)); x = norm2(x + mlp(x))``, no final norm.
+    + mlp(norm2(x))``), then ``norm_final`` and the unembed. Post-norm block: ``x = norm1(x + attn(x)); x = norm2(x + mlp(x))``, no final norm;
+    with ``embedding_norm`` the embeddings are normed (``embed.ln``) before the first block.
     With shortformer embeddings ``W_pos`` is added to the query and key inputs after ``ln1``
     and never enters the residual stream.
     """
@@ -115,6 +118,8 @@ def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> torch.T
     pos = params["pos_embed.W_pos"][:positions] if "pos_embed.W_pos" in params else None
     if cfg.positional_embedding_type == "standard":
         x = x + pos
+    if cfg.embedding_norm:
+        x = _norm(params, "embed.ln", cfg, x)
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}"
         if cfg.norm_position == "post":

@@ -34,6 +34,8 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     """Every parameter name the config implies, with its shape (TransformerLens names)."""
     d, h, e = cfg.d_model, cfg.n_heads, cfg.d_head
     shapes: dict[str, tuple[int, ...]] = {"embed.W_E": (cfg.d_vocab, d)}
+    if cfg.embedding_norm:
+        shapes |= _norm_shapes("embed.ln", cfg.normalization_type, d)
     if cfg.positional_embedding_type != "rotary":
         shapes["pos_embed.W_pos"] = (cfg.n_ctx, d)
     for layer in range(cfg.n_layers):
