@@ -17,6 +17,9 @@ from .testing import Comparison, compare_log_probs
 __all__ = ["Identity", "register", "identities", "get_identity"]
 
 Transform = Callable[[StateDict, Config], tuple[dict, Config]]
+#: ``compare(state_dict, cfg, tokens, computation) -> Comparison``: the numeric check of an identity
+#: whose ``transform`` is a computation it licenses rather than a weight rewrite.
+Compare = Callable[[StateDict, Config, "torch.Tensor | None", Callable], Comparison]
 
 
 @dataclass(frozen=True, eq=False)
@@ -28,6 +31,13 @@ class Identity:
     before reading weights are centred); the numeric check compares the prepared model with its
     transform, so it tests this identity alone. ``corruptions`` are wrong transforms (the
     numeric twins) that the same check must reject.
+
+    ``compare`` is for identities that license a computation rather than a weight rewrite (the
+    logits as a sum of path terms, composition scores from factors): ``transform`` and each
+    corruption are then that computation, ``(state_dict, cfg, tokens) -> result``, and
+    ``compare(state_dict, cfg, tokens, computation)`` measures its result against the reference
+    (the forward pass, or the same quantity computed naively) as a
+    :class:`~circuitmath.testing.Comparison`.
     """
 
     name: str
@@ -38,6 +48,7 @@ class Identity:
     transform: Transform = field(repr=False)
     corruptions: Mapping[str, Transform] = field(repr=False)
     prepare: Transform | None = field(default=None, repr=False)
+    compare: Compare | None = field(default=None, repr=False)
 
     @cached_property
     def proof(self) -> Proof:
@@ -54,17 +65,20 @@ class Identity:
         return self.prepare(state_dict, cfg) if self.prepare else (state_dict, cfg)
 
     def check(self, state_dict: StateDict, cfg: Config, tokens: torch.Tensor | None = None) -> Comparison:
-        """Apply the transform and compare log-probs with the model it started from."""
-        before, before_cfg = self._prepared(state_dict, cfg)
-        after, after_cfg = self.transform(before, before_cfg)
-        return compare_log_probs(before, before_cfg, after, after_cfg, tokens)
+        """Apply the transform and compare log-probs with the model it started from (or run ``compare``)."""
+        return self._check(self.transform, state_dict, cfg, tokens)
 
     def check_corruption(
         self, corruption: str, state_dict: StateDict, cfg: Config, tokens: torch.Tensor | None = None
     ) -> Comparison:
         """The same comparison for one of the wrong transforms; it is expected to fail."""
+        return self._check(self.corruptions[corruption], state_dict, cfg, tokens)
+
+    def _check(self, transform, state_dict: StateDict, cfg: Config, tokens: torch.Tensor | None) -> Comparison:
         before, before_cfg = self._prepared(state_dict, cfg)
-        after, after_cfg = self.corruptions[corruption](before, before_cfg)
+        if self.compare is not None:
+            return self.compare(before, before_cfg, tokens, transform)
+        after, after_cfg = transform(before, before_cfg)
         return compare_log_probs(before, before_cfg, after, after_cfg, tokens)
 
 

@@ -5,3 +5,7 @@ from . import centring  # noqa: F401
 from . import norms  # noqa: F401
 from . import attention_biases  # noqa: F401
 from . import reparametrise  # noqa: F401
+from . import notation  # noqa: F401
+from . import attention  # noqa: F401
+from . import paths  # noqa: F401
+from . import composition  # noqa: F401
