@@ -22,6 +22,7 @@ from ._processing import (
     rescale_residual_stream as rescale_residual_stream,
     refactor_factored_attn_matrices as refactor_factored_attn_matrices,
     remove_key_biases as remove_key_biases,
+    shortformer_to_tables as shortformer_to_tables,
 )
 from ._proof import Proof as Proof, ProofReport as ProofReport
 from ._reference import forward as forward, log_probs as log_probs
@@ -58,5 +59,6 @@ __all__ = [
     "refactor_factored_attn_matrices",
     "remove_key_biases",
     "rescale_residual_stream",
+    "shortformer_to_tables",
     "validate_state_dict",
 ]

@@ -11,7 +11,7 @@ __all__ = ["Config"]
 
 Normalization = Literal["LN", "LNPre", "RMS", "RMSPre"] | None
 NORMALIZATIONS = ("LN", "LNPre", "RMS", "RMSPre", None)
-POSITIONAL = ("standard", "shortformer", "rotary")
+POSITIONAL = ("standard", "shortformer", "shortformer_tables", "rotary")
 ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu")
 NORM_POSITIONS = ("pre", "post")
 
@@ -28,6 +28,9 @@ class Config:
 
     ``positional_embedding_type``: ``"standard"`` adds ``W_pos`` to the residual stream;
     ``"shortformer"`` adds ``W_pos`` only to the query and key inputs (after ``ln1``);
+    ``"shortformer_tables"`` is a shortformer model with ``W_pos`` folded into each layer's
+    positional query and key tables ``attn.pos_Q = W_pos @ W_Q`` and ``attn.pos_K = W_pos @ W_K``
+    (``[n_ctx, heads, d_head]``), added to the queries and keys after projection;
     ``"rotary"`` rotates queries and keys by position and has no ``W_pos``.
 
     ``gated_mlp``: the MLP computes ``act(x W_gate) * (x W_in + b_in)`` before ``W_out``
@@ -84,6 +87,8 @@ class Config:
             problems.append("norm_position='post' needs a normalization_type")
         if self.positional_embedding_type not in POSITIONAL:
             problems.append(f"positional_embedding_type must be one of {POSITIONAL}, got {self.positional_embedding_type!r}")
+        if self.positional_embedding_type.startswith("shortformer") and self.norm_position == "post":
+            problems.append("shortformer positional embeddings need a pre-norm model")
         if self.positional_embedding_type == "rotary":
             rotary_dim = self.rotary_dim if self.rotary_dim is not None else self.d_head
             if rotary_dim % 2 or not 0 < rotary_dim <= self.d_head:

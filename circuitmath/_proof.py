@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import sympy
-from sympy import MatrixSymbol
+from sympy import MatMul, MatrixSymbol
 
 from ._algebra import evaluate, normal_form, random_instance, to_latex
 
@@ -120,7 +120,9 @@ class ProofReport:
 
 
 def _describe(terms) -> str:
-    return " + ".join(f"({c})*{'*'.join(map(str, f)) or '1'}" for f, c in terms.items()) or "0"
+    """The residual terms as LaTeX, ``0`` when none are left."""
+    parts = [to_latex(MatMul(c, *f)) if f else to_latex(c) for f, c in terms.items()]
+    return " + ".join(parts).replace("+ -", "-") or "0"
 
 
 def _gap(matrix) -> float:
@@ -229,10 +231,10 @@ class Proof:
 
     def derivation_latex(self) -> str:
         """The chain as an ``aligned`` block, one checked step per line with its reason."""
-        lines = [rf"& {to_latex(self.lhs)} \\"]
+        lines = [rf"& {to_latex(self.lhs)}"]
         for step in self.steps:
-            lines.append(rf"={{}} & {to_latex(step.expr)} && \text{{{step.reason}}} \\")
-        return "\\begin{aligned}\n" + "\n".join(lines) + "\n\\end{aligned}"
+            lines.append(rf"={{}} & {to_latex(step.expr)} && \text{{{step.reason}}}")
+        return "\\begin{aligned}\n" + " \\\\\n".join(lines) + "\n\\end{aligned}"
 
     def definitions_latex(self) -> list[str]:
         return [d.latex() for d in self.definitions]

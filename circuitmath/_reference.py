@@ -69,6 +69,8 @@ def _project(params: StateDict, p: str, cfg: Config, name: str, x: torch.Tensor)
     """
     weight, bias, heads = attention_names(cfg, name)
     out = torch.einsum("bpd,hde->bphe", x, params[f"{p}.{weight}"]) + params[f"{p}.{bias}"]
+    if cfg.positional_embedding_type == "shortformer_tables" and name != "V":
+        out = out + params[f"{p}.pos_{name}"][: x.shape[1]]
     return out.repeat_interleave(cfg.n_heads // heads, dim=2) if heads != cfg.n_heads else out
 
 

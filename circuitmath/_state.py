@@ -36,7 +36,7 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed.W_E": (cfg.d_vocab, d)}
     if cfg.embedding_norm:
         shapes |= _norm_shapes("embed.ln", cfg.normalization_type, d)
-    if cfg.positional_embedding_type != "rotary":
+    if cfg.positional_embedding_type in ("standard", "shortformer"):
         shapes["pos_embed.W_pos"] = (cfg.n_ctx, d)
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}"
@@ -45,6 +45,8 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
             weight, bias, heads = attention_names(cfg, name)
             shapes[f"{p}.attn.{weight}"] = (heads, d, e)
             shapes[f"{p}.attn.{bias}"] = (heads, e)
+            if cfg.positional_embedding_type == "shortformer_tables" and name != "V":
+                shapes[f"{p}.attn.pos_{name}"] = (cfg.n_ctx, heads, e)
         shapes[f"{p}.attn.W_O"] = (h, e, d)
         shapes[f"{p}.attn.b_O"] = (d,)
         if not cfg.attn_only:

@@ -59,6 +59,8 @@ def random_state_dict(
         if leaf == "w":
             signs = torch.where(torch.rand(shape, generator=g, dtype=f64) < 0.1, -1.0, 1.0)
             value = torch.exp(normal(shape, gain_spread)) * signs
+        elif leaf.startswith("pos_"):  # shortformer_tables: W_pos @ W_Q has unit-scale entries
+            value = normal(shape, 1.0)
         elif leaf.startswith("b"):
             value = normal(shape, bias_scale)
         else:  # a matrix: the residual axis is read (fan-in) or written

@@ -52,11 +52,13 @@ def configs(
     *,
     min_layers: int = 0,
     max_layers: int = 2,
+    min_d_model: int = 2,
     max_d_model: int = 12,
     max_heads: int = 3,
     max_d_head: int = 4,
     max_d_mlp: int = 16,
     max_vocab: int = 12,
+    min_ctx: int = 1,
     max_ctx: int = 6,
     normalization_types=NORMALIZATIONS,
     norm_positions=("pre",),
@@ -77,9 +79,11 @@ def configs(
     even ``d_head``.
     """
     _check_range("layers", min_layers, max_layers, 0)
-    for name, value, floor in (("max_d_model", max_d_model, 2), ("max_heads", max_heads, 1),
+    _check_range("ctx", min_ctx, max_ctx, 1)
+    _check_range("d_model", min_d_model, max_d_model, 2)
+    for name, value, floor in (("max_heads", max_heads, 1),
                                ("max_d_head", max_d_head, 2), ("max_d_mlp", max_d_mlp, 1),
-                               ("max_vocab", max_vocab, 2), ("max_ctx", max_ctx, 1)):
+                               ("max_vocab", max_vocab, 2)):
         if not isinstance(value, int) or value < floor:
             raise InvalidArgument(f"{name} must be an int >= {floor}, got {value!r}")
     normalization_types = _check_choices("normalization_types", normalization_types, NORMALIZATIONS)
@@ -98,7 +102,10 @@ def configs(
     def build(draw):
         position = draw(st.sampled_from(norm_positions))
         norms = [n for n in normalization_types if position == "pre" or n is not None]
-        positional = draw(st.sampled_from(positional_embedding_types))
+        allowed = [t for t in positional_embedding_types if position == "pre" or not t.startswith("shortformer")]
+        if not allowed:
+            raise InvalidArgument("post-norm models cannot use shortformer positional embeddings")
+        positional = draw(st.sampled_from(allowed))
         d_head = draw(st.integers(1, max_d_head // 2)) * 2 if positional == "rotary" else draw(st.integers(1, max_d_head))
         mlp = draw(st.booleans()) if attn_only is None else not attn_only
         n_heads = draw(st.integers(1, max_heads))
@@ -107,7 +114,7 @@ def configs(
             kv_heads = draw(st.sampled_from([k for k in range(1, n_heads + 1) if n_heads % k == 0]))
         return Config(
             n_layers=draw(st.integers(min_layers, max_layers)),
-            d_model=draw(st.integers(2, max_d_model)),
+            d_model=draw(st.integers(min_d_model, max_d_model)),
             n_heads=n_heads,
             n_key_value_heads=kv_heads,
             gated_mlp=mlp and draw(st.sampled_from(gated_mlp)),
@@ -115,7 +122,7 @@ def configs(
             d_head=d_head,
             d_mlp=draw(st.integers(1, max_d_mlp)) if mlp else None,
             d_vocab=draw(st.integers(2, max_vocab)),
-            n_ctx=draw(st.integers(1, max_ctx)),
+            n_ctx=draw(st.integers(min_ctx, max_ctx)),
             act_fn=draw(st.sampled_from(act_fns)),
             normalization_type=draw(st.sampled_from(norms)),
             norm_position=position,

@@ -82,16 +82,22 @@ def _pages(html: Path) -> list[str]:
 # Run in the page: wait for MathJax (when the page loads it) and count what it produced.
 _INSPECT = """async () => {
     const loadsMathJax = !!document.querySelector('script[src*="mathjax/tex-chtml.js"]');
+    let mathJaxStarted = false;
     if (loadsMathJax) {
         const deadline = Date.now() + 30000;
         while (!(window.MathJax && window.MathJax.startup && window.MathJax.startup.promise)) {
-            if (Date.now() > deadline) throw new Error("MathJax did not start");
+            if (Date.now() > deadline) break;
             await new Promise((resolve) => setTimeout(resolve, 50));
         }
-        await window.MathJax.startup.promise;
+        if (window.MathJax && window.MathJax.startup && window.MathJax.startup.promise) {
+            await window.MathJax.startup.promise;
+            mathJaxStarted = true;
+        }
     }
     return {
+        url: location.href,
         loadsMathJax,
+        mathJaxStarted,
         containers: document.querySelectorAll("mjx-container").length,
         merrors: document.querySelectorAll("mjx-merror").length,
         untypeset: document.querySelectorAll(".math:not(:has(mjx-container))").length,
@@ -115,7 +121,8 @@ def test_book_builds_and_renders_offline(tmp_path):
     for chapter in CHAPTERS:
         assert chapter in pages, f"{chapter} was not built; pages: {pages}"
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(html)))
+    handler = functools.partial(_QuietHandler, directory=str(html))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{server.server_address[1]}/"
@@ -143,8 +150,14 @@ def test_book_builds_and_renders_offline(tmp_path):
                 context.route("**/*", route)
                 page = context.new_page()
                 page.set_default_timeout(PAGE_TIMEOUT)
-                page.on("requestfailed", lambda r: failed.append(f"{r.url}: {r.failure}") if r.url not in outside else None)
-                page.on("response", lambda r: failed.append(f"{r.url}: HTTP {r.status}") if r.status >= 400 else None)
+                page.on(
+                    "requestfailed",
+                    lambda r: None if r.url in outside else failed.append(f"{r.url}: {r.failure}"),
+                )
+                page.on(
+                    "response",
+                    lambda r: failed.append(f"{r.url}: HTTP {r.status}") if r.status >= 400 else None,
+                )
                 page.on("pageerror", lambda e: page_errors.append(f"{page.url}: {e}"))
                 for name in pages:
                     page.goto(base + name, wait_until="load")
@@ -162,9 +175,11 @@ def test_book_builds_and_renders_offline(tmp_path):
     assert not failed, f"local requests failed: {failed}"
     assert not page_errors, f"JavaScript errors: {page_errors}"
     for name, result in results.items():
-        assert result["merrors"] == 0, f"{name}: MathJax reported {result['merrors']} errors"
-        assert result["untypeset"] == 0, f"{name}: {result['untypeset']} math elements were not typeset"
-        assert result["brokenImages"] == 0, f"{name}: {result['brokenImages']} images did not load"
+        where = f"{name} (at {result['url']})"
+        assert result["mathJaxStarted"] or not result["loadsMathJax"], f"{where}: MathJax did not start"
+        assert result["merrors"] == 0, f"{where}: MathJax reported {result['merrors']} errors"
+        assert result["untypeset"] == 0, f"{where}: {result['untypeset']} math elements were not typeset"
+        assert result["brokenImages"] == 0, f"{where}: {result['brokenImages']} images did not load"
     for chapter in CHAPTERS:
         result = results[chapter]
         assert result["loadsMathJax"], f"{chapter} does not load MathJax"

@@ -3,6 +3,7 @@
 from . import layer_norm  # noqa: F401
 from . import centring  # noqa: F401
 from . import norms  # noqa: F401
+from . import shortformer  # noqa: F401
 from . import attention_biases  # noqa: F401
 from . import reparametrise  # noqa: F401
 from . import notation  # noqa: F401

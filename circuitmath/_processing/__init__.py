@@ -20,3 +20,4 @@ from .norms import (
     layer_norm_to_rms_norm as layer_norm_to_rms_norm,
     rescale_residual_stream as rescale_residual_stream,
 )
+from .shortformer import shortformer_to_tables as shortformer_to_tables

@@ -44,5 +44,6 @@ def common_preconditions(identity: str, cfg: Config) -> None:
         identity, "norm output read only by linear maps",
         cfg.positional_embedding_type != "shortformer" or cfg.n_layers == 0,
         "with shortformer embeddings W_pos is added to ln1's output before W_Q and W_K read it,"
-        " so rewriting W_Q and W_K would rewrite W_pos's contribution too",
+        " so rewriting W_Q and W_K would rewrite W_pos's contribution too; move W_pos into"
+        " per-layer query and key tables first (shortformer_to_tables)",
     )

@@ -7,6 +7,7 @@ import torch
 from .._config import Config
 from .._state import StateDict, validate_state_dict
 from ._common import common_preconditions, readers, require
+from .shortformer import shortformer_to_tables
 
 __all__ = ["fold_layer_norm", "center_reading_weights"]
 
@@ -20,6 +21,8 @@ def fold_layer_norm(
     ``W_K``, ``W_V`` (``[n_heads, d_model, d_head]``), ``W_in`` (``[d_model, d_mlp]``) and
     ``W_U`` (``[d_model, d_vocab]``). ``eps`` stays inside ``LNPre``, so the fold is exact.
     The returned config has ``normalization_type="LNPre"`` and records ``"layer_norm_fold"``.
+    A shortformer model first goes through :func:`shortformer_to_tables` (recorded too), since
+    ``W_pos`` added after ``ln1`` must not be scaled by the gain.
 
     With ``center_reading_weights=True`` the result is then passed through
     :func:`center_reading_weights`.
@@ -37,13 +40,15 @@ def fold_layer_norm(
     True
     """
     identity = "layer_norm_fold"
-    common_preconditions(identity, cfg)
-    validate_state_dict(state_dict, cfg)
     require(
         identity, "normalization_type is LN", cfg.normalization_type == "LN",
         f"normalization_type is {cfg.normalization_type!r}; there is no LayerNorm gain and bias"
         + (" (RMSNorm gains fold by a different identity)" if cfg.normalization_type == "RMS" else ""),
     )
+    if cfg.positional_embedding_type == "shortformer" and cfg.norm_position == "pre" and identity not in cfg.applied:
+        state_dict, cfg = shortformer_to_tables(state_dict, cfg)
+    common_preconditions(identity, cfg)
+    validate_state_dict(state_dict, cfg)
     for norm, pairs in readers(cfg):
         for weight, bias in pairs:
             require(
