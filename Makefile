@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test,book]"
+	$(PY) -m pip install --quiet -e ".[test,book,hf]"
 	touch $@
 
 $(MATHJAX):
@@ -42,6 +42,7 @@ test: env $(MATHJAX) chromium
 
 bench: env
 	$(PY) benchmarks/prove_suite.py
+	$(PY) benchmarks/composition_scores.py
 
 clean:
 	rm -rf book/_build book/_extra .cache
