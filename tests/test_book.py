@@ -35,7 +35,11 @@ CHROMIUM_ARGS = [
     "--no-first-run",
     "--disable-sync",
 ]
-CHAPTERS = ("layer_norm.html",)
+# Every chapter of the table of contents must typeset formulas; one that plots must show its plots.
+CHAPTERS = tuple(
+    f"{line.split('file:')[1].strip()}.html" for line in (BOOK / "_toc.yml").read_text().splitlines() if "file:" in line
+)
+PLOTTING = tuple(c for c in CHAPTERS if "plt." in (BOOK / c.replace(".html", ".md")).read_text())
 BUILD_TIMEOUT = 900  # seconds
 PAGE_TIMEOUT = 60_000  # milliseconds
 
@@ -184,4 +188,5 @@ def test_book_builds_and_renders_offline(tmp_path):
         result = results[chapter]
         assert result["loadsMathJax"], f"{chapter} does not load MathJax"
         assert result["containers"] > 0, f"{chapter}: no formula was typeset"
-        assert result["images"] > 0, f"{chapter}: the plot is missing"
+        if chapter in PLOTTING:
+            assert result["images"] > 0, f"{chapter}: the plot is missing"
