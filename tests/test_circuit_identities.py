@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import circuitmath as cm
-from circuitmath.strategies import models, tokens
+from circuitmath.strategies import configs, models, state_dicts, tokens
 
 POSITIONS = ("standard", "rotary", "shortformer")
 ROUTE = dict(attn_only=True, positional_embedding_types=POSITIONS, max_layers=2)
@@ -92,8 +92,8 @@ def test_check_passes_in_float32(name, data):
 def test_negative_controls_are_caught(name, data):
     identity = cm.get_identity(name)
     extra, applies = DISCRIMINATING.get(name, ({}, lambda cfg: True))
-    options = {"weights": TAME, **CHECKS[name], **extra}
-    cfg, sd = data.draw(models(dtype=torch.float64, **options).filter(lambda model: GENERIC(model[0]) and applies(model[0])))
+    cfg = data.draw(configs(**{**CHECKS[name], **extra}).filter(lambda cfg: GENERIC(cfg) and applies(cfg)))
+    sd = data.draw(state_dicts(cfg, dtype=torch.float64, **TAME))
     for corruption in identity.corruptions:
         result = identity.check_corruption(corruption, sd, cfg)
         assert not result.passed, f"{name}: {corruption} went unnoticed: {result} on {cfg}"

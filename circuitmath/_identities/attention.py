@@ -43,7 +43,7 @@ def _head_proof():
             Step(MatMul(R, W_O), r"definition of the head's output"),
             Step(MatMul(A, V, W_O), r"definition of $R$: row $i$ is $\sum_j A_{ij} v_j$"),
             Step(MatMul(A, X, W_V, W_O), r"definition of $V$: row $j$ is $v_j = x_j W_V$"),
-            Step(MatMul(A, X, Transpose(MatMul(W_Oc, W_Vc))), r"\texttt{row\_column\_convention}: $W_V W_O = (W_O^{\mathrm{col}} W_V^{\mathrm{col}})^\top$"),
+            Step(MatMul(A, X, Transpose(MatMul(W_Oc, W_Vc))), r"the row/column convention: $W_V W_O = (W_O^{\mathrm{col}} W_V^{\mathrm{col}})^\top$"),
             Step(rhs, r"definition of $\otimes$"),
         ),
         definitions=(
@@ -123,7 +123,7 @@ def _multi_head_proof():
             Step(MatAdd(*(MatMul(results[i], E[i], Transpose(E[j]), W_O[j]) for i in range(2) for j in range(2))),
                  "distribute"),
             Step(MatAdd(*(MatMul(results[h], W_O[h]) for h in range(2))), r"$E_i E_j^\top = \delta_{ij} I_e$"),
-            Step(rhs, r"\texttt{attention\_head\_tensor\_form}, once per head"),
+            Step(rhs, r"a head is a tensor product, once per head"),
         ),
         definitions=(
             Definition(Z, MatAdd(*(MatMul(results[h], E[h]) for h in range(2))),
@@ -187,9 +187,9 @@ def _positions_proof():
         lhs=lhs,
         rhs=rhs,
         steps=(
-            Step(Apply(tensor(E, W), X), r"\texttt{tensor\_mixed\_product}: $I P \otimes W I$"),
+            Step(Apply(tensor(E, W), X), r"the mixed product: $I P \otimes W I$"),
             Step(MatMul(E, X, Transpose(W)), r"definition of $\otimes$"),
-            Step(rhs, r"\texttt{tensor\_mixed\_product}: $P I \otimes I W$"),
+            Step(rhs, r"the mixed product: $P I \otimes I W$"),
         ),
         explicit_dims={n: 3, d: 4, q: 2},
         twins=(

@@ -97,9 +97,9 @@ def _path_expansion_proof(layers):
     combined = expand_operator(op)
     rhs = MatAdd(*(Apply(term, t) for term in combined.args))
     steps = (
-        Step(Apply(op, t), r"\texttt{row\_column\_convention} for every map: the layers as operators"),
+        Step(Apply(op, t), r"the row/column convention for every map: the layers as operators"),
         Step(Apply(distributed, t), "distribute the product over the sums"),
-        Step(Apply(combined, t), r"\texttt{tensor\_mixed\_product}, term by term"),
+        Step(Apply(combined, t), r"the mixed product, term by term"),
         Step(rhs, r"an operator sum acts term by term"),
     )
     return lhs, rhs, steps, definitions, heads, combined
@@ -123,7 +123,7 @@ def _zero_layer_proof():
         lhs=lhs,
         rhs=rhs,
         steps=(
-            Step(MatMul(Eye(n), t, Transpose(MatMul(W_Uc, W_Ec))), r"\texttt{row\_column\_convention}: $W_E W_U = (W_U^c W_E^c)^\top$"),
+            Step(MatMul(Eye(n), t, Transpose(MatMul(W_Uc, W_Ec))), r"the row/column convention: $W_E W_U = (W_U^c W_E^c)^\top$"),
             Step(rhs, r"definition of $\otimes$"),
         ),
         definitions=CONVENTION,
