@@ -440,13 +440,18 @@ def copying_scores(state_dict: StateDict, cfg: Config) -> torch.Tensor:
 # Attention patterns and the path expansion of attention-only models
 
 
+#: Positional embeddings the path expansion knows: ``standard`` writes ``W_pos`` into the stream
+#: (a path source of its own); the others act on queries and keys only, inside the frozen patterns.
+POSITIONS = ("standard", "rotary", "shortformer", "shortformer_tables")
+
+
 def _require_path_model(cfg: Config, identity: str) -> None:
     problems = []
     if not cfg.attn_only:
         problems.append(("attention-only", "the model has MLPs, which are not linear in the residual stream"))
     if cfg.norm_position != "pre":
         problems.append(("pre-norm", "a post-norm model normalises the residual stream itself"))
-    if cfg.positional_embedding_type not in ("standard", "rotary", "shortformer"):
+    if cfg.positional_embedding_type not in POSITIONS:
         problems.append(("known positional embedding", f"positional_embedding_type is {cfg.positional_embedding_type!r}"))
     if problems:
         precondition, detail = problems[0]
@@ -608,8 +613,8 @@ def path_terms(
     (the paper's notation, norms' linear parts included), plus the same for positional
     embeddings and biases. The values sum to :func:`circuitmath.forward`'s logits up to
     rounding (identities ``one_layer_path_expansion`` and ``two_layer_path_expansion``).
-    Pre-norm attention-only models (any norm, standard / rotary / shortformer positions,
-    grouped-query attention). There are about ``(n_heads + 1) ** n_layers`` paths per source;
+    Pre-norm attention-only models (any norm, any positional embedding, grouped-query
+    attention). There are about ``(n_heads + 1) ** n_layers`` paths per source;
     more than ``max_paths`` is an error.
     """
     run = _run(state_dict, cfg, tokens, "two_layer_path_expansion")

@@ -14,7 +14,7 @@ from hypothesis import given, strategies as st
 import circuitmath as cm
 from circuitmath.strategies import configs, models, state_dicts, tokens
 
-POSITIONS = ("standard", "rotary", "shortformer")
+POSITIONS = ("standard", "rotary", "shortformer", "shortformer_tables")
 ROUTE = dict(attn_only=True, positional_embedding_types=POSITIONS, max_layers=2)
 NORMED = ("LN", "LNPre", "RMS", "RMSPre")
 

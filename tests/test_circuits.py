@@ -11,7 +11,8 @@ from circuitmath import circuits
 from circuitmath.circuits import FactoredMatrix, Path
 from circuitmath.strategies import models, tokens
 
-PATH_MODELS = dict(attn_only=True, positional_embedding_types=("standard", "rotary", "shortformer"), max_layers=2)
+PATH_MODELS = dict(attn_only=True, positional_embedding_types=("standard", "rotary", "shortformer", "shortformer_tables"),
+                   max_layers=2)
 FLOAT64 = torch.float64
 
 

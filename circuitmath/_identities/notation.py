@@ -17,8 +17,8 @@ the attention patterns frozen from a forward pass, against the reference forward
 
 from __future__ import annotations
 
-import torch
 import sympy
+import torch
 from sympy import Identity as Eye, MatAdd, MatMul, MatrixExpr, MatrixSymbol, Symbol, Transpose, ZeroMatrix
 
 from .._kronecker import Apply, tensor
