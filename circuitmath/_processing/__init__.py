@@ -20,4 +20,5 @@ from .norms import (
     layer_norm_to_rms_norm as layer_norm_to_rms_norm,
     rescale_residual_stream as rescale_residual_stream,
 )
+from .pipeline import process_weights as process_weights
 from .shortformer import shortformer_to_tables as shortformer_to_tables

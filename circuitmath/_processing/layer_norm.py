@@ -66,7 +66,7 @@ def fold_layer_norm(
             if bias is not None:
                 out[bias] = state_dict[bias] + torch.matmul(b, W)
     new_cfg = cfg.replace(normalization_type="LNPre", applied=cfg.applied + (identity,))
-    return _center_reading(out, new_cfg) if center_reading_weights else (out, new_cfg)
+    return _center_reading(out, new_cfg, readers_are_fresh=True) if center_reading_weights else (out, new_cfg)
 
 
 def center_reading_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
@@ -80,7 +80,11 @@ def center_reading_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     return _center_reading(state_dict, cfg)
 
 
-def _center_reading(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+def _center_reading(
+    state_dict: StateDict, cfg: Config, *, readers_are_fresh: bool = False
+) -> tuple[dict[str, torch.Tensor], Config]:
+    """``readers_are_fresh``: every reader of ``state_dict`` was just created by the fold and is
+    owned by no one else, so it is centred in place instead of into a second copy."""
     identity = "center_reading_weights"
     common_preconditions(identity, cfg)
     require(
@@ -97,5 +101,6 @@ def _center_reading(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch
     for _norm, pairs in readers(cfg):
         for weight, _bias in pairs:
             W = state_dict[weight]
-            out[weight] = W - W.mean(dim=-2, keepdim=True)
+            mean = W.mean(dim=-2, keepdim=True)
+            out[weight] = W.sub_(mean) if readers_are_fresh else W - mean
     return out, cfg.replace(applied=cfg.applied + (identity,))

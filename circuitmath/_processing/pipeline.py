@@ -1,0 +1,145 @@
+"""Every weight-processing step of the source notes, in one call and in an order that keeps each exact."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .._config import Config
+from .._errors import AlreadyAppliedError, PreconditionError
+from .._state import StateDict, entries_checked_elsewhere, validate_state_dict
+from .attention import fold_value_biases as _fold_value_biases
+from .attention import refactor_factored_attn_matrices as _refactor_factored_attn_matrices
+from .centring import center_unembed as _center_unembed
+from .centring import center_writing_weights as _center_writing_weights
+from .layer_norm import fold_layer_norm
+from .norms import fold_rms_norm
+
+__all__ = ["process_weights", "PIPELINE_STEPS"]
+
+Transform = Callable[[StateDict, Config], tuple[dict[str, torch.Tensor], Config]]
+
+
+def _fold_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Fold the norm's parameters into its readers; behind a LayerNorm, also centre the readers.
+
+    ``"LN"``: :func:`~circuitmath.fold_layer_norm` with ``center_reading_weights=True`` (a
+    shortformer model first moves ``W_pos`` into per-layer query and key tables); ``"RMS"``:
+    :func:`~circuitmath.fold_rms_norm`, and no centring (``RMSPre(x)`` is not orthogonal to 1).
+    Any other norm has no parameters to fold: refused like :func:`~circuitmath.fold_layer_norm`.
+    """
+    for done in ("layer_norm_fold", "rms_norm_fold"):
+        if done in cfg.applied:
+            raise AlreadyAppliedError(done)
+    if cfg.normalization_type == "RMS":
+        return fold_rms_norm(state_dict, cfg)
+    return fold_layer_norm(state_dict, cfg, center_reading_weights=True)
+
+
+#: The steps of :func:`process_weights`, in the order it applies them: ``(keyword, transform)``.
+PIPELINE_STEPS: tuple[tuple[str, Transform], ...] = (
+    ("fold_ln", _fold_norm),
+    ("fold_value_biases", _fold_value_biases),
+    ("center_writing_weights", _center_writing_weights),
+    ("center_unembed", _center_unembed),
+    ("refactor_factored_attn_matrices", _refactor_factored_attn_matrices),
+)
+
+
+def process_weights(
+    state_dict: StateDict,
+    cfg: Config,
+    *,
+    fold_ln: bool | None = True,
+    center_writing_weights: bool | None = True,
+    center_unembed: bool | None = True,
+    fold_value_biases: bool | None = True,
+    refactor_factored_attn_matrices: bool | None = False,
+) -> tuple[dict[str, torch.Tensor], Config]:
+    """Apply the weight-processing steps of the source notes, each only where it is exact.
+
+    Each keyword takes ``True`` (apply the step; if this model breaks one of its preconditions,
+    raise that step's :class:`~circuitmath.PreconditionError`), ``False`` (leave it out) or
+    ``None`` (apply it if its preconditions hold, leave it out otherwise). ``None`` for every
+    keyword asks for everything that applies; what was applied is read from the returned
+    config's ``applied``, so nothing is skipped unseen. A step already recorded in
+    ``cfg.applied`` is refused when asked for with ``True`` (:class:`~circuitmath.AlreadyAppliedError`)
+    and left out with ``None``. A refusal returns nothing, and the input is never modified.
+
+    The steps, in the order applied:
+
+    1. ``fold_ln``: fold each norm's gain (and bias) into the maps that read it. A LayerNorm
+       (``"LN"``) is folded by :func:`~circuitmath.fold_layer_norm` and its readers are then
+       centred (:func:`~circuitmath.center_reading_weights`), leaving ``"LNPre"``; a shortformer
+       model first has ``W_pos`` moved into per-layer query and key tables
+       (:func:`~circuitmath.shortformer_to_tables`, done inside the fold). An RMSNorm (``"RMS"``)
+       is folded by :func:`~circuitmath.fold_rms_norm`, leaving ``"RMSPre"``, and its readers are
+       not centred: ``RMSPre(x)`` is not orthogonal to the all-ones vector. First, because the
+       centring of the readers is exact only once they read ``LNPre(x)``: centring behind an
+       unfolded ``LN(x) = LNPre(x) diag(w) + b`` changes the model.
+    2. ``fold_value_biases``: ``b_O += Σ_h b_V[h] W_O[h]``, ``b_V = 0``. After the fold, which
+       adds ``ln1.b @ W_V`` to ``b_V``: folded earlier, that part would stay in ``b_V``.
+    3. ``center_writing_weights``: subtract from every write to the residual stream its mean over
+       ``d_model`` (needs a centring norm, ``"LN"`` or ``"LNPre"``). After the value-bias fold,
+       so the final ``b_O`` is centred once, in the same pass as the other writers.
+    4. ``center_unembed``: subtract from ``W_U`` and ``b_U`` their means over the vocabulary
+       (log-probs unchanged, raw logits shift per position). After the fold, which rewrites
+       ``W_U`` and moves ``ln_final.b @ W_U`` into ``b_U``.
+    5. ``refactor_factored_attn_matrices``: balanced SVD factors of every ``W_Q W_K^T`` and
+       ``W_V W_O`` (refused for rotary models). Last, because every earlier step rewrites
+       ``W_Q``, ``W_K``, ``W_V`` or ``W_O`` and would undo the balanced factorisation, and
+       because with ``b_V = 0`` the value side needs no bias row and ``b_V`` stays exactly zero.
+
+    Shapes are those of :func:`~circuitmath.expected_shapes`; every dtype is kept. Half-precision
+    weights (bfloat16, float16) are processed in float32 and rounded once at the end, which
+    halves their error against rounding after every step; float32 and float64 are processed in
+    their own dtype. Returns the
+    processed state dict and a config whose ``applied`` lists every identity used, in order.
+
+    >>> import torch
+    >>> from circuitmath import Config, process_weights, random_state_dict
+    >>> from circuitmath.testing import assert_equivalent
+    >>> cfg = Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
+    >>> sd = random_state_dict(cfg, seed=0, dtype=torch.float64)
+    >>> processed, processed_cfg = process_weights(sd, cfg)
+    >>> processed_cfg.applied  # doctest: +NORMALIZE_WHITESPACE
+    ('layer_norm_fold', 'center_reading_weights', 'fold_value_biases', 'center_writing_weights',
+     'center_unembed')
+    >>> _ = assert_equivalent(sd, processed, cfg, after_cfg=processed_cfg)
+    >>> rms = cfg.replace(normalization_type="RMS")
+    >>> process_weights(random_state_dict(rms, seed=0), rms)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    circuitmath._errors.PreconditionError: center_writing_weights: precondition 'every reader sits behind a centring norm' does not hold: ...
+    >>> everything = dict.fromkeys(["fold_ln", "center_writing_weights", "center_unembed",
+    ...                             "fold_value_biases", "refactor_factored_attn_matrices"])
+    >>> process_weights(random_state_dict(rms, seed=0), rms, **everything)[1].applied
+    ('rms_norm_fold', 'fold_value_biases', 'center_unembed', 'refactor_factored_attn_matrices')
+    """
+    requested = {
+        "fold_ln": fold_ln,
+        "fold_value_biases": fold_value_biases,
+        "center_writing_weights": center_writing_weights,
+        "center_unembed": center_unembed,
+        "refactor_factored_attn_matrices": refactor_factored_attn_matrices,
+    }
+    for keyword, value in requested.items():
+        if not any(value is allowed for allowed in (True, False, None)):
+            raise TypeError(f"{keyword} must be True, False or None (if applicable), got {value!r}")
+    dtype = validate_state_dict(state_dict, cfg)
+    if torch.finfo(dtype).bits < 32:
+        state_dict = {name: tensor.float() for name, tensor in state_dict.items()}
+    with entries_checked_elsewhere():  # checked here, on the way in and on the way out
+        for keyword, step in PIPELINE_STEPS:
+            if requested[keyword] is False:
+                continue
+            try:
+                state_dict, cfg = step(state_dict, cfg)
+            except PreconditionError:
+                if requested[keyword] is None:
+                    continue
+                raise
+    out = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    validate_state_dict(out, cfg)
+    return out, cfg

@@ -1,0 +1,191 @@
+"""The whole weight-processing pipeline on every architecture the steps support."""
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import circuitmath as cm
+from circuitmath._identities.pipeline import EVERYTHING_APPLICABLE
+from circuitmath._processing.pipeline import PIPELINE_STEPS
+from circuitmath.strategies import models, tokens
+from circuitmath.testing import compare_log_probs
+
+PIPELINE = cm.get_identity("process_weights")
+EVERY_ARCHITECTURE = dict(
+    norm_positions=("pre", "post"), positional_embedding_types=("standard", "shortformer", "rotary")
+)
+DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+KEYWORDS = [keyword for keyword, _step in PIPELINE_STEPS]
+# What each keyword records in cfg.applied when it applies (the fold of a LayerNorm records three:
+# the shortformer tables when there are some, the fold, and the centring of its readers).
+RECORDS = {
+    "fold_ln": {"layer_norm_fold", "rms_norm_fold"},
+    "fold_value_biases": {"fold_value_biases"},
+    "center_writing_weights": {"center_writing_weights"},
+    "center_unembed": {"center_unembed"},
+    "refactor_factored_attn_matrices": {"refactor_factored_attn_matrices"},
+}
+
+
+def _snapshot(state_dict):
+    return {k: v.clone() for k, v in state_dict.items()}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+@DTYPES
+@given(data=st.data())
+def test_everything_applicable_preserves_log_probs(dtype, data):
+    cfg, sd = data.draw(models(dtype=dtype, **EVERY_ARCHITECTURE))
+    before = _snapshot(sd)
+    result = PIPELINE.check(sd, cfg, data.draw(tokens(cfg)))
+    assert result.passed, result
+    assert _same(sd, before), "the input state dict was modified"
+    processed, processed_cfg = cm.process_weights(sd, cfg, **EVERYTHING_APPLICABLE)
+    assert {t.dtype for t in processed.values()} == {dtype}
+    cm.validate_state_dict(processed, processed_cfg)
+    assert processed_cfg.applied[: len(cfg.applied)] == cfg.applied
+
+
+@given(models(**EVERY_ARCHITECTURE))
+def test_a_step_is_left_out_only_where_asking_for_it_is_refused(model):
+    """With None a step that does not apply is left out; asked for with True, it raises."""
+    cfg, sd = model
+    processed, processed_cfg = cm.process_weights(sd, cfg, **EVERYTHING_APPLICABLE)
+    for keyword in KEYWORDS:
+        alone = dict.fromkeys(KEYWORDS, False) | {keyword: True}
+        if RECORDS[keyword] & set(processed_cfg.applied):
+            assert RECORDS[keyword] & set(cm.process_weights(sd, cfg, **alone)[1].applied)
+        else:
+            with pytest.raises(cm.PreconditionError):
+                cm.process_weights(sd, cfg, **alone)
+
+
+@given(models(**EVERY_ARCHITECTURE))
+def test_steps_run_in_the_documented_order_and_everything_twice_is_everything_once(model):
+    cfg, sd = model
+    processed, processed_cfg = cm.process_weights(sd, cfg, **EVERYTHING_APPLICABLE)
+    order = {name: i for i, keyword in enumerate(KEYWORDS) for name in RECORDS[keyword]}
+    ranks = [order[name] for name in processed_cfg.applied if name in order]
+    assert ranks == sorted(ranks)
+    again, again_cfg = cm.process_weights(processed, processed_cfg, **EVERYTHING_APPLICABLE)
+    assert again_cfg == processed_cfg and _same(again, processed)
+
+
+@given(models(dtype=torch.float32, normalization_types=("LN",), gated_mlp=(False,),
+              positional_embedding_types=("standard", "shortformer", "rotary")))
+def test_defaults_on_a_layer_norm_model_give_the_canonical_form(model):
+    """Readers and writers centred over d_model, value biases zero, unembed centred over the vocabulary."""
+    cfg, sd = model
+    processed, processed_cfg = cm.process_weights(sd, cfg)
+    assert processed_cfg.normalization_type == "LNPre"
+    assert set(processed_cfg.applied) >= {"layer_norm_fold", "center_reading_weights", "fold_value_biases",
+                                          "center_writing_weights", "center_unembed"}
+    scale = max(float(t.abs().max()) for t in processed.values())
+    small = 64 * torch.finfo(torch.float32).eps * scale * cfg.d_model
+    for norm, pairs in cm._processing.readers(processed_cfg):
+        for weight, _bias in pairs:
+            assert processed[weight].mean(dim=-2).abs().max() <= small, weight
+    for name in cm._processing.writers(processed_cfg):
+        assert processed[name].mean(dim=-1).abs().max() <= small, name
+    for layer in range(cfg.n_layers):
+        bias = "_b_V" if cfg.n_key_value_heads else "b_V"
+        assert not processed[f"blocks.{layer}.attn.{bias}"].any()
+    assert processed["unembed.W_U"].mean(dim=-1).abs().max() <= small
+    assert processed["unembed.b_U"].mean().abs() <= small
+
+
+REFUSALS = [
+    (dict(normalization_types=("RMS",), positional_embedding_types=("standard", "rotary")),
+     dict(), "center_writing_weights", "center_writing_weights", "every reader sits behind a centring norm"),
+    (dict(normalization_types=("LN",), norm_positions=("post",), positional_embedding_types=("standard", "rotary")),
+     dict(center_writing_weights=False), "fold_ln", "layer_norm_fold", "pre-norm"),
+    (dict(normalization_types=("LN", "LNPre", "RMS"), positional_embedding_types=("rotary",), gated_mlp=(False,)),
+     dict(fold_ln=False, center_writing_weights=False, refactor_factored_attn_matrices=True),
+     "refactor_factored_attn_matrices", "refactor_factored_attn_matrices", "keys and queries are not rotated by position"),
+    (dict(normalization_types=("LN",), gated_mlp=(True,), attn_only=False, min_layers=1,
+          positional_embedding_types=("standard",)),
+     dict(), "fold_ln", "layer_norm_fold", "every reader has a bias to absorb b @ W"),
+]
+
+
+@pytest.mark.parametrize("options, flags, keyword, identity, precondition", REFUSALS,
+                         ids=["centre-writers-behind-rms", "fold-post-norm", "refactor-rotary", "ln-gated-mlp"])
+@given(data=st.data())
+def test_a_requested_step_that_cannot_apply_exactly_raises_its_own_error(
+    options, flags, keyword, identity, precondition, data
+):
+    cfg, sd = data.draw(models(**options))
+    before = _snapshot(sd)
+    with pytest.raises(cm.PreconditionError) as info:
+        cm.process_weights(sd, cfg, **flags)
+    assert (info.value.identity, info.value.precondition) == (identity, precondition)
+    assert _same(sd, before)
+    _processed, processed_cfg = cm.process_weights(sd, cfg, **(flags | {keyword: None}))
+    assert not RECORDS[keyword] & set(processed_cfg.applied)
+
+
+@given(models(normalization_types=("LN", "RMS"), positional_embedding_types=("standard", "rotary"), gated_mlp=(False,)))
+def test_a_step_already_applied_is_refused_when_asked_for_and_left_out_otherwise(model):
+    cfg, sd = model
+    processed, processed_cfg = cm.process_weights(sd, cfg, center_writing_weights=None)
+    with pytest.raises(cm.AlreadyAppliedError):
+        cm.process_weights(processed, processed_cfg, fold_ln=False, center_writing_weights=False,
+                           center_unembed=False, fold_value_biases=True)
+    with pytest.raises(cm.AlreadyAppliedError):
+        cm.process_weights(processed, processed_cfg, center_writing_weights=False, center_unembed=False,
+                           fold_value_biases=False)
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", "if applicable"])
+def test_flags_are_true_false_or_none(value):
+    cfg = cm.Config(n_layers=1, d_model=4, n_heads=1, d_head=2, d_vocab=5, n_ctx=3)
+    with pytest.raises(TypeError, match="center_unembed must be True, False or None"):
+        cm.process_weights(cm.random_state_dict(cfg, seed=0), cfg, center_unembed=value)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_processed_in_float32_and_rounded_once(dtype):
+    """Rounded once at the end, the processed model is no further from the original than the
+    original is from its own weights rounded once more: no error builds up over the steps."""
+    cfg = cm.Config(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=40, n_ctx=8, d_mlp=64)
+    sd = cm.random_state_dict(cfg, seed=0, dtype=dtype)
+    processed, processed_cfg = cm.process_weights(sd, cfg)
+    assert {t.dtype for t in processed.values()} == {dtype}
+    exact, exact_cfg = cm.process_weights({k: v.double() for k, v in sd.items()}, cfg)
+    for name, tensor in processed.items():
+        assert torch.equal(tensor, exact[name].to(dtype)) or (
+            (tensor.double() - exact[name]).abs().max() <= 2 * torch.finfo(dtype).eps * exact[name].abs().max()
+        ), name
+    assert compare_log_probs(sd, cfg, processed, processed_cfg).passed
+
+
+# -- negative controls: wrong pipelines the same check catches ----------------------------------
+
+# A wrong order or a doubled gain only shows where gains are far from 1 and biases sizeable;
+# no softmax may saturate (a saturated pattern is one-hot whatever its scores); d_model >= 3
+# (behind a LayerNorm over two dimensions only the sign of the stream survives).
+DISCRIMINATING_WEIGHTS = dict(min_gain_spread=0.4, min_bias_scale=0.5, max_outlier_scale=3.0)
+DISCRIMINATING = {
+    "centre_readers_before_fold": dict(normalization_types=("LN",), gated_mlp=(False,)),
+    "fold_gain_twice": dict(normalization_types=("LN", "RMS"), gated_mlp=(False,)),
+    "value_biases_before_ln_fold": dict(normalization_types=("LN",), gated_mlp=(False,), min_layers=1),
+    "centre_readers_behind_rms_norm": dict(normalization_types=("RMS",)),
+}
+
+
+def test_every_numeric_twin_has_a_discriminating_strategy():
+    assert set(DISCRIMINATING) == set(PIPELINE.corruptions)
+
+
+@pytest.mark.parametrize("corruption", sorted(DISCRIMINATING))
+@given(data=st.data())
+def test_negative_control_wrong_pipeline_is_caught(corruption, data):
+    cfg, sd = data.draw(
+        models(weights=DISCRIMINATING_WEIGHTS, positional_embedding_types=("standard", "rotary"),
+               **DISCRIMINATING[corruption]).filter(lambda model: model[0].d_model >= 3)
+    )
+    result = PIPELINE.check_corruption(corruption, sd, cfg)
+    assert not result.passed, f"{corruption} went unnoticed: {result}"
