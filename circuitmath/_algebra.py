@@ -197,7 +197,7 @@ def evaluate(expr, values: Mapping, definitions: Mapping | None = None) -> sympy
     definitions = dict(definitions or {})
 
     def scalar(e):
-        return sympy.nsimplify(sympy.sympify(e).xreplace(dict(values))) if not _is_matrix(e) else None
+        return sympy.nsimplify(sympy.sympify(e).xreplace(dict(values)).doit()) if not _is_matrix(e) else None
 
     def dim(e):
         return int(sympy.sympify(e).xreplace(dict(values)))

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import sympy
-from sympy import MatMul, MatrixSymbol
+from sympy import MatAdd, MatMul, MatrixExpr, MatrixSymbol
 
 from ._algebra import evaluate, normal_form, random_instance, to_latex
 
@@ -125,8 +125,28 @@ def _describe(terms) -> str:
     return " + ".join(parts).replace("+ -", "-") or "0"
 
 
+def _difference(a, b):
+    """``a - b`` left unevaluated: sympy's ``MatrixExpr.__sub__`` runs ``doit``, which evaluates
+    symbolic sums and can take seconds before the normal form even starts."""
+    if isinstance(a, MatrixExpr):
+        return MatAdd(a, MatMul(-1, b))
+    return a - b
+
+
+#: Entries of an exact instance that are not rational (logs and exponentials of rationals) are
+#: compared at this many digits, and counted as zero below ZERO_BELOW.
+DIGITS = 60
+ZERO_BELOW = 1e-45
+
+
 def _gap(matrix) -> float:
-    return float(max((abs(v) for v in matrix), default=0))
+    """The largest |entry| of an exactly evaluated difference (0 when it vanishes)."""
+    worst = 0.0
+    for v in matrix:
+        size = abs(v) if v.is_Rational else abs(sympy.N(v, DIGITS))
+        if size > ZERO_BELOW:
+            worst = max(worst, float(size))
+    return worst
 
 
 @dataclass(frozen=True)
@@ -168,13 +188,13 @@ class Proof:
         return {d.symbol: d.value for d in self.definitions}
 
     def _residual(self, a, b):
-        return normal_form(a - b, self._definitions, [(f.product, f.value) for f in self.facts])
+        return normal_form(_difference(a, b), self._definitions, [(f.product, f.value) for f in self.facts])
 
     def _instance(self, exprs, dims, seed):
         exprs = [*exprs, *(f.product for f in self.facts), *(f.value for f in self.facts)]
         values = random_instance(exprs, dims, seed=seed, samplers=self.samplers, definitions=self._definitions)
         for fact in self.facts:
-            if _gap(evaluate(fact.product - fact.value, values, self._definitions)) != 0:
+            if _gap(evaluate(_difference(fact.product, fact.value), values, self._definitions)) != 0:
                 raise ValueError(f"the sampled instance breaks the assumption {fact.text!r}: fix the sampler")
         return values
 
@@ -190,7 +210,7 @@ class Proof:
             previous = step.expr
         closes = bool(self.steps) and self.steps[-1].expr == self.rhs
         values = self._instance([self.lhs, self.rhs], self.explicit_dims, seed=0)
-        concrete = _gap(evaluate(self.lhs - self.rhs, values, self._definitions)) == 0
+        concrete = _gap(evaluate(_difference(self.lhs, self.rhs), values, self._definitions)) == 0
         proved = closes and all(r.holds for r in reports) and concrete
         twins = tuple(self._reject(t) for t in self.twins)
         return ProofReport(
@@ -211,7 +231,7 @@ class Proof:
         if residual:
             for seed in range(attempts):
                 values = self._instance([twin.lhs, twin.rhs], dims, seed=seed)
-                found = _gap(evaluate(twin.lhs - twin.rhs, values, self._definitions))
+                found = _gap(evaluate(_difference(twin.lhs, twin.rhs), values, self._definitions))
                 if found:
                     gap = found
                     break
