@@ -25,8 +25,10 @@ def md_text(text: str) -> str:
 
 
 def tex_text(text: str) -> str:
-    """Plain text escaped for ``\\text{...}`` in LaTeX."""
-    for char in "\\{}_%&#$":
+    """Plain text escaped for ``\\text{...}`` as MathJax reads it: text mode is literal there
+    (``_`` or ``%`` need no escape, and an escaped one would show its backslash), but braces
+    must balance and ``$`` would open math."""
+    for char in "\\{}$":
         text = text.replace(char, "\\" + char)
     return text
 
@@ -52,17 +54,22 @@ def statement(identity: Identity) -> str:
     return "\n".join(lines)
 
 
-def definitions(identity: Identity) -> str:
+def _proof(identity_or_proof):
+    return identity_or_proof.proof if isinstance(identity_or_proof, Identity) else identity_or_proof
+
+
+def definitions(identity_or_proof) -> str:
     """The abbreviations the checker unfolds, one aligned row each."""
     rows = [
-        d.latex().replace(":=", "&:=", 1) + rf" && \text{{{tex_text(d.text)}}}" for d in identity.proof.definitions
+        d.latex().replace(":=", "&:=", 1) + rf" && \text{{{tex_text(d.text)}}}"
+        for d in _proof(identity_or_proof).definitions
     ]
     return display_math("\\begin{aligned}\n" + " \\\\\n".join(rows) + "\n\\end{aligned}")
 
 
-def derivation(identity: Identity) -> str:
+def derivation(identity_or_proof) -> str:
     """The checked chain of equalities."""
-    return display_math(identity.proof.derivation_latex())
+    return display_math(_proof(identity_or_proof).derivation_latex())
 
 
 def steps(report: ProofReport) -> str:
