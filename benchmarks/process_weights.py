@@ -1,0 +1,223 @@
+"""Full weight processing of GPT-2-small-shaped weights: circuitmath against TransformerLens.
+
+Both run the default processing (fold the LayerNorms and centre their readers, fold the value
+biases, centre the writing weights, centre the unembed) on the same random weights, with the
+structure of :func:`circuitmath.random_state_dict` (LayerNorm gains ``exp(N(0, 0.5))`` with
+sign flips, biases ``N(0, 1)``, outlier residual dimensions): 12 layers, d_model 768, 12 heads
+of 64, d_mlp 3072, vocabulary 50257, n_ctx 1024, 163M parameters with an untied unembed.
+
+Each library runs in its own subprocesses, so its peak memory is its own. A subprocess loads the
+weights from a safetensors file, resets its peak RSS to the current RSS (``/proc/self/clear_refs``),
+processes the weights ``--repeats`` times, and reports its times and the peak RSS reached while
+processing. The libraries' subprocesses alternate for ``--rounds`` rounds, so a change in the
+machine's load hits both; the best time over all runs is compared. Memory is reported as the
+peak RSS minus the RSS with the weights loaded: what processing adds, the processed copy
+included (the memory target is for this). Both use ``--threads`` torch threads (default 1: the
+work is memory-bound, and on a shared machine more threads than free cores slow every library
+down several times). As a yardstick, the time to copy the weights once (``clone``), the least
+any processing that returns new tensors can take, is measured in the circuitmath subprocess.
+
+Then, in a third subprocess, the float32 quality: the largest |Δ log-prob| of each processed
+model against the unprocessed model run in float64, divided by the same for the unprocessed
+float32 model (how much processing adds to float32's own rounding).
+
+Targets: circuitmath at least 5x faster than TransformerLens, its memory at most 2x the weights,
+the quality ratio at most 1.5; float64 weights stay float64 (asserted).
+
+Usage: ``python benchmarks/process_weights.py [--rounds N] [--repeats N] [--threads N]
+[--skip-quality]``; with ``--child LIBRARY FILE REPEATS THREADS`` it is the measuring subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import circuitmath as cm
+from circuitmath import io
+
+GPT2_SMALL = cm.Config(
+    n_layers=12, d_model=768, n_heads=12, d_head=64, d_vocab=50257, n_ctx=1024, d_mlp=3072, act_fn="gelu_new"
+)
+LIBRARIES = ("circuitmath", "transformer_lens")
+TARGET_SPEEDUP, TARGET_MEMORY, TARGET_QUALITY = 5.0, 2.0, 1.5
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _reset_peak_rss() -> None:
+    """Set the peak RSS (VmHWM) to the current RSS: Linux's ``clear_refs`` command 5."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _processor(library: str, cfg: cm.Config, dtype: torch.dtype):
+    if library == "circuitmath":
+        return lambda state_dict: cm.process_weights(state_dict, cfg)[0]
+    from circuitmath.peers import transformer_lens_config
+    from transformer_lens.weight_processing import ProcessWeights
+
+    tl_cfg = transformer_lens_config(cfg, dtype)
+    return lambda state_dict: ProcessWeights.process_weights(dict(state_dict), tl_cfg)
+
+
+def child(library: str, path: str, repeats: int, threads: int) -> None:
+    """Measure one library on the weights in ``path``; print one JSON line."""
+    torch.set_num_threads(threads)
+    state_dict, cfg = io.load(path)
+    dtype = cm.validate_state_dict(state_dict, cfg)
+    weights_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+    process = _processor(library, cfg, dtype)
+    start = time.perf_counter()
+    cm.validate_state_dict(state_dict, cfg)
+    validate_seconds = time.perf_counter() - start
+    gc.collect()
+    rss_loaded = _status_kib("VmRSS")
+    _reset_peak_rss()
+    times, copies = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = process(state_dict)
+        times.append(time.perf_counter() - start)
+        dtypes = sorted({str(t.dtype) for t in out.values()})
+        del out
+        gc.collect()
+    peak = _status_kib("VmHWM") * 1024
+    for _ in range(repeats if library == "circuitmath" else 0):
+        start = time.perf_counter()
+        out = {name: tensor.clone() for name, tensor in state_dict.items()}
+        copies.append(time.perf_counter() - start)
+        del out
+        gc.collect()
+    print(json.dumps({
+        "library": library,
+        "dtype": str(dtype),
+        "out_dtypes": dtypes,
+        "times_s": times,
+        "copy_s": copies,
+        "validate_s": validate_seconds,
+        "weights_bytes": weights_bytes,
+        "rss_loaded_bytes": rss_loaded * 1024,
+        "peak_rss_bytes": peak,
+    }))
+
+
+def quality(path: str, threads: int, batch: int = 2, positions: int = 64) -> None:
+    """Float32 quality of both processed models against a float64 reference; one JSON line."""
+    torch.set_num_threads(threads)
+    state_dict, cfg = io.load(path)
+    tokens = torch.randint(0, cfg.d_vocab, (batch, positions), generator=torch.Generator().manual_seed(0))
+    reference = cm.log_probs({k: v.double() for k, v in state_dict.items()}, cfg, tokens)
+
+    def error(weights, weights_cfg) -> float:
+        return float((cm.log_probs(weights, weights_cfg, tokens).double() - reference).abs().max())
+
+    unprocessed = error(state_dict, cfg)
+    ours = error(*cm.process_weights(state_dict, cfg))
+    theirs = error(_processor("transformer_lens", cfg, torch.float32)(state_dict), cfg)
+    print(json.dumps({"tokens": [batch, positions], "unprocessed": unprocessed, "circuitmath": ours,
+                      "transformer_lens": theirs}))
+
+
+def _run(*args: str) -> dict:
+    result = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(args[:2])} failed:\n{result.stderr}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--child", nargs=4, metavar=("LIBRARY", "FILE", "REPEATS", "THREADS"))
+    parser.add_argument("--quality", nargs=2, metavar=("FILE", "THREADS"))
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.child:
+        child(args.child[0], args.child[1], int(args.child[2]), int(args.child[3]))
+        return 0
+    if args.quality:
+        quality(args.quality[0], int(args.quality[1]))
+        return 0
+
+    failures = []
+    with tempfile.TemporaryDirectory() as folder:
+        paths = {}
+        for dtype in (torch.float32, torch.float64):
+            paths[dtype] = f"{folder}/gpt2_small_{str(dtype)[6:]}.safetensors"
+            io.save(paths[dtype], cm.random_state_dict(GPT2_SMALL, seed=0, dtype=dtype), GPT2_SMALL)
+            gc.collect()
+        n_params = sum(math.prod(shape) for shape in cm.expected_shapes(GPT2_SMALL).values())
+        print(f"GPT-2-small shape, {n_params / 1e6:.1f}M parameters; {args.threads} torch thread(s) on"
+              f" {os.cpu_count()} cores; {args.rounds} alternating rounds of {args.repeats} runs per library")
+        for dtype in (torch.float32, torch.float64):
+            runs = {library: [] for library in LIBRARIES}
+            for _ in range(args.rounds):
+                for library in LIBRARIES:
+                    runs[library].append(_run("--child", library, paths[dtype], str(args.repeats), str(args.threads)))
+            print(f"\n{str(dtype)[6:]}:")
+            print(f"  {'library':<17} {'best s':>7} {'median s':>9} {'weights':>9} {'peak RSS':>9}"
+                  f" {'added':>9} {'added/weights':>14}")
+            summary = {}
+            for library, results in runs.items():
+                times = [t for r in results for t in r["times_s"]]
+                worst = max(results, key=lambda r: r["peak_rss_bytes"] - r["rss_loaded_bytes"])
+                added = worst["peak_rss_bytes"] - worst["rss_loaded_bytes"]
+                summary[library] = (min(times), added / worst["weights_bytes"], worst)
+                print(f"  {library:<17} {min(times):>7.2f} {statistics.median(times):>9.2f}"
+                      f" {_gb(worst['weights_bytes']):>9} {_gb(worst['peak_rss_bytes']):>9} {_gb(added):>9}"
+                      f" {added / worst['weights_bytes']:>13.2f}x   out: {', '.join(worst['out_dtypes'])}")
+            copy = min(t for r in runs["circuitmath"] for t in r["copy_s"])
+            validate = min(r["validate_s"] for r in runs["circuitmath"])
+            (ours, memory, ours_run), (theirs, _, _) = summary["circuitmath"], summary["transformer_lens"]
+            speedup = theirs / ours
+            print(f"  copying the weights once takes {copy:.2f} s (TransformerLens takes {theirs / copy:.1f}x that,"
+                  f" circuitmath {ours / copy:.1f}x); validate_state_dict {validate:.3f} s")
+            print(f"  circuitmath is {speedup:.1f}x faster (target >= {TARGET_SPEEDUP:g}x),"
+                  f" adds {memory:.2f}x the weights' size (target <= {TARGET_MEMORY:g}x)")
+            if ours_run["out_dtypes"] != [str(dtype)]:
+                failures.append(f"circuitmath turned {dtype} into {ours_run['out_dtypes']}")
+            if dtype == torch.float32:
+                failures += [f"speed-up {speedup:.1f}x < {TARGET_SPEEDUP:g}x"] if speedup < TARGET_SPEEDUP else []
+                failures += [f"memory {memory:.2f}x > {TARGET_MEMORY:g}x"] if memory > TARGET_MEMORY else []
+        if not args.skip_quality:
+            q = _run("--quality", paths[torch.float32], str(args.threads))
+            print(f"\nfloat32 quality, max |Δ log-prob| against the unprocessed model in float64"
+                  f" ({q['tokens'][0]} x {q['tokens'][1]} tokens):")
+            print(f"  unprocessed float32: {q['unprocessed']:.3g}")
+            for library in LIBRARIES:
+                ratio = q[library] / q["unprocessed"]
+                print(f"  {library:<17}    {q[library]:.3g}  ({ratio:.2f}x the unprocessed model's;"
+                      f" target <= {TARGET_QUALITY:g}x)")
+            if q["circuitmath"] / q["unprocessed"] > TARGET_QUALITY:
+                failures.append(f"quality ratio {q['circuitmath'] / q['unprocessed']:.2f} > {TARGET_QUALITY:g}")
+    for failure in failures:
+        print(f"MISSED: {failure}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
