@@ -6,7 +6,7 @@ import pytest
 
 import circuitmath
 
-PUBLIC_MODULES = ["circuitmath", "circuitmath.strategies", "circuitmath.testing"]
+PUBLIC_MODULES = ["circuitmath", "circuitmath.strategies", "circuitmath.testing", "circuitmath.circuits", "circuitmath.render", "circuitmath.io"]
 
 
 @pytest.mark.parametrize("module", PUBLIC_MODULES)
