@@ -162,7 +162,7 @@ def _pipeline_proof() -> Proof:
                 MatMul(_original(ONE_HEAD), C),
             ),
             Twin(
-                "value_biases_through_uncentred_W_O",
+                "value_biases_through_uncentred_writer",
                 "centre b_O, then fold the value biases into it through the uncentred W_O",
                 _processed(lambda h: W_V_new[h], MatAdd(MatMul(b_O, C), MatMul(_folded_value_bias(1), W_O[1])),
                            ONE_HEAD),
