@@ -1,11 +1,20 @@
-"""``python -m circuitmath prove [NAME ...] [--json]``."""
+"""``python -m circuitmath prove [NAME ...] [--json]`` and
+``python -m circuitmath check MODEL.safetensors [--config CFG.json] [--processed OTHER.safetensors] [--json]``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import time
+from pathlib import Path
 
+import torch
+from safetensors import SafetensorError
+
+from ._config import Config
+from ._errors import CircuitMathError
 from ._registry import get_identity, identities
 
 COLUMNS = ("identity", "symbolic dims", "steps", "seconds", "twins rejected", "status")
@@ -51,6 +60,82 @@ def _prove(args) -> int:
     return 0 if all(r["status"] == "proved" for r in rows) else 1
 
 
+CHECK_HELP = """With only MODEL, apply every weight identity that applies to it and compare log-probs, one row
+per identity (an identity that refuses the model shows the precondition it breaks). With
+--processed, check that OTHER is a valid processing of MODEL: the identities it applied are
+replayed on MODEL (as OTHER's recorded cfg.applied says, or inferred), each row shows the
+rewrite that reproduced OTHER ("exact" or a named wrong rewrite) and, when anything is wrong,
+the change in log-probs it causes; "residual" lists tensors no identity explains, and
+"before -> after" compares the two models. A file written by circuitmath.io.save carries its
+config; otherwise pass --config: a circuitmath Config as JSON, or a Hugging Face config.json
+(the weights are then converted). Exit status: 0 all holds, 1 an identity is violated, 2 bad
+input (nothing is computed or written). --json prints a list with one object per row (name,
+kind, applicable, reason, rewrite, max_abs_error, tolerance, status, explanation, parameters)."""
+
+
+class _ProgressLine:
+    """A one-line progress bar on a terminal, redrawn in place; shown once a run lasts ``delay`` s."""
+
+    def __init__(self, stream, *, delay: float = 0.5, width: int = 24):
+        self.stream, self.delay, self.width = stream, delay, width
+        self.start = time.monotonic()
+        self.shown = 0
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        if time.monotonic() - self.start < self.delay:
+            return
+        filled = self.width * done // max(total, 1)
+        line = f"check [{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} {what}"
+        line = line[: shutil.get_terminal_size().columns - 1]
+        self.stream.write("\r" + line.ljust(self.shown))
+        self.stream.flush()
+        self.shown = len(line)
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\r" + " " * self.shown + "\r")
+            self.stream.flush()
+
+
+def _read_config(path: str):
+    """A circuitmath Config from JSON, or a Hugging Face config.json (a dict with ``model_type``)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data if "model_type" in data else Config.from_dict(data)
+
+
+def _check(args) -> int:
+    from . import _diagnosis
+
+    if args.batch < 1 or args.seq_len < 1:
+        print("error: --batch and --seq-len must be at least 1", file=sys.stderr)
+        return 2
+
+    def tokens(cfg: Config) -> torch.Tensor:
+        g = torch.Generator().manual_seed(args.seed)
+        return torch.randint(0, cfg.d_vocab, (args.batch, min(cfg.n_ctx, args.seq_len)), generator=g)
+
+    progress = _ProgressLine(sys.stderr) if sys.stderr.isatty() and not args.json else None
+    try:
+        cfg = _read_config(args.config) if args.config else None
+        if args.processed:
+            report = _diagnosis.diagnose(args.model, args.processed, cfg, tokens=tokens, progress=progress)
+        else:
+            report = _diagnosis.check_model(args.model, cfg, tokens=tokens, progress=progress)
+    except (CircuitMathError, SafetensorError, OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if progress is not None:
+            progress.close()
+    print(json.dumps(report.as_dicts(), indent=2) if args.json else str(report).lstrip("\n"))
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m circuitmath", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -58,5 +143,17 @@ def main(argv: list[str] | None = None) -> int:
     prove.add_argument("names", nargs="*", help="identities to prove (default: all)")
     prove.add_argument("--json", action="store_true", help="print a JSON list, one object per identity")
     prove.set_defaults(run=_prove)
+    check = commands.add_parser(
+        "check", help="check the identities on a model, or that a processed model is a valid processing of it",
+        description=CHECK_HELP,
+    )
+    check.add_argument("model", metavar="MODEL", help="the model: a .safetensors file (or a Hugging Face folder)")
+    check.add_argument("--config", metavar="CFG.json", help="MODEL's config: circuitmath Config JSON or Hugging Face config.json")
+    check.add_argument("--processed", metavar="OTHER", help="a processed version of MODEL to check (.safetensors)")
+    check.add_argument("--json", action="store_true", help="print a JSON list, one object per row")
+    check.add_argument("--batch", type=int, default=4, help="sequences of random tokens (default 4)")
+    check.add_argument("--seq-len", type=int, default=128, help="positions per sequence, at most n_ctx (default 128)")
+    check.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
+    check.set_defaults(run=_check)
     args = parser.parse_args(argv)
     return args.run(args)

@@ -77,6 +77,20 @@ def configs(
     divisors). ``d_model`` is at
     least 2 (a LayerNorm over one dimension is identically zero) and ``rotary`` models get an
     even ``d_head``.
+
+    >>> from hypothesis import given, settings
+    >>> @settings(max_examples=10, deadline=None)
+    ... @given(configs(max_layers=1, normalization_types=("RMS",), gated_mlp=(True,), attn_only=False))
+    ... def test_llama_like(cfg):
+    ...     assert cfg.n_layers <= 1 and cfg.normalization_type == "RMS" and cfg.gated_mlp
+    >>> test_llama_like()
+
+    Options are checked when the strategy is built, not when it is drawn from:
+
+    >>> configs(min_layers=3, max_layers=1)
+    Traceback (most recent call last):
+    ...
+    hypothesis.errors.InvalidArgument: need 0 <= min_layers <= max_layers, got min_layers=3, max_layers=1
     """
     _check_range("layers", min_layers, max_layers, 0)
     _check_range("ctx", min_ctx, max_ctx, 1)
@@ -149,6 +163,15 @@ def state_dicts(
     from the given ranges and passed to :func:`circuitmath.random_state_dict`. A negative
     control that needs non-trivial gains (a wrong fold that only differs when ``w != 1``) sets
     ``min_gain_spread > 0``.
+
+    >>> from hypothesis import given, settings
+    >>> from circuitmath import Config, expected_shapes
+    >>> cfg = Config(n_layers=1, d_model=4, n_heads=2, d_head=2, d_vocab=5, n_ctx=3)
+    >>> @settings(max_examples=10, deadline=None)
+    ... @given(state_dicts(cfg, dtype=torch.float32, min_gain_spread=0.3))
+    ... def test_shapes(state_dict):
+    ...     assert {k: tuple(v.shape) for k, v in state_dict.items()} == expected_shapes(cfg)
+    >>> test_shapes()
     """
     if not isinstance(cfg, Config):
         raise InvalidArgument(f"cfg must be a circuitmath Config, got {type(cfg).__name__}")
@@ -181,6 +204,17 @@ def models(
 
     ``config_options`` go to :func:`configs`, ``weights`` (a dict of keyword options) to
     :func:`state_dicts`.
+
+    >>> from hypothesis import given, settings
+    >>> from circuitmath import center_unembed
+    >>> from circuitmath.testing import assert_equivalent
+    >>> @settings(max_examples=10, deadline=None)
+    ... @given(models(max_layers=1, weights={"min_bias_scale": 0.5}))
+    ... def test_center_unembed(model):
+    ...     cfg, state_dict = model
+    ...     centred, centred_cfg = center_unembed(state_dict, cfg)
+    ...     assert_equivalent(state_dict, centred, cfg, after_cfg=centred_cfg)
+    >>> test_center_unembed()
     """
     weights = dict(weights or {})
     configs_strategy = configs(**config_options)
@@ -189,7 +223,17 @@ def models(
 
 
 def tokens(cfg: Config, *, max_batch: int = 2) -> st.SearchStrategy[torch.Tensor]:
-    """Strategy for token tensors ``[batch, pos]`` with ``1 <= pos <= n_ctx``."""
+    """Strategy for token tensors ``[batch, pos]`` with ``1 <= pos <= n_ctx``.
+
+    >>> from hypothesis import given, settings
+    >>> from circuitmath import Config
+    >>> cfg = Config(n_layers=0, d_model=2, n_heads=1, d_head=2, d_vocab=7, n_ctx=4)
+    >>> @settings(max_examples=10, deadline=None)
+    ... @given(tokens(cfg, max_batch=3))
+    ... def test_in_range(ids):
+    ...     assert ids.shape[0] <= 3 and ids.shape[1] <= 4 and 0 <= int(ids.min()) and int(ids.max()) < 7
+    >>> test_in_range()
+    """
     if not isinstance(cfg, Config):
         raise InvalidArgument(f"cfg must be a circuitmath Config, got {type(cfg).__name__}")
     if not isinstance(max_batch, int) or max_batch < 1:

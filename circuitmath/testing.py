@@ -1,8 +1,32 @@
-"""Public checkers: is a processed state dict the same function as the original?
+"""Public checkers: is a processed state dict the same function as the original, and if not, why?
 
 Like :func:`torch.testing.assert_close`, but for whole models: both state dicts run through the
 reference forward pass and their log-probabilities are compared. Log-probabilities, not logits:
 centring the unembed legitimately shifts every logit of a position by the same constant.
+
+Models are accepted as state dicts in TransformerLens format (with a :class:`~circuitmath.Config`)
+or Hugging Face format (with the Hugging Face config, converted by :func:`circuitmath.io.from_hf`),
+or as safetensors files (a file written by :func:`circuitmath.io.save` carries its config).
+
+When two models differ, :func:`diagnose` explains how: it replays the registered identities on
+the original model and compares the processed model's tensors with each exact rewrite, then with
+the identity's known wrong rewrites (its negative twins, done numerically), and names the
+identity whose precondition or conclusion is violated, the parameters responsible (layer, head,
+name) and by how much, and the change in log-probs each identity is responsible for.
+:func:`assert_equivalent` prints that diagnosis when it fails. The per-identity checkers
+(:func:`check_fold_layer_norm` and the others) check one identity's rewrite.
+
+>>> import torch
+>>> from circuitmath import Config, fold_layer_norm, random_state_dict
+>>> cfg = Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
+>>> before = random_state_dict(cfg, seed=0, dtype=torch.float64)
+>>> after, after_cfg = fold_layer_norm(before, cfg)
+>>> after["blocks.0.attn.b_V"] = before["blocks.0.attn.b_V"]  # forget to fold ln1.b into b_V
+>>> report = check_fold_layer_norm(before, after, cfg, after_cfg=after_cfg)
+>>> report.ok, [(p.name, p.heads) for p in report.culprits()]
+(False, [('blocks.0.attn.b_V', (0, 1))])
+>>> print(report.violations[0].explanation)  # doctest: +ELLIPSIS
+the wrong rewrite layer_norm_fold.drop_bias explains blocks.0.attn.b_V: forget the LayerNorm bias term b W
 """
 
 from __future__ import annotations
@@ -16,7 +40,32 @@ from ._config import Config
 from ._reference import log_probs
 from ._state import StateDict, validate_state_dict
 
-__all__ = ["Comparison", "compute_dtype", "logprob_tolerance", "rounding_sensitivity", "compare_log_probs", "assert_equivalent", "default_tokens"]
+__all__ = [
+    "Comparison",
+    "compute_dtype",
+    "logprob_tolerance",
+    "rounding_sensitivity",
+    "compare_log_probs",
+    "assert_equivalent",
+    "default_tokens",
+    "NotEquivalentError",
+    "diagnose",
+    "check_model",
+    "check_identity",
+    "check_fold_layer_norm",
+    "check_center_reading_weights",
+    "check_center_writing_weights",
+    "check_center_unembed",
+    "check_fold_value_biases",
+    "check_remove_key_biases",
+    "check_refactor_factored_attn_matrices",
+    "check_fold_rms_norm",
+    "check_layer_norm_to_rms_norm",
+    "check_shortformer_to_tables",
+    "Diagnosis",
+    "Finding",
+    "ParameterMismatch",
+]
 
 #: Safety factors of :func:`logprob_tolerance`: ``SAFETY`` multiplies the a-priori rounding
 #: bound, ``SENSITIVITY_SAFETY`` the measured sensitivity. Measured on models drawn from
@@ -50,7 +99,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def rounding_sensitivity(
-    state_dict: StateDict, cfg: Config, tokens: torch.Tensor, dtype: torch.dtype, *, seed: int = 0
+    state_dict: StateDict,
+    cfg: Config,
+    tokens: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    seed: int = 0,
+    computed: torch.Tensor | None = None,
 ) -> float:
     """How far this model's log-probs move from rounding alone, in ``dtype``.
 
@@ -64,18 +119,27 @@ def rounding_sensitivity(
     Both measure the model's own conditioning: a LayerNorm over a nearly constant residual, a
     sharp softmax or an outlier dimension amplify rounding, and an exact transform's result
     differs from the original by rounding of these kinds.
+
+    ``computed``: this model's log-probs on ``tokens`` computed in :func:`compute_dtype`, when
+    the caller has them already (``[batch, pos, d_vocab]``); they are not computed again.
     """
     u = _unit_roundoff(dtype)
     exact = {k: v.double() for k, v in state_dict.items()}
     reference = log_probs(exact, cfg, tokens)
     g = torch.Generator().manual_seed(seed)
-    nudged = {k: v * (1 + u * torch.randn(v.shape, generator=g, dtype=torch.float64)) for k, v in exact.items()}
+    # The noise is drawn in float32 (several times faster than float64 for big models): it is
+    # scaled by u, so its own rounding does not matter.
+    nudged = {
+        k: torch.randn(v.shape, generator=g, dtype=torch.float32).double().mul_(u).add_(1).mul_(v)
+        for k, v in exact.items()
+    }
     weights = float((reference - log_probs(nudged, cfg, tokens)).abs().max())
     run_in = compute_dtype(dtype)
     if run_in == torch.float64:
         return weights
-    computed = log_probs({k: v.to(run_in) for k, v in state_dict.items()}, cfg, tokens).double()
-    return weights + float((computed - reference).abs().max())
+    if computed is None:
+        computed = log_probs({k: v.to(run_in) for k, v in state_dict.items()}, cfg, tokens)
+    return weights + float((computed.double() - reference).abs().max())
 
 
 def logprob_tolerance(cfg: Config, dtype: torch.dtype, scale: float, sensitivity: float = 0.0) -> float:
@@ -151,26 +215,171 @@ def compare_log_probs(
     )
 
 
+class NotEquivalentError(AssertionError):
+    """Two models compute different log-probs: :func:`assert_equivalent` failed.
+
+    ``comparison`` is the failed :class:`Comparison`; ``diagnosis`` the :class:`Diagnosis` that
+    explains it (``None`` when diagnosis was switched off).
+    """
+
+    def __init__(self, message: str, comparison: Comparison, diagnosis=None):
+        super().__init__(message)
+        self.comparison = comparison
+        self.diagnosis = diagnosis
+
+
 def assert_equivalent(
-    before: StateDict,
-    after: StateDict,
-    cfg: Config,
+    before,
+    after,
+    cfg=None,
     *,
-    after_cfg: Config | None = None,
+    after_cfg=None,
     tokens: torch.Tensor | None = None,
     atol: float | None = None,
+    diagnose: bool = True,
 ) -> Comparison:
-    """Raise ``AssertionError`` unless ``after`` computes the same log-probs as ``before``.
+    """Raise :class:`NotEquivalentError` (an ``AssertionError``) unless ``after`` computes the
+    same log-probs as ``before``; return the :class:`Comparison` otherwise.
 
-    ``after_cfg`` defaults to ``cfg`` (a processed model usually has its own config, e.g. after a
-    LayerNorm fold its ``normalization_type`` is ``"LNPre"``). ``atol`` overrides the tolerance.
+    ``before`` and ``after`` are state dicts or safetensors paths; ``cfg`` is ``before``'s
+    :class:`~circuitmath.Config` or Hugging Face config (``None`` for a file that carries its
+    config). ``after_cfg`` defaults to the file's metadata, else to ``cfg`` or the processed form
+    of it that ``after``'s tensors fit (a folded LayerNorm is ``"LNPre"``: see :func:`diagnose`).
+    ``tokens`` ``[batch, pos]`` default to :func:`default_tokens`. The tolerance is that of
+    :func:`compare_log_probs`; ``atol`` overrides it.
+
+    On failure the message says where the largest difference is and, with ``diagnose=True``,
+    which identity's precondition or conclusion is violated, in which parameters (layer, head,
+    name) and by how much (:func:`diagnose`).
     """
-    result = compare_log_probs(before, cfg, after, after_cfg or cfg, tokens)
+    before_sd, before_cfg, after_sd, resolved_after_cfg, _notes = _diagnosis._inputs(before, after, cfg, after_cfg)
+    tokens = default_tokens(before_cfg) if tokens is None else tokens
+    result = compare_log_probs(before_sd, before_cfg, after_sd, resolved_after_cfg, tokens)
     tolerance = result.tolerance if atol is None else atol
-    if not result.max_abs_error <= tolerance:
-        b, p, t = result.where
-        raise AssertionError(
-            f"models differ: max |Δ log-prob| = {result.max_abs_error:.3g} > tolerance {tolerance:.3g}"
-            f" (batch {b}, position {p}, token {t})"
-        )
-    return result
+    if result.max_abs_error <= tolerance:
+        return result
+    b, p, t = result.where
+    message = (
+        f"models differ: max |Δ log-prob| = {result.max_abs_error:.3g} > tolerance {tolerance:.3g}"
+        f" (batch {b}, position {p}, token {t})"
+    )
+    found = None
+    if diagnose:
+        found = _diagnosis.diagnose(before_sd, after_sd, before_cfg, after_cfg=resolved_after_cfg, tokens=tokens)
+        message += "\n\ndiagnosis:\n" + str(found)
+    raise NotEquivalentError(message, result, found)
+
+
+def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress=None) -> "Diagnosis":
+    """Explain ``after`` as a processing of ``before``: which identities, which went wrong, where.
+
+    ``before``, ``after``, ``cfg``, ``after_cfg`` and ``tokens`` as for :func:`assert_equivalent`;
+    ``progress(done, total, what)`` is called as the work proceeds. The replay follows
+    ``after_cfg.applied`` when it records identities beyond ``cfg.applied``; otherwise each weight
+    identity is kept when its rewrite reproduces more of ``after`` than leaving the model alone.
+
+    Returns a :class:`Diagnosis`: one :class:`Finding` per replayed identity (its rewrite:
+    ``"exact"`` or the wrong rewrite that reproduced ``after``; its precondition, when the
+    identity refuses the model; the |Δ log-prob| it is responsible for), a ``residual`` row for
+    tensors no replayed rewrite reproduces (each naming the identity that last rewrote it), and
+    ``before -> after``. ``str()`` of it is a table with explanations; ``.ok`` says whether all
+    holds; ``.culprits()`` lists the parameters of violated rows.
+
+    >>> import torch
+    >>> from circuitmath import Config, center_unembed, random_state_dict
+    >>> cfg = Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
+    >>> before = random_state_dict(cfg, seed=0, dtype=torch.float64)
+    >>> after = dict(before, **{"unembed.W_U": before["unembed.W_U"] - before["unembed.W_U"].mean(0)})
+    >>> found = diagnose(before, after, cfg)
+    >>> found.ok, [(f.name, f.rewrite) for f in found.violations if f.kind == "identity"]
+    (False, [('center_unembed', 'center_unembed.over_d_model')])
+    """
+    return _diagnosis.diagnose(before, after, cfg, after_cfg=after_cfg, tokens=tokens, progress=progress)
+
+
+def check_model(model, cfg=None, *, tokens=None, progress=None) -> "Diagnosis":
+    """Apply every weight identity that applies to ``model`` and compare log-probs, one row each.
+
+    An identity that refuses the model is ``"not applicable"``, its reason the broken
+    precondition. ``model`` and ``cfg`` as ``before`` and ``cfg`` of :func:`assert_equivalent`.
+
+    >>> from circuitmath import Config, random_state_dict
+    >>> cfg = Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
+    >>> rows = {f.name: f.status for f in check_model(random_state_dict(cfg, seed=0), cfg).findings}
+    >>> rows["layer_norm_fold"], rows["rms_norm_fold"]
+    ('holds', 'not applicable')
+    """
+    return _diagnosis.check_model(model, cfg, tokens=tokens, progress=progress)
+
+
+def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
+    """Check that ``after`` is the registered identity ``name`` applied to ``before``.
+
+    The replay is this identity alone, after its own preparation (centring the reading weights
+    of a LayerNorm model includes the fold). Its row is ``"not recognised"`` when none of the
+    tensors the identity rewrites matches its rewrite, ``"violated"`` when the log-probs change;
+    a wrong rewrite that reproduces ``after`` is named. Arguments as for :func:`assert_equivalent`.
+    """
+    return _diagnosis.check_identity(name, before, after, cfg, after_cfg=after_cfg, tokens=tokens)
+
+
+def check_fold_layer_norm(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
+    """Check ``after`` against :func:`circuitmath.fold_layer_norm` of ``before`` (see :func:`check_identity`)."""
+    return check_identity("layer_norm_fold", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
+
+
+def check_center_reading_weights(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
+    """Check ``after`` against :func:`circuitmath.center_reading_weights` of ``before`` (folded first if
+    it is a LayerNorm model; see :func:`check_identity`)."""
+    return check_identity("center_reading_weights", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
+
+
+def check_center_writing_weights(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
+    """Check ``after`` against :func:`circuitmath.center_writing_weights` of ``before`` (see :func:`check_identity`)."""
+    return check_identity("center_writing_weights", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
+
+
+def check_center_unembed(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
+    """Check ``after`` against :func:`circuitmath.center_unembed` of ``before`` (see :func:`check_identity`)."""
+    return check_identity("center_unembed", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
+
+
+def check_fold_value_biases(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
+    """Check ``after`` against :func:`circuitmath.fold_value_biases` of ``before`` (see :func:`check_identity`)."""
+    return check_identity("fold_value_biases", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
+
+
+def check_remove_key_biases(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
+    """Check ``after`` against :func:`circuitmath.remove_key_biases` of ``before`` (see :func:`check_identity`)."""
+    return check_identity("remove_key_biases", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
+
+
+def check_refactor_factored_attn_matrices(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
+    """Check ``after`` against :func:`circuitmath.refactor_factored_attn_matrices` of ``before``.
+
+    Another balanced factorisation (other signs of the singular vectors) computes the same
+    function but is not recognised tensor by tensor: its row is ``"not recognised"`` while the
+    log-probs agree. See :func:`check_identity`.
+    """
+    return check_identity("refactor_factored_attn_matrices", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
+
+
+def check_fold_rms_norm(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
+    """Check ``after`` against :func:`circuitmath.fold_rms_norm` of ``before`` (see :func:`check_identity`)."""
+    return check_identity("rms_norm_fold", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
+
+
+def check_layer_norm_to_rms_norm(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
+    """Check ``after`` against :func:`circuitmath.layer_norm_to_rms_norm` of ``before`` (folded and with its
+    writing weights centred first, as the identity needs; see :func:`check_identity`)."""
+    return check_identity("layer_norm_to_rms_norm", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
+
+
+def check_shortformer_to_tables(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
+    """Check ``after`` against :func:`circuitmath.shortformer_to_tables` of ``before`` (see :func:`check_identity`)."""
+    return check_identity("shortformer_tables", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
+
+
+# The diagnosis engine builds on the comparisons above, so it is imported once they are defined.
+from . import _diagnosis  # noqa: E402
+from ._diagnosis import Diagnosis, Finding, ParameterMismatch  # noqa: E402

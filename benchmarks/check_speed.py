@@ -1,0 +1,97 @@
+"""Time ``python -m circuitmath check MODEL --processed OTHER`` against the two forward passes it needs.
+
+GPT-2-small-shaped float32 weights (12 layers, d_model 768, 12 heads, d_mlp 3072, d_vocab 50257,
+untied unembed: 163M parameters) with LayerNorm gains and biases that are not 1 and 0; OTHER is
+``process_weights`` of MODEL, both saved with ``circuitmath.io.save``. The check runs in this
+process (``circuitmath._cli.main``: loading both files, validating, replaying the recorded
+identities on MODEL, the two forward passes on 4 x 128 random tokens and the tolerance). The
+baseline, measured in the same run, is the reference forward pass of MODEL and of OTHER on the
+same tokens, from tensors already in memory. Prints both times and their ratio (the issue asks
+for at most 3).
+
+Usage: ``python benchmarks/check_speed.py [--repeats N] [--layers L]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io as text_io
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import circuitmath as cm
+from circuitmath import _cli, io
+
+
+def gpt2_small(layers: int) -> cm.Config:
+    return cm.Config(n_layers=layers, d_model=768, n_heads=12, d_head=64, d_vocab=50257, n_ctx=1024, d_mlp=3072,
+                     act_fn="gelu_new")
+
+
+def weights(cfg: cm.Config, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Float32 weights drawn directly in float32 (``random_state_dict`` draws in float64 first,
+    which for 163M parameters takes longer than the benchmark): matrices ``N(0, 1/fan_in)``,
+    gains ``exp(N(0, 0.3))``, biases ``N(0, 0.1)``."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in cm.expected_shapes(cfg).items():
+        leaf = name.rsplit(".", 1)[1]
+        if leaf == "w":
+            out[name] = torch.exp(torch.randn(shape, generator=g) * 0.3)
+        elif leaf.startswith("b"):
+            out[name] = torch.randn(shape, generator=g) * 0.1
+        else:
+            fan_in = shape[-2] if len(shape) > 1 and leaf not in ("W_E", "W_pos") else 1
+            out[name] = torch.randn(shape, generator=g) * fan_in**-0.5
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs of each (the median is reported)")
+    parser.add_argument("--layers", type=int, default=12, help="number of layers (12: GPT-2 small)")
+    args = parser.parse_args()
+
+    cfg = gpt2_small(args.layers)
+    model = weights(cfg)
+    processed, processed_cfg = cm.process_weights(model, cfg)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.d_vocab, (4, 128), generator=g)  # what `check` draws by default
+    with tempfile.TemporaryDirectory() as folder:
+        model_path, processed_path = Path(folder, "model.safetensors"), Path(folder, "processed.safetensors")
+        io.save(model_path, model, cfg)
+        io.save(processed_path, processed, processed_cfg)
+
+        forward_times, check_times = [], []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            cm.log_probs(model, cfg, tokens)
+            cm.log_probs(processed, processed_cfg, tokens)
+            forward_times.append(time.perf_counter() - start)
+
+            out = text_io.StringIO()
+            start = time.perf_counter()
+            with contextlib.redirect_stdout(out):
+                status = _cli.main(["check", str(model_path), "--processed", str(processed_path)])
+            check_times.append(time.perf_counter() - start)
+            if status != 0:
+                print(out.getvalue())
+                raise SystemExit(f"check exited {status} on a correct processing")
+
+    forward, check = statistics.median(forward_times), statistics.median(check_times)
+    parameters = sum(t.numel() for t in model.values())
+    print(f"model: {cfg.n_layers} layers, d_model {cfg.d_model}, d_vocab {cfg.d_vocab}, {parameters / 1e6:.0f}M parameters,"
+          f" tokens 4 x 128, torch threads {torch.get_num_threads()}")
+    print(f"two forward passes (model and processed): {forward:.2f} s")
+    print(f"check MODEL --processed OTHER:            {check:.2f} s")
+    print(f"ratio check / two forward passes:         {check / forward:.2f}  (the issue asks for at most 3)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
