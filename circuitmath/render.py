@@ -33,6 +33,11 @@ def tex_text(text: str) -> str:
     return text
 
 
+def _math_name(name: str) -> str:
+    """An identifier set in math mode, where ``_`` would start a subscript."""
+    return r"\mathtt{%s}" % name.replace("_", r"\_")
+
+
 def display_math(latex: str) -> str:
     return f"$$\n{latex}\n$$"
 
@@ -86,7 +91,7 @@ def twins(report: ProofReport) -> str:
     for t in report.twins:
         gap = "none found" if t.counterexample_gap is None else f"{t.counterexample_gap:g}"
         lines.append(f"| `{t.name}` | {md_text(t.description)} | {'yes' if t.rejected else '**NO**'} | {gap} |")
-    claims = " \\\\\n".join(rf"\mathtt{{{tex_text(t.name)}}}: \quad & {t.claim}" for t in report.twins)
+    claims = " \\\\\n".join(rf"{_math_name(t.name)}: \quad & {t.claim}" for t in report.twins)
     lines += ["", "The wrong claims:", "", display_math("\\begin{aligned}\n" + claims + "\n\\end{aligned}")]
     lines += ["", "What is left of each difference in the normal form (non-zero, so not an identity):", ""]
     lines += [f"- `{t.name}`: ${t.symbolic_residual}$" for t in report.twins]
