@@ -73,11 +73,15 @@ input (nothing is computed or written). --json prints a list with one object per
 kind, applicable, reason, rewrite, max_abs_error, tolerance, status, explanation, parameters)."""
 
 
-class _ProgressLine:
-    """A one-line progress bar on a terminal, redrawn in place; shown once a run lasts ``delay`` s."""
+#: Seconds a check runs before its progress line appears (short runs print none).
+PROGRESS_DELAY = 0.5
 
-    def __init__(self, stream, *, delay: float = 0.5, width: int = 24):
-        self.stream, self.delay, self.width = stream, delay, width
+
+class _ProgressLine:
+    """A one-line progress bar on a terminal, redrawn in place; shown once a run lasts ``PROGRESS_DELAY`` s."""
+
+    def __init__(self, stream, *, width: int = 24):
+        self.stream, self.delay, self.width = stream, PROGRESS_DELAY, width
         self.start = time.monotonic()
         self.shown = 0
 

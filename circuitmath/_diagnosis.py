@@ -177,7 +177,8 @@ def _without_identity_norms(state_dict: StateDict, cfg: Config) -> tuple[dict, C
     if not names or any(not bool((state_dict[n] == (1 if n.endswith(".w") else 0)).all()) for n in names):
         return dict(state_dict), cfg, None
     bare = "LNPre" if cfg.normalization_type == "LN" else "RMSPre"
-    note = f"every {cfg.normalization_type} gain is 1 (and bias 0): read as {bare}, the same function"
+    gains = "gain is 1 and bias 0" if cfg.normalization_type == "LN" else "gain is 1"
+    note = f"every {cfg.normalization_type} {gains}: read as {bare}, the same function"
     return {k: v for k, v in state_dict.items() if k not in names}, cfg.replace(normalization_type=bare), note
 
 
@@ -215,7 +216,7 @@ class ParameterMismatch:
         place = f"{self.name} ({', '.join(where)})" if where else self.name
         if self.problem:
             return f"{place}: {self.problem}"
-        return f"{place}: max |Δ| {self.max_abs_error:.3g} ({self.relative_error:.2%} of its largest entry)"
+        return f"{place}: max |Δ| {self.max_abs_error:.3g} ({self.relative_error:.2g} of its largest entry)"
 
     def as_dict(self) -> dict:
         return {

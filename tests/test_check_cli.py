@@ -1,0 +1,191 @@
+"""``python -m circuitmath check``: the table, JSON, exit codes, progress line and bad input."""
+
+import io as text_io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+import circuitmath as cm
+from circuitmath import _cli, io
+
+F64 = torch.float64
+CFG = cm.Config(n_layers=2, d_model=6, n_heads=2, d_head=3, d_vocab=9, n_ctx=5, d_mlp=12)
+JSON_KEYS = {"name", "kind", "applicable", "reason", "rewrite", "max_abs_error", "tolerance", "status", "parameters"}
+
+
+@pytest.fixture
+def files(tmp_path):
+    """A model, a correct processing of it and a wrong one (unembed centred over d_model)."""
+    model = cm.random_state_dict(CFG, seed=0, dtype=F64)
+    good, good_cfg = cm.process_weights(model, CFG)
+    wrong = dict(model, **{"unembed.W_U": model["unembed.W_U"] - model["unembed.W_U"].mean(0, keepdim=True)})
+    paths = {name: tmp_path / f"{name}.safetensors" for name in ("model", "good", "wrong")}
+    io.save(paths["model"], model, CFG)
+    io.save(paths["good"], good, good_cfg)
+    io.save(paths["wrong"], wrong, CFG)
+    return paths
+
+
+def _run(capsys, *args):
+    status = _cli.main(["check", *map(str, args)])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_one_model_every_identity_applies_or_says_why_not(files, capsys):
+    status, out, err = _run(capsys, files["model"])
+    assert status == 0 and not err
+    header = out.splitlines()[0].split()
+    assert header[:2] == ["identity", "applicable"] and "tolerance" in header and header[-1] == "status"
+    rows = {line.split()[0]: line for line in out.splitlines()[2:] if line.strip()}
+    assert "holds" in rows["layer_norm_fold"] and "not applicable" in rows["rms_norm_fold"]
+    assert "no: normalization_type is RMS" in rows["rms_norm_fold"]
+
+
+def test_one_model_as_json(files, capsys):
+    status, out, _ = _run(capsys, files["model"], "--json")
+    rows = json.loads(out)
+    assert status == 0 and rows and all(JSON_KEYS <= row.keys() for row in rows)
+    by_name = {row["name"]: row for row in rows}
+    fold = by_name["layer_norm_fold"]
+    assert fold["applicable"] is True and fold["status"] == "holds" and 0 <= fold["max_abs_error"] <= fold["tolerance"]
+    assert by_name["scale_invariance"]["applicable"] is False and "eps" in by_name["scale_invariance"]["reason"]
+
+
+def test_a_valid_processing_exits_0(files, capsys):
+    status, out, _ = _run(capsys, files["model"], "--processed", files["good"])
+    assert status == 0
+    assert "before and after agree" in out and "center_reading_weights" in out and "VIOLATED" not in out
+
+
+def test_a_wrong_processing_exits_1_naming_identity_and_parameter(files, capsys):
+    status, out, _ = _run(capsys, files["model"], "--processed", files["wrong"])
+    assert status == 1
+    assert "center_unembed.over_d_model" in out and "unembed.W_U" in out and "violated" in out
+    status, out, _ = _run(capsys, files["model"], "--processed", files["wrong"], "--json")
+    rows = json.loads(out)
+    assert status == 1 and [r["kind"] for r in rows] == ["identity", "residual", "equivalence"]
+    assert rows[0]["status"] == "violated" and rows[0]["max_abs_error"] > rows[0]["tolerance"]
+    assert rows[0]["parameters"][0]["name"] == "unembed.W_U"
+
+
+def test_exit_codes_through_python_dash_m(files):
+    done = subprocess.run([sys.executable, "-m", "circuitmath", "check", str(files["model"]), "--processed",
+                           str(files["wrong"]), "--json"], capture_output=True, text=True)
+    assert done.returncode == 1 and json.loads(done.stdout)[-1]["name"] == "before -> after"
+
+
+def test_config_json_for_a_plain_safetensors_file(tmp_path, capsys):
+    model = cm.random_state_dict(CFG, seed=0, dtype=F64)
+    save_file(model, str(tmp_path / "plain.safetensors"))
+    (tmp_path / "cfg.json").write_text(CFG.to_json())
+    status, out, _ = _run(capsys, tmp_path / "plain.safetensors", "--config", tmp_path / "cfg.json", "--batch", "2",
+                          "--seq-len", "3")
+    assert status == 0 and "layer_norm_fold" in out
+
+
+def test_hugging_face_config_and_weights(tmp_path, capsys):
+    config = transformers.GPT2Config(vocab_size=16, n_positions=6, n_embd=8, n_layer=1, n_head=2,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, str(tmp_path / "gpt2.safetensors"))
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    status, out, err = _run(capsys, tmp_path / "gpt2.safetensors", "--config", tmp_path / "config.json", "--json")
+    assert status == 0, err
+    assert {row["name"] for row in json.loads(out)} >= {"layer_norm_fold", "center_unembed"}
+
+
+def test_progress_line_on_a_terminal_only(files, capsys, monkeypatch):
+    class Terminal(text_io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(_cli, "PROGRESS_DELAY", 0.0)
+    for extra, shown in (([], True), (["--json"], False)):
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        assert _cli.main(["check", str(files["model"]), "--processed", str(files["good"]), *extra]) == 0
+        written = terminal.getvalue()
+        assert ("check [" in written) is shown, written
+        if shown:
+            assert written.endswith("\r") and "forward pass" in written  # the line is cleared at the end
+    assert "check [" not in capsys.readouterr().err  # not a terminal: no progress line
+
+
+# -- bad input: a clear error, exit 2, nothing on stdout, no file written --------------------------
+
+
+def _broken_file(tmp_path, change):
+    model = {k: v.clone() for k, v in cm.random_state_dict(CFG, seed=0, dtype=F64).items()}
+    change(model)
+    save_file(model, str(tmp_path / "broken.safetensors"))
+    (tmp_path / "cfg.json").write_text(CFG.to_json())
+    return [tmp_path / "broken.safetensors", "--config", tmp_path / "cfg.json"]
+
+
+def _nan(model):
+    model["blocks.1.mlp.b_in"][3] = float("nan")
+
+
+def _inf(model):
+    model["embed.W_E"][2, 1] = float("-inf")
+
+
+BAD_INPUTS = {
+    "missing key": (lambda tmp: _broken_file(tmp, lambda m: m.pop("blocks.0.attn.W_K")), "missing keys"),
+    "wrong shape": (lambda tmp: _broken_file(tmp, lambda m: m.update({"unembed.W_U": torch.zeros(6, 10, dtype=F64)})),
+                    "has shape"),
+    "nan": (lambda tmp: _broken_file(tmp, _nan), "NaN or Inf"),
+    "inf": (lambda tmp: _broken_file(tmp, _inf), "NaN or Inf"),
+    "config does not match": (
+        lambda tmp: _broken_file(tmp, lambda m: None)[:2] + [_write(tmp / "other.json", CFG.replace(n_layers=3).to_json())],
+        "missing keys",
+    ),
+    "pickle": (lambda tmp: [_pickle(tmp)], "never unpickles"),
+    "no such file": (lambda tmp: [tmp / "absent.safetensors"], "no such file"),
+    "no config": (lambda tmp: _broken_file(tmp, lambda m: None)[:1], "pass its config"),
+    "config not JSON": (lambda tmp: _broken_file(tmp, lambda m: None)[:2] + [_write(tmp / "bad.json", "{nope")],
+                        "not JSON"),
+    "unknown config key": (
+        lambda tmp: _broken_file(tmp, lambda m: None)[:2] + [_write(tmp / "bad.json", '{"n_layerz": 2}')],
+        "unknown keys",
+    ),
+    "processed is broken": (
+        lambda tmp: [_write_model(tmp), "--processed"] + _broken_file(tmp, _nan)[:1], "NaN or Inf",
+    ),
+    "not safetensors": (lambda tmp: [_write(tmp / "junk.safetensors", "plain text, no header")],
+                        "not a safetensors file"),
+}
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def _pickle(tmp):
+    torch.save(cm.random_state_dict(CFG, seed=0), tmp / "model.pt")
+    return tmp / "model.pt"
+
+
+def _write_model(tmp):
+    io.save(tmp / "model.safetensors", cm.random_state_dict(CFG, seed=0, dtype=F64), CFG)
+    return tmp / "model.safetensors"
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_exits_2_with_a_clear_error_and_writes_nothing(case, tmp_path, capsys):
+    build, message = BAD_INPUTS[case]
+    args = build(tmp_path)
+    before = sorted(tmp_path.iterdir())
+    status, out, err = _run(capsys, *args)
+    assert status == 2, (out, err)
+    assert out == "" and err.startswith("error: ") and message in err, err
+    assert sorted(tmp_path.iterdir()) == before
