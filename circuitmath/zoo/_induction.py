@@ -1,0 +1,187 @@
+"""Induction-head evidence, in plain torch: attention patterns, prefix matching, copying and
+composition scores.
+
+An induction head in layer 1 attends from a token to the token *after* that token's previous
+occurrence (prefix matching) and raises the logit of the token it attends to (copying). It finds
+that position through K-composition with a previous-token head in layer 0, whose output tells
+each position which token came before it. Attention patterns and the behavioural scores are
+computed here; composition scores come from :mod:`circuitmath.circuits`.
+
+All scores are measured on repeated random sequences ``[r_1 .. r_L, r_1 .. r_L]`` of lowercase
+ASCII letters (bytes the models saw in every identifier; rare bytes such as ``~`` have barely
+trained embeddings), where only induction can predict the second half.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import circuits
+from .._config import Config
+from .._processing import center_writing_weights, fold_layer_norm
+from .._reference import _mlp, _norm, _project, _rotate
+from .._state import StateDict, validate_state_dict
+from ._corpus import corpus_tokens
+
+__all__ = [
+    "repeated_random_tokens",
+    "repeated_text_tokens",
+    "run_with_patterns",
+    "previous_token_scores",
+    "prefix_matching_scores",
+    "copying_scores",
+    "in_context_losses",
+    "composition_scores",
+    "induction_summary",
+]
+
+LETTERS = torch.arange(ord("a"), ord("z") + 1)  # the 26 lowercase ASCII letters
+
+
+def repeated_random_tokens(batch: int, length: int, *, seed: int = 0) -> torch.Tensor:
+    """``[batch, 2 * length]`` byte tokens: ``length`` random lowercase letters, twice."""
+    g = torch.Generator().manual_seed(seed)
+    half = LETTERS[torch.randint(0, len(LETTERS), (batch, length), generator=g)]
+    return torch.cat([half, half], dim=1)
+
+
+def repeated_text_tokens(batch: int, length: int, *, seed: int = 0) -> torch.Tensor:
+    """``[batch, 2 * length]``: random windows of held-out standard-library text, each said twice
+    (the in-distribution counterpart of :func:`repeated_random_tokens`)."""
+    text = corpus_tokens("heldout")
+    starts = torch.randint(0, len(text) - length, (batch,), generator=torch.Generator().manual_seed(seed))
+    half = torch.stack([text[s:s + length] for s in starts.tolist()])
+    return torch.cat([half, half], dim=1)
+
+
+def run_with_patterns(state_dict: StateDict, cfg: Config, tokens: torch.Tensor):
+    """The reference forward pass of a pre-norm, sequential model, keeping what the scores need.
+
+    Returns ``(logits [batch, pos, d_vocab], patterns, head_outputs, final_scale)``:
+    ``patterns[l]`` is layer ``l``'s attention ``[batch, n_heads, query, key]``,
+    ``head_outputs[l]`` each head's write to the residual stream ``[batch, pos, n_heads,
+    d_model]`` (without ``b_O``), and ``final_scale [batch, pos, 1]`` the divisor
+    ``ln_final`` applies. The logits equal :func:`circuitmath.forward`'s (a test checks it).
+    """
+    validate_state_dict(state_dict, cfg)
+    if cfg.norm_position != "pre" or cfg.parallel_attn_mlp or cfg.positional_embedding_type == "shortformer_tables":
+        raise ValueError("run_with_patterns handles pre-norm, sequential models with standard, shortformer or rotary positions")
+    params, n = state_dict, tokens.shape[1]
+    x = params["embed.W_E"][tokens]
+    pos = params["pos_embed.W_pos"][:n] if "pos_embed.W_pos" in params else None
+    if cfg.positional_embedding_type == "standard":
+        x = x + pos
+    patterns, head_outputs = [], []
+    future = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}"
+        normed = _norm(params, f"{p}.ln1", cfg, x)
+        qk_in = normed + pos if cfg.positional_embedding_type == "shortformer" else normed
+        q, k = _project(params, f"{p}.attn", cfg, "Q", qk_in), _project(params, f"{p}.attn", cfg, "K", qk_in)
+        v = _project(params, f"{p}.attn", cfg, "V", normed)
+        if cfg.positional_embedding_type == "rotary":
+            q, k = _rotate(q, cfg), _rotate(k, cfg)
+        scores = torch.einsum("bqhe,bkhe->bhqk", q, k) / math.sqrt(cfg.d_head)
+        if cfg.causal:
+            scores = scores.masked_fill(future, float("-inf"))
+        pattern = torch.softmax(scores, dim=-1)
+        z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
+        per_head = torch.einsum("bqhe,hed->bqhd", z, params[f"{p}.attn.W_O"])
+        x = x + per_head.sum(dim=2) + params[f"{p}.attn.b_O"]
+        if not cfg.attn_only:
+            x = x + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x))
+        patterns.append(pattern)
+        head_outputs.append(per_head)
+    centred = x - x.mean(-1, keepdim=True) if cfg.normalization_type in ("LN", "LNPre") else x
+    final_scale = torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + cfg.eps)
+    x = _norm(params, "ln_final", cfg, x)
+    return x @ params["unembed.W_U"] + params["unembed.b_U"], patterns, head_outputs, final_scale
+
+
+def previous_token_scores(patterns) -> torch.Tensor:
+    """``[n_layers, n_heads]``: mean attention from each position to the one just before it."""
+    return torch.stack([p.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(0, 2)) for p in patterns])
+
+
+def prefix_matching_scores(patterns, length: int) -> torch.Tensor:
+    """``[n_layers, n_heads]``: on ``[r, r]`` with ``len(r) = length``, the mean attention from
+    position ``length + i`` (a repeat of ``r_i``) to position ``i + 1`` (what followed ``r_i``)."""
+    queries = torch.arange(length, 2 * length - 1)
+    return torch.stack([p[:, :, queries, queries - length + 1].mean(dim=(0, 2)) for p in patterns])
+
+
+def copying_scores(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, head_outputs, final_scale, length: int):
+    """``[n_layers, n_heads]``: on ``[r, r]``, how much each head's own output, read directly by
+    the unembed, raises the logit of the correct next token above the mean logit, averaged over
+    the second half (in nats of logit). An induction head copies: large and positive.
+
+    The head's write passes through ``ln_final`` as the model applies it (centring, the actual
+    per-position scale, the gain), so the contributions of all heads and the other terms add up
+    to the logits.
+    """
+    W_U = state_dict["unembed.W_U"]
+    gain = state_dict.get("ln_final.w")
+    targets = tokens[:, length + 1:]
+    out = []
+    for per_head in head_outputs:
+        h = per_head[:, length:-1]  # positions whose next token is predictable by induction
+        if cfg.normalization_type in ("LN", "LNPre"):
+            h = h - h.mean(-1, keepdim=True)
+        h = h / final_scale[:, length:-1, None]
+        if gain is not None:
+            h = h * gain
+        logits = h @ W_U  # [batch, pos, head, vocab]
+        correct = logits.gather(-1, targets[:, :, None, None].expand(-1, -1, logits.shape[2], 1))[..., 0]
+        out.append((correct - logits.mean(-1)).mean(dim=(0, 1)))
+    return torch.stack(out)
+
+
+def in_context_losses(logits: torch.Tensor, tokens: torch.Tensor, length: int) -> tuple[float, float]:
+    """Mean next-token loss (nats) on the first and on the second copy of ``[r, r]``."""
+    nll = -torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    return float(nll[:, : length - 1].mean()), float(nll[:, length:].mean())
+
+
+def composition_scores(state_dict: StateDict, cfg: Config) -> dict[str, torch.Tensor]:
+    """Q-, K- and V-composition scores between every layer-0 head and every layer-1 head.
+
+    :func:`circuitmath.circuits.composition_scores` on the model as its LayerNorms see it: the
+    gains folded into the matrices that read them (:func:`circuitmath.fold_layer_norm`) and the
+    writing weights centred (:func:`circuitmath.center_writing_weights`), since every reader
+    removes the mean first. Row convention: the K-composition score of heads ``a`` (layer 0) and
+    ``b`` (layer 1) is ``||W_OV^a (W_QK^b)^T||_F / (||W_OV^a||_F ||W_QK^b||_F)``. Returns
+    ``{"Q", "K", "V"}`` each ``[n_heads (layer 0), n_heads (layer 1)]``.
+    """
+    if cfg.n_layers < 2:
+        raise ValueError("composition scores need two layers")
+    folded, folded_cfg = fold_layer_norm(state_dict, cfg)
+    folded, folded_cfg = center_writing_weights(folded, folded_cfg)
+    scores = circuits.composition_scores(folded, folded_cfg)
+    return {kind.upper(): value[0, :, 1, :] for kind, value in scores.items()}
+
+
+def induction_summary(state_dict: StateDict, cfg: Config, *, batch: int = 16, length: int = 50, seed: int = 0) -> dict:
+    """Every score above for one model, as plain lists, with the in-context losses on repeated
+    random bytes and on repeated held-out text (``length`` is capped at ``n_ctx // 2``)."""
+    length = min(length, cfg.n_ctx // 2)
+    tokens = repeated_random_tokens(batch, length, seed=seed)
+    with torch.no_grad():
+        logits, patterns, heads, scale = run_with_patterns(state_dict, cfg, tokens)
+        first, second = in_context_losses(logits, tokens, length)
+        out = {
+            "repeated_sequence": {"batch": batch, "length": length, "seed": seed},
+            "loss_first_half": first,
+            "loss_second_half": second,
+            "previous_token": previous_token_scores(patterns).tolist(),
+            "prefix_matching": prefix_matching_scores(patterns, length).tolist(),
+            "copying": copying_scores(state_dict, cfg, tokens, heads, scale, length).tolist(),
+        }
+        text = repeated_text_tokens(batch, length, seed=seed)
+        out["text_loss_first_half"], out["text_loss_second_half"] = in_context_losses(
+            run_with_patterns(state_dict, cfg, text)[0], text, length)
+        if cfg.n_layers >= 2:
+            out["composition"] = {kind: m.tolist() for kind, m in composition_scores(state_dict, cfg).items()}
+    return out
+
