@@ -127,11 +127,11 @@ def rounding_sensitivity(
     exact = {k: v.double() for k, v in state_dict.items()}
     reference = log_probs(exact, cfg, tokens)
     g = torch.Generator().manual_seed(seed)
-    # The noise is drawn in float32 (several times faster than float64 for big models): it is
-    # scaled by u, so its own rounding does not matter.
+    # The change u * xi * w is computed in float32 (several times faster than float64 for big
+    # models) and added in float64: it is of the order of u, so its own rounding does not matter.
     nudged = {
-        k: torch.randn(v.shape, generator=g, dtype=torch.float32).double().mul_(u).add_(1).mul_(v)
-        for k, v in exact.items()
+        k: exact[k] + torch.randn(v.shape, generator=g, dtype=torch.float32).mul_(u).mul_(v.float())
+        for k, v in state_dict.items()
     }
     weights = float((reference - log_probs(nudged, cfg, tokens)).abs().max())
     run_in = compute_dtype(dtype)
