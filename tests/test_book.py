@@ -40,7 +40,8 @@ CHAPTERS = tuple(
     f"{line.split('file:')[1].strip()}.html" for line in (BOOK / "_toc.yml").read_text().splitlines() if "file:" in line
 )
 PLOTTING = tuple(c for c in CHAPTERS if "plt." in (BOOK / c.replace(".html", ".md")).read_text())
-BUILD_TIMEOUT = 900  # seconds
+WITH_MATH = tuple(c for c in CHAPTERS if "$" in (t := (BOOK / c.replace(".html", ".md")).read_text()) or "render." in t)
+BUILD_TIMEOUT = 2400  # seconds: the real-weights chapter runs MiniLM
 PAGE_TIMEOUT = 60_000  # milliseconds
 
 
@@ -184,7 +185,7 @@ def test_book_builds_and_renders_offline(tmp_path):
         assert result["merrors"] == 0, f"{where}: MathJax reported {result['merrors']} errors"
         assert result["untypeset"] == 0, f"{where}: {result['untypeset']} math elements were not typeset"
         assert result["brokenImages"] == 0, f"{where}: {result['brokenImages']} images did not load"
-    for chapter in CHAPTERS:
+    for chapter in WITH_MATH:
         result = results[chapter]
         assert result["loadsMathJax"], f"{chapter} does not load MathJax"
         assert result["containers"] > 0, f"{chapter}: no formula was typeset"
