@@ -17,6 +17,10 @@ work is memory-bound, and on a shared machine more threads than free cores slow 
 down several times). As a yardstick, the time to copy the weights once (``clone``), the least
 any processing that returns new tensors can take, is measured in the circuitmath subprocess.
 
+The first run in a fresh process can be several times slower than the next ones, for both
+libraries: memory the machine has not touched before is slow to map the first time (measured
+here on a virtual machine). The best time is what each library can do; the median is printed too.
+
 Then, in a third subprocess, the float32 quality: the largest |Δ log-prob| of each processed
 model against the unprocessed model run in float64, divided by the same for the unprocessed
 float32 model (how much processing adds to float32's own rounding).

@@ -6,6 +6,7 @@ from hypothesis import given, strategies as st
 
 import circuitmath as cm
 from circuitmath._identities.pipeline import EVERYTHING_APPLICABLE
+from circuitmath._processing.fused import FUSED_STEPS, fusable
 from circuitmath._processing.pipeline import PIPELINE_STEPS
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs
@@ -95,6 +96,61 @@ def test_defaults_on_a_layer_norm_model_give_the_canonical_form(model):
         assert not processed[f"blocks.{layer}.attn.{bias}"].any()
     assert processed["unembed.W_U"].mean(dim=-1).abs().max() <= small
     assert processed["unembed.b_U"].mean().abs() <= small
+
+
+def _chain(sd, cfg, steps=PIPELINE_STEPS[:4]):
+    """The public transforms one after the other, as process_weights runs them when not fused."""
+    for _keyword, step in steps:
+        sd, cfg = step(sd, cfg)
+    return sd, cfg
+
+
+def _largest_gap(a, b):
+    """max |a - b| over every tensor, relative to each tensor's largest entry."""
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) / max(1.0, float(b[k].abs().max())) for k in a)
+
+
+# The fused pass and the chain add the same terms in other orders, so entries differ by rounding
+# only: at most a few units of u per term summed, and the longest sums (the vocabulary mean of
+# W_U, the d_model terms of b @ W) have max(d_model, d_vocab) terms.
+def _rounding_allowance(cfg, dtype):
+    return 8 * torch.finfo(dtype).eps * max(cfg.d_model, cfg.d_vocab)
+
+
+FUSABLE = dict(normalization_types=("LN",), gated_mlp=(False,), positional_embedding_types=("standard", "rotary"))
+
+
+@DTYPES
+@given(data=st.data())
+def test_the_fused_default_steps_give_the_chains_weights(dtype, data):
+    cfg, sd = data.draw(models(dtype=dtype, **FUSABLE))
+    assert fusable(cfg)
+    before = _snapshot(sd)
+    fused, fused_cfg = cm.process_weights(sd, cfg)
+    chained, chained_cfg = _chain(sd, cfg)
+    assert fused_cfg == chained_cfg
+    assert {t.dtype for t in fused.values()} == {dtype}
+    assert _largest_gap(fused, chained) <= _rounding_allowance(cfg, dtype)
+    assert _same(sd, before), "the input state dict was modified"
+
+
+@given(models(dtype=torch.float64, **FUSABLE))
+def test_negative_control_a_chain_without_the_unembed_centring_is_told_apart(model):
+    cfg, sd = model
+    fused, _ = cm.process_weights(sd, cfg)
+    chained, _ = _chain(sd, cfg, PIPELINE_STEPS[:3])
+    assert _largest_gap(fused, chained) > _rounding_allowance(cfg, torch.float64)
+
+
+@given(models(**EVERY_ARCHITECTURE))
+def test_the_fused_pass_is_taken_exactly_when_every_default_step_applies_whatever_the_weights(model):
+    cfg, sd = model
+    if fusable(cfg):
+        assert _chain(sd, cfg)[1].applied == FUSED_STEPS
+    else:
+        assert cfg.normalization_type != "LN" or cfg.norm_position != "pre" or cfg.gated_mlp \
+            or cfg.positional_embedding_type == "shortformer"
 
 
 REFUSALS = [

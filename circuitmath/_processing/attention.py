@@ -56,12 +56,16 @@ def fold_value_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
     out = dict(state_dict)
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}.attn"
-        b_V, W_O, b_O = state_dict[f"{p}.{bias}"], state_dict[f"{p}.W_O"], state_dict[f"{p}.b_O"]
-        per_query_head = b_V.double().repeat_interleave(cfg.n_heads // b_V.shape[0], dim=0)
-        folded = b_O.double() + torch.einsum("he,hed->d", per_query_head, W_O.double())
-        out[f"{p}.b_O"] = folded.to(b_O.dtype)
+        b_V, b_O = state_dict[f"{p}.{bias}"], state_dict[f"{p}.b_O"]
+        out[f"{p}.b_O"] = (b_O.double() + value_bias_through_output(b_V, state_dict[f"{p}.W_O"])).to(b_O.dtype)
         out[f"{p}.{bias}"] = torch.zeros_like(b_V)
     return out, cfg.replace(applied=cfg.applied + (identity,))
+
+
+def value_bias_through_output(b_V: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
+    """``Σ_h b_V[group(h)] @ W_O[h]`` in float64: ``b_V: [kv_heads, d_head]``, ``W_O: [n_heads, d_head, d_model]``."""
+    per_query_head = b_V.double().repeat_interleave(W_O.shape[0] // b_V.shape[0], dim=0)
+    return torch.einsum("he,hed->d", per_query_head, W_O.double())
 
 
 def remove_key_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:

@@ -8,8 +8,9 @@ from .._config import Config
 from .._errors import AlreadyAppliedError
 from .._state import StateDict, validate_state_dict
 from ._common import require
+from ._memory import new_tensor
 
-__all__ = ["writers", "center_writing_weights", "center_unembed"]
+__all__ = ["writers", "center_writing_weights", "center_unembed", "centred_last_axis"]
 
 
 def writers(cfg: Config) -> list[str]:
@@ -82,9 +83,24 @@ def center_writing_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     validate_state_dict(state_dict, cfg)
     out = dict(state_dict)
     for name in writers(cfg):
-        W = state_dict[name]
-        out[name] = W - W.mean(dim=-1, keepdim=True)
+        out[name] = centred_last_axis(state_dict[name])
     return out, cfg.replace(applied=cfg.applied + (identity,))
+
+
+def centred_last_axis(W: torch.Tensor, *, block_bytes: int = 1 << 20) -> torch.Tensor:
+    """``W - W.mean(-1, keepdim=True)`` for ``W: [..., n]``, as a new tensor of ``W``'s shape.
+
+    Large tensors (an embedding) are centred in blocks of rows of about ``block_bytes``, so each
+    block's mean and difference are computed while the block is in cache: one read of ``W`` from
+    memory instead of two.
+    """
+    rows = W.reshape(-1, W.shape[-1]) if W.dim() > 1 else W[None]
+    per_block = max(1, block_bytes // (rows.shape[1] * rows.element_size()))
+    out = new_tensor(rows.shape, W.dtype)
+    for start in range(0, rows.shape[0], per_block):
+        block = rows[start : start + per_block]
+        torch.sub(block, block.mean(dim=-1, keepdim=True), out=out[start : start + per_block])
+    return out.view(W.shape)
 
 
 def center_unembed(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:

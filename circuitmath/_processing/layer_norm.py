@@ -7,9 +7,10 @@ import torch
 from .._config import Config
 from .._state import StateDict, validate_state_dict
 from ._common import common_preconditions, readers, require
+from ._memory import new_tensor
 from .shortformer import shortformer_to_tables
 
-__all__ = ["fold_layer_norm", "center_reading_weights"]
+__all__ = ["fold_layer_norm", "center_reading_weights", "fold_reader", "products_through"]
 
 
 def fold_layer_norm(
@@ -58,30 +59,59 @@ def fold_layer_norm(
                 f"{weight} has no bias, so {norm}.b @ {weight} (nonzero) cannot be folded;"
                 " its non-linearity sits right behind it",
             )
+    applied = (identity, "center_reading_weights") if center_reading_weights else (identity,)
+    if center_reading_weights:
+        common_preconditions("center_reading_weights", cfg)
     out = dict(state_dict)
     for norm, pairs in readers(cfg):
         w, b = out.pop(f"{norm}.w"), out.pop(f"{norm}.b")
         for weight, bias in pairs:
-            W = state_dict[weight]
-            out[weight] = W * w[:, None]
+            out[weight], folded_bias = fold_reader(
+                state_dict[weight], w, b, None if bias is None else state_dict[bias], centre=center_reading_weights
+            )
             if bias is not None:
-                out[bias] = (state_dict[bias].double() + _bias_through(b, W)).to(W.dtype)
-    new_cfg = cfg.replace(normalization_type="LNPre", applied=cfg.applied + (identity,))
-    return _center_reading(out, new_cfg, readers_are_fresh=True) if center_reading_weights else (out, new_cfg)
+                out[bias] = folded_bias
+    return out, cfg.replace(normalization_type="LNPre", applied=cfg.applied + applied)
 
 
-def _bias_through(b: torch.Tensor, W: torch.Tensor, rows: int = 16) -> torch.Tensor:
-    """``b @ W`` in float64 for ``b: [d_model]`` and ``W: [..., d_model, m]``.
+def fold_reader(
+    W: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_W: torch.Tensor | None, *, centre: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One reader ``W: [..., d_model, m]`` with bias ``b_W: [..., m]`` (or ``None``) folded with
+    the gain ``w`` and bias ``b`` (``[d_model]``): ``(w[:, None] * W, b_W + b @ W)``.
 
-    A float32 matrix-vector product accumulates all ``d_model`` terms in float32, and these
-    biases feed every later layer. Here each block of ``rows`` terms is summed in ``W``'s dtype
-    and the blocks in float64: no float64 copy of ``W`` is made, and the processed model's
-    float32 error against the original drops (measured: by about a tenth).
+    With ``centre=True`` the weight is also centred over ``d_model``
+    (:func:`center_reading_weights`): ``w_i W_ij - mean_i(w_i W_ij)``, the mean taken from the
+    same pass over ``W`` as ``b @ W``, so the result is written once.
     """
-    return sum(
-        torch.matmul(b[start : start + rows], W[..., start : start + rows, :]).double()
-        for start in range(0, W.shape[-2], rows)
-    )
+    through = products_through(torch.stack([w, b]), W)  # [..., 2, m]: w @ W and b @ W
+    folded = new_tensor(W.shape, W.dtype)
+    if centre:
+        mean = (through[..., 0, :] / W.shape[-2]).to(W.dtype).unsqueeze(-2)
+        torch.addcmul(mean.neg_(), W, w[:, None], out=folded)
+    else:
+        torch.mul(W, w[:, None], out=folded)
+    bias = None if b_W is None else (b_W.double() + through[..., 1, :]).to(W.dtype)
+    return folded, bias
+
+
+def products_through(V: torch.Tensor, W: torch.Tensor, *, rows: int = 64) -> torch.Tensor:
+    """``V @ W`` in float64 for ``V: [k, d_model]`` and ``W: [..., d_model, m]``: ``[..., k, m]``.
+
+    A float32 product accumulates all ``d_model`` terms in float32, and the folded biases feed
+    every later layer. Here each block of ``rows`` terms is summed in ``W``'s dtype and the
+    blocks in float64: no float64 copy of ``W`` is made, and each bias carries the rounding of
+    ``rows`` terms, not ``d_model``. Blocks of 64 rows cost what one float32 product costs
+    (measured on GPT-2-small shapes; blocks of 16 take 1.5 to 2.5 times as long).
+    """
+    d_model, m = W.shape[-2:]
+    whole = d_model - d_model % rows
+    blocks = W[..., :whole, :].reshape(*W.shape[:-2], whole // rows, rows, m)
+    V_blocks = V[:, :whole].reshape(V.shape[0], whole // rows, rows).transpose(0, 1)  # [blocks, k, rows]
+    total = torch.matmul(V_blocks, blocks).double().sum(dim=-3)
+    if whole < d_model:
+        total += torch.matmul(V[:, whole:], W[..., whole:, :]).double()
+    return total
 
 
 def center_reading_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
@@ -91,15 +121,6 @@ def center_reading_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     vector. Needs ``normalization_type="LNPre"`` (fold the LayerNorm first). Records
     ``"center_reading_weights"``.
     """
-    validate_state_dict(state_dict, cfg)
-    return _center_reading(state_dict, cfg)
-
-
-def _center_reading(
-    state_dict: StateDict, cfg: Config, *, readers_are_fresh: bool = False
-) -> tuple[dict[str, torch.Tensor], Config]:
-    """``readers_are_fresh``: every reader of ``state_dict`` was just created by the fold and is
-    owned by no one else, so it is centred in place instead of into a second copy."""
     identity = "center_reading_weights"
     common_preconditions(identity, cfg)
     require(
@@ -112,10 +133,10 @@ def _center_reading(
             f"normalization_type is {cfg.normalization_type!r}: the readers' input is not centred",
         ),
     )
+    validate_state_dict(state_dict, cfg)
     out = dict(state_dict)
     for _norm, pairs in readers(cfg):
         for weight, _bias in pairs:
             W = state_dict[weight]
-            mean = W.mean(dim=-2, keepdim=True)
-            out[weight] = W.sub_(mean) if readers_are_fresh else W - mean
+            out[weight] = W - W.mean(dim=-2, keepdim=True)
     return out, cfg.replace(applied=cfg.applied + (identity,))

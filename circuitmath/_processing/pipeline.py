@@ -13,6 +13,7 @@ from .attention import fold_value_biases as _fold_value_biases
 from .attention import refactor_factored_attn_matrices as _refactor_factored_attn_matrices
 from .centring import center_unembed as _center_unembed
 from .centring import center_writing_weights as _center_writing_weights
+from .fused import fusable, fused_default_steps
 from .layer_norm import fold_layer_norm
 from .norms import fold_rms_norm
 
@@ -96,6 +97,9 @@ def process_weights(
     halves their error against rounding after every step; float32 and float64 are processed in
     their own dtype. Returns the
     processed state dict and a config whose ``applied`` lists every identity used, in order.
+    When steps 1–4 all apply whatever the weights (a pre-LN model without shortformer positions
+    or gated MLP, nothing applied yet), they run composed, each weight read and written in one
+    go (``circuitmath/_processing/fused.py``); the result is the chain's up to rounding.
 
     >>> import torch
     >>> from circuitmath import Config, process_weights, random_state_dict
@@ -130,8 +134,12 @@ def process_weights(
     dtype = validate_state_dict(state_dict, cfg)
     if torch.finfo(dtype).bits < 32:
         state_dict = {name: tensor.float() for name, tensor in state_dict.items()}
+    steps = PIPELINE_STEPS
+    if fusable(cfg) and all(requested[keyword] is not False for keyword, _ in PIPELINE_STEPS[:4]):
+        state_dict, cfg = fused_default_steps(state_dict, cfg)
+        steps = PIPELINE_STEPS[4:]
     with entries_checked_elsewhere():  # checked here, on the way in and on the way out
-        for keyword, step in PIPELINE_STEPS:
+        for keyword, step in steps:
             if requested[keyword] is False:
                 continue
             try:

@@ -1,0 +1,109 @@
+"""The default processing of a pre-LayerNorm model, each weight read and written in one go.
+
+:func:`~circuitmath.process_weights` with its default steps on a pre-LN model is the composition
+(registered as the identity ``process_weights``) of ``layer_norm_fold``,
+``center_reading_weights``, ``fold_value_biases``, ``center_writing_weights`` and
+``center_unembed``. Composed, each output tensor is a function of a few inputs:
+
+- a reader ``W`` of a norm with gain ``w`` and bias ``b`` (its own bias ``b_W``):
+  ``C diag(w) W`` and ``b_W + b W``, with ``C = I - 1 1^T / d_model``;
+- ``W_U`` is also centred over the vocabulary: ``C diag(w) W_U C_V`` and ``(b_U + b W_U) C_V``;
+- ``b_O``: ``(b_O + Σ_h b_V'[h] W_O[h]) C`` where ``b_V' = b_V + ln1.b W_V``; ``b_V`` becomes 0;
+- every other writer ``W``: ``W C``.
+
+The chain of public transforms writes ``W_U`` twice and reads it four times; here every tensor
+is written once, and the big ones are processed in blocks that stay in cache. Each formula is
+the chain's, through the same helpers; ``tests/test_pipeline.py`` checks that both give the
+same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._config import Config
+from .._state import StateDict, attention_names
+from ._common import readers
+from ._memory import new_tensor
+from .attention import value_bias_through_output
+from .centring import centred_last_axis, writers
+from .layer_norm import fold_reader
+
+__all__ = ["FUSED_STEPS", "fusable", "fused_default_steps"]
+
+#: What :func:`fused_default_steps` records in ``cfg.applied``: the chain's identities, in its order.
+FUSED_STEPS = (
+    "layer_norm_fold", "center_reading_weights", "fold_value_biases", "center_writing_weights", "center_unembed"
+)
+
+
+def fusable(cfg: Config) -> bool:
+    """Whether every step of the default chain applies to ``cfg`` whatever the weights.
+
+    A pre-LN model with nothing applied yet, without shortformer positions (folded through
+    per-layer tables by the chain) and without a gated MLP (whose ``W_gate`` has no bias to absorb
+    ``ln2.b @ W_gate``, a condition on the weights).
+    """
+    return (
+        not cfg.applied
+        and cfg.normalization_type == "LN"
+        and cfg.norm_position == "pre"
+        and cfg.positional_embedding_type in ("standard", "rotary")
+        and not cfg.gated_mlp
+    )
+
+
+def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+    """The chain :data:`FUSED_STEPS` applied to a :func:`fusable` model, each tensor written once.
+
+    Same shapes and dtype as the input (float32 or float64); the caller validates the input.
+    """
+    out = dict(state_dict)
+    for norm, pairs in readers(cfg):
+        w, b = out.pop(f"{norm}.w"), out.pop(f"{norm}.b")
+        for weight, bias in pairs:
+            if weight == "unembed.W_U":
+                out[weight], out[bias] = _fold_centred_unembed(state_dict[weight], w, b, state_dict[bias])
+            else:
+                out[weight], out[bias] = fold_reader(state_dict[weight], w, b, state_dict[bias], centre=True)
+    _weight, b_V_name, _heads = attention_names(cfg, "V")
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}.attn"
+        b_V = out[f"{p}.{b_V_name}"]  # ln1.b @ W_V included by the fold
+        b_O = state_dict[f"{p}.b_O"]
+        out[f"{p}.b_O"] = (b_O.double() + value_bias_through_output(b_V, state_dict[f"{p}.W_O"])).to(b_O.dtype)
+        out[f"{p}.{b_V_name}"] = torch.zeros_like(b_V)
+    for name in writers(cfg):
+        out[name] = centred_last_axis(out[name])
+    return out, cfg.replace(normalization_type="LNPre", applied=FUSED_STEPS)
+
+
+def _fold_centred_unembed(
+    W_U: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_U: torch.Tensor, *, rows: int = 64, rows_out: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(C diag(w) W_U C_V, (b_U + b W_U) C_V)`` for ``W_U: [d_model, d_vocab]``, ``b_U: [d_vocab]``.
+
+    With ``m_j = mean_i w_i W_ij`` (the reader centring) and ``r_i = w_i mean_j W_ij - mean_j m_j``
+    (the vocabulary mean of what remains), the result is ``w_i W_ij - m_j - r_i``. A first pass
+    over blocks of ``rows`` rows accumulates ``w W_U`` and ``b W_U`` (blocks summed in float64, as
+    :func:`~circuitmath._processing.layer_norm.products_through` does) and the row sums; a
+    second writes the result in blocks of ``rows_out`` rows, each finished while in cache.
+    """
+    d_model, d_vocab = W_U.shape
+    gain_and_bias = torch.stack([w, b])  # [2, d_model]
+    through = torch.zeros(2, d_vocab, dtype=torch.float64)
+    row_sums = torch.empty(d_model, dtype=torch.float64)
+    for start in range(0, d_model, rows):
+        block = W_U[start : start + rows]
+        through += torch.matmul(gain_and_bias[:, start : start + rows], block)
+        row_sums[start : start + rows] = block.sum(dim=-1)
+    column_mean = through[0] / d_model
+    minus_row_mean = (column_mean.mean() - w.double() * row_sums / d_vocab).to(W_U.dtype)
+    minus_column_mean = (-column_mean).to(W_U.dtype)
+    out = new_tensor(W_U.shape, W_U.dtype)
+    for start in range(0, d_model, rows_out):
+        stop = start + rows_out
+        torch.addcmul(minus_column_mean, W_U[start:stop], w[start:stop, None], out=out[start:stop])
+        out[start:stop].add_(minus_row_mean[start:stop, None])
+    bias = b_U.double() + through[1]
+    return out, (bias - bias.mean()).to(b_U.dtype)
