@@ -92,37 +92,25 @@ def minilm_tokens(text: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class IdentityCheck:
-    """One registered identity on one model: checked (``max_abs_error`` against ``tolerance``),
-    not applicable (``reason``: the transform's refusal), or not run because its check needs
-    more memory than the machine has (``out_of_memory``: the allocator's message)."""
+    """One registered identity on one model: checked (``max_abs_error`` against ``tolerance``)
+    or not applicable (``reason``: the refusal's precondition and detail)."""
 
     identity: str
     applicable: bool
     max_abs_error: float | None = None
     tolerance: float | None = None
     reason: str = ""
-    out_of_memory: str = ""
 
     @property
     def passed(self) -> bool:
-        if self.out_of_memory:
-            return False
         return not self.applicable or self.max_abs_error <= self.tolerance
-
-
-def _is_out_of_memory(error: BaseException) -> bool:
-    return isinstance(error, (MemoryError, torch.OutOfMemoryError)) or (
-        isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
-    )
 
 
 def check_identities(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> tuple[IdentityCheck, ...]:
     """Run every registered identity's numeric check on one model and real tokens.
 
-    A transform that refuses the model (:class:`~circuitmath.PreconditionError`) makes the
-    identity not applicable, with the refusal's detail as the reason. A check that cannot
-    allocate what it needs (e.g. a ``[d_vocab, d_vocab]`` matrix per head of a real vocabulary)
-    is recorded as not run, with ``out_of_memory`` set, and does not pass; every other error
+    A transform or check that refuses the model (:class:`~circuitmath.PreconditionError`) makes
+    the identity not applicable, with the refusal's detail as the reason; every other error
     propagates.
     """
     out = []
@@ -131,11 +119,6 @@ def check_identities(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -
             result = identity.check(state_dict, cfg, tokens)
         except PreconditionError as refusal:
             out.append(IdentityCheck(identity.name, False, reason=f"{refusal.precondition}: {refusal.detail}"))
-            continue
-        except (RuntimeError, MemoryError) as error:
-            if not _is_out_of_memory(error):
-                raise
-            out.append(IdentityCheck(identity.name, True, out_of_memory=str(error).splitlines()[0]))
             continue
         out.append(IdentityCheck(identity.name, True, result.max_abs_error, result.tolerance))
     return tuple(out)
