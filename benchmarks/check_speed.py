@@ -6,8 +6,10 @@ untied unembed: 163M parameters) with LayerNorm gains and biases that are not 1 
 process (``circuitmath._cli.main``: loading both files, validating, replaying the recorded
 identities on MODEL, the two forward passes on 4 x 128 random tokens and the tolerance). The
 baseline, measured in the same run, is the reference forward pass of MODEL and of OTHER on the
-same tokens, from tensors already in memory. Prints both times and their ratio (the issue asks
-for at most 3).
+same tokens, from tensors already in memory. The two are timed alternately, ``--repeats`` times,
+and the median of the per-repeat ratios is reported (the machine is shared: the ratio of two
+times measured together is steadier than either time). Exits 1 when that median exceeds the
+target of 3.
 
 Usage: ``python benchmarks/check_speed.py [--repeats N] [--layers L]``.
 """
@@ -26,6 +28,10 @@ import torch
 
 import circuitmath as cm
 from circuitmath import _cli, io
+
+
+#: The issue's target: check takes at most this many times the two forward passes it needs.
+TARGET_RATIO = 3.0
 
 
 def gpt2_small(layers: int) -> cm.Config:
@@ -53,7 +59,7 @@ def weights(cfg: cm.Config, seed: int = 0) -> dict[str, torch.Tensor]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs of each (the median is reported)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (the median ratio is reported)")
     parser.add_argument("--layers", type=int, default=12, help="number of layers (12: GPT-2 small)")
     args = parser.parse_args()
 
@@ -83,14 +89,16 @@ def main() -> int:
                 print(out.getvalue())
                 raise SystemExit(f"check exited {status} on a correct processing")
 
-    forward, check = statistics.median(forward_times), statistics.median(check_times)
+    ratios = [c / f for c, f in zip(check_times, forward_times)]
     parameters = sum(t.numel() for t in model.values())
     print(f"model: {cfg.n_layers} layers, d_model {cfg.d_model}, d_vocab {cfg.d_vocab}, {parameters / 1e6:.0f}M parameters,"
           f" tokens 4 x 128, torch threads {torch.get_num_threads()}")
-    print(f"two forward passes (model and processed): {forward:.2f} s")
-    print(f"check MODEL --processed OTHER:            {check:.2f} s")
-    print(f"ratio check / two forward passes:         {check / forward:.2f}  (the issue asks for at most 3)")
-    return 0
+    print(f"two forward passes (model and processed): {' '.join(f'{t:.2f}' for t in forward_times)} s")
+    print(f"check MODEL --processed OTHER:            {' '.join(f'{t:.2f}' for t in check_times)} s")
+    ratio = statistics.median(ratios)
+    print(f"ratio check / two forward passes:         {ratio:.2f} median of {' '.join(f'{r:.2f}' for r in ratios)}"
+          f"  (target <= {TARGET_RATIO:g})")
+    return 0 if ratio <= TARGET_RATIO else 1
 
 
 if __name__ == "__main__":
