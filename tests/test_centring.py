@@ -8,6 +8,7 @@ import circuitmath as cm
 from circuitmath._processing import writers
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, logprob_tolerance
+from support import same, snapshot
 
 WRITING = cm.get_identity("center_writing_weights")
 UNEMBED = cm.get_identity("center_unembed")
@@ -15,14 +16,6 @@ CENTRING_NORMS = dict(normalization_types=("LN", "LNPre"))
 # A wrong transform only shows where gains are not all 1 and biases not 0.
 DISCRIMINATING = dict(min_gain_spread=0.3, min_bias_scale=0.5)
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-
-
-def _snapshot(state_dict):
-    return {k: v.clone() for k, v in state_dict.items()}
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
 def _distinct_tokens(cfg):
@@ -88,12 +81,12 @@ WRITING_REFUSALS = [
 @given(data=st.data())
 def test_centring_writing_weights_refuses_what_it_cannot_rewrite_exactly(options, precondition, data):
     cfg, sd = data.draw(models(**options))
-    before = _snapshot(sd)
+    before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.center_writing_weights(sd, cfg)
     assert info.value.identity == "center_writing_weights" and info.value.precondition == precondition
     assert precondition in str(info.value)
-    assert _same(sd, before)
+    assert same(sd, before)
 
 
 @pytest.mark.parametrize("normalization", ["RMS", "RMSPre", None])
@@ -162,9 +155,9 @@ def test_transforms_are_pure_keep_dtypes_and_refuse_a_second_application(transfo
     cfg = cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=6, d_mlp=16,
                     normalization_type="LNPre", gated_mlp=True)
     sd = cm.random_state_dict(cfg, seed=1, dtype=dtype)
-    before = _snapshot(sd)
+    before = snapshot(sd)
     out, out_cfg = transform(sd, cfg)
-    assert _same(sd, before) and cfg.applied == ()
+    assert same(sd, before) and cfg.applied == ()
     assert {t.dtype for t in out.values()} == {dtype}
     cm.validate_state_dict(out, out_cfg)
     name = out_cfg.applied[-1]

@@ -8,23 +8,10 @@ import circuitmath as cm
 from circuitmath._identities.attention_biases import key_bias_scores_proof
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs
+from support import DISCRIMINATING_WEIGHTS, same, snapshot
 
 REMOVE = cm.get_identity("remove_key_biases")
 UNROTATED = dict(norm_positions=("pre", "post"), positional_embedding_types=("standard", "shortformer"))
-
-# Sizeable biases, and weights small enough that no softmax saturates: a saturated softmax is
-# one-hot whatever its scores, so it hides a wrong change of the scores (post-norm models read
-# the raw embeddings, whose outlier dimensions would otherwise give scores in the hundreds).
-DISCRIMINATING_WEIGHTS = dict(min_bias_scale=0.5, max_gain_spread=0.3, max_outlier_scale=3.0)
-
-
-def _snapshot(state_dict):
-    return {k: v.clone() for k, v in state_dict.items()}
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
-
 
 def _key_bias(cfg):
     return "_b_K" if cfg.n_key_value_heads else "b_K"
@@ -41,9 +28,9 @@ def test_removal_preserves_log_probs(dtype, data):
 @given(models(dtype=torch.float32, **UNROTATED))
 def test_removal_zeroes_key_biases_only_and_is_pure(model):
     cfg, sd = model
-    before = _snapshot(sd)
+    before = snapshot(sd)
     out, out_cfg = cm.remove_key_biases(sd, cfg)
-    assert _same(sd, before), "the input state dict was modified"
+    assert same(sd, before), "the input state dict was modified"
     assert out_cfg.applied == ("remove_key_biases",) and cfg.applied == ()
     for key, value in out.items():
         if key.endswith(f".{_key_bias(cfg)}"):
@@ -66,13 +53,13 @@ def test_removal_is_exact_with_bidirectional_attention(seed):
 @given(models(positional_embedding_types=("rotary",)))
 def test_rotary_models_are_refused(model):
     cfg, sd = model
-    before = _snapshot(sd)
+    before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.remove_key_biases(sd, cfg)
     assert info.value.identity == "remove_key_biases"
     assert info.value.precondition == "keys and queries are not rotated by position"
     assert "rotary" in info.value.detail
-    assert _same(sd, before)
+    assert same(sd, before)
 
 
 @pytest.mark.parametrize("n_key_value_heads", [None, 1])

@@ -8,18 +8,11 @@ from hypothesis.errors import InvalidArgument
 import circuitmath as cm
 from circuitmath.strategies import configs, models, state_dicts, tokens
 from circuitmath.testing import compare_log_probs
+from support import same, snapshot
 
 FOLDABLE = dict(normalization_types=("LN",), gated_mlp=(False,))
 LN_FOLD = cm.get_identity("layer_norm_fold")
 CENTER = cm.get_identity("center_reading_weights")
-
-
-def _snapshot(state_dict):
-    return {k: v.clone() for k, v in state_dict.items()}
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
@@ -67,9 +60,9 @@ def test_negative_control_wrong_centring_is_caught(model, corruption):
 @given(models(dtype=torch.float32, **FOLDABLE), st.booleans())
 def test_fold_is_pure_and_keeps_dtypes(model, centre):
     cfg, sd = model
-    before = _snapshot(sd)
+    before = snapshot(sd)
     folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=centre)
-    assert _same(sd, before), "the input state dict was modified"
+    assert same(sd, before), "the input state dict was modified"
     assert cfg.normalization_type == "LN" and cfg.applied == ()
     assert {t.dtype for t in folded.values()} == {torch.float32}
     assert not any(k.endswith((".w", ".b")) and ".ln" in k or k.startswith("ln_final") for k in folded)
@@ -106,12 +99,12 @@ REFUSALS = [
 @given(data=st.data())
 def test_fold_refuses_what_it_cannot_rewrite_exactly(options, identity, precondition, data):
     cfg, sd = data.draw(models(**options))
-    before = _snapshot(sd)
+    before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.fold_layer_norm(sd, cfg)
     assert info.value.identity == identity and info.value.precondition == precondition
     assert identity in str(info.value) and precondition in str(info.value)
-    assert _same(sd, before)
+    assert same(sd, before)
 
 
 @given(models(normalization_types=("LN", "RMS", "RMSPre", None), positional_embedding_types=("standard", "rotary", "shortformer_tables")))

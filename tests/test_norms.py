@@ -9,6 +9,7 @@ from circuitmath._identities.norms import with_explicit_eps
 from circuitmath._processing import writers
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs
+from support import same, snapshot
 
 RMS_FOLD = cm.get_identity("rms_norm_fold")
 LN_TO_RMS = cm.get_identity("layer_norm_to_rms_norm")
@@ -18,14 +19,6 @@ RMS_FOLDABLE = dict(normalization_types=("RMS",), positional_embedding_types=("s
 DISCRIMINATING = dict(min_gain_spread=0.3, min_bias_scale=0.5)
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 OUR_IDENTITIES = ("centring_projection", "scale_invariance", "layer_norm_to_rms_norm", "rms_norm_fold")
-
-
-def _snapshot(state_dict):
-    return {k: v.clone() for k, v in state_dict.items()}
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
 # A LayerNorm model must be foldable to reach LNPre: no gated MLP (W_gate has no bias to absorb
@@ -92,11 +85,11 @@ RMS_FOLD_REFUSALS = [
 @given(data=st.data())
 def test_rms_fold_refuses_what_it_cannot_rewrite_exactly(options, precondition, data):
     cfg, sd = data.draw(models(**options))
-    before = _snapshot(sd)
+    before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.fold_rms_norm(sd, cfg)
     assert info.value.identity == "rms_norm_fold" and info.value.precondition == precondition
-    assert _same(sd, before)
+    assert same(sd, before)
 
 
 # -- LayerNorm to RMSNorm ---------------------------------------------------------------------
@@ -125,12 +118,12 @@ def test_negative_control_rms_norm_with_another_eps_is_caught(model):
 @given(models(normalization_types=("LNPre",), weights=dict(max_outlier_dims=0)))
 def test_layer_norm_to_rms_norm_refuses_uncentred_writes(model):
     cfg, sd = model
-    before = _snapshot(sd)
+    before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.layer_norm_to_rms_norm(sd, cfg)
     assert info.value.precondition == "every write to the residual stream is centred"
     assert "center_writing_weights" in info.value.detail
-    assert _same(sd, before)
+    assert same(sd, before)
 
 
 def test_switching_uncentred_writes_is_not_a_formality():
@@ -268,9 +261,9 @@ def test_transforms_are_pure_keep_dtypes_and_refuse_a_second_application(transfo
     if transform is cm.layer_norm_to_rms_norm:
         cfg = cfg.replace(normalization_type="LNPre")
         sd, cfg = cm.center_writing_weights(cm.random_state_dict(cfg, seed=1, dtype=dtype), cfg)
-    before = _snapshot(sd)
+    before = snapshot(sd)
     out, out_cfg = transform(sd, cfg)
-    assert _same(sd, before)
+    assert same(sd, before)
     assert {t.dtype for t in out.values()} == {dtype}
     cm.validate_state_dict(out, out_cfg)
     with pytest.raises(cm.AlreadyAppliedError, match=out_cfg.applied[-1]):

@@ -10,6 +10,7 @@ from circuitmath._processing.fused import FUSED_STEPS, fusable
 from circuitmath._processing.pipeline import PIPELINE_STEPS
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs
+from support import same, snapshot
 
 PIPELINE = cm.get_identity("process_weights")
 EVERY_ARCHITECTURE = dict(
@@ -28,22 +29,14 @@ RECORDS = {
 }
 
 
-def _snapshot(state_dict):
-    return {k: v.clone() for k, v in state_dict.items()}
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
-
-
 @DTYPES
 @given(data=st.data())
 def test_everything_applicable_preserves_log_probs(dtype, data):
     cfg, sd = data.draw(models(dtype=dtype, **EVERY_ARCHITECTURE))
-    before = _snapshot(sd)
+    before = snapshot(sd)
     result = PIPELINE.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
-    assert _same(sd, before), "the input state dict was modified"
+    assert same(sd, before), "the input state dict was modified"
     processed, processed_cfg = cm.process_weights(sd, cfg, **EVERYTHING_APPLICABLE)
     assert {t.dtype for t in processed.values()} == {dtype}
     cm.validate_state_dict(processed, processed_cfg)
@@ -72,7 +65,7 @@ def test_steps_run_in_the_documented_order_and_everything_twice_is_everything_on
     ranks = [order[name] for name in processed_cfg.applied if name in order]
     assert ranks == sorted(ranks)
     again, again_cfg = cm.process_weights(processed, processed_cfg, **EVERYTHING_APPLICABLE)
-    assert again_cfg == processed_cfg and _same(again, processed)
+    assert again_cfg == processed_cfg and same(again, processed)
 
 
 @given(models(dtype=torch.float32, normalization_types=("LN",), gated_mlp=(False,),
@@ -126,13 +119,13 @@ FUSABLE = dict(normalization_types=("LN",), gated_mlp=(False,), positional_embed
 def test_the_fused_default_steps_give_the_chains_weights(dtype, data):
     cfg, sd = data.draw(models(dtype=dtype, **FUSABLE))
     assert fusable(cfg)
-    before = _snapshot(sd)
+    before = snapshot(sd)
     fused, fused_cfg = cm.process_weights(sd, cfg)
     chained, chained_cfg = _chain(sd, cfg)
     assert fused_cfg == chained_cfg
     assert {t.dtype for t in fused.values()} == {dtype}
     assert _largest_gap(fused, chained) <= _rounding_allowance(cfg, dtype)
-    assert _same(sd, before), "the input state dict was modified"
+    assert same(sd, before), "the input state dict was modified"
 
 
 @given(models(dtype=torch.float64, **FUSABLE))
@@ -174,11 +167,11 @@ def test_a_requested_step_that_cannot_apply_exactly_raises_its_own_error(
     options, flags, keyword, identity, precondition, data
 ):
     cfg, sd = data.draw(models(**options))
-    before = _snapshot(sd)
+    before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.process_weights(sd, cfg, **flags)
     assert (info.value.identity, info.value.precondition) == (identity, precondition)
-    assert _same(sd, before)
+    assert same(sd, before)
     _processed, processed_cfg = cm.process_weights(sd, cfg, **(flags | {keyword: None}))
     assert not RECORDS[keyword] & set(processed_cfg.applied)
 

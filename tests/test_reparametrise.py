@@ -10,23 +10,10 @@ from circuitmath._algebra import is_zero, normal_form
 from circuitmath._identities.reparametrise import change_bases
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs
+from support import DISCRIMINATING_WEIGHTS, same, snapshot
 
 REFACTOR = cm.get_identity("refactor_factored_attn_matrices")
 UNROTATED = dict(norm_positions=("pre", "post"), positional_embedding_types=("standard", "shortformer"))
-
-# Sizeable biases, and weights small enough that no softmax saturates: a saturated softmax is
-# one-hot whatever its scores, so it hides a wrong change of the scores (post-norm models read
-# the raw embeddings, whose outlier dimensions would otherwise give scores in the hundreds).
-DISCRIMINATING_WEIGHTS = dict(min_bias_scale=0.5, max_gain_spread=0.3, max_outlier_scale=3.0)
-
-
-def _snapshot(state_dict):
-    return {k: v.clone() for k, v in state_dict.items()}
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
-
 
 def _groups(cfg):
     kv_heads = cfg.n_key_value_heads or cfg.n_heads
@@ -86,9 +73,9 @@ def test_refactor_keeps_every_product_and_balances_the_factors(model):
 @given(models(dtype=torch.float32, **UNROTATED))
 def test_refactor_is_pure_keeps_dtypes_and_refuses_a_second_application(model):
     cfg, sd = model
-    before = _snapshot(sd)
+    before = snapshot(sd)
     out, out_cfg = cm.refactor_factored_attn_matrices(sd, cfg)
-    assert _same(sd, before), "the input state dict was modified"
+    assert same(sd, before), "the input state dict was modified"
     assert out_cfg.applied == ("refactor_factored_attn_matrices",) and cfg.applied == ()
     assert {t.dtype for t in out.values()} == {torch.float32}
     assert all(out[k] is sd[k] for k in sd if ".attn." not in k or k.endswith("b_O"))
@@ -141,12 +128,12 @@ def test_any_change_of_basis_preserves_log_probs(model, seed):
 @given(models(positional_embedding_types=("rotary",)))
 def test_rotary_models_are_refused(model):
     cfg, sd = model
-    before = _snapshot(sd)
+    before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.refactor_factored_attn_matrices(sd, cfg)
     assert info.value.identity == "refactor_factored_attn_matrices"
     assert info.value.precondition == "keys and queries are not rotated by position"
-    assert _same(sd, before)
+    assert same(sd, before)
 
 
 def test_rotary_refusal_is_not_a_formality():

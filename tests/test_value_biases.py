@@ -8,25 +8,12 @@ from hypothesis import given, strategies as st
 
 import circuitmath as cm
 from circuitmath.strategies import models, tokens
+from support import DISCRIMINATING_WEIGHTS, same, snapshot
 
 FOLD = cm.get_identity("fold_value_biases")
 # Values never see positions and b_O sits inside the attention layer, so the fold is exact
 # whatever the norm, its position, the positional embedding or the grouping of key/value heads.
 EVERY_ARCHITECTURE = dict(norm_positions=("pre", "post"), positional_embedding_types=("standard", "shortformer", "rotary"))
-
-# Sizeable biases, and weights small enough that no softmax saturates: a saturated softmax is
-# one-hot whatever its scores, so it hides a wrong change of the scores (post-norm models read
-# the raw embeddings, whose outlier dimensions would otherwise give scores in the hundreds).
-DISCRIMINATING_WEIGHTS = dict(min_bias_scale=0.5, max_gain_spread=0.3, max_outlier_scale=3.0)
-
-
-def _snapshot(state_dict):
-    return {k: v.clone() for k, v in state_dict.items()}
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
-
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @given(data=st.data())
@@ -39,9 +26,9 @@ def test_fold_preserves_log_probs(dtype, data):
 @given(models(dtype=torch.float32, **EVERY_ARCHITECTURE))
 def test_fold_moves_each_value_bias_through_every_query_head_that_reads_it(model):
     cfg, sd = model
-    before = _snapshot(sd)
+    before = snapshot(sd)
     folded, folded_cfg = cm.fold_value_biases(sd, cfg)
-    assert _same(sd, before), "the input state dict was modified"
+    assert same(sd, before), "the input state dict was modified"
     assert folded_cfg.applied == ("fold_value_biases",) and cfg.applied == ()
     assert {t.dtype for t in folded.values()} == {torch.float32}
     cm.validate_state_dict(folded, folded_cfg)
