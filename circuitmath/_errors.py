@@ -28,12 +28,17 @@ class PreconditionError(CircuitMathError, ValueError):
 
 
 class AlreadyAppliedError(PreconditionError):
-    """The transform is already recorded in ``cfg.applied``; applying it again changes the model."""
+    """The transform is already recorded in ``cfg.applied``, so it is not run again.
+
+    For a fold a second application would fold the weights into themselves and change the
+    model; for the centrings, the value-bias fold, the key-bias removal and the refactor it
+    would change nothing. Either way asking twice is a mistake in the caller's pipeline.
+    """
 
     def __init__(self, identity: str):
         super().__init__(
             identity,
             "not already applied",
-            f"cfg.applied already records '{identity}'; applying it twice would fold the weights"
-            " into themselves and change the model",
+            f"cfg.applied already records '{identity}': these weights went through it once, and a"
+            " second application is refused rather than repeated",
         )
