@@ -30,10 +30,13 @@ from ._weights import random_state_dict
 __all__ = ["configs", "state_dicts", "models", "tokens"]
 
 
-def _check_range(name: str, low: int, high: int, floor: int) -> None:
+def _check_range(name: str, low, high, floor, *, kind: type = int) -> None:
+    """``min_<name>`` and ``max_<name>`` are numbers of ``kind`` (a float range takes ints too)
+    with ``floor <= low <= high``."""
+    allowed = (int, float) if kind is float else (int,)
     for label, value in ((f"min_{name}", low), (f"max_{name}", high)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise InvalidArgument(f"{label} must be an int, got {value!r}")
+        if not isinstance(value, allowed) or isinstance(value, bool) or value != value:
+            raise InvalidArgument(f"{label} must be {'a number' if kind is float else 'an int'}, got {value!r}")
     if low < floor or high < low:
         raise InvalidArgument(f"need {floor} <= min_{name} <= max_{name}, got min_{name}={low}, max_{name}={high}")
 
@@ -177,10 +180,8 @@ def state_dicts(
         raise InvalidArgument(f"cfg must be a circuitmath Config, got {type(cfg).__name__}")
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise InvalidArgument(f"dtype must be a floating torch dtype, got {dtype!r}")
-    for name, low, high in (("gain_spread", min_gain_spread, max_gain_spread),
-                            ("bias_scale", min_bias_scale, max_bias_scale)):
-        if not 0 <= low <= high:
-            raise InvalidArgument(f"need 0 <= min_{name} <= max_{name}, got {low!r}, {high!r}")
+    _check_range("gain_spread", min_gain_spread, max_gain_spread, 0, kind=float)
+    _check_range("bias_scale", min_bias_scale, max_bias_scale, 0, kind=float)
     if not (isinstance(max_outlier_dims, int) and max_outlier_dims >= 0):
         raise InvalidArgument(f"max_outlier_dims must be an int >= 0, got {max_outlier_dims!r}")
     if not max_outlier_scale >= 1:

@@ -159,6 +159,10 @@ def test_state_dicts_honour_the_structure_options(data):
     lambda: state_dicts("not a config"),
     lambda: state_dicts(cm.Config(n_layers=0, d_model=2, n_heads=1, d_head=1, d_vocab=2, n_ctx=1), dtype=torch.int64),
     lambda: models(weights={"min_gain_spread": 2.0, "max_gain_spread": 1.0}),
+    lambda: state_dicts(cm.Config(n_layers=0, d_model=2, n_heads=1, d_head=1, d_vocab=2, n_ctx=1), min_bias_scale=-1.0),
+    lambda: state_dicts(cm.Config(n_layers=0, d_model=2, n_heads=1, d_head=1, d_vocab=2, n_ctx=1),
+                        max_bias_scale=float("nan")),
+    lambda: configs(max_layers=1.5),
 ])
 def test_strategies_validate_arguments_when_called(call):
     with pytest.raises(InvalidArgument):
