@@ -1051,7 +1051,7 @@ def _inputs(before, after, cfg, after_cfg):
     return before_sd, before_cfg, after_sd, resolved_after_cfg, [note] if note else []
 
 
-def _check_tokens(tokens, cfg: Config) -> torch.Tensor:
+def _resolve_tokens(tokens, cfg: Config) -> torch.Tensor:
     """``tokens`` as given, :func:`default_tokens` for ``None``, or ``tokens(cfg)`` for a callable."""
     if tokens is None:
         return default_tokens(cfg)
@@ -1089,7 +1089,7 @@ def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress: 
     """
     before_sd, before_cfg, after_sd, after_cfg, notes = _inputs(before, after, cfg, after_cfg)
     plan = _recorded_plan(before_cfg, after_cfg, notes)
-    tokens = _check_tokens(tokens, before_cfg)
+    tokens = _resolve_tokens(tokens, before_cfg)
     return _replay_and_explain(before_sd, before_cfg, after_sd, after_cfg, tokens, plan, notes, progress)
 
 
@@ -1111,7 +1111,7 @@ def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens
         plan = [_registry.get_identity(n) for n in recorded]
     except PreconditionError:
         pass
-    tokens = _check_tokens(tokens, before_cfg)
+    tokens = _resolve_tokens(tokens, before_cfg)
     return _replay_and_explain(before_sd, before_cfg, after_sd, after_cfg, tokens, plan, notes, None)
 
 
@@ -1125,7 +1125,7 @@ def check_model(model, cfg=None, *, tokens=None, progress: Progress | None = Non
     before each identity.
     """
     state, model_cfg = resolve_model(model, cfg)
-    tokens = _check_tokens(tokens, model_cfg)
+    tokens = _resolve_tokens(tokens, model_cfg)
     chosen = weight_identities()
     report = progress or (lambda done, total, what: None)
     total = len(chosen) + 1

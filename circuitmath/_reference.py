@@ -74,7 +74,7 @@ def _project(params: StateDict, p: str, cfg: Config, name: str, x: torch.Tensor)
     return out.repeat_interleave(cfg.n_heads // heads, dim=2) if heads != cfg.n_heads else out
 
 
-def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in) -> torch.Tensor:
+def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in, record: dict | None = None) -> torch.Tensor:
     q, k, v = (_project(params, p, cfg, n, x) for n, x in (("Q", q_in), ("K", k_in), ("V", v_in)))
     if cfg.positional_embedding_type == "rotary":
         q, k = _rotate(q, cfg), _rotate(k, cfg)
@@ -85,7 +85,12 @@ def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in) -> torc
         scores = scores.masked_fill(future, float("-inf"))
     pattern = torch.softmax(scores, dim=-1)
     z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
-    return torch.einsum("bqhe,hed->bqd", z, params[f"{p}.W_O"]) + params[f"{p}.b_O"]
+    if record is None:
+        return torch.einsum("bqhe,hed->bqd", z, params[f"{p}.W_O"]) + params[f"{p}.b_O"]
+    per_head = torch.einsum("bqhe,hed->bqhd", z, params[f"{p}.W_O"])
+    record["patterns"].append(pattern)
+    record["head_outputs"].append(per_head)
+    return per_head.sum(dim=2) + params[f"{p}.b_O"]
 
 
 def _mlp(params: StateDict, p: str, cfg: Config, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +102,20 @@ def _mlp(params: StateDict, p: str, cfg: Config, x: torch.Tensor) -> torch.Tenso
     return hidden @ params[f"{p}.W_out"] + params[f"{p}.b_out"]
 
 
-def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> torch.Tensor:
+def check_tokens(cfg: Config, tokens) -> torch.Tensor:
+    """``tokens`` as an integer tensor ``[batch, pos]`` with ``1 <= pos <= n_ctx`` and every id a
+    token of the vocabulary (``ValueError`` saying which fails)."""
+    tokens = torch.as_tensor(tokens)
+    if tokens.ndim != 2 or tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"tokens must be an integer tensor [batch, pos], got {tokens.dtype} {tuple(tokens.shape)}")
+    if not 1 <= tokens.shape[1] <= cfg.n_ctx:
+        raise ValueError(f"sequence length {tokens.shape[1]} is outside [1, n_ctx={cfg.n_ctx}]")
+    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= cfg.d_vocab):
+        raise ValueError(f"token ids must lie in [0, d_vocab={cfg.d_vocab})")
+    return tokens
+
+
+def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, *, record: dict | None = None) -> torch.Tensor:
     """Logits ``[batch, pos, d_vocab]`` for integer ``tokens: [batch, pos]``.
 
     Pre-norm block: ``x += attn(norm1(x)); x += mlp(norm2(x))`` (parallel: ``x += attn(norm1(x))
@@ -105,15 +123,17 @@ def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> torch.T
     with ``embedding_norm`` the embeddings are normed (``embed.ln``) before the first block.
     With shortformer embeddings ``W_pos`` is added to the query and key inputs after ``ln1``
     and never enters the residual stream.
+
+    ``record``, a dict, receives what analyses of the run need: ``"patterns"``, per layer the
+    attention pattern ``[batch, n_heads, query, key]``; ``"head_outputs"``, per layer each head's
+    write ``[batch, pos, n_heads, d_model]`` (without ``b_O``; they sum, with it, to the
+    layer's output); and ``"final_residual"``, the residual stream ``[batch, pos, d_model]``
+    after the last block (what a pre-norm model's final norm reads).
     """
     validate_state_dict(state_dict, cfg)
-    tokens = torch.as_tensor(tokens)
-    if tokens.ndim != 2 or tokens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"tokens must be an integer tensor [batch, pos], got {tokens.dtype} {tuple(tokens.shape)}")
-    if tokens.shape[1] > cfg.n_ctx or tokens.shape[1] < 1:
-        raise ValueError(f"sequence length {tokens.shape[1]} is outside [1, n_ctx={cfg.n_ctx}]")
-    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= cfg.d_vocab):
-        raise ValueError(f"token ids must lie in [0, d_vocab={cfg.d_vocab})")
+    if record is not None:
+        record.update(patterns=[], head_outputs=[])
+    tokens = check_tokens(cfg, tokens)
     params = state_dict
     positions = tokens.shape[1]
     x = params["embed.W_E"][tokens]
@@ -125,19 +145,21 @@ def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> torch.T
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}"
         if cfg.norm_position == "post":
-            x = _norm(params, f"{p}.ln1", cfg, x + _attention(params, f"{p}.attn", cfg, x, x, x))
+            x = _norm(params, f"{p}.ln1", cfg, x + _attention(params, f"{p}.attn", cfg, x, x, x, record))
             if not cfg.attn_only:
                 x = _norm(params, f"{p}.ln2", cfg, x + _mlp(params, f"{p}.mlp", cfg, x))
             continue
         normed = _norm(params, f"{p}.ln1", cfg, x)
         qk_in = normed + pos if cfg.positional_embedding_type == "shortformer" else normed
-        attn_out = _attention(params, f"{p}.attn", cfg, qk_in, qk_in, normed)
+        attn_out = _attention(params, f"{p}.attn", cfg, qk_in, qk_in, normed, record)
         if cfg.parallel_attn_mlp:
             x = x + attn_out + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x))
             continue
         x = x + attn_out
         if not cfg.attn_only:
             x = x + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x))
+    if record is not None:
+        record["final_residual"] = x
     if cfg.norm_position == "pre":
         x = _norm(params, "ln_final", cfg, x)
     return x @ params["unembed.W_U"] + params["unembed.b_U"]

@@ -30,7 +30,7 @@ import torch
 
 from ._config import Config
 from ._errors import PreconditionError
-from ._reference import _project, _rotate
+from ._reference import _project, _rotate, check_tokens, forward
 from ._state import StateDict, attention_names, validate_state_dict
 
 __all__ = [
@@ -519,17 +519,6 @@ def _embed(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> dict["Pa
     return terms
 
 
-def _check_tokens(cfg: Config, tokens) -> torch.Tensor:
-    tokens = torch.as_tensor(tokens)
-    if tokens.ndim != 2 or tokens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"tokens must be an integer tensor [batch, pos], got {tokens.dtype} {tuple(tokens.shape)}")
-    if not 1 <= tokens.shape[1] <= cfg.n_ctx:
-        raise ValueError(f"sequence length {tokens.shape[1]} is outside [1, n_ctx={cfg.n_ctx}]")
-    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= cfg.d_vocab):
-        raise ValueError(f"token ids must lie in [0, d_vocab={cfg.d_vocab})")
-    return tokens
-
-
 @dataclass(frozen=True)
 class _Run:
     """A forward pass of an attention-only model, with what the path expansion freezes."""
@@ -542,7 +531,7 @@ class _Run:
 def _run(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, identity: str) -> _Run:
     validate_state_dict(state_dict, cfg)
     _require_path_model(cfg, identity)
-    tokens = _check_tokens(cfg, tokens)
+    tokens = check_tokens(cfg, tokens)
     x = sum(_embed(state_dict, cfg, tokens).values())
     patterns, norms, inputs = [], [], []
     for layer in range(cfg.n_layers):
@@ -571,10 +560,12 @@ def _head_outputs(state_dict, cfg, layer, pattern, normed, with_bias: bool = Tru
 def attention_patterns(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> torch.Tensor:
     """The attention patterns of a forward pass: ``[n_layers, batch, n_heads, query, key]``.
 
-    For pre-norm attention-only models (the models :func:`path_terms` expands); rows sum to 1
-    and causal models put zero weight on future keys.
+    Recorded by the reference forward pass (:func:`circuitmath.forward`), for any model it
+    runs; rows sum to 1 and causal models put zero weight on future keys.
     """
-    return torch.stack(_run(state_dict, cfg, tokens, "attention_head_tensor_form").patterns)
+    record: dict = {}
+    forward(state_dict, cfg, tokens, record=record)
+    return torch.stack(record["patterns"])
 
 
 @dataclass(frozen=True, order=True)

@@ -14,15 +14,13 @@ trained embeddings), where only induction can predict the second half.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import circuits
 from .._config import Config
 from .._processing import center_writing_weights, fold_layer_norm
-from .._reference import _mlp, _norm, _project, _rotate
-from .._state import StateDict, validate_state_dict
+from .._reference import forward
+from .._state import StateDict
 from ._corpus import corpus_tokens
 
 __all__ = [
@@ -57,47 +55,22 @@ def repeated_text_tokens(batch: int, length: int, *, seed: int = 0) -> torch.Ten
 
 
 def run_with_patterns(state_dict: StateDict, cfg: Config, tokens: torch.Tensor):
-    """The reference forward pass of a pre-norm, sequential model, keeping what the scores need.
+    """The reference forward pass of a pre-norm model, keeping what the scores need.
 
     Returns ``(logits [batch, pos, d_vocab], patterns, head_outputs, final_scale)``:
     ``patterns[l]`` is layer ``l``'s attention ``[batch, n_heads, query, key]``,
     ``head_outputs[l]`` each head's write to the residual stream ``[batch, pos, n_heads,
-    d_model]`` (without ``b_O``), and ``final_scale [batch, pos, 1]`` the divisor
-    ``ln_final`` applies. The logits equal :func:`circuitmath.forward`'s (a test checks it).
+    d_model]`` (without ``b_O``), both recorded by :func:`circuitmath.forward`, and
+    ``final_scale [batch, pos, 1]`` the divisor ``ln_final`` applies.
     """
-    validate_state_dict(state_dict, cfg)
-    if cfg.norm_position != "pre" or cfg.parallel_attn_mlp or cfg.positional_embedding_type == "shortformer_tables":
-        raise ValueError("run_with_patterns handles pre-norm, sequential models with standard, shortformer or rotary positions")
-    params, n = state_dict, tokens.shape[1]
-    x = params["embed.W_E"][tokens]
-    pos = params["pos_embed.W_pos"][:n] if "pos_embed.W_pos" in params else None
-    if cfg.positional_embedding_type == "standard":
-        x = x + pos
-    patterns, head_outputs = [], []
-    future = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
-    for layer in range(cfg.n_layers):
-        p = f"blocks.{layer}"
-        normed = _norm(params, f"{p}.ln1", cfg, x)
-        qk_in = normed + pos if cfg.positional_embedding_type == "shortformer" else normed
-        q, k = _project(params, f"{p}.attn", cfg, "Q", qk_in), _project(params, f"{p}.attn", cfg, "K", qk_in)
-        v = _project(params, f"{p}.attn", cfg, "V", normed)
-        if cfg.positional_embedding_type == "rotary":
-            q, k = _rotate(q, cfg), _rotate(k, cfg)
-        scores = torch.einsum("bqhe,bkhe->bhqk", q, k) / math.sqrt(cfg.d_head)
-        if cfg.causal:
-            scores = scores.masked_fill(future, float("-inf"))
-        pattern = torch.softmax(scores, dim=-1)
-        z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
-        per_head = torch.einsum("bqhe,hed->bqhd", z, params[f"{p}.attn.W_O"])
-        x = x + per_head.sum(dim=2) + params[f"{p}.attn.b_O"]
-        if not cfg.attn_only:
-            x = x + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x))
-        patterns.append(pattern)
-        head_outputs.append(per_head)
+    if cfg.norm_position != "pre":
+        raise ValueError("run_with_patterns needs a pre-norm model: its copying scores read the heads through ln_final")
+    record: dict = {}
+    logits = forward(state_dict, cfg, tokens, record=record)
+    x = record["final_residual"]
     centred = x - x.mean(-1, keepdim=True) if cfg.normalization_type in ("LN", "LNPre") else x
     final_scale = torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + cfg.eps)
-    x = _norm(params, "ln_final", cfg, x)
-    return x @ params["unembed.W_U"] + params["unembed.b_U"], patterns, head_outputs, final_scale
+    return logits, record["patterns"], record["head_outputs"], final_scale
 
 
 def previous_token_scores(patterns) -> torch.Tensor:
