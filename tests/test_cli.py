@@ -27,7 +27,7 @@ def test_prove_json_lists_every_identity_as_proved():
 def test_prove_table_names_and_filters(capsys):
     assert _cli.main(["prove", "layer_norm_fold"]) == 0
     out = capsys.readouterr().out
-    assert "layer_norm_fold" in out and "center_reading_weights" not in out and "4/4" in out
+    assert "layer_norm_fold" in out and "center_reading_weights" not in out and "5/5" in out
 
 
 def test_unknown_identity_exits_2(capsys):

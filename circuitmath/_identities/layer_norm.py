@@ -14,7 +14,7 @@ independent because a norm acts on each row separately):
 from __future__ import annotations
 
 import torch
-from sympy import DiagMatrix, Identity as Eye, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol
+from sympy import DiagMatrix, Identity as Eye, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol, Transpose
 
 from .._processing import center_reading_weights, fold_layer_norm, readers
 from .._proof import Definition, Proof, Step, Twin
@@ -63,6 +63,12 @@ def _layer_norm_fold_proof() -> Proof:
                 "scale the reader's columns, not its rows (W * w[None, :], square W)",
                 MatAdd(MatMul(LN, W_sq), b_sq),
                 MatAdd(MatMul(LNPre, W_sq, DiagMatrix(w)), b_sq, MatMul(b, W_sq)),
+            ),
+            Twin(
+                "bias_through_transpose",
+                "fold the LayerNorm bias through the reader's transpose, b W^T (square W, where W @ b broadcasts)",
+                MatAdd(MatMul(LN, W_sq), b_sq),
+                MatAdd(MatMul(LNPre, DiagMatrix(w), W_sq), b_sq, MatMul(b, Transpose(W_sq))),
             ),
             Twin(
                 "drop_bias",
