@@ -5,11 +5,12 @@ not when drawn from. Weights are drawn with realistic structure (see
 :func:`circuitmath.random_state_dict`): non-unit and occasionally negative norm gains, large
 biases, a few outlier residual dimensions.
 
->>> from hypothesis import given
+>>> from hypothesis import given, settings
 >>> from circuitmath import fold_layer_norm
 >>> from circuitmath.strategies import models
 >>> from circuitmath.testing import assert_equivalent
->>> @given(models(normalization_types=("LN",), positional_embedding_types=("standard", "rotary"),
+>>> @settings(max_examples=20, deadline=None)  # a model per example takes longer than 200 ms under load
+... @given(models(normalization_types=("LN",), positional_embedding_types=("standard", "rotary"),
 ...                gated_mlp=(False,)))
 ... def test_fold_layer_norm(model):
 ...     cfg, state_dict = model
