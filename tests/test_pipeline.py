@@ -238,3 +238,25 @@ def test_negative_control_wrong_pipeline_is_caught(corruption, data):
     )
     result = PIPELINE.check_corruption(corruption, sd, cfg)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
+
+
+@given(models(dtype=torch.float32, **FUSABLE), st.data())
+def test_a_nan_or_inf_anywhere_in_the_input_is_named_when_the_steps_run_fused(model, data):
+    """The fused steps check only their output's entries: every input entry must reach one."""
+    cfg, sd = model
+    name = data.draw(st.sampled_from(sorted(sd)))
+    bad = data.draw(st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    broken = dict(sd)
+    broken[name] = sd[name].clone()
+    broken[name].view(-1)[data.draw(st.integers(0, sd[name].numel() - 1))] = bad
+    with pytest.raises(cm.StateDictError, match=rf"{name} has 1 NaN or Inf entries"):
+        cm.process_weights(broken, cfg)
+
+
+def test_an_overflow_of_finite_weights_is_reported_as_such():
+    cfg = cm.Config(n_layers=1, d_model=4, n_heads=1, d_head=2, d_vocab=5, n_ctx=3)
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float32)
+    sd["ln_final.w"] = torch.full((4,), 3e38)
+    sd["unembed.W_U"] = sd["unembed.W_U"] * 1e10
+    with pytest.raises(cm.StateDictError, match="overflowed torch.float32: the input is finite"):
+        cm.process_weights(sd, cfg)

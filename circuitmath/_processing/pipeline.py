@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from .._config import Config
-from .._errors import AlreadyAppliedError, PreconditionError
+from .._errors import AlreadyAppliedError, PreconditionError, StateDictError
 from .._state import StateDict, entries_checked_elsewhere, validate_state_dict
 from .attention import fold_value_biases as _fold_value_biases
 from .attention import refactor_factored_attn_matrices as _refactor_factored_attn_matrices
@@ -131,11 +131,17 @@ def process_weights(
     for keyword, value in requested.items():
         if not any(value is allowed for allowed in (True, False, None)):
             raise TypeError(f"{keyword} must be True, False or None (if applicable), got {value!r}")
-    dtype = validate_state_dict(state_dict, cfg)
+    fused = fusable(cfg) and all(requested[keyword] is not False for keyword, _ in PIPELINE_STEPS[:4])
+    given, given_cfg = state_dict, cfg
+    if fused:  # every entry of the input reaches the output (below), so only the output's are checked
+        with entries_checked_elsewhere():
+            dtype = validate_state_dict(state_dict, cfg)
+    else:
+        dtype = validate_state_dict(state_dict, cfg)
     if torch.finfo(dtype).bits < 32:
         state_dict = {name: tensor.float() for name, tensor in state_dict.items()}
     steps = PIPELINE_STEPS
-    if fusable(cfg) and all(requested[keyword] is not False for keyword, _ in PIPELINE_STEPS[:4]):
+    if fused:
         state_dict, cfg = fused_default_steps(state_dict, cfg)
         steps = PIPELINE_STEPS[4:]
     with entries_checked_elsewhere():  # checked here, on the way in and on the way out
@@ -149,5 +155,14 @@ def process_weights(
                     continue
                 raise
     out = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-    validate_state_dict(out, cfg)
+    try:
+        validate_state_dict(out, cfg)
+    except StateDictError:
+        # The fused steps pass a NaN or Inf of any input entry on to some output entry (each
+        # output is linear in its inputs, and NaN and Inf survive sums and products, 0 * Inf
+        # included): name the input's, or else report the overflow.
+        validate_state_dict(given, given_cfg)
+        raise StateDictError(
+            f"processing overflowed {dtype}: the input is finite but the processed weights are not"
+        ) from None
     return out, cfg
