@@ -87,12 +87,12 @@ def center_writing_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     return out, cfg.replace(applied=cfg.applied + (identity,))
 
 
-def centred_last_axis(W: torch.Tensor, *, block_bytes: int = 1 << 20) -> torch.Tensor:
+def centred_last_axis(W: torch.Tensor, *, block_bytes: int = 1 << 20, sums: list | None = None) -> torch.Tensor:
     """``W - W.mean(-1, keepdim=True)`` for ``W: [..., n]``, as a new tensor of ``W``'s shape.
 
     Large tensors (an embedding) are centred in blocks of rows of about ``block_bytes``, so each
     block's mean and difference are computed while the block is in cache: one read of ``W`` from
-    memory instead of two.
+    memory instead of two. Given ``sums``, each block's sum is appended to it, taken in cache.
     """
     rows = W.reshape(-1, W.shape[-1]) if W.dim() > 1 else W[None]
     per_block = max(1, block_bytes // (rows.shape[1] * rows.element_size()))
@@ -100,6 +100,8 @@ def centred_last_axis(W: torch.Tensor, *, block_bytes: int = 1 << 20) -> torch.T
     for start in range(0, rows.shape[0], per_block):
         block = rows[start : start + per_block]
         torch.sub(block, block.mean(dim=-1, keepdim=True), out=out[start : start + per_block])
+        if sums is not None:
+            sums.append(out[start : start + per_block].sum())
     return out.view(W.shape)
 
 

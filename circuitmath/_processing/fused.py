@@ -53,33 +53,42 @@ def fusable(cfg: Config) -> bool:
     )
 
 
-def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config, bool]:
     """The chain :data:`FUSED_STEPS` applied to a :func:`fusable` model, each tensor written once.
 
-    Same shapes and dtype as the input (float32 or float64); the caller validates the input.
+    Same shapes and dtype as the input (float32 or float64); the caller validates the input's
+    structure. Also returns whether every output entry is finite, taken from sums of each block
+    while it is in cache (``False`` may also mean a sum overflowed: then check the entries).
     """
+    sums: list[torch.Tensor] = []
     out = dict(state_dict)
     for norm, pairs in readers(cfg):
         w, b = out.pop(f"{norm}.w"), out.pop(f"{norm}.b")
         for weight, bias in pairs:
             if weight == "unembed.W_U":
-                out[weight], out[bias] = _fold_centred_unembed(state_dict[weight], w, b, state_dict[bias])
+                out[weight], out[bias] = _fold_centred_unembed(state_dict[weight], w, b, state_dict[bias], sums=sums)
             else:
                 out[weight], out[bias] = fold_reader(state_dict[weight], w, b, state_dict[bias], centre=True)
+                sums.append(out[weight].sum())  # the folded reader is still in cache
     _weight, b_V_name, _heads = attention_names(cfg, "V")
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}.attn"
         b_V = out[f"{p}.{b_V_name}"]  # ln1.b @ W_V included by the fold
         b_O = state_dict[f"{p}.b_O"]
         out[f"{p}.b_O"] = (b_O.double() + value_bias_through_output(b_V, state_dict[f"{p}.W_O"])).to(b_O.dtype)
+        sums.append(b_V.sum())  # the folded b_V, zeroed below, carries any NaN of ln1.b or W_V into b_O too
         out[f"{p}.{b_V_name}"] = torch.zeros_like(b_V)
     for name in writers(cfg):
-        out[name] = centred_last_axis(out[name])
-    return out, cfg.replace(normalization_type="LNPre", applied=FUSED_STEPS)
+        out[name] = centred_last_axis(out[name], sums=sums)
+    summed = set(writers(cfg)) | {weight for _norm, pairs in readers(cfg) for weight, _bias in pairs}
+    sums += [tensor.sum() for name, tensor in out.items() if name not in summed]  # the biases: small
+    finite = bool(torch.isfinite(torch.stack(sums).sum(dtype=torch.float64))) if sums else True
+    return out, cfg.replace(normalization_type="LNPre", applied=FUSED_STEPS), finite
 
 
 def _fold_centred_unembed(
-    W_U: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_U: torch.Tensor, *, rows: int = 64, rows_out: int = 8
+    W_U: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_U: torch.Tensor, *, rows: int = 64, rows_out: int = 8,
+    sums: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(C diag(w) W_U C_V, (b_U + b W_U) C_V)`` for ``W_U: [d_model, d_vocab]``, ``b_U: [d_vocab]``.
 
@@ -87,7 +96,8 @@ def _fold_centred_unembed(
     (the vocabulary mean of what remains), the result is ``w_i W_ij - m_j - r_i``. A first pass
     over blocks of ``rows`` rows accumulates ``w W_U`` and ``b W_U`` (blocks summed in float64, as
     :func:`~circuitmath._processing.layer_norm.products_through` does) and the row sums; a
-    second writes the result in blocks of ``rows_out`` rows, each finished while in cache.
+    second writes the result in blocks of ``rows_out`` rows, each finished while in cache (and,
+    given ``sums``, summed there, appended to it).
     """
     d_model, d_vocab = W_U.shape
     gain_and_bias = torch.stack([w, b])  # [2, d_model]
@@ -105,5 +115,7 @@ def _fold_centred_unembed(
         stop = start + rows_out
         torch.addcmul(minus_column_mean, W_U[start:stop], w[start:stop, None], out=out[start:stop])
         out[start:stop].add_(minus_row_mean[start:stop, None])
+        if sums is not None:
+            sums.append(out[start:stop].sum())
     bias = b_U.double() + through[1]
     return out, (bias - bias.mean()).to(b_U.dtype)
