@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -133,10 +134,8 @@ def process_weights(
             raise TypeError(f"{keyword} must be True, False or None (if applicable), got {value!r}")
     fused = fusable(cfg) and all(requested[keyword] is not False for keyword, _ in PIPELINE_STEPS[:4])
     given, given_cfg = state_dict, cfg
-    if fused:  # every entry of the input reaches the output (below), so only the output's are checked
-        with entries_checked_elsewhere():
-            dtype = validate_state_dict(state_dict, cfg)
-    else:
+    # Fused, every entry of the input reaches the output (below), so only the output's are checked.
+    with entries_checked_elsewhere() if fused else contextlib.nullcontext():
         dtype = validate_state_dict(state_dict, cfg)
     if torch.finfo(dtype).bits < 32:
         state_dict = {name: tensor.float() for name, tensor in state_dict.items()}
@@ -159,10 +158,7 @@ def process_weights(
     checked_in_cache = checked_in_cache and cfg.applied[-1] == "center_unembed" and torch.finfo(dtype).bits >= 32
     out = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
     try:
-        if checked_in_cache:
-            with entries_checked_elsewhere():
-                validate_state_dict(out, cfg)
-        else:
+        with entries_checked_elsewhere() if checked_in_cache else contextlib.nullcontext():
             validate_state_dict(out, cfg)
     except StateDictError:
         # The fused steps pass a NaN or Inf of any input entry on to some output entry (each
