@@ -8,13 +8,12 @@ import json
 import shutil
 import sys
 import time
-from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 
+from . import io
 from ._config import Config
-from ._errors import CircuitMathError
+from ._errors import CircuitMathError, InputError
 from ._registry import get_identity, identities
 
 COLUMNS = ("identity", "symbolic dims", "steps", "seconds", "twins rejected", "status")
@@ -42,8 +41,7 @@ def _prove(args) -> int:
     try:
         chosen = [get_identity(n) for n in args.names] if args.names else list(identities())
     except KeyError as error:
-        print(f"error: {error.args[0]}", file=sys.stderr)
-        return 2
+        raise InputError(error.args[0]) from None
     rows = []
     for identity in chosen:
         report = identity.prove()
@@ -101,38 +99,36 @@ class _ProgressLine:
             self.stream.flush()
 
 
-def _read_config(path: str):
-    """A circuitmath Config from JSON, or a Hugging Face config.json (a dict with ``model_type``)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not JSON: {error}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object")
-    return data if "model_type" in data else Config.from_dict(data)
+#: The most activation entries (batch x positions x the widest layer) a check may ask for: 2**28
+#: float64 entries are 2 GiB, several times what a check of GPT-2-small on 4 x 128 tokens needs.
+MAX_ACTIVATIONS = 1 << 28
 
 
 def _check(args) -> int:
     from . import _diagnosis
 
-    if args.batch < 1 or args.seq_len < 1:
-        print("error: --batch and --seq-len must be at least 1", file=sys.stderr)
-        return 2
+    if not (1 <= args.batch and 1 <= args.seq_len):
+        raise InputError("--batch and --seq-len must be at least 1")
 
     def tokens(cfg: Config) -> torch.Tensor:
+        positions = min(cfg.n_ctx, args.seq_len)
+        widest = max(cfg.d_vocab, cfg.d_model, cfg.d_mlp or 0, cfg.n_heads * positions)
+        if args.batch * positions * widest > MAX_ACTIVATIONS:
+            raise InputError(
+                f"--batch {args.batch} x --seq-len {positions} tokens need {args.batch * positions * widest:,}"
+                f" activation entries in this model's widest layer ({widest}); the limit is {MAX_ACTIVATIONS:,}:"
+                " use fewer or shorter sequences"
+            )
         g = torch.Generator().manual_seed(args.seed)
-        return torch.randint(0, cfg.d_vocab, (args.batch, min(cfg.n_ctx, args.seq_len)), generator=g)
+        return torch.randint(0, cfg.d_vocab, (args.batch, positions), generator=g)
 
     progress = _ProgressLine(sys.stderr) if sys.stderr.isatty() and not args.json else None
     try:
-        cfg = _read_config(args.config) if args.config else None
+        cfg = io.read_config(args.config) if args.config else None
         if args.processed:
             report = _diagnosis.diagnose(args.model, args.processed, cfg, tokens=tokens, progress=progress)
         else:
             report = _diagnosis.check_model(args.model, cfg, tokens=tokens, progress=progress)
-    except (CircuitMathError, SafetensorError, OSError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
     finally:
         if progress is not None:
             progress.close()
@@ -160,4 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
     check.set_defaults(run=_check)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except CircuitMathError as error:  # bad input: said in one line, nothing written
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # the reader went away (``check --json | head``): stop quietly
+        sys.stderr.close()
+        return 0

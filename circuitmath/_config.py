@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
+
+from ._errors import ConfigError
 
 __all__ = ["Config"]
 
@@ -67,51 +72,14 @@ class Config:
     applied: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        problems = []
-        for name in ("n_layers",):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                problems.append(f"{name} must be an int >= 0, got {getattr(self, name)!r}")
-        for name in ("d_model", "n_heads", "d_head", "d_vocab", "n_ctx"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                problems.append(f"{name} must be an int >= 1, got {value!r}")
-        if self.d_mlp is not None and (not isinstance(self.d_mlp, int) or self.d_mlp < 1):
-            problems.append(f"d_mlp must be None (attention-only) or an int >= 1, got {self.d_mlp!r}")
-        if self.act_fn not in ACTIVATIONS:
-            problems.append(f"act_fn must be one of {ACTIVATIONS}, got {self.act_fn!r}")
-        if self.normalization_type not in NORMALIZATIONS:
-            problems.append(f"normalization_type must be one of {NORMALIZATIONS}, got {self.normalization_type!r}")
-        if self.norm_position not in NORM_POSITIONS:
-            problems.append(f"norm_position must be one of {NORM_POSITIONS}, got {self.norm_position!r}")
-        if self.norm_position == "post" and self.normalization_type is None:
-            problems.append("norm_position='post' needs a normalization_type")
-        if self.positional_embedding_type not in POSITIONAL:
-            problems.append(f"positional_embedding_type must be one of {POSITIONAL}, got {self.positional_embedding_type!r}")
-        if self.positional_embedding_type.startswith("shortformer") and self.norm_position == "post":
-            problems.append("shortformer positional embeddings need a pre-norm model")
-        if self.positional_embedding_type == "rotary":
-            rotary_dim = self.rotary_dim if self.rotary_dim is not None else self.d_head
-            if rotary_dim % 2 or not 0 < rotary_dim <= self.d_head:
-                problems.append(f"rotary_dim must be even and in (0, d_head={self.d_head}], got {rotary_dim}")
-        if self.gated_mlp and self.d_mlp is None:
-            problems.append("gated_mlp needs d_mlp (an attention-only model has no MLP)")
-        if self.parallel_attn_mlp and (self.d_mlp is None or self.norm_position == "post"):
-            problems.append("parallel_attn_mlp needs an MLP and a pre-norm model")
-        if self.embedding_norm and self.norm_position != "post":
-            problems.append("embedding_norm is the post-norm (BERT) layout; it needs norm_position='post'")
-        if self.n_key_value_heads is not None and (
-            not isinstance(self.n_key_value_heads, int)
-            or self.n_key_value_heads < 1
-            or self.n_heads % self.n_key_value_heads
-        ):
-            problems.append(
-                f"n_key_value_heads must be None or a divisor of n_heads={self.n_heads}, got {self.n_key_value_heads!r}"
-            )
-        if not (isinstance(self.eps, (int, float)) and self.eps >= 0):
-            problems.append(f"eps must be a number >= 0, got {self.eps!r}")
+        problems = _type_problems(self)
+        if not problems:  # the relations between fields mean something only once each is well typed
+            problems = _relation_problems(self)
         if problems:
-            raise ValueError("invalid Config: " + "; ".join(problems))
+            raise ConfigError("invalid Config: " + "; ".join(problems))
         object.__setattr__(self, "applied", tuple(self.applied))
+        object.__setattr__(self, "rotary_base", float(self.rotary_base))
+        object.__setattr__(self, "eps", float(self.eps))
 
     @property
     def attn_only(self) -> bool:
@@ -126,16 +94,128 @@ class Config:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Config":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"invalid Config: unknown keys {unknown}")
+    def from_dict(cls, data: Mapping) -> "Config":
+        """A config from a mapping of field names to values (:meth:`to_dict`'s inverse).
+
+        Unknown and missing fields, and ill-typed values, raise :class:`ConfigError` naming them.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"invalid Config: expected a JSON object of fields, got {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(map(str, set(data) - set(fields)))
+        required = [name for name, f in fields.items() if f.default is dataclasses.MISSING]
+        missing = [name for name in required if name not in data]
+        problems = ([f"unknown keys {unknown}"] if unknown else []) + ([f"missing keys {missing}"] if missing else [])
+        if problems:
+            raise ConfigError("invalid Config: " + "; ".join(problems))
         return cls(**data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> "Config":
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str | bytes) -> "Config":
+        """A config from :meth:`to_json`'s text; :class:`ConfigError` says why one cannot be read."""
+        return cls.from_dict(parse_json(text, "Config JSON"))
+
+
+#: The largest JSON text circuitmath parses (a config, a Hugging Face config.json, a header).
+MAX_JSON_BYTES = 1 << 20
+#: How deeply a JSON text circuitmath parses may nest (a config needs 2 levels).
+MAX_JSON_DEPTH = 32
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def parse_json(text: str | bytes, what: str, *, limit: int = MAX_JSON_BYTES):
+    """``json.loads(text)``, with every way it can fail a :class:`ConfigError` saying ``what`` it was.
+
+    Texts over ``limit`` bytes (:data:`MAX_JSON_BYTES` by default) or nested deeper than :data:`MAX_JSON_DEPTH` are refused
+    before they are parsed, so no input can make the parser run out of memory or stack.
+    """
+    if isinstance(text, bytes):
+        if len(text) > limit:
+            raise ConfigError(f"{what} is {len(text)} bytes, over the limit of {limit}")
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"{what} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    if not isinstance(text, str):
+        raise ConfigError(f"{what} must be text, got {type(text).__name__}")
+    if len(text) > limit:
+        raise ConfigError(f"{what} is {len(text)} characters, over the limit of {limit}")
+    depth = deepest = 0
+    outside_strings = _JSON_STRING.sub('""', text)
+    for bracket in _JSON_BRACKETS.findall(outside_strings):  # they bound how deep the parser recurses
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    if deepest > MAX_JSON_DEPTH:
+        raise ConfigError(f"{what} nests {deepest} levels deep, over the limit of {MAX_JSON_DEPTH}")
+    try:
+        return json.loads(text)
+    except ValueError as error:
+        raise ConfigError(f"{what} is not JSON: {error}") from None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _type_problems(cfg: Config) -> list[str]:
+    """Every field whose value has the wrong type or lies outside its range."""
+    problems = []
+    for name in ("n_layers", "d_model", "n_heads", "d_head", "d_vocab", "n_ctx"):
+        value, floor = getattr(cfg, name), 0 if name == "n_layers" else 1
+        if not _is_int(value) or value < floor:
+            problems.append(f"{name} must be an int >= {floor}, got {value!r}")
+    for name, meaning in (("d_mlp", "attention-only"), ("rotary_dim", "d_head"), ("n_key_value_heads", "n_heads")):
+        value = getattr(cfg, name)
+        if value is not None and (not _is_int(value) or value < 1):
+            problems.append(f"{name} must be None ({meaning}) or an int >= 1, got {value!r}")
+    for name, allowed in (
+        ("act_fn", ACTIVATIONS),
+        ("normalization_type", NORMALIZATIONS),
+        ("norm_position", NORM_POSITIONS),
+        ("positional_embedding_type", POSITIONAL),
+    ):
+        value = getattr(cfg, name)
+        if not (value is None or isinstance(value, str)) or value not in allowed:
+            problems.append(f"{name} must be one of {allowed}, got {value!r}")
+    for name in ("causal", "gated_mlp", "parallel_attn_mlp", "embedding_norm"):
+        if not isinstance(getattr(cfg, name), bool):
+            problems.append(f"{name} must be True or False, got {getattr(cfg, name)!r}")
+    if not _is_number(cfg.rotary_base) or cfg.rotary_base <= 0:
+        problems.append(f"rotary_base must be a finite number > 0, got {cfg.rotary_base!r}")
+    if not _is_number(cfg.eps) or cfg.eps < 0:
+        problems.append(f"eps must be a finite number >= 0, got {cfg.eps!r}")
+    if isinstance(cfg.applied, (str, bytes)) or not isinstance(cfg.applied, (list, tuple)):
+        problems.append(f"applied must be a list of identity names, got {cfg.applied!r}")
+    elif not all(isinstance(name, str) for name in cfg.applied):
+        problems.append(f"applied must hold identity names (strings), got {list(cfg.applied)!r}")
+    return problems
+
+
+def _relation_problems(cfg: Config) -> list[str]:
+    """Every combination of (well-typed) fields the reference forward pass does not describe."""
+    problems = []
+    if cfg.norm_position == "post" and cfg.normalization_type is None:
+        problems.append("norm_position='post' needs a normalization_type")
+    if cfg.positional_embedding_type.startswith("shortformer") and cfg.norm_position == "post":
+        problems.append("shortformer positional embeddings need a pre-norm model")
+    if cfg.positional_embedding_type == "rotary":
+        rotary_dim = cfg.rotary_dim if cfg.rotary_dim is not None else cfg.d_head
+        if rotary_dim % 2 or not 0 < rotary_dim <= cfg.d_head:
+            problems.append(f"rotary_dim must be even and in (0, d_head={cfg.d_head}], got {rotary_dim}")
+    if cfg.gated_mlp and cfg.d_mlp is None:
+        problems.append("gated_mlp needs d_mlp (an attention-only model has no MLP)")
+    if cfg.parallel_attn_mlp and (cfg.d_mlp is None or cfg.norm_position == "post"):
+        problems.append("parallel_attn_mlp needs an MLP and a pre-norm model")
+    if cfg.embedding_norm and cfg.norm_position != "post":
+        problems.append("embedding_norm is the post-norm (BERT) layout; it needs norm_position='post'")
+    if cfg.n_key_value_heads is not None and cfg.n_heads % cfg.n_key_value_heads:
+        problems.append(f"n_key_value_heads must be None or a divisor of n_heads={cfg.n_heads}, got {cfg.n_key_value_heads!r}")
+    return problems

@@ -91,12 +91,13 @@ def resolve_model(source, cfg=None) -> tuple[dict[str, torch.Tensor], Config]:
             return io.load_hf_directory(path)
         tensors, metadata = io.load_tensors(path)
         if cfg is None:
-            if io.CONFIG_KEY not in metadata:
+            cfg = io.stored_config(path, metadata)
+            if cfg is None:
                 raise StateDictError(
                     f"{path} carries no circuitmath config in its metadata (it was not written by"
-                    " circuitmath.io.save): pass its config (a circuitmath Config or a Hugging Face config)"
+                    " circuitmath.io.save): pass its config (a circuitmath Config or a Hugging Face config;"
+                    " --config CFG.json on the command line)"
                 )
-            cfg = Config.from_json(metadata[io.CONFIG_KEY])
         source = tensors
     if not isinstance(source, Mapping):
         raise StateDictError(f"expected a state dict, a .safetensors path or a folder, got {type(source).__name__}")
@@ -1072,6 +1073,7 @@ def _recorded_plan(before_cfg: Config, after_cfg: Config, notes: list[str]):
     return [names[n] for n in applied[len(done):]]
 
 
+@torch.no_grad()  # weights that require grad are compared as plain tensors
 def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress: Progress | None = None) -> Diagnosis:
     """Explain ``after`` as a processing of ``before``: which identities, which went wrong, where.
 
@@ -1093,6 +1095,7 @@ def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress: 
     return _replay_and_explain(before_sd, before_cfg, after_sd, after_cfg, tokens, plan, notes, progress)
 
 
+@torch.no_grad()  # weights that require grad are compared as plain tensors
 def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens=None) -> Diagnosis:
     """Check that ``after`` is the registered identity ``name`` applied to ``before``.
 
@@ -1115,6 +1118,7 @@ def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens
     return _replay_and_explain(before_sd, before_cfg, after_sd, after_cfg, tokens, plan, notes, None)
 
 
+@torch.no_grad()  # weights that require grad are compared as plain tensors
 def check_model(model, cfg=None, *, tokens=None, progress: Progress | None = None) -> Diagnosis:
     """Apply every weight identity that applies to ``model`` and compare log-probs, one row each.
 

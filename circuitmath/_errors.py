@@ -2,14 +2,37 @@
 
 from __future__ import annotations
 
-__all__ = ["CircuitMathError", "StateDictError", "PreconditionError", "AlreadyAppliedError"]
+__all__ = [
+    "CircuitMathError",
+    "InputError",
+    "ConfigError",
+    "StateDictError",
+    "PreconditionError",
+    "AlreadyAppliedError",
+    "OverflowedError",
+]
 
 
 class CircuitMathError(Exception):
-    """Base class of every error circuitmath raises on purpose."""
+    """Base class of every error circuitmath raises on purpose.
+
+    Bad input of any kind (a file, a config, a state dict, an argument) raises a subclass whose
+    message names the file and the key or field at fault; ``python -m circuitmath`` turns it
+    into ``error: ...`` on stderr and exit status 2. Anything else escaping is a bug.
+    """
 
 
-class StateDictError(CircuitMathError, ValueError):
+class InputError(CircuitMathError, ValueError):
+    """A file or an argument that cannot be used as given (missing, not a regular file, too
+    large, not UTF-8, not JSON, an argument out of range): nothing was computed or written."""
+
+
+class ConfigError(InputError):
+    """A :class:`~circuitmath.Config` (or the JSON it was read from) with a missing, unknown or
+    ill-typed field; the message names every field at fault."""
+
+
+class StateDictError(InputError):
     """A state dict (or the file it came from) does not match its config: nothing was computed."""
 
 
@@ -42,3 +65,9 @@ class AlreadyAppliedError(PreconditionError):
             f"cfg.applied already records '{identity}': these weights went through it once, and a"
             " second application is refused rather than repeated",
         )
+
+
+class OverflowedError(StateDictError):
+    """A rewrite of finite weights produced a NaN or an Inf (the dtype's range was exceeded):
+    nothing is returned rather than a different model. The message names the identity (or the
+    pipeline) and the tensors whose entries are not finite."""

@@ -11,6 +11,7 @@ import math
 import torch
 
 from ._config import Config
+from ._errors import InputError
 from ._state import StateDict, attention_names, validate_state_dict
 
 __all__ = ["forward", "log_probs", "normalize"]
@@ -104,14 +105,14 @@ def _mlp(params: StateDict, p: str, cfg: Config, x: torch.Tensor) -> torch.Tenso
 
 def check_tokens(cfg: Config, tokens) -> torch.Tensor:
     """``tokens`` as an integer tensor ``[batch, pos]`` with ``1 <= pos <= n_ctx`` and every id a
-    token of the vocabulary (``ValueError`` saying which fails)."""
+    token of the vocabulary (:class:`~circuitmath.InputError` saying which fails)."""
     tokens = torch.as_tensor(tokens)
     if tokens.ndim != 2 or tokens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"tokens must be an integer tensor [batch, pos], got {tokens.dtype} {tuple(tokens.shape)}")
+        raise InputError(f"tokens must be an integer tensor [batch, pos], got {tokens.dtype} {tuple(tokens.shape)}")
     if not 1 <= tokens.shape[1] <= cfg.n_ctx:
-        raise ValueError(f"sequence length {tokens.shape[1]} is outside [1, n_ctx={cfg.n_ctx}]")
+        raise InputError(f"sequence length {tokens.shape[1]} is outside [1, n_ctx={cfg.n_ctx}]")
     if tokens.numel() and (tokens.min() < 0 or tokens.max() >= cfg.d_vocab):
-        raise ValueError(f"token ids must lie in [0, d_vocab={cfg.d_vocab})")
+        raise InputError(f"token ids must lie in [0, d_vocab={cfg.d_vocab})")
     return tokens
 
 

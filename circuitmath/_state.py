@@ -11,7 +11,15 @@ import torch
 from ._config import Config
 from ._errors import StateDictError
 
-__all__ = ["attention_names", "expected_shapes", "validate_state_dict", "entries_checked_elsewhere", "StateDict"]
+__all__ = [
+    "attention_names",
+    "expected_shapes",
+    "validate_state_dict",
+    "entries_checked_elsewhere",
+    "entries_checked_here",
+    "not_finite",
+    "StateDict",
+]
 
 StateDict = Mapping[str, torch.Tensor]
 
@@ -28,6 +36,19 @@ def entries_checked_elsewhere() -> Iterator[None]:
         yield
     finally:
         _CHECK_ENTRIES.reset(token)
+
+
+def entries_checked_here() -> bool:
+    """Whether entries are checked by each call (``False`` within :func:`entries_checked_elsewhere`)."""
+    return _CHECK_ENTRIES.get()
+
+
+def not_finite(tensor: torch.Tensor) -> int:
+    """How many entries of ``tensor`` are NaN or Inf (one sum decides when the answer is 0)."""
+    with torch.no_grad():
+        if torch.isfinite(tensor.sum()):
+            return 0
+        return int((~torch.isfinite(tensor)).sum())
 
 
 def _norm_shapes(prefix: str, kind, d_model: int) -> dict[str, tuple[int, ...]]:
@@ -80,15 +101,40 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def validate_state_dict(state_dict: StateDict, cfg: Config) -> torch.dtype:
-    """Check names, shapes, dtypes and finiteness; return the common floating dtype.
+#: The floating dtypes circuitmath computes in (float8 formats and complex numbers are refused).
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-    Raises :class:`StateDictError` listing every problem found.
-    """
+
+def _config_problem(state_dict: Mapping, cfg) -> str | None:
+    """Why ``cfg`` cannot describe ``state_dict``, decided before anything proportional to the
+    config is built (a config read from a file may claim 10**9 layers)."""
     if not isinstance(cfg, Config):
-        raise StateDictError(f"expected a circuitmath Config, got {type(cfg).__name__}")
+        hint = " (build one with Config.from_dict)" if isinstance(cfg, Mapping) else ""
+        return f"expected a circuitmath Config, got {type(cfg).__name__}{hint}"
+    # Every layer has at least 8 attention tensors, so more layers than tensors cannot fit.
+    if 8 * cfg.n_layers > len(state_dict):
+        layers = {key.split(".")[1] for key in state_dict if isinstance(key, str) and key.startswith("blocks.")}
+        return (
+            f"the config says n_layers={cfg.n_layers}, but the state dict has {len(state_dict)} tensors"
+            f" in {len(layers)} blocks: the config does not describe these weights"
+        )
+    return None
+
+
+def validate_state_dict(state_dict: StateDict, cfg: Config) -> torch.dtype:
+    """Check names, shapes, dtypes, devices and finiteness; return the common floating dtype.
+
+    Raises :class:`StateDictError` listing every problem found. Its work is bounded by the state
+    dict, whatever the config claims.
+    """
     if not isinstance(state_dict, Mapping):
         raise StateDictError(f"expected a mapping of names to tensors, got {type(state_dict).__name__}")
+    problem = _config_problem(state_dict, cfg)
+    if problem:
+        raise StateDictError(problem)
+    not_names = [repr(name) for name in state_dict if not isinstance(name, str)]
+    if not_names:
+        raise StateDictError(f"parameter names must be strings, got {', '.join(not_names[:5])}")
     shapes = expected_shapes(cfg)
     problems = []
     missing = sorted(set(shapes) - set(state_dict))
@@ -97,7 +143,7 @@ def validate_state_dict(state_dict: StateDict, cfg: Config) -> torch.dtype:
         problems.append(f"missing keys {missing}")
     if unexpected:
         problems.append(f"unexpected keys {unexpected} (does the config match the weights?)")
-    dtypes = set()
+    dtypes, devices = {}, {}
     for name in sorted(set(shapes) & set(state_dict)):
         tensor = state_dict[name]
         if not isinstance(tensor, torch.Tensor):
@@ -105,17 +151,30 @@ def validate_state_dict(state_dict: StateDict, cfg: Config) -> torch.dtype:
             continue
         if tuple(tensor.shape) != shapes[name]:
             problems.append(f"{name} has shape {tuple(tensor.shape)}, the config implies {shapes[name]}")
-        if not tensor.is_floating_point():
-            problems.append(f"{name} has dtype {tensor.dtype}, expected a floating dtype")
+        if tensor.dtype not in DTYPES:
+            problems.append(
+                f"{name} has dtype {tensor.dtype}; circuitmath computes in {', '.join(map(str, DTYPES))}"
+            )
             continue
-        dtypes.add(tensor.dtype)
+        if tensor.is_meta:
+            problems.append(f"{name} is on the meta device: it holds no values to check or rewrite")
+            continue
+        dtypes.setdefault(tensor.dtype, name)
+        devices.setdefault(tensor.device, name)
         # A finite sum proves every entry finite (a NaN or Inf entry makes it NaN or Inf) at a
         # fraction of the cost of isfinite; only a sum that is not finite needs the count.
-        if _CHECK_ENTRIES.get() and not torch.isfinite(tensor.sum()) and not torch.isfinite(tensor).all():
-            bad = int((~torch.isfinite(tensor)).sum())
-            problems.append(f"{name} has {bad} NaN or Inf entries")
+        if _CHECK_ENTRIES.get():
+            bad = not_finite(tensor)
+            if bad:
+                problems.append(f"{name} has {bad} NaN or Inf entries")
     if len(dtypes) > 1:
-        problems.append(f"mixed dtypes {sorted(map(str, dtypes))}; use one floating dtype")
+        problems.append(
+            "mixed dtypes (" + ", ".join(f"{name} is {dtype}" for dtype, name in dtypes.items()) + "); use one floating dtype"
+        )
+    if len(devices) > 1:
+        problems.append(
+            "tensors on several devices (" + ", ".join(f"{name} on {device}" for device, name in devices.items()) + ")"
+        )
     if problems:
         raise StateDictError("state dict does not match its config: " + "; ".join(problems))
-    return dtypes.pop() if dtypes else torch.get_default_dtype()
+    return next(iter(dtypes)) if dtypes else torch.get_default_dtype()

@@ -185,6 +185,7 @@ def default_tokens(cfg: Config, *, batch: int = 2, seed: int = 0) -> torch.Tenso
     return torch.randint(0, cfg.d_vocab, (batch, min(cfg.n_ctx, 32)), generator=g)
 
 
+@torch.no_grad()  # weights that require grad are compared as plain tensors
 def compare_log_probs(
     before: StateDict,
     before_cfg: Config,
@@ -228,6 +229,7 @@ class NotEquivalentError(AssertionError):
         self.diagnosis = diagnosis
 
 
+@torch.no_grad()  # weights that require grad are compared as plain tensors
 def assert_equivalent(
     before,
     after,

@@ -2,11 +2,59 @@
 
 from __future__ import annotations
 
-from .._config import Config
-from .._errors import AlreadyAppliedError, PreconditionError
-from .._state import attention_names
+import functools
+from collections.abc import Callable
 
-__all__ = ["readers", "require", "common_preconditions"]
+import torch
+
+from .._config import Config
+from .._errors import AlreadyAppliedError, OverflowedError, PreconditionError
+from .._state import attention_names, entries_checked_here, not_finite
+
+__all__ = ["readers", "require", "common_preconditions", "rewrite"]
+
+
+def _same(given, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is ``given`` passed through (detached or not): already checked."""
+    return isinstance(given, torch.Tensor) and (given is tensor or (given.requires_grad and given.data_ptr() == tensor.data_ptr()
+                                                                       and given.shape == tensor.shape))
+
+
+def rewrite(identity: str, *, check_output: bool = True) -> Callable:
+    """Make ``transform(state_dict, cfg, ...) -> (state_dict, cfg)`` a public transform of ``identity``.
+
+    It runs without autograd, so weights that require grad (``nn.Parameter``) are accepted and
+    plain tensors come back. With ``check_output``, every tensor the transform wrote is checked:
+    the input was validated finite, so a NaN or an Inf in the output means the rewrite left the
+    dtype's range, and :class:`~circuitmath.OverflowedError` names the identity and the tensors
+    instead of returning a different model. Within :func:`~circuitmath._state.entries_checked_elsewhere`
+    (the pipeline, which checks once at the end) the output is not checked here.
+    """
+
+    def decorate(transform: Callable) -> Callable:
+        @functools.wraps(transform)
+        def run(state_dict, cfg, *args, **kwargs):
+            with torch.no_grad():
+                out, out_cfg = transform(state_dict, cfg, *args, **kwargs)
+                out = {name: tensor.detach() if tensor.requires_grad else tensor for name, tensor in out.items()}
+                if check_output and entries_checked_here():
+                    bad = {
+                        name: count
+                        for name, tensor in out.items()
+                        if not _same(state_dict.get(name), tensor) and (count := not_finite(tensor))
+                    }
+                    if bad:
+                        dtype = next(iter(out.values())).dtype
+                        raise OverflowedError(
+                            f"{identity}: the rewrite of finite weights left the range of {dtype}: "
+                            + ", ".join(f"{name} has {count} NaN or Inf entries" for name, count in bad.items())
+                            + "; nothing is returned (compute in a wider dtype)"
+                        )
+            return out, out_cfg
+
+        return run
+
+    return decorate
 
 
 def readers(cfg: Config) -> list[tuple[str, list[tuple[str, str]]]]:

@@ -7,7 +7,7 @@ import torch
 from .._config import Config
 from .._errors import AlreadyAppliedError
 from .._state import StateDict, attention_names, validate_state_dict
-from ._common import require
+from ._common import require, rewrite
 
 __all__ = ["fold_value_biases", "remove_key_biases", "refactor_factored_attn_matrices"]
 
@@ -31,6 +31,7 @@ def _key_value_groups(cfg: Config) -> list[range]:
     return [range(j * size, (j + 1) * size) for j in range(kv_heads)]
 
 
+@rewrite("fold_value_biases")
 def fold_value_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
     """Move every value bias into the layer's output bias: ``b_O += Σ_h b_V[h] @ W_O[h]``, ``b_V = 0``.
 
@@ -68,6 +69,7 @@ def value_bias_through_output(b_V: torch.Tensor, W_O: torch.Tensor) -> torch.Ten
     return torch.einsum("he,hed->d", per_query_head, W_O.double())
 
 
+@rewrite("remove_key_biases")
 def remove_key_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
     """Set every key bias ``b_K`` (``[n_heads, d_head]``, or ``attn._b_K``) to zero.
 
@@ -113,6 +115,7 @@ def _svd_of_product(left: torch.Tensor, right: torch.Tensor) -> tuple[torch.Tens
     return U, s, Vh
 
 
+@rewrite("refactor_factored_attn_matrices")
 def refactor_factored_attn_matrices(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
     """Refactor every head's ``W_Q, W_K`` and ``W_V, W_O`` into balanced factors of the same products.
 

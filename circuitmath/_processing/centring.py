@@ -7,7 +7,7 @@ import torch
 from .._config import Config
 from .._errors import AlreadyAppliedError
 from .._state import StateDict, validate_state_dict
-from ._common import require
+from ._common import require, rewrite
 from ._memory import new_tensor
 
 __all__ = ["writers", "center_writing_weights", "center_unembed", "centred_last_axis"]
@@ -45,6 +45,7 @@ def require_pre_norm(identity: str, cfg: Config) -> None:
     )
 
 
+@rewrite("center_writing_weights")
 def center_writing_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
     """Subtract from every write to the residual stream its mean over ``d_model``.
 
@@ -105,6 +106,7 @@ def centred_last_axis(W: torch.Tensor, *, block_bytes: int = 1 << 20, sums: list
     return out.view(W.shape)
 
 
+@rewrite("center_unembed")
 def center_unembed(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
     """Subtract from ``W_U`` (``[d_model, d_vocab]``) and ``b_U`` (``[d_vocab]``) their means over the vocabulary.
 

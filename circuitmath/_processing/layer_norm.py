@@ -6,13 +6,14 @@ import torch
 
 from .._config import Config
 from .._state import StateDict, validate_state_dict
-from ._common import common_preconditions, readers, require
+from ._common import common_preconditions, readers, require, rewrite
 from ._memory import new_tensor
 from .shortformer import shortformer_to_tables
 
 __all__ = ["fold_layer_norm", "center_reading_weights", "fold_reader", "products_through"]
 
 
+@rewrite("layer_norm_fold")
 def fold_layer_norm(
     state_dict: StateDict, cfg: Config, *, center_reading_weights: bool = False
 ) -> tuple[dict[str, torch.Tensor], Config]:
@@ -114,6 +115,7 @@ def products_through(V: torch.Tensor, W: torch.Tensor, *, rows: int = 64) -> tor
     return total
 
 
+@rewrite("center_reading_weights")
 def center_reading_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
     """Subtract from every reader its mean over the residual axis: ``W - 1 mean_d(W)``.
 

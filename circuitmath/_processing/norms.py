@@ -9,12 +9,13 @@ import torch
 from .._config import Config
 from .._errors import AlreadyAppliedError
 from .._state import StateDict, validate_state_dict
-from ._common import common_preconditions, readers, require
+from ._common import common_preconditions, readers, require, rewrite
 from .centring import require_pre_norm, writers
 
 __all__ = ["fold_rms_norm", "layer_norm_to_rms_norm", "rescale_residual_stream", "uncentred_writers"]
 
 
+@rewrite("rms_norm_fold")
 def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
     """Fold every RMSNorm gain ``w`` into the linear maps that read it: ``W -> w[:, None] * W``.
 
@@ -72,6 +73,7 @@ def uncentred_writers(state_dict: StateDict, cfg: Config) -> dict[str, float]:
     return out
 
 
+@rewrite("layer_norm_to_rms_norm")
 def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
     """Replace every ``LNPre`` by ``RMSPre`` (same ``eps``) in a model whose writes are all centred.
 
@@ -107,6 +109,7 @@ def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     return dict(state_dict), cfg.replace(normalization_type="RMSPre", applied=cfg.applied + (identity,))
 
 
+@rewrite("scale_invariance")
 def rescale_residual_stream(
     state_dict: StateDict, cfg: Config, *, scale: float
 ) -> tuple[dict[str, torch.Tensor], Config]:

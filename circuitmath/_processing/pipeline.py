@@ -8,14 +8,15 @@ from collections.abc import Callable
 import torch
 
 from .._config import Config
-from .._errors import AlreadyAppliedError, PreconditionError, StateDictError
-from .._state import StateDict, entries_checked_elsewhere, validate_state_dict
+from .._errors import AlreadyAppliedError, OverflowedError, PreconditionError
+from .._state import StateDict, entries_checked_elsewhere, not_finite, validate_state_dict
 from .attention import fold_value_biases as _fold_value_biases
 from .attention import refactor_factored_attn_matrices as _refactor_factored_attn_matrices
 from .centring import center_unembed as _center_unembed
 from .centring import center_writing_weights as _center_writing_weights
 from .fused import fusable, fused_default_steps
 from .layer_norm import fold_layer_norm
+from ._common import rewrite
 from .norms import fold_rms_norm
 
 __all__ = ["process_weights", "PIPELINE_STEPS"]
@@ -49,6 +50,7 @@ PIPELINE_STEPS: tuple[tuple[str, Transform], ...] = (
 )
 
 
+@rewrite("process_weights", check_output=False)  # no autograd; the output is checked below, once
 def process_weights(
     state_dict: StateDict,
     cfg: Config,
@@ -143,6 +145,9 @@ def process_weights(
     if fused:
         state_dict, cfg, checked_in_cache = fused_default_steps(state_dict, cfg)
         steps = PIPELINE_STEPS[4:]
+        if not checked_in_cache and any(requested[keyword] is not False for keyword, _ in steps):
+            _finite_or_explained(state_dict, cfg, given, given_cfg)  # before an SVD meets a NaN
+            checked_in_cache = True
     with entries_checked_elsewhere():  # checked here, on the way in and on the way out
         for keyword, step in steps:
             if requested[keyword] is False:
@@ -157,15 +162,22 @@ def process_weights(
     # unless a later step rewrote tensors or rounding to a half dtype may overflow.
     checked_in_cache = checked_in_cache and cfg.applied[-1] == "center_unembed" and torch.finfo(dtype).bits >= 32
     out = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-    try:
-        with entries_checked_elsewhere() if checked_in_cache else contextlib.nullcontext():
-            validate_state_dict(out, cfg)
-    except StateDictError:
-        # The fused steps pass a NaN or Inf of any input entry on to some output entry (each
-        # output is linear in its inputs, and NaN and Inf survive sums and products, 0 * Inf
-        # included): name the input's, or else report the overflow.
-        validate_state_dict(given, given_cfg)
-        raise StateDictError(
-            f"processing overflowed {dtype}: the input is finite but the processed weights are not"
-        ) from None
+    if not checked_in_cache:
+        _finite_or_explained(out, cfg, given, given_cfg)
     return out, cfg
+
+
+def _finite_or_explained(state_dict: StateDict, cfg: Config, given: StateDict, given_cfg: Config) -> None:
+    """Refuse processed weights with a NaN or Inf: name the input's when it has them (the fused
+    steps pass a NaN or Inf of any input entry on to some output entry: each output is linear in
+    its inputs, and NaN and Inf survive sums and products, 0 * Inf included), else the overflow."""
+    bad = {name: count for name, tensor in state_dict.items() if (count := not_finite(tensor))}
+    if not bad:
+        return
+    validate_state_dict(given, given_cfg)
+    dtype = next(iter(state_dict.values())).dtype
+    raise OverflowedError(
+        f"process_weights: processing overflowed {dtype}: the input is finite but the processed weights are not ("
+        + ", ".join(f"{name} has {count} NaN or Inf entries" for name, count in bad.items())
+        + ")"
+    )

@@ -7,11 +7,12 @@ import torch
 from .._config import Config
 from .._errors import AlreadyAppliedError
 from .._state import StateDict, attention_names, validate_state_dict
-from ._common import require
+from ._common import require, rewrite
 
 __all__ = ["shortformer_to_tables"]
 
 
+@rewrite("shortformer_tables")
 def shortformer_to_tables(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
     """Replace ``W_pos`` by each layer's positional query and key tables.
 
