@@ -8,6 +8,9 @@ from ._config import Config as Config
 from ._errors import (
     AlreadyAppliedError as AlreadyAppliedError,
     CircuitMathError as CircuitMathError,
+    ConfigError as ConfigError,
+    InputError as InputError,
+    OverflowedError as OverflowedError,
     PreconditionError as PreconditionError,
     StateDictError as StateDictError,
 )
@@ -38,7 +41,10 @@ __all__ = [
     "AlreadyAppliedError",
     "CircuitMathError",
     "Config",
+    "ConfigError",
     "Identity",
+    "InputError",
+    "OverflowedError",
     "PreconditionError",
     "Proof",
     "ProofReport",

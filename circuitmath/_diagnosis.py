@@ -83,22 +83,37 @@ def resolve_model(source, cfg=None) -> tuple[dict[str, torch.Tensor], Config]:
 
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        if not path.exists():
+        if not path.exists() and not path.is_symlink():
             raise StateDictError(f"{path}: no such file or folder")
         if path.is_dir():
             if cfg is not None:
                 raise StateDictError(f"{path} is a Hugging Face folder with its own config.json; pass no config")
             return io.load_hf_directory(path)
-        tensors, metadata = io.load_tensors(path)
+        with io._about(path):
+            return _resolve_file(path, cfg)
+    return _resolve_mapping(source, cfg)
+
+
+def _resolve_file(path: Path, cfg) -> tuple[dict[str, torch.Tensor], Config]:
+    """A safetensors file with ``cfg``, or with the config stored in its metadata."""
+    from . import io
+
+    tensors, metadata = io.load_tensors(path)
+    if cfg is None:
+        cfg = io.stored_config(path, metadata)
         if cfg is None:
-            cfg = io.stored_config(path, metadata)
-            if cfg is None:
-                raise StateDictError(
-                    f"{path} carries no circuitmath config in its metadata (it was not written by"
-                    " circuitmath.io.save): pass its config (a circuitmath Config or a Hugging Face config;"
-                    " --config CFG.json on the command line)"
-                )
-        source = tensors
+            raise StateDictError(
+                f"{path} carries no circuitmath config in its metadata (it was not written by"
+                " circuitmath.io.save): pass its config (a circuitmath Config or a Hugging Face config;"
+                " --config CFG.json on the command line)"
+            )
+    return _resolve_mapping(tensors, cfg)
+
+
+def _resolve_mapping(source, cfg) -> tuple[dict[str, torch.Tensor], Config]:
+    """A state dict with a circuitmath or Hugging Face ``cfg``, TransformerLens buffers dropped."""
+    from . import io
+
     if not isinstance(source, Mapping):
         raise StateDictError(f"expected a state dict, a .safetensors path or a folder, got {type(source).__name__}")
     if cfg is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._config import Config
+from ._errors import InputError
 from ._state import expected_shapes
 
 __all__ = ["random_state_dict"]
@@ -40,9 +41,9 @@ def random_state_dict(
     """
     for name, value in (("gain_spread", gain_spread), ("bias_scale", bias_scale), ("outlier_scale", outlier_scale)):
         if not value >= 0:
-            raise ValueError(f"{name} must be >= 0, got {value!r}")
+            raise InputError(f"{name} must be >= 0, got {value!r}")
     if not 0 <= outlier_dims <= cfg.d_model:
-        raise ValueError(f"outlier_dims must lie in [0, d_model={cfg.d_model}], got {outlier_dims!r}")
+        raise InputError(f"outlier_dims must lie in [0, d_model={cfg.d_model}], got {outlier_dims!r}")
     g = torch.Generator().manual_seed(seed)
     f64 = torch.float64
 

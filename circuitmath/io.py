@@ -31,6 +31,7 @@ import math
 import os
 import re
 import stat
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -216,7 +217,7 @@ def _entry_problem(entry, data_bytes: int) -> str | None:
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         return "is not described by exactly a dtype, a shape and data_offsets"
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in _ITEM_BYTES:
+    if not isinstance(dtype, str) or dtype not in _ITEM_BYTES:
         return f"has dtype {dtype!r}, not one circuitmath reads ({', '.join(_ITEM_BYTES)})"
     if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
         return f"has shape {shape!r}, not a list of sizes"
@@ -366,6 +367,9 @@ class _Source:
         for prefix in prefixes:  # a task model (GPT2LMHeadModel, BertForX) nests the base model
             if any(n.startswith(prefix) for n in names):
                 names = [n[len(prefix):] if n.startswith(prefix) else n for n in names]
+                twice = sorted(n for n, count in Counter(names).items() if count > 1)
+                if twice:
+                    raise StateDictError(f"the checkpoint has {twice} both with and without the prefix {prefix!r}")
                 state_dict = dict(zip(names, state_dict.values()))
                 break
         skip = re.compile(ignored) if ignored else None

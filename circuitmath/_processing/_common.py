@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
 from .._config import Config
-from .._errors import AlreadyAppliedError, OverflowedError, PreconditionError
+from .._errors import AlreadyAppliedError, OverflowedError, PreconditionError, StateDictError
 from .._state import attention_names, entries_checked_here, not_finite
 
 __all__ = ["readers", "require", "common_preconditions", "rewrite"]
@@ -34,6 +34,11 @@ def rewrite(identity: str, *, check_output: bool = True) -> Callable:
     def decorate(transform: Callable) -> Callable:
         @functools.wraps(transform)
         def run(state_dict, cfg, *args, **kwargs):
+            if not isinstance(cfg, Config):
+                hint = " (build one with Config.from_dict)" if isinstance(cfg, dict) else ""
+                raise StateDictError(f"{identity}: expected a circuitmath Config, got {type(cfg).__name__}{hint}")
+            if not isinstance(state_dict, Mapping):
+                raise StateDictError(f"{identity}: expected a mapping of names to tensors, got {type(state_dict).__name__}")
             with torch.no_grad():
                 out, out_cfg = transform(state_dict, cfg, *args, **kwargs)
                 out = {name: tensor.detach() if tensor.requires_grad else tensor for name, tensor in out.items()}

@@ -7,7 +7,7 @@ import math
 import torch
 
 from .._config import Config
-from .._errors import AlreadyAppliedError
+from .._errors import AlreadyAppliedError, InputError
 from .._state import StateDict, validate_state_dict
 from ._common import common_preconditions, readers, require, rewrite
 from .centring import require_pre_norm, writers
@@ -125,7 +125,7 @@ def rescale_residual_stream(
     if identity in cfg.applied:
         raise AlreadyAppliedError(identity)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
+        raise InputError(f"scale must be a finite number, got {scale!r}")
     require(
         identity, "scale > 0", scale > 0,
         f"scale is {scale!r}: the norms are odd, LNPre(-x) = -LNPre(x), so a sign flip reaches every reader",
