@@ -53,8 +53,8 @@ def _rotate(x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Rotary embedding of ``x: [batch, pos, head, d_head]`` (GPT-NeoX layout: halves rotate)."""
     rotary_dim = cfg.rotary_dim or cfg.d_head
     half = rotary_dim // 2
-    positions = torch.arange(x.shape[1], dtype=torch.float64)
-    freqs = cfg.rotary_base ** (-torch.arange(half, dtype=torch.float64) / half)
+    positions = torch.arange(x.shape[1], dtype=torch.float64, device=x.device)
+    freqs = cfg.rotary_base ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
     angles = positions[:, None] * freqs[None, :]
     cos = torch.cos(angles).to(x.dtype)[None, :, None, :]
     sin = torch.sin(angles).to(x.dtype)[None, :, None, :]
@@ -82,7 +82,7 @@ def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in, record:
     scores = torch.einsum("bqhe,bkhe->bhqk", q, k) / math.sqrt(cfg.d_head)
     if cfg.causal:
         n = scores.shape[-1]
-        future = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=1)
+        future = torch.triu(torch.ones(n, n, dtype=torch.bool, device=scores.device), diagonal=1)
         scores = scores.masked_fill(future, float("-inf"))
     pattern = torch.softmax(scores, dim=-1)
     z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
@@ -103,10 +103,17 @@ def _mlp(params: StateDict, p: str, cfg: Config, x: torch.Tensor) -> torch.Tenso
     return hidden @ params[f"{p}.W_out"] + params[f"{p}.b_out"]
 
 
-def check_tokens(cfg: Config, tokens) -> torch.Tensor:
-    """``tokens`` as an integer tensor ``[batch, pos]`` with ``1 <= pos <= n_ctx`` and every id a
-    token of the vocabulary (:class:`~circuitmath.InputError` saying which fails)."""
-    tokens = torch.as_tensor(tokens)
+def check_tokens(cfg: Config, tokens, device: torch.device | None = None) -> torch.Tensor:
+    """``tokens`` as an integer tensor ``[batch, pos]`` (on ``device`` when given) with
+    ``1 <= pos <= n_ctx`` and every id a token of the vocabulary (:class:`~circuitmath.InputError`
+    saying which fails)."""
+    if not isinstance(tokens, torch.Tensor):
+        try:
+            tokens = torch.as_tensor(tokens, device=device)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise InputError(f"tokens must be an integer tensor [batch, pos]: {error}") from None
+    elif device is not None:
+        tokens = tokens.to(device)
     if tokens.ndim != 2 or tokens.dtype not in (torch.int32, torch.int64):
         raise InputError(f"tokens must be an integer tensor [batch, pos], got {tokens.dtype} {tuple(tokens.shape)}")
     if not 1 <= tokens.shape[1] <= cfg.n_ctx:
@@ -134,7 +141,7 @@ def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, *, record:
     validate_state_dict(state_dict, cfg)
     if record is not None:
         record.update(patterns=[], head_outputs=[])
-    tokens = check_tokens(cfg, tokens)
+    tokens = check_tokens(cfg, tokens, state_dict["embed.W_E"].device)
     params = state_dict
     positions = tokens.shape[1]
     x = params["embed.W_E"][tokens]

@@ -18,17 +18,17 @@ def _rss_bytes() -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_large_new_tensor_is_an_ordinary_contiguous_tensor(dtype, tmp_path):
     shape = (HUGE_PAGE_MIN_BYTES // dtype.itemsize // 64 + 1, 64)
-    tensor = new_tensor(shape, dtype)
+    tensor = new_tensor(shape, dtype, "cpu")
     assert tensor.shape == shape and tensor.dtype == dtype and tensor.is_contiguous()
     tensor.copy_(torch.randn(shape, dtype=dtype))
-    save_file({"w": tensor, "v": new_tensor(shape, dtype).zero_()}, tmp_path / "w.safetensors")
+    save_file({"w": tensor, "v": new_tensor(shape, dtype, "cpu").zero_()}, tmp_path / "w.safetensors")
     loaded = load_file(tmp_path / "w.safetensors")
     assert torch.equal(loaded["w"], tensor) and not loaded["v"].any()
     assert torch.equal((tensor * 2).sub_(tensor), tensor)
 
 
 def test_a_small_new_tensor_comes_from_torch_empty():
-    tensor = new_tensor((3, 5), torch.float32)
+    tensor = new_tensor((3, 5), torch.float32, "cpu")
     assert tensor.untyped_storage().resizable()  # a frombuffer storage is not
 
 
@@ -36,7 +36,7 @@ def test_a_small_new_tensor_comes_from_torch_empty():
 def test_the_memory_is_returned_when_the_last_view_goes():
     gc.collect()
     before = _rss_bytes()
-    tensor = new_tensor((64 << 20,), torch.float32)  # 256 MiB
+    tensor = new_tensor((64 << 20,), torch.float32, "cpu")  # 256 MiB
     tensor.fill_(1.0)
     view = tensor[1:]
     del tensor

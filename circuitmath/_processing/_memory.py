@@ -22,15 +22,18 @@ __all__ = ["HUGE_PAGE_MIN_BYTES", "new_tensor"]
 HUGE_PAGE_MIN_BYTES = 4 << 20
 
 
-def new_tensor(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype``."""
+def new_tensor(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised contiguous tensor of ``shape`` and ``dtype`` on ``device`` (on the CPU,
+    large ones on huge-page-advised memory; on any other device, :func:`torch.empty`)."""
     count = math.prod(shape)
     size = count * dtype.itemsize
+    if torch.device(device).type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
     if size < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device=device)
     try:
         buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         buffer.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError):
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device=device)
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)

@@ -97,7 +97,7 @@ def centred_last_axis(W: torch.Tensor, *, block_bytes: int = 1 << 20, sums: list
     """
     rows = W.reshape(-1, W.shape[-1]) if W.dim() > 1 else W[None]
     per_block = max(1, block_bytes // (rows.shape[1] * rows.element_size()))
-    out = new_tensor(rows.shape, W.dtype)
+    out = new_tensor(rows.shape, W.dtype, W.device)
     for start in range(0, rows.shape[0], per_block):
         block = rows[start : start + per_block]
         torch.sub(block, block.mean(dim=-1, keepdim=True), out=out[start : start + per_block])

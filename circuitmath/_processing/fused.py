@@ -101,8 +101,8 @@ def _fold_centred_unembed(
     """
     d_model, d_vocab = W_U.shape
     gain_and_bias = torch.stack([w, b])  # [2, d_model]
-    through = torch.zeros(2, d_vocab, dtype=torch.float64)
-    row_sums = torch.empty(d_model, dtype=torch.float64)
+    through = torch.zeros(2, d_vocab, dtype=torch.float64, device=W_U.device)
+    row_sums = torch.empty(d_model, dtype=torch.float64, device=W_U.device)
     for start in range(0, d_model, rows):
         block = W_U[start : start + rows]
         through += torch.matmul(gain_and_bias[:, start : start + rows], block)
@@ -110,7 +110,7 @@ def _fold_centred_unembed(
     column_mean = through[0] / d_model
     minus_row_mean = (column_mean.mean() - w.double() * row_sums / d_vocab).to(W_U.dtype)
     minus_column_mean = (-column_mean).to(W_U.dtype)
-    out = new_tensor(W_U.shape, W_U.dtype)
+    out = new_tensor(W_U.shape, W_U.dtype, W_U.device)
     for start in range(0, d_model, rows_out):
         stop = start + rows_out
         torch.addcmul(minus_column_mean, W_U[start:stop], w[start:stop, None], out=out[start:stop])

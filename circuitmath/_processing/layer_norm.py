@@ -86,7 +86,7 @@ def fold_reader(
     same pass over ``W`` as ``b @ W``, so the result is written once.
     """
     through = products_through(torch.stack([w, b]), W)  # [..., 2, m]: w @ W and b @ W
-    folded = new_tensor(W.shape, W.dtype)
+    folded = new_tensor(W.shape, W.dtype, W.device)
     if centre:
         mean = (through[..., 0, :] / W.shape[-2]).to(W.dtype).unsqueeze(-2)
         torch.addcmul(mean.neg_(), W, w[:, None], out=folded)

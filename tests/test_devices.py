@@ -1,0 +1,73 @@
+"""No hidden host tensors: everything is computed on the inputs' device.
+
+Without a GPU the suite still catches a tensor made on the default device (``torch.zeros(n)``
+without ``device=``), a CPU generator or a host-only buffer: with the default device set to
+``meta``, such a tensor lands on ``meta`` and mixing it with the CPU inputs raises. With a GPU,
+the same transforms run on CUDA tensors and must return CUDA tensors.
+"""
+
+import pytest
+import torch
+
+import circuitmath as cm
+
+CONFIGS = {
+    "gpt2-like": cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16),
+    "llama-like": cm.Config(n_layers=2, d_model=8, n_heads=4, d_head=2, d_vocab=11, n_ctx=5, d_mlp=16,
+                            normalization_type="RMS", gated_mlp=True, n_key_value_heads=2,
+                            positional_embedding_type="rotary", act_fn="silu"),
+    "shortformer": cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5,
+                             positional_embedding_type="shortformer"),
+}
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _everything(sd, cfg):
+    """Every transform that applies to ``cfg``, and the forward pass, on ``sd``."""
+    outputs = [cm.process_weights(sd, cfg, **dict.fromkeys(
+        ["fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases", "refactor_factored_attn_matrices"]))]
+    for transform in (cm.fold_layer_norm, cm.fold_rms_norm, cm.center_writing_weights, cm.center_unembed,
+                      cm.fold_value_biases, cm.remove_key_biases, cm.refactor_factored_attn_matrices,
+                      cm.shortformer_to_tables, cm.layer_norm_to_rms_norm):
+        try:
+            outputs.append(transform(sd, cfg))
+        except cm.PreconditionError:
+            continue
+    tokens = torch.tensor([[1, 4, 2, 7, 0]], device=next(iter(sd.values())).device)
+    return outputs, cm.log_probs(sd, cfg, tokens)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_no_tensor_is_made_on_the_default_device(name):
+    cfg = CONFIGS[name]
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    torch.set_default_device("meta")
+    try:
+        outputs, logp = _everything(sd, cfg)
+    finally:
+        torch.set_default_device(None)
+    assert logp.device.type == "cpu"
+    assert all(t.device.type == "cpu" for out, _ in outputs for t in out.values())
+
+
+def test_the_default_device_trap_catches_a_hidden_host_tensor():
+    """Negative control: a computation that makes a tensor without ``device=`` fails under the trap."""
+    x = torch.ones(3)
+    torch.set_default_device("meta")
+    try:
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            float((x + torch.zeros(3)).sum())
+    finally:
+        torch.set_default_device(None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_outputs_stay_on_the_inputs_device_and_dtype(name, device, dtype):
+    cfg = CONFIGS[name]
+    sd = {k: v.to(device) for k, v in cm.random_state_dict(cfg, seed=0, dtype=dtype).items()}
+    outputs, logp = _everything(sd, cfg)
+    assert logp.device.type == device
+    for out, _ in outputs:
+        assert all(t.device.type == device and t.dtype == dtype for t in out.values())
