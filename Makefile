@@ -11,7 +11,7 @@ MATHJAX_VERSION := 3.2.2
 export HF_HUB_OFFLINE := 1
 export PYTHONHASHSEED := 0
 
-.PHONY: env book test bench prove chromium clean
+.PHONY: env book test bench prove prove-lowest-sympy chromium clean
 
 env: $(STAMP)
 
@@ -33,11 +33,24 @@ chromium:
 prove: env
 	$(PY) -m circuitmath prove
 
+# The lowest sympy pyproject.toml admits, beside the venv's (the highest): every proof must hold on both.
+SYMPY_LOWEST := 1.13.3
+SYMPY_LOWEST_DIR := .cache/sympy-$(SYMPY_LOWEST)
+
+$(SYMPY_LOWEST_DIR)/sympy/__init__.py: | env
+	$(PY) -m pip install --quiet --no-deps --target $(SYMPY_LOWEST_DIR) sympy==$(SYMPY_LOWEST)
+
+prove-lowest-sympy: env $(SYMPY_LOWEST_DIR)/sympy/__init__.py
+	@PYTHONPATH=$(SYMPY_LOWEST_DIR) $(PY) -c "import sympy; assert sympy.__version__ == '$(SYMPY_LOWEST)', sympy.__version__"
+	@PYTHONPATH=$(SYMPY_LOWEST_DIR) $(PY) -m circuitmath prove > .cache/prove-sympy-$(SYMPY_LOWEST).txt \
+		|| { cat .cache/prove-sympy-$(SYMPY_LOWEST).txt; echo "proofs fail on sympy $(SYMPY_LOWEST)"; exit 1; }
+	@tail -1 .cache/prove-sympy-$(SYMPY_LOWEST).txt | sed 's/^/sympy $(SYMPY_LOWEST): /'
+
 book: env $(MATHJAX) prove
 	$(VENV)/bin/jupyter-book build book --all --warningiserror --keep-going
 	@echo "book built: book/_build/html/index.html"
 
-test: env $(MATHJAX) chromium
+test: env $(MATHJAX) chromium prove-lowest-sympy
 	$(PY) -m pytest -n 2 --dist loadgroup
 
 # Every benchmark prints its figures, then the target fails if any of them missed its target.
