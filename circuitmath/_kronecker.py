@@ -128,6 +128,9 @@ class Apply(MatrixExpr):
     ``operators``) and kept in the node, so rebuilding it (``xreplace``) needs no ``operators``.
     """
 
+    #: A proof may define this node (``op·X := act(op, X)``) although it is not a symbol.
+    is_notation = True
+
     def __new__(cls, op, X, rows=None, cols=None, *, operators: Mapping | None = None):
         op, X = sympy.sympify(op), sympy.sympify(X)
         if rows is None or cols is None:
