@@ -121,6 +121,8 @@ def shape_of(expr, definitions: Mapping | None = None, invertible=()) -> tuple |
             return e.shape
         if e in definitions or isinstance(e, (MatrixSymbol, ZeroMatrix, Identity, OneMatrix)):
             return e.shape
+        if getattr(e, "is_notation", False):  # an undefined notation node: an opaque atom of its shape
+            return e.shape
         if isinstance(e, MatAdd):
             shapes = [shape(a) for a in e.args]
             if any(s is None for s in shapes):

@@ -11,7 +11,7 @@ from sympy import Identity, Inverse, MatAdd, MatMul, MatrixExpr, MatrixSymbol, S
 
 from ._algebra import IllTyped, NotExact, evaluate, normal_form, random_instance, same_size, shape_of, to_latex
 
-__all__ = ["Definition", "Fact", "Step", "Twin", "Proof", "ProofReport", "StepReport", "TwinReport"]
+__all__ = ["Definition", "Fact", "Nonzero", "Step", "Twin", "Proof", "ProofReport", "StepReport", "TwinReport"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,21 @@ class Fact:
 
 
 @dataclass(frozen=True)
+class Nonzero:
+    """A hypothesis ``expr != 0`` (a scalar or a matrix with a nonzero entry), checked on every
+    sampled instance. With ``because = (M, w)`` it is derived, not assumed: the engine proves
+    ``M expr = w`` and ``w`` is nonzero by another hypothesis (``w``, or a scalar times a vector,
+    each nonzero), so ``expr = 0`` would give ``w = 0``."""
+
+    expr: sympy.Basic
+    text: str
+    because: tuple | None = None
+
+    def latex(self) -> str:
+        return rf"{to_latex(self.expr)} \ne 0"
+
+
+@dataclass(frozen=True)
 class Step:
     """One link of a chain: the previous expression equals ``expr`` because of ``reason``."""
 
@@ -75,24 +90,48 @@ class Twin:
 
 @dataclass(frozen=True)
 class StepReport:
-    before: str
-    after: str
+    """One step's verdict. The LaTeX (``before``, ``after``, ``residual``) is written when read:
+    printing is most of the cost of a proof, and ``prove`` reads none of it."""
+
+    before_expr: sympy.Basic = field(repr=False)
+    after_expr: sympy.Basic = field(repr=False)
     reason: str
     holds: bool
-    residual: str
+    residual_terms: object = field(repr=False)  # the residual terms, or the text of a type error
     #: The same step evaluated exactly on every instance of the second check (``False`` when it
     #: fails on one, or could not be evaluated).
     instances_agree: bool = True
+
+    @property
+    def before(self) -> str:
+        return to_latex(self.before_expr)
+
+    @property
+    def after(self) -> str:
+        return to_latex(self.after_expr)
+
+    @property
+    def residual(self) -> str:
+        return self.residual_terms if isinstance(self.residual_terms, str) else _describe(self.residual_terms)
 
 
 @dataclass(frozen=True)
 class TwinReport:
     name: str
     description: str
-    claim: str
-    rejected: bool
-    symbolic_residual: str
-    counterexample_gap: float | None
+    lhs: sympy.Basic = field(repr=False)
+    rhs: sympy.Basic = field(repr=False)
+    rejected: bool = False
+    residual_terms: object = field(default=None, repr=False)
+    counterexample_gap: float | None = None
+
+    @property
+    def claim(self) -> str:
+        return rf"{to_latex(self.lhs)} = {to_latex(self.rhs)}"
+
+    @property
+    def symbolic_residual(self) -> str:
+        return self.residual_terms if isinstance(self.residual_terms, str) else _describe(self.residual_terms)
 
 
 @dataclass(frozen=True)
@@ -208,6 +247,10 @@ class Proof:
     assumptions: tuple[str, ...] = ()
     explicit_only: str | None = None
     check_dims: tuple[Mapping, ...] | None = None
+    nonzero: tuple[Nonzero, ...] = ()
+    #: Further claims about the same symbols, each a named :class:`Proof` that must hold too
+    #: (``factored_svd``: the factors it builds have orthonormal columns).
+    lemmas: tuple[tuple[str, "Proof"], ...] = ()
 
     @property
     def symbolic_dims(self) -> bool:
@@ -233,9 +276,36 @@ class Proof:
         return [(f.product, f.value) for f in self.facts if f.invertible_matrix is None]
 
     @property
-    def axioms(self) -> tuple[Fact, ...]:
-        """The facts the proof assumes: every one is checked on each sampled instance, none is proved."""
-        return self.facts
+    def axioms(self) -> tuple:
+        """What the proof assumes without proof (its lemmas' included): its facts and the nonzero
+        hypotheses it does not derive. Each is checked on every sampled instance."""
+        own = (*self.facts, *(h for h in self.nonzero if h.because is None))
+        inherited = tuple(a for _name, lemma in self.lemmas for a in lemma.axioms if a not in own)
+        return own + tuple(dict.fromkeys(inherited))
+
+    def _nonzero_errors(self) -> list[str]:
+        errors = []
+        known = {h.expr for h in self.nonzero}
+
+        def nonzero(w) -> bool:
+            if w in known:
+                return True
+            if isinstance(w, MatMul):
+                return all(a in known for a in w.args)
+            return False
+
+        for h in self.nonzero:
+            if h.because is None:
+                continue
+            M, w = h.because
+            try:
+                if self._residual(MatMul(M, h.expr), w):
+                    errors.append(f"{h.text}: {to_latex(M)} {to_latex(h.expr)} = {to_latex(w)} does not hold")
+                elif not nonzero(w):
+                    errors.append(f"{h.text}: {to_latex(w)} is not known to be nonzero")
+            except (IllTyped, NotExact) as error:
+                errors.append(f"{h.text}: {error}")
+        return errors
 
     def _residual(self, a, b):
         return normal_form(_difference(a, b), self._definitions, self._facts, self._invertible)
@@ -327,7 +397,7 @@ class Proof:
         return tuple({s: FIRST_SIZE + shift + i for i, s in enumerate(symbols)} for shift in (0, 1))
 
     def _instance(self, exprs, dims, seed):
-        exprs = [*exprs, *(f.product for f in self.facts), *(f.value for f in self.facts)]
+        exprs = [*exprs, *(f.product for f in self.facts), *(f.value for f in self.facts), *(h.expr for h in self.nonzero)]
         values = random_instance(exprs, dims, seed=seed, samplers=self.samplers, definitions=self._definitions)
         for fact in self.facts:
             try:
@@ -336,6 +406,12 @@ class Proof:
                 broken = True
             if broken:
                 raise ValueError(f"the sampled instance breaks the assumption {fact.text!r}: fix the sampler")
+        for h in self.nonzero:
+            value = evaluate(h.expr, values, self._definitions) if isinstance(h.expr, MatrixExpr) else (
+                sympy.sympify(h.expr).xreplace({k: sympy.sympify(v) for k, v in values.items() if not hasattr(v, "shape")})
+            )
+            if (all(x == 0 for x in value) if hasattr(value, "shape") else value == 0):
+                raise ValueError(f"the sampled instance breaks the assumption {h.text!r}: fix the sampler")
         return values
 
     def _second_check(self, chain) -> tuple[list[bool], list[str]]:
@@ -366,7 +442,9 @@ class Proof:
 
     def verify(self, name: str = "") -> ProofReport:
         start = time.perf_counter()
-        reasons = self._definition_errors() + self._fact_errors()
+        reasons = self._definition_errors() + self._fact_errors() + self._nonzero_errors()
+        for lemma_name, lemma in self.lemmas:
+            reasons += [f"lemma {lemma_name}: {r}" for r in lemma.verify(lemma_name).reasons]
         try:
             lhs_shape, rhs_shape = self._shape(self.lhs), self._shape(self.rhs)
             if lhs_shape is None or rhs_shape is None or not all(map(same_size, lhs_shape, rhs_shape)):
@@ -378,13 +456,12 @@ class Proof:
         for number, step in enumerate(self.steps, 1):
             try:
                 residual = self._residual(previous, step.expr)
-                text = _describe(residual)
+                if residual:
+                    reasons.append(f"step {number} ({step.reason}) does not hold: {_describe(residual)} is left")
             except (IllTyped, NotExact) as error:
-                residual, text = {None: 1}, f"ill-typed: {error}"
+                residual = f"ill-typed: {error}"
                 reasons.append(f"step {number} ({step.reason}) is ill-typed: {error}")
-            if residual and residual != {None: 1}:
-                reasons.append(f"step {number} ({step.reason}) does not hold: {text} is left")
-            reports.append(StepReport(to_latex(previous), to_latex(step.expr), step.reason, not residual, text))
+            reports.append(StepReport(previous, step.expr, step.reason, not residual, residual))
             previous = step.expr
         closes = bool(self.steps) and self.steps[-1].expr == self.rhs
         if not closes:
@@ -405,7 +482,7 @@ class Proof:
             concrete_check=concrete,
             seconds=time.perf_counter() - start,
             reasons=tuple(reasons),
-            axioms=tuple((f.latex(), f.text) for f in self.axioms),
+            axioms=tuple((a.latex(), a.text) for a in self.axioms),
             instances=self.instance_dims() if concrete else (),
         )
 
@@ -414,7 +491,7 @@ class Proof:
         instance refutes it."""
         try:
             residual = self._residual(twin.lhs, twin.rhs)
-            text = _describe(residual)
+            text = residual
         except (IllTyped, NotExact) as error:
             residual, text = {}, f"ill-typed: {error}"
         dims = dict(twin.dims or self.explicit_dims)
@@ -429,9 +506,10 @@ class Proof:
         return TwinReport(
             name=twin.name,
             description=twin.description,
-            claim=rf"{to_latex(twin.lhs)} = {to_latex(twin.rhs)}",
+            lhs=twin.lhs,
+            rhs=twin.rhs,
             rejected=bool(residual) and gap is not None,
-            symbolic_residual=text,
+            residual_terms=text,
             counterexample_gap=gap,
         )
 

@@ -134,7 +134,7 @@ def _value_bias_proof() -> Proof:
             Fact.invertible(DiagMatrix(MatMul(E_h, ones)), f"head {h}'s row sums are positive: every row has an unmasked key")
             for (_A, h), E_h in zip(patterns, EXPS)
         ),
-        samplers={**{E_h: _causal_exponentials for E_h in EXPS}, P: _pattern_with_empty_first_row},
+        samplers={**{E_h: causal_exponentials for E_h in EXPS}, P: _pattern_with_empty_first_row},
         explicit_dims=EXPLICIT_DIMS,
         twins=(
             Twin(
@@ -189,7 +189,7 @@ k, k_b = MatrixSymbol("k", 1, n), MatrixSymbol("k_b", 1, n)
 A, A_b = MatrixSymbol("A", n, n), MatrixSymbol("A_b", n, n)
 
 
-def _causal_exponentials(rng, shape) -> sympy.Matrix:
+def causal_exponentials(rng, shape) -> sympy.Matrix:
     """Entrywise exponentials of causal scores: positive on and below the diagonal, 0 above."""
     rows, cols = shape
     return sympy.Matrix(rows, cols, lambda i, j: _positive(rng) if j <= i else 0)
@@ -259,7 +259,7 @@ def _key_bias_proof() -> Proof:
             Fact.invertible(DiagMatrix(k), "the column sums of E are positive (for the twin that normalises columns)"),
             Fact.invertible(DiagMatrix(k_b), "the column sums of E_b are positive"),
         ),
-        samplers={E: _causal_exponentials, g: _positive_vector, h: _positive_vector},
+        samplers={E: causal_exponentials, g: _positive_vector, h: _positive_vector},
         explicit_dims=EXPLICIT_DIMS,
         twins=(
             Twin(
