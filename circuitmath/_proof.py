@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import sympy
-from sympy import Identity, Inverse, MatAdd, MatMul, MatrixExpr, MatrixSymbol, Symbol
+from sympy import Identity, Inverse, MatAdd, MatMul, MatrixExpr, MatrixSymbol, OneMatrix, Symbol, ZeroMatrix
 
 from ._algebra import IllTyped, NotExact, evaluate, normal_form, random_instance, same_size, shape_of, to_latex
 
@@ -181,13 +181,19 @@ class ProofReport:
 
 def _describe(terms) -> str:
     """The residual terms as LaTeX, ``0`` when none are left."""
-    parts = [to_latex(MatMul(c, *f)) if f else to_latex(c) for f, c in terms.items()]
+    parts = [
+        (to_latex(MatMul(*f)) if c == 1 else "-" + to_latex(MatMul(*f)) if c == -1 else to_latex(MatMul(c, *f)))
+        if f else to_latex(c)
+        for f, c in terms.items()
+    ]
     return " + ".join(parts).replace("+ -", "-") or "0"
 
 
 def _difference(a, b):
     """``a - b`` left unevaluated: sympy's ``MatrixExpr.__sub__`` runs ``doit``, which evaluates
     symbolic sums and can take seconds before the normal form even starts."""
+    if isinstance(a, MatrixExpr) != isinstance(b, MatrixExpr):
+        raise IllTyped(f"{a} = {b} equates a matrix and a scalar")
     if isinstance(a, MatrixExpr):
         return MatAdd(a, MatMul(-1, b))
     return a - b
@@ -383,7 +389,7 @@ class Proof:
         exprs += [d.symbol for d in self.definitions] + [f.product for f in self.facts] + [f.value for f in self.facts]
         found = set()
         for e in exprs:
-            for m in sympy.sympify(e).atoms(MatrixSymbol):
+            for m in sympy.sympify(e).atoms(MatrixSymbol, OneMatrix, Identity, ZeroMatrix):
                 for size in m.shape:
                     found |= sympy.sympify(size).free_symbols
         order = {s: i for i, s in enumerate(self.explicit_dims)}
@@ -453,7 +459,12 @@ class Proof:
             reasons.append(f"the claim is ill-typed: {error}")
         reports = []
         previous = self.lhs
+        unchecked = "not checked: the definitions are invalid" if reasons else None
         for number, step in enumerate(self.steps, 1):
+            if unchecked:
+                reports.append(StepReport(previous, step.expr, step.reason, False, unchecked))
+                previous = step.expr
+                continue
             try:
                 residual = self._residual(previous, step.expr)
                 if residual:
