@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT = ROOT / ".ci" / "equivalent_mutants.txt"
 
-PROCESSING_TESTS = ["tests/test_accuracy.py"]
+PROCESSING_TESTS = ["tests/test_processing_pins.py", "tests/test_accuracy.py"]
 #: Target file (or ``file::name,name`` for some top-level names only) -> the tests that cover it.
 TARGETS = {
     "circuitmath/_processing/layer_norm.py": [*PROCESSING_TESTS, "tests/test_layer_norm.py"],
@@ -250,6 +250,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default=None, help="targets whose path contains this text")
     parser.add_argument("--list", action="store_true", help="list the drawn mutants and stop")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
+    parser.add_argument("--rerun", default=None, help="run only the survivors listed in this earlier output")
     args = parser.parse_args(argv)
 
     known = equivalent()
@@ -265,6 +266,9 @@ def main(argv=None) -> int:
             others = rng.sample(others, args.per_file)
         chosen = always + others
         drawn += [(target, m) for m in sorted(chosen, key=lambda m: m.index)]
+    if args.rerun:
+        again = {line.split()[-1] for line in Path(args.rerun).read_text().splitlines() if line.startswith("survived")}
+        drawn = [(t, m) for t, m in drawn if m.id in again]
     if args.list:
         for _target, m in drawn:
             print(m.id, "(equivalent)" if m.id in known else "")
