@@ -88,3 +88,27 @@ def pytest_approx(value):
     import pytest
 
     return pytest.approx(value, rel=1e-12)
+
+
+def test_refactored_float32_factors_keep_their_products_to_rounding():
+    """The SVD factors are computed in float64 and rounded once: the products ``W_Q W_K^T`` and
+    ``W_V W_O`` (biases as an extra row) move by under 1.5 float32 epsilons of their size
+    (measured 0.44; factors computed in float32 move them by 3 to 5)."""
+    from circuitmath import refactor_factored_attn_matrices
+
+    cfg = Config(n_layers=1, d_model=64, n_heads=4, d_head=16, d_vocab=50, n_ctx=8, d_mlp=128)
+    sd = random_state_dict(cfg, seed=0, dtype=torch.float32)
+    out, _ = refactor_factored_attn_matrices(sd, cfg)
+    p = "blocks.0.attn"
+
+    def extended(s, side):
+        return torch.cat([s[f"{p}.W_{side}"].double(), s[f"{p}.b_{side}"].double()[:, None, :]], dim=1)
+
+    products = {
+        "QK": lambda s: extended(s, "Q") @ extended(s, "K").transpose(-1, -2),
+        "OV": lambda s: extended(s, "V") @ s[f"{p}.W_O"].double(),
+    }
+    for name, product in products.items():
+        reference = product(sd)
+        error = float((product(out) - reference).abs().max()) / float(reference.abs().max())
+        assert error <= 1.5 * torch.finfo(torch.float32).eps, (name, error)

@@ -69,3 +69,21 @@ def test_fold_layer_norm_writes_the_folded_readers_and_biases():
     w, b = sd["ln_final.w"], sd["ln_final.b"]
     assert torch.allclose(out["unembed.b_U"], sd["unembed.b_U"] + b @ sd["unembed.W_U"], atol=TOL, rtol=0)
     assert not any(name.endswith((".ln1.w", ".ln1.b", "ln_final.w")) for name in out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_pipeline_equals_the_chain_of_transforms(dtype):
+    """process_weights composes steps 1-4 in one pass; its weights are the chain's, to rounding
+    (the model cannot tell: a per-row shift of W_U or of a reader is invisible to log-probs)."""
+    from circuitmath import fold_value_biases, process_weights
+
+    sd = random_state_dict(CFG, seed=4, dtype=dtype)
+    fused, fused_cfg = process_weights(sd, CFG)
+    chain, chain_cfg = fold_layer_norm(sd, CFG, center_reading_weights=True)
+    for step in (fold_value_biases, center_writing_weights, center_unembed):
+        chain, chain_cfg = step(chain, chain_cfg)
+    assert fused_cfg.applied == chain_cfg.applied and set(fused) == set(chain)
+    eps = torch.finfo(dtype).eps
+    for name in chain:
+        scale = max(1.0, float(chain[name].abs().max()))
+        assert float((fused[name].double() - chain[name].double()).abs().max()) <= 64 * eps * scale, name
