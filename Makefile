@@ -11,7 +11,7 @@ MATHJAX_VERSION := 3.2.2
 export HF_HUB_OFFLINE := 1
 export PYTHONHASHSEED := 0
 
-.PHONY: env book test bench prove prove-lowest-sympy chromium clean
+.PHONY: env book test bench prove prove-lowest-sympy mutate chromium clean
 
 env: $(STAMP)
 
@@ -52,6 +52,12 @@ book: env $(MATHJAX) prove
 
 test: env $(MATHJAX) chromium prove-lowest-sympy
 	$(PY) -m pytest -n 2 --dist loadgroup
+
+# Mutation testing (not part of `make test`: it runs the related tests once per mutant, tens of
+# minutes on two cores). Prints every surviving mutant and the kill rate; MUTATE_ARGS passes
+# options (e.g. MUTATE_ARGS="--only _processing --per-file 0").
+mutate: env
+	$(PY) .ci/mutate.py --jobs 2 $(MUTATE_ARGS)
 
 # Every benchmark prints its figures, then the target fails if any of them missed its target.
 BENCHMARKS := prove_suite process_weights composition_scores check_speed

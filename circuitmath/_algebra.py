@@ -31,19 +31,157 @@ from sympy import (
     Transpose,
     ZeroMatrix,
 )
+from sympy.matrices.expressions.kronecker import KroneckerProduct, matrix_kronecker_product
 from sympy.printing.latex import LatexPrinter
 
 Factors = tuple[MatrixExpr, ...]
 Terms = dict[Factors, sympy.Expr]
 
-__all__ = ["normal_form", "is_zero", "evaluate", "random_instance", "to_latex"]
+__all__ = [
+    "IllTyped",
+    "NotExact",
+    "same_size",
+    "shape_of",
+    "normal_form",
+    "is_zero",
+    "evaluate",
+    "random_instance",
+    "to_latex",
+]
+
+
+class IllTyped(ValueError):
+    """Shapes that do not fit, or an inverse that no fact declares: the claim means nothing."""
+
+
+class NotExact(ValueError):
+    """A float where the engine needs an exact rational."""
 
 
 def _is_matrix(expr) -> bool:
     return isinstance(expr, MatrixExpr) or getattr(expr, "is_Matrix", False)
 
 
+def _explicit(expr) -> bool:
+    return isinstance(expr, sympy.MatrixBase)
+
+
+def same_size(a, b) -> bool:
+    """Two sizes are equal for every value of the dimension symbols."""
+    return sympy.expand(sympy.sympify(a) - sympy.sympify(b)) == 0
+
+
+def require_exact(expr) -> None:
+    """Refuse any float in ``expr``: floats are compared at a few digits, so ``A + 10^{-50} A = A``
+    would pass; write ``sympy.Rational`` instead."""
+    floats = sympy.sympify(expr).atoms(sympy.Float) if not _explicit(expr) else set().union(
+        *(sympy.sympify(v).atoms(sympy.Float) for v in expr)
+    )
+    if floats:
+        raise NotExact(f"float coefficient {sorted(floats, key=str)[0]} in {expr}: write exact rationals")
+
+
+def _invertible(expr, invertible) -> bool:
+    """``expr`` is declared invertible (directly, or as the transpose or inverse of such a matrix)."""
+    if expr in invertible or isinstance(expr, Identity):
+        return True
+    if isinstance(expr, (Transpose, Inverse)):
+        return _invertible(expr.arg, invertible)
+    return False
+
+
+def shape_of(expr, definitions: Mapping | None = None, invertible=()) -> tuple | None:
+    """The shape of ``expr`` (``None`` for a scalar), checking every node on the way.
+
+    Sums need equal shapes, products matching inner sizes, inverses a square matrix in
+    ``invertible``, powers a square base; ``diag`` takes a vector. Floats are refused. A size is
+    compared symbolically: ``n`` and ``m`` differ even where both happen to be 3.
+    """
+    definitions = definitions or {}
+    invertible = frozenset(invertible)
+    context = []
+
+    def declared(matrix) -> bool:
+        if _invertible(matrix, invertible):
+            return True
+        if not context:
+            context.append(_Context(definitions, invertible))
+        ctx = context[0]
+        return all(_invertible(p, ctx.invertible) for p in ctx.split(ctx.atom(matrix)))
+
+    def fail(node, why):
+        raise IllTyped(f"{why}, in {node}")
+
+    def shape(e):
+        if not _is_matrix(e):
+            require_exact(e)
+            return None
+        if _explicit(e):
+            require_exact(e)
+            return e.shape
+        if e in definitions or isinstance(e, (MatrixSymbol, ZeroMatrix, Identity, OneMatrix)):
+            return e.shape
+        if getattr(e, "is_notation", False):  # an undefined notation node: an opaque atom of its shape
+            return e.shape
+        if isinstance(e, MatAdd):
+            shapes = [shape(a) for a in e.args]
+            if any(s is None for s in shapes):
+                fail(e, "a scalar added to a matrix")
+            for s in shapes[1:]:
+                if not (same_size(s[0], shapes[0][0]) and same_size(s[1], shapes[0][1])):
+                    fail(e, f"a sum of a {shapes[0][0]} x {shapes[0][1]} and a {s[0]} x {s[1]} matrix")
+            return shapes[0]
+        if isinstance(e, MatMul):
+            current = None
+            for a in e.args:
+                s = shape(a)
+                if s is None:
+                    continue
+                if current is not None and not same_size(current[1], s[0]):
+                    fail(e, f"a {current[0]} x {current[1]} matrix times a {s[0]} x {s[1]} matrix")
+                current = s if current is None else (current[0], s[1])
+            if current is None:
+                fail(e, "a product without a matrix")
+            return current
+        if isinstance(e, Inverse):
+            rows, cols = shape(e.arg)
+            if not same_size(rows, cols):
+                fail(e, f"the inverse of a {rows} x {cols} matrix, which is not square")
+            if not declared(e.arg):
+                fail(e, f"the inverse of {e.arg}, which no fact declares invertible")
+            return (rows, cols)
+        if isinstance(e, MatPow):
+            rows, cols = shape(e.args[0])
+            exponent = e.args[1]
+            if not same_size(rows, cols):
+                fail(e, f"a power of a {rows} x {cols} matrix, which is not square")
+            if not (exponent.is_Integer and exponent >= 0):
+                fail(e, "a power that is not a non-negative integer")
+            return (rows, cols)
+        if isinstance(e, Transpose):
+            rows, cols = shape(e.arg)
+            return (cols, rows)
+        if isinstance(e, DiagMatrix):
+            rows, cols = shape(e.args[0])
+            if cols == 1:
+                return (rows, rows)
+            if rows == 1:
+                return (cols, cols)
+            fail(e, "diag of a matrix that is not a vector")
+        if isinstance(e, KroneckerProduct):
+            shapes = [shape(a) for a in e.args]
+            rows, cols = sympy.Integer(1), sympy.Integer(1)
+            for r, c in shapes:
+                rows, cols = rows * r, cols * c
+            return (rows, cols)
+        fail(e, f"an undefined {type(e).__name__} node, which the normal form does not know")
+
+    return shape(expr)
+
+
 def _transpose_atom(atom: MatrixExpr) -> MatrixExpr:
+    if _explicit(atom):
+        return sympy.ImmutableMatrix(atom.T)
     if isinstance(atom, Transpose):
         return atom.arg
     if isinstance(atom, (DiagMatrix, Identity)):
@@ -59,29 +197,111 @@ def _add(into: Terms, factors: Factors, coeff) -> None:
     into[factors] = into.get(factors, sympy.Integer(0)) + coeff
 
 
-def _multiply(left: Terms, right: Terms) -> Terms:
+class _Context:
+    """What the expansion needs: definitions, invertible atoms (canonical), and caches."""
+
+    def __init__(self, definitions: Mapping, invertible=()):
+        self.definitions = dict(definitions)
+        self._factors: dict = {}
+        declared = [self.atom(a) for a in invertible]
+        # diag(D u) = D diag(u) is invertible exactly when D and diag(u) are (square factors).
+        self.invertible = frozenset(declared + [p for a in declared for p in self.split(a)])
+
+    def split(self, atom) -> Factors:
+        """``diag(D_1 ... D_k u) = D_1 ... D_k diag(u)`` for diagonal ``D_i`` (entrywise products),
+        and the inverse of that product, reversed; any other atom stays whole."""
+        if isinstance(atom, Inverse) and isinstance(atom.arg, DiagMatrix):
+            return tuple(Inverse(p) for p in reversed(self.split(atom.arg)))
+        if not isinstance(atom, DiagMatrix) or not isinstance(atom.args[0], MatMul):
+            return (atom,)
+        factors = atom.args[0].args
+        lead = 0
+        while lead < len(factors) - 1 and isinstance(factors[lead], DiagMatrix):
+            lead += 1
+        if lead == 0:
+            return (atom,)
+        rest = factors[lead:]
+        return (*factors[:lead], DiagMatrix(rest[0] if len(rest) == 1 else MatMul(*rest)))
+
+    def atom(self, expr):
+        """An atom with definitions unfolded inside ``diag(.)`` and under inverses, so that
+        ``diag(r)`` with ``r := E 1`` and ``diag(E 1)`` are the same atom."""
+        if isinstance(expr, DiagMatrix):
+            terms = _expand(expr.args[0], self)
+            if len(terms) == 1 and next(iter(terms.values())) == 1 and next(iter(terms)):
+                factors = next(iter(terms))
+                return DiagMatrix(factors[0] if len(factors) == 1 else MatMul(*factors))
+            return expr
+        if isinstance(expr, Inverse):
+            return Inverse(self.atom(expr.arg))
+        if isinstance(expr, Transpose):
+            inner = self.atom(expr.arg)
+            return _transpose_atom(inner) if inner is not expr.arg else expr
+        return expr
+
+    def vector_factors(self, diag: DiagMatrix) -> Factors | None:
+        """The factors of the vector ``u`` of ``diag(u)`` when it is a single product."""
+        u = diag.args[0]
+        if u not in self._factors:
+            factors = u.args if isinstance(u, MatMul) else (u,)
+            self._factors[u] = factors if all(_is_matrix(f) for f in factors) and u.shape[1] == 1 else None
+        return self._factors[u]
+
+
+def _multiply(left: Terms, right: Terms, ctx: _Context) -> Terms:
     out: Terms = {}
     for lf, lc in left.items():
         for rf, rc in right.items():
-            for factors, coeff in _reduce_product(lf + rf, lc * rc).items():
+            for factors, coeff in _reduce_product(lf + rf, lc * rc, ctx).items():
                 _add(out, factors, coeff)
     return out
 
 
-def _reduce_product(factors: Factors, coeff) -> Terms:
-    """Apply the size-independent product rules until none applies."""
+def _reduce_product(factors: Factors, coeff, ctx: _Context) -> Terms:
+    """Apply the size-independent product rules until none applies:
+
+    ``1_{a x b} 1_{b x c} = b 1_{a x c}``; ``X X^{-1} = X^{-1} X = I`` for a declared-invertible
+    ``X``; ``diag(u) 1 = u`` and ``1^T diag(u) = u^T``; ``diag(u)^{-1} u = 1`` for a declared
+    invertible ``diag(u)`` (as ``u = diag(u) 1``). Products are well typed (checked before), so
+    neighbouring sizes match.
+    """
     factors = [f for f in factors if not (isinstance(f, OneMatrix) and f.shape == (1, 1))]
     changed = True
     while changed:
         changed = False
         for i in range(len(factors) - 1):
             a, b = factors[i], factors[i + 1]
-            if isinstance(a, OneMatrix) and isinstance(b, OneMatrix):
+            if _explicit(a) and _explicit(b):  # explicit matrices multiply out; a 1 x 1 one is a scalar
+                product = sympy.ImmutableMatrix(a * b)
+                if product.is_zero_matrix:
+                    return {}
+                if product.shape == (1, 1):
+                    coeff = coeff * product[0, 0]
+                    factors[i : i + 2] = []
+                else:
+                    factors[i : i + 2] = [product]
+            elif isinstance(a, OneMatrix) and isinstance(b, OneMatrix):
                 coeff = coeff * a.shape[1]
                 merged = OneMatrix(a.shape[0], b.shape[1])
                 factors[i : i + 2] = [] if merged.shape == (1, 1) else [merged]
-            elif (isinstance(b, Inverse) and b.arg == a) or (isinstance(a, Inverse) and a.arg == b):
+            elif ((isinstance(b, Inverse) and b.arg == a) or (isinstance(a, Inverse) and a.arg == b)) and _invertible(
+                a, ctx.invertible
+            ):
                 factors[i : i + 2] = []
+            elif isinstance(a, DiagMatrix) and isinstance(b, OneMatrix) and ctx.vector_factors(a) is not None:
+                tail = [] if b.shape[1] == 1 else [OneMatrix(1, b.shape[1])]
+                factors[i : i + 2] = list(ctx.vector_factors(a)) + tail
+            elif isinstance(b, DiagMatrix) and isinstance(a, OneMatrix) and ctx.vector_factors(b) is not None:
+                head = [] if a.shape[0] == 1 else [OneMatrix(a.shape[0], 1)]
+                factors[i : i + 2] = head + [_transpose_atom(f) for f in reversed(ctx.vector_factors(b))]
+            elif (
+                isinstance(a, Inverse)
+                and isinstance(a.arg, DiagMatrix)
+                and _invertible(a.arg, ctx.invertible)
+                and (u := ctx.vector_factors(a.arg)) is not None
+                and tuple(factors[i + 1 : i + 1 + len(u)]) == tuple(u)
+            ):
+                factors[i : i + 1 + len(u)] = [OneMatrix(a.shape[0], 1)]
             else:
                 continue
             changed = True
@@ -89,11 +309,12 @@ def _reduce_product(factors: Factors, coeff) -> Terms:
     return {tuple(factors): coeff}
 
 
-def _expand(expr, definitions: Mapping) -> Terms:
+def _expand(expr, ctx: _Context) -> Terms:
+    definitions = ctx.definitions
     if not _is_matrix(expr):
-        raise TypeError(f"expected a matrix expression, got {expr!r}")
+        raise IllTyped(f"expected a matrix expression, got {expr!r}")
     if expr in definitions:
-        return _expand(definitions[expr], definitions)
+        return _expand(definitions[expr], ctx)
     if isinstance(expr, ZeroMatrix):
         return {}
     if isinstance(expr, Identity):
@@ -101,7 +322,7 @@ def _expand(expr, definitions: Mapping) -> Terms:
     if isinstance(expr, MatAdd):
         out: Terms = {}
         for arg in expr.args:
-            for factors, coeff in _expand(arg, definitions).items():
+            for factors, coeff in _expand(arg, ctx).items():
                 _add(out, factors, coeff)
         return out
     if isinstance(expr, MatMul):
@@ -109,38 +330,38 @@ def _expand(expr, definitions: Mapping) -> Terms:
         result: Terms = {(): sympy.Integer(1)}
         for arg in expr.args:
             if _is_matrix(arg):
-                result = _multiply(result, _expand(arg, definitions))
+                result = _multiply(result, _expand(arg, ctx), ctx)
             else:
                 scalar = scalar * arg
         return {f: c * scalar for f, c in result.items()}
     if isinstance(expr, MatPow) and not isinstance(expr, Inverse):  # sympy's Inverse is a MatPow
         exponent = expr.args[1]
         if not (exponent.is_Integer and exponent >= 0):
-            raise ValueError(f"only non-negative integer powers expand: {expr}")
+            raise IllTyped(f"only non-negative integer powers expand: {expr}")
         result = {(): sympy.Integer(1)}
-        base = _expand(expr.args[0], definitions)
+        base = _expand(expr.args[0], ctx)
         for _ in range(int(exponent)):
-            result = _multiply(result, base)
+            result = _multiply(result, base, ctx)
         return result
     if isinstance(expr, Transpose):
-        inner = _expand(expr.arg, definitions)
+        inner = _expand(expr.arg, ctx)
         return {tuple(_transpose_atom(a) for a in reversed(f)): c for f, c in inner.items()}
     if isinstance(expr, Inverse) and expr.arg in definitions:
-        raise ValueError(f"cannot expand the inverse of a defined expression: {expr}")
+        raise IllTyped(f"cannot expand the inverse of a defined expression: {expr}")
     # An atom: a symbol, its transpose, a ones matrix, diag(v), an inverse of a symbol.
-    return {(expr,): sympy.Integer(1)}
+    return {ctx.split(ctx.atom(expr)): sympy.Integer(1)}
 
 
-def _product_pattern(expr, definitions: Mapping) -> Factors:
-    terms = _expand(expr, definitions)
+def _product_pattern(expr, ctx: _Context) -> Factors:
+    terms = _expand(expr, ctx)
     if len(terms) != 1 or next(iter(terms.values())) != 1 or not next(iter(terms)):
         raise ValueError(f"the left side of a fact must be a plain product of matrices, got {expr}")
     return next(iter(terms))
 
 
-def _rewrite(terms: Terms, facts, definitions: Mapping, limit: int = 200) -> Terms:
+def _rewrite(terms: Terms, facts, ctx: _Context, limit: int = 200) -> Terms:
     """Replace every contiguous occurrence of a fact's left side by its right side."""
-    patterns = [(_product_pattern(lhs, definitions), rhs) for lhs, rhs in facts]
+    patterns = [(_product_pattern(lhs, ctx), rhs) for lhs, rhs in facts]
     for _ in range(limit):
         out: Terms = {}
         changed = False
@@ -155,7 +376,7 @@ def _rewrite(terms: Terms, facts, definitions: Mapping, limit: int = 200) -> Ter
                 continue
             changed = True
             i, n, rhs = hit
-            replaced = _multiply(_multiply({factors[:i]: coeff}, _expand(rhs, definitions)), {factors[i + n :]: 1})
+            replaced = _multiply(_multiply({factors[:i]: coeff}, _expand(rhs, ctx), ctx), {factors[i + n :]: 1}, ctx)
             for f, c in replaced.items():
                 _add(out, f, c)
         terms = out
@@ -164,24 +385,45 @@ def _rewrite(terms: Terms, facts, definitions: Mapping, limit: int = 200) -> Ter
     raise ValueError("rewriting with the facts did not terminate")
 
 
-def normal_form(expr, definitions: Mapping | None = None, facts=()) -> Terms:
+def _check_definitions(definitions: Mapping, invertible) -> None:
+    for key, value in definitions.items():
+        key_shape = shape_of(key, definitions, invertible) if _is_matrix(key) else None
+        value_shape = shape_of(value, definitions, invertible)
+        if (key_shape is None) != (value_shape is None) or (
+            key_shape is not None and not all(map(same_size, key_shape, value_shape))
+        ):
+            raise IllTyped(f"definition of {key}: shape {key_shape} := shape {value_shape}")
+
+
+def normal_form(expr, definitions: Mapping | None = None, facts=(), invertible=()) -> Terms:
     """Expand ``expr`` into ``{factors: coefficient}`` with like terms collected and zeros dropped.
 
     ``definitions`` maps a symbol to the expression it abbreviates; each is unfolded wherever it
     occurs. ``facts`` are ``(product, value)`` pairs assumed to hold (say ``A 1 = 1`` for an
     attention pattern); every contiguous occurrence of ``product`` is replaced by ``value``.
-    Coefficients are simplified with ``sympy.simplify``.
+    ``invertible`` lists the square matrices whose inverses may appear (and cancel). Every
+    expression is type-checked first (:class:`IllTyped`, :class:`NotExact`). Coefficients are
+    simplified with ``sympy.simplify``.
     """
     definitions = dict(definitions or {})
-    terms = _expand(expr, definitions)
+    _check_definitions(definitions, invertible)
+    shape = shape_of(expr, definitions, invertible)
+    if shape is None:
+        raise IllTyped(f"expected a matrix expression, got the scalar {expr!r}")
+    for lhs, rhs in facts:
+        left, right = shape_of(lhs, definitions, invertible), shape_of(rhs, definitions, invertible)
+        if right is None or not all(map(same_size, left, right)):
+            raise IllTyped(f"the fact {lhs} = {rhs} equates shapes {left} and {right}")
+    ctx = _Context(definitions, invertible)
+    terms = _expand(expr, ctx)
     if facts:
-        terms = _rewrite(terms, facts, definitions)
+        terms = _rewrite(terms, facts, ctx)
     return {f: c for f, c in ((f, sympy.simplify(c)) for f, c in terms.items()) if c != 0}
 
 
-def is_zero(expr, definitions: Mapping | None = None, facts=()) -> bool:
+def is_zero(expr, definitions: Mapping | None = None, facts=(), invertible=()) -> bool:
     """True when the normal form of ``expr`` has no terms: a proof that ``expr`` is zero."""
-    return not normal_form(expr, definitions, facts)
+    return not normal_form(expr, definitions, facts, invertible)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,17 +434,28 @@ def evaluate(expr, values: Mapping, definitions: Mapping | None = None) -> sympy
     """Evaluate ``expr`` exactly, given explicit values for every symbol and dimension.
 
     ``values`` maps dimension symbols to ints, scalar symbols to rationals and ``MatrixSymbol``\\ s
-    (with their symbolic shapes) to explicit ``sympy.Matrix`` values.
+    (with their symbolic shapes) to explicit ``sympy.Matrix`` values. A singular matrix under an
+    inverse raises ``ValueError``.
     """
     definitions = dict(definitions or {})
+    replace = {
+        sympy.sympify(k): sympy.ImmutableMatrix(v) if _is_matrix(v) or isinstance(v, list) else sympy.sympify(v)
+        for k, v in values.items()
+    }
+    cache: dict = {}
 
     def scalar(e):
-        return sympy.nsimplify(sympy.sympify(e).xreplace(dict(values)).doit()) if not _is_matrix(e) else None
+        return sympy.sympify(e).xreplace(replace).doit()
 
     def dim(e):
-        return int(sympy.sympify(e).xreplace(dict(values)))
+        return int(sympy.sympify(e).xreplace(replace))
 
     def ev(e):
+        if e not in cache:
+            cache[e] = _ev(e)
+        return cache[e]
+
+    def _ev(e):
         if e in definitions:
             return ev(definitions[e])
         if isinstance(e, MatrixSymbol):
@@ -214,14 +467,15 @@ def evaluate(expr, values: Mapping, definitions: Mapping | None = None) -> sympy
         if isinstance(e, OneMatrix):
             return sympy.ones(dim(e.shape[0]), dim(e.shape[1]))
         if isinstance(e, DiagMatrix):
-            v = ev(e.args[0])
-            return sympy.diag(*list(v))
+            return sympy.diag(*list(ev(e.args[0])))
         if isinstance(e, Transpose):
             return ev(e.arg).T
         if isinstance(e, Inverse):
             return ev(e.arg).inv()
         if isinstance(e, MatPow):
             return ev(e.args[0]) ** int(e.args[1])
+        if isinstance(e, KroneckerProduct):
+            return matrix_kronecker_product(*(ev(a) for a in e.args))
         if isinstance(e, MatAdd):
             parts = [ev(a) for a in e.args]
             total = parts[0]
@@ -237,11 +491,21 @@ def evaluate(expr, values: Mapping, definitions: Mapping | None = None) -> sympy
                 else:
                     s = s * scalar(a)
             return m * s
-        if getattr(e, "is_Matrix", False):  # an explicit sympy matrix
+        if _explicit(e):
             return sympy.Matrix(e)
         raise TypeError(f"cannot evaluate {e!r}")
 
     return sympy.ImmutableMatrix(ev(expr))
+
+
+def _draw_scalar(rng, symbol) -> sympy.Rational:
+    """A random nonzero rational with the sign the symbol's assumptions allow."""
+    value = sympy.Rational(Fraction(rng.randint(1, 9), rng.randint(1, 5)))
+    if symbol.is_nonnegative or symbol.is_positive:
+        return value
+    if symbol.is_nonpositive or symbol.is_negative:
+        return -value
+    return value if rng.random() < 0.5 else -value
 
 
 def random_instance(
@@ -254,10 +518,13 @@ def random_instance(
 ) -> dict:
     """Draw explicit values for every free symbol of ``exprs`` (and of the definitions they use).
 
-    Matrices get small random integers, scalars random positive rationals; ``samplers`` overrides
-    a symbol with ``sampler(rng, shape)`` for symbols that must satisfy an assumption.
+    Matrices get small random integers, scalars random nonzero rationals (positive where the
+    symbol is declared positive); ``samplers`` overrides a symbol with ``sampler(rng, shape)``
+    for symbols that must satisfy an assumption. ``rng.dims`` holds ``dims`` for samplers that
+    draw several symbols together. Every value must be exact.
     """
     rng = random.Random(seed)
+    rng.dims = dict(dims)
     samplers = dict(samplers or {})
     definitions = dict(definitions or {})
     values: dict = dict(dims)
@@ -278,11 +545,10 @@ def random_instance(
                     values[s] = sympy.Matrix(samplers[s](rng, shape))
                 else:
                     values[s] = sympy.Matrix(*shape, lambda i, j: rng.randint(-4, 4))
+                require_exact(values[s])
             else:
-                if s in samplers:
-                    values[s] = samplers[s](rng, ())
-                else:
-                    values[s] = sympy.Rational(Fraction(rng.randint(1, 9), rng.randint(1, 5)))
+                values[s] = sympy.sympify(samplers[s](rng, ())) if s in samplers else _draw_scalar(rng, s)
+                require_exact(values[s])
     return values
 
 

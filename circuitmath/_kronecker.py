@@ -128,6 +128,9 @@ class Apply(MatrixExpr):
     ``operators``) and kept in the node, so rebuilding it (``xreplace``) needs no ``operators``.
     """
 
+    #: A proof may define this node (``op·X := act(op, X)``) although it is not a symbol.
+    is_notation = True
+
     def __new__(cls, op, X, rows=None, cols=None, *, operators: Mapping | None = None):
         op, X = sympy.sympify(op), sympy.sympify(X)
         if rows is None or cols is None:
@@ -172,8 +175,28 @@ def notation_definitions(exprs: Iterable, operators: Mapping | None = None) -> t
     return tuple(Definition(node, act(node.op, node.X, operators), NOTATION) for node in nodes)
 
 
+def _transposed(op) -> MatrixExpr:
+    """``opᵀ`` with the transpose pushed through sums, products and tensor products
+    (``(A ⊗ B)ᵀ = Aᵀ ⊗ Bᵀ``), so that no sum hides under a transpose."""
+    if isinstance(op, MatAdd):
+        return MatAdd(*(_transposed(a) for a in op.args))
+    if isinstance(op, MatMul):
+        scalars = [a for a in op.args if not isinstance(a, MatrixExpr)]
+        return MatMul(*scalars, *(_transposed(a) for a in reversed(op.args) if isinstance(a, MatrixExpr)))
+    if isinstance(op, KroneckerProduct):
+        return KroneckerProduct(*(_transposed(a) for a in op.args))
+    if isinstance(op, Transpose):
+        return op.arg
+    if isinstance(op, Identity):
+        return op
+    return Transpose(op)
+
+
 def _distribute(op) -> list:
     """``op`` as a list of products (each a list of factors, scalars included), sums expanded."""
+    if isinstance(op, Transpose):
+        pushed = _transposed(op.arg)
+        return [[pushed]] if isinstance(pushed, Transpose) else _distribute(pushed)
     if isinstance(op, MatAdd):
         return [p for arg in op.args for p in _distribute(arg)]
     if isinstance(op, MatMul):

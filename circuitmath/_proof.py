@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import sympy
-from sympy import MatAdd, MatMul, MatrixExpr, MatrixSymbol
+from sympy import Identity, Inverse, MatAdd, MatMul, MatrixExpr, MatrixSymbol, OneMatrix, Symbol, ZeroMatrix
 
-from ._algebra import evaluate, normal_form, random_instance, to_latex
+from ._algebra import IllTyped, NotExact, evaluate, normal_form, random_instance, same_size, shape_of, to_latex
 
-__all__ = ["Definition", "Fact", "Step", "Twin", "Proof", "ProofReport", "StepReport", "TwinReport"]
+__all__ = ["Definition", "Fact", "Nonzero", "Step", "Twin", "Proof", "ProofReport", "StepReport", "TwinReport"]
 
 
 @dataclass(frozen=True)
@@ -28,18 +28,41 @@ class Definition:
 
 @dataclass(frozen=True)
 class Fact:
-    """An assumption ``product = value`` the proof may use, e.g. ``A 1 = 1`` for attention rows.
+    """An axiom ``product = value`` the proof may use, e.g. ``A 1 = 1`` for attention rows.
 
     Every concrete instance the engine draws is checked to satisfy it exactly, so a sampler that
-    breaks the assumption is an error, not a silent counterexample.
+    breaks the assumption is an error, not a silent counterexample. A fact made by
+    :meth:`invertible` declares a square matrix invertible: only such matrices may appear under
+    an inverse, and only they cancel with it.
     """
 
     product: sympy.Basic
     value: sympy.Basic
     text: str
+    invertible_matrix: sympy.Basic | None = None
+
+    @classmethod
+    def invertible(cls, matrix, text: str) -> Fact:
+        """``matrix`` is invertible: ``M M^{-1} = I`` (it must be square)."""
+        return cls(MatMul(matrix, Inverse(matrix)), Identity(matrix.shape[0]), text, invertible_matrix=matrix)
 
     def latex(self) -> str:
         return rf"{to_latex(self.product)} = {to_latex(self.value)}"
+
+
+@dataclass(frozen=True)
+class Nonzero:
+    """A hypothesis ``expr != 0`` (a scalar or a matrix with a nonzero entry), checked on every
+    sampled instance. With ``because = (M, w)`` it is derived, not assumed: the engine proves
+    ``M expr = w`` and ``w`` is nonzero by another hypothesis (``w``, or a scalar times a vector,
+    each nonzero), so ``expr = 0`` would give ``w = 0``."""
+
+    expr: sympy.Basic
+    text: str
+    because: tuple | None = None
+
+    def latex(self) -> str:
+        return rf"{to_latex(self.expr)} \ne 0"
 
 
 @dataclass(frozen=True)
@@ -67,21 +90,48 @@ class Twin:
 
 @dataclass(frozen=True)
 class StepReport:
-    before: str
-    after: str
+    """One step's verdict. The LaTeX (``before``, ``after``, ``residual``) is written when read:
+    printing is most of the cost of a proof, and ``prove`` reads none of it."""
+
+    before_expr: sympy.Basic = field(repr=False)
+    after_expr: sympy.Basic = field(repr=False)
     reason: str
     holds: bool
-    residual: str
+    residual_terms: object = field(repr=False)  # the residual terms, or the text of a type error
+    #: The same step evaluated exactly on every instance of the second check (``False`` when it
+    #: fails on one, or could not be evaluated).
+    instances_agree: bool = True
+
+    @property
+    def before(self) -> str:
+        return to_latex(self.before_expr)
+
+    @property
+    def after(self) -> str:
+        return to_latex(self.after_expr)
+
+    @property
+    def residual(self) -> str:
+        return self.residual_terms if isinstance(self.residual_terms, str) else _describe(self.residual_terms)
 
 
 @dataclass(frozen=True)
 class TwinReport:
     name: str
     description: str
-    claim: str
-    rejected: bool
-    symbolic_residual: str
-    counterexample_gap: float | None
+    lhs: sympy.Basic = field(repr=False)
+    rhs: sympy.Basic = field(repr=False)
+    rejected: bool = False
+    residual_terms: object = field(default=None, repr=False)
+    counterexample_gap: float | None = None
+
+    @property
+    def claim(self) -> str:
+        return rf"{to_latex(self.lhs)} = {to_latex(self.rhs)}"
+
+    @property
+    def symbolic_residual(self) -> str:
+        return self.residual_terms if isinstance(self.residual_terms, str) else _describe(self.residual_terms)
 
 
 @dataclass(frozen=True)
@@ -93,6 +143,13 @@ class ProofReport:
     twins: tuple[TwinReport, ...]
     concrete_check: bool
     seconds: float
+    #: Why the claim is not proved (empty when it is): ill-typed steps, failed steps, bad
+    #: definitions, a chain that does not reach the claim, instances that disagree.
+    reasons: tuple[str, ...] = ()
+    #: The facts the proof assumes without proof, as ``(LaTeX, text)``.
+    axioms: tuple[tuple[str, str], ...] = ()
+    #: The sizes of the instances of the second check.
+    instances: tuple[dict, ...] = ()
 
     @property
     def twins_rejected(self) -> int:
@@ -114,20 +171,29 @@ class ProofReport:
             "twins_total": len(self.twins),
             "claim_proved": self.proved,
             "concrete_check": self.concrete_check,
-            "failed_steps": [s.reason for s in self.steps if not s.holds],
+            "failed_steps": [s.reason for s in self.steps if not (s.holds and s.instances_agree)],
             "accepted_twins": [t.name for t in self.twins if not t.rejected],
+            "reasons": list(self.reasons),
+            "axioms": [{"latex": latex, "text": text} for latex, text in self.axioms],
+            "instances": [{str(s): int(v) for s, v in i.items()} for i in self.instances],
         }
 
 
 def _describe(terms) -> str:
     """The residual terms as LaTeX, ``0`` when none are left."""
-    parts = [to_latex(MatMul(c, *f)) if f else to_latex(c) for f, c in terms.items()]
+    parts = [
+        (to_latex(MatMul(*f)) if c == 1 else "-" + to_latex(MatMul(*f)) if c == -1 else to_latex(MatMul(c, *f)))
+        if f else to_latex(c)
+        for f, c in terms.items()
+    ]
     return " + ".join(parts).replace("+ -", "-") or "0"
 
 
 def _difference(a, b):
     """``a - b`` left unevaluated: sympy's ``MatrixExpr.__sub__`` runs ``doit``, which evaluates
     symbolic sums and can take seconds before the normal form even starts."""
+    if isinstance(a, MatrixExpr) != isinstance(b, MatrixExpr):
+        raise IllTyped(f"{a} = {b} equates a matrix and a scalar")
     if isinstance(a, MatrixExpr):
         return MatAdd(a, MatMul(-1, b))
     return a - b
@@ -149,16 +215,31 @@ def _gap(matrix) -> float:
     return worst
 
 
+def _mentions(expr, symbols) -> set:
+    """The members of ``symbols`` that occur in ``expr``."""
+    expr = sympy.sympify(expr)
+    return {s for s in symbols if expr.has(s)}
+
+
+#: Sizes of the second check's first instance start here; the second instance adds one to each.
+FIRST_SIZE = 2
+
+
 @dataclass(frozen=True)
 class Proof:
     """A machine-checked derivation of ``lhs = rhs``.
 
     ``steps`` lead from ``lhs`` to ``rhs``: each step's expression must equal the one before it in
-    the normal form of :mod:`circuitmath._algebra`, with ``definitions`` unfolded. The last step's
-    expression must be ``rhs`` itself. ``explicit_dims`` gives the sizes for the concrete checks
-    (the claim on a random exact instance, the twins' counterexamples); ``samplers`` draws symbols
-    that carry an assumption. ``explicit_only`` is set, with the reason, for a proof that only
-    holds for the sizes it was run at.
+    the normal form of :mod:`circuitmath._algebra`, with ``definitions`` unfolded, and (a second,
+    independent check) on every instance of ``check_dims`` evaluated exactly. The last step's
+    expression must be ``rhs`` itself. Every expression is type-checked; inverses are allowed
+    only of matrices that a :meth:`Fact.invertible` declares invertible; coefficients must be
+    exact. ``check_dims`` defaults to two instances whose dimension symbols take distinct sizes
+    (``2, 3, ...`` then ``3, 4, ...``, ordered like ``explicit_dims``), so no matrix of two
+    different sizes is square. ``explicit_dims`` gives the sizes for the twins'
+    counterexamples (and orders the instances); ``samplers`` draws symbols that carry an
+    assumption. ``explicit_only`` is set, with the reason, for a proof that only holds for the
+    sizes it was run at.
     """
 
     lhs: sympy.Basic
@@ -171,6 +252,11 @@ class Proof:
     facts: tuple[Fact, ...] = ()
     assumptions: tuple[str, ...] = ()
     explicit_only: str | None = None
+    check_dims: tuple[Mapping, ...] | None = None
+    nonzero: tuple[Nonzero, ...] = ()
+    #: Further claims about the same symbols, each a named :class:`Proof` that must hold too
+    #: (``factored_svd``: the factors it builds have orthonormal columns).
+    lemmas: tuple[tuple[str, "Proof"], ...] = ()
 
     @property
     def symbolic_dims(self) -> bool:
@@ -187,45 +273,238 @@ class Proof:
     def _definitions(self) -> dict:
         return {d.symbol: d.value for d in self.definitions}
 
+    @property
+    def _invertible(self) -> tuple:
+        return tuple(f.invertible_matrix for f in self.facts if f.invertible_matrix is not None)
+
+    @property
+    def _facts(self) -> list:
+        return [(f.product, f.value) for f in self.facts if f.invertible_matrix is None]
+
+    @property
+    def axioms(self) -> tuple:
+        """What the proof assumes without proof (its lemmas' included): its facts and the nonzero
+        hypotheses it does not derive. Each is checked on every sampled instance."""
+        own = (*self.facts, *(h for h in self.nonzero if h.because is None))
+        inherited = tuple(a for _name, lemma in self.lemmas for a in lemma.axioms if a not in own)
+        return own + tuple(dict.fromkeys(inherited))
+
+    def _nonzero_errors(self) -> list[str]:
+        errors = []
+        known = {h.expr for h in self.nonzero}
+
+        def nonzero(w) -> bool:
+            if w in known:
+                return True
+            if isinstance(w, MatMul):
+                return all(a in known for a in w.args)
+            return False
+
+        for h in self.nonzero:
+            if h.because is None:
+                continue
+            M, w = h.because
+            try:
+                if self._residual(MatMul(M, h.expr), w):
+                    errors.append(f"{h.text}: {to_latex(M)} {to_latex(h.expr)} = {to_latex(w)} does not hold")
+                elif not nonzero(w):
+                    errors.append(f"{h.text}: {to_latex(w)} is not known to be nonzero")
+            except (IllTyped, NotExact) as error:
+                errors.append(f"{h.text}: {error}")
+        return errors
+
     def _residual(self, a, b):
-        return normal_form(_difference(a, b), self._definitions, [(f.product, f.value) for f in self.facts])
+        return normal_form(_difference(a, b), self._definitions, self._facts, self._invertible)
+
+    def _shape(self, expr):
+        return shape_of(expr, self._definitions, self._invertible)
+
+    # -- static checks ----------------------------------------------------------------------------
+
+    def _definition_errors(self) -> list[str]:
+        """Definitions must be abbreviations: a symbol (or a notation node) defined once, not in
+        terms of itself (directly or through others), with the shape of its value, and not an
+        alias making one of the statement's own symbols equal to another."""
+        errors = []
+        keys = [d.symbol for d in self.definitions]
+        statement = sympy.sympify(self.lhs).free_symbols | sympy.sympify(self.rhs).free_symbols
+        statement |= sympy.sympify(self.lhs).atoms(MatrixSymbol) | sympy.sympify(self.rhs).atoms(MatrixSymbol)
+        for d in self.definitions:
+            key = d.symbol
+            if not (isinstance(key, (MatrixSymbol, Symbol)) or getattr(key, "is_notation", False)):
+                errors.append(f"definition {to_latex(key)} := ...: the key is an expression, not a fresh symbol")
+            if keys.count(key) > 1:
+                errors.append(f"{to_latex(key)} is defined {keys.count(key)} times")
+            if key in statement and d.value in statement and d.value not in keys:
+                errors.append(
+                    f"definition {to_latex(key)} := {to_latex(d.value)} makes one symbol of the statement another"
+                )
+            try:
+                key_shape, value_shape = self._shape(key) if isinstance(key, MatrixExpr) else None, self._shape(d.value)
+            except (IllTyped, NotExact) as error:
+                errors.append(f"definition of {to_latex(key)}: {error}")
+                continue
+            if (key_shape is None) != (value_shape is None) or (
+                key_shape is not None and not all(map(same_size, key_shape, value_shape))
+            ):
+                errors.append(f"definition of {to_latex(key)}: a {key_shape} symbol := a {value_shape} value")
+        uses = {d.symbol: _mentions(d.value, keys) for d in self.definitions}
+
+        def cycle(key, path):
+            for used in uses.get(key, ()):
+                if used in path:
+                    return [*path[path.index(used):], used]
+                found = cycle(used, [*path, used])
+                if found:
+                    return found
+            return None
+
+        for key in keys:
+            found = cycle(key, [key])
+            if found:
+                errors.append("circular definition: " + " -> ".join(to_latex(k) for k in found))
+                break
+        return errors
+
+    def _fact_errors(self) -> list[str]:
+        errors = []
+        for f in self.facts:
+            try:
+                if f.invertible_matrix is not None:
+                    rows, cols = self._shape(f.invertible_matrix)
+                    if not same_size(rows, cols):
+                        errors.append(f"fact {f.text!r}: a {rows} x {cols} matrix cannot be invertible")
+                    continue
+                left, right = self._shape(f.product), self._shape(f.value)
+                if right is None or not all(map(same_size, left, right)):
+                    errors.append(f"fact {f.text!r} equates a {left} and a {right} expression")
+            except (IllTyped, NotExact) as error:
+                errors.append(f"fact {f.text!r}: {error}")
+        return errors
+
+    # -- the second check -------------------------------------------------------------------------
+
+    def _dimension_symbols(self) -> list:
+        exprs = [self.lhs, self.rhs, *(s.expr for s in self.steps), *(d.value for d in self.definitions)]
+        exprs += [d.symbol for d in self.definitions] + [f.product for f in self.facts] + [f.value for f in self.facts]
+        found = set()
+        for e in exprs:
+            for m in sympy.sympify(e).atoms(MatrixSymbol, OneMatrix, Identity, ZeroMatrix):
+                for size in m.shape:
+                    found |= sympy.sympify(size).free_symbols
+        order = {s: i for i, s in enumerate(self.explicit_dims)}
+        return sorted(found, key=lambda s: (self.explicit_dims.get(s, 0), order.get(s, len(order)), s.name))
+
+    def instance_dims(self) -> tuple[dict, ...]:
+        """The sizes of the second check: ``check_dims``, or two instances of distinct sizes."""
+        if self.check_dims is not None:
+            return tuple(dict(d) for d in self.check_dims)
+        symbols = self._dimension_symbols()
+        return tuple({s: FIRST_SIZE + shift + i for i, s in enumerate(symbols)} for shift in (0, 1))
 
     def _instance(self, exprs, dims, seed):
-        exprs = [*exprs, *(f.product for f in self.facts), *(f.value for f in self.facts)]
+        exprs = [*exprs, *(f.product for f in self.facts), *(f.value for f in self.facts), *(h.expr for h in self.nonzero)]
         values = random_instance(exprs, dims, seed=seed, samplers=self.samplers, definitions=self._definitions)
         for fact in self.facts:
-            if _gap(evaluate(_difference(fact.product, fact.value), values, self._definitions)) != 0:
+            try:
+                broken = _gap(evaluate(_difference(fact.product, fact.value), values, self._definitions)) != 0
+            except ValueError:  # a singular matrix under an inverse
+                broken = True
+            if broken:
                 raise ValueError(f"the sampled instance breaks the assumption {fact.text!r}: fix the sampler")
+        for h in self.nonzero:
+            value = evaluate(h.expr, values, self._definitions) if isinstance(h.expr, MatrixExpr) else (
+                sympy.sympify(h.expr).xreplace({k: sympy.sympify(v) for k, v in values.items() if not hasattr(v, "shape")})
+            )
+            if (all(x == 0 for x in value) if hasattr(value, "shape") else value == 0):
+                raise ValueError(f"the sampled instance breaks the assumption {h.text!r}: fix the sampler")
         return values
+
+    def _second_check(self, chain) -> tuple[list[bool], list[str]]:
+        """Evaluate every expression of ``chain`` (and every definition) exactly on each instance."""
+        agree = [True] * (len(chain) - 1)
+        reasons = []
+        definitions = self._definitions
+        for number, dims in enumerate(self.instance_dims()):
+            where = ", ".join(f"{s} = {v}" for s, v in dims.items())
+            try:
+                values = self._instance([*chain, *definitions], dims, seed=number)
+                for key, value in definitions.items():
+                    got = evaluate(value, values, definitions)
+                    if isinstance(key, MatrixExpr):
+                        want = tuple(int(sympy.sympify(n).xreplace(dims)) for n in key.shape)
+                        if tuple(got.shape) != want:
+                            reasons.append(f"definition of {to_latex(key)} has shape {got.shape}, not {want} ({where})")
+                evaluated = [evaluate(e, values, definitions) for e in chain]
+            except (ValueError, TypeError, KeyError, sympy.ShapeError) as error:
+                reasons.append(f"instance {number} ({where}) could not be evaluated: {error}")
+                return [False] * len(agree), reasons
+            for i in range(len(agree)):
+                a, b = evaluated[i], evaluated[i + 1]
+                if a.shape != b.shape or _gap(a - b) != 0:
+                    agree[i] = False
+                    reasons.append(f"step {i + 1} fails on instance {number} ({where})")
+        return agree, reasons
 
     def verify(self, name: str = "") -> ProofReport:
         start = time.perf_counter()
+        reasons = self._definition_errors() + self._fact_errors() + self._nonzero_errors()
+        for lemma_name, lemma in self.lemmas:
+            reasons += [f"lemma {lemma_name}: {r}" for r in lemma.verify(lemma_name).reasons]
+        try:
+            lhs_shape, rhs_shape = self._shape(self.lhs), self._shape(self.rhs)
+            if lhs_shape is None or rhs_shape is None or not all(map(same_size, lhs_shape, rhs_shape)):
+                reasons.append(f"the claim equates a {lhs_shape} and a {rhs_shape} expression")
+        except (IllTyped, NotExact) as error:
+            reasons.append(f"the claim is ill-typed: {error}")
         reports = []
         previous = self.lhs
-        for step in self.steps:
-            residual = self._residual(previous, step.expr)
-            reports.append(
-                StepReport(to_latex(previous), to_latex(step.expr), step.reason, not residual, _describe(residual))
-            )
+        unchecked = "not checked: the definitions are invalid" if reasons else None
+        for number, step in enumerate(self.steps, 1):
+            if unchecked:
+                reports.append(StepReport(previous, step.expr, step.reason, False, unchecked))
+                previous = step.expr
+                continue
+            try:
+                residual = self._residual(previous, step.expr)
+                if residual:
+                    reasons.append(f"step {number} ({step.reason}) does not hold: {_describe(residual)} is left")
+            except (IllTyped, NotExact) as error:
+                residual = f"ill-typed: {error}"
+                reasons.append(f"step {number} ({step.reason}) is ill-typed: {error}")
+            reports.append(StepReport(previous, step.expr, step.reason, not residual, residual))
             previous = step.expr
         closes = bool(self.steps) and self.steps[-1].expr == self.rhs
-        values = self._instance([self.lhs, self.rhs], self.explicit_dims, seed=0)
-        concrete = _gap(evaluate(_difference(self.lhs, self.rhs), values, self._definitions)) == 0
-        proved = closes and all(r.holds for r in reports) and concrete
+        if not closes:
+            reasons.append("the chain does not end at the right side of the claim")
+        concrete = False
+        if not reasons:
+            agree, failures = self._second_check([self.lhs, *(s.expr for s in self.steps)])
+            reports = [replace(r, instances_agree=a) for r, a in zip(reports, agree)]
+            reasons += failures
+            concrete = not failures
         twins = tuple(self._reject(t) for t in self.twins)
         return ProofReport(
             name=name,
-            proved=proved,
+            proved=not reasons,
             symbolic_dims=self.symbolic_dims,
             steps=tuple(reports),
             twins=twins,
             concrete_check=concrete,
             seconds=time.perf_counter() - start,
+            reasons=tuple(reasons),
+            axioms=tuple((a.latex(), a.text) for a in self.axioms),
+            instances=self.instance_dims() if concrete else (),
         )
 
     def _reject(self, twin: Twin, attempts: int = 5) -> TwinReport:
-        """A twin is rejected when its residual has terms left AND an exact instance refutes it."""
-        residual = self._residual(twin.lhs, twin.rhs)
+        """A twin is rejected when it is well typed, its residual has terms left AND an exact
+        instance refutes it."""
+        try:
+            residual = self._residual(twin.lhs, twin.rhs)
+            text = residual
+        except (IllTyped, NotExact) as error:
+            residual, text = {}, f"ill-typed: {error}"
         dims = dict(twin.dims or self.explicit_dims)
         gap = None
         if residual:
@@ -238,9 +517,10 @@ class Proof:
         return TwinReport(
             name=twin.name,
             description=twin.description,
-            claim=rf"{to_latex(twin.lhs)} = {to_latex(twin.rhs)}",
+            lhs=twin.lhs,
+            rhs=twin.rhs,
             rejected=bool(residual) and gap is not None,
-            symbolic_residual=_describe(residual),
+            residual_terms=text,
             counterexample_gap=gap,
         )
 

@@ -79,7 +79,8 @@ class Joint:
     """Samplers for symbols that must be drawn together (``G`` and ``G^{-1}``, say).
 
     ``draw(rng, dims)`` returns ``{symbol: explicit matrix}`` for the whole group at the explicit
-    sizes ``dims``; each symbol's sampler returns its part of one draw per random generator.
+    sizes of the instance being drawn (``rng.dims``, else ``dims``); each symbol's sampler returns
+    its part of one draw per random generator.
     """
 
     def __init__(self, draw: Callable, dims: Mapping):
@@ -90,7 +91,7 @@ class Joint:
     def sampler(self, symbol) -> Callable:
         def sample(rng, shape):
             if rng not in self._drawn:
-                self._drawn[rng] = self._draw(rng, self._dims)
+                self._drawn[rng] = self._draw(rng, getattr(rng, "dims", self._dims))
             value = self._drawn[rng][symbol]
             if tuple(getattr(value, "shape", ())) != tuple(shape):
                 raise ValueError(f"joint sampler drew {symbol} with shape {value.shape}, {shape} was asked for")

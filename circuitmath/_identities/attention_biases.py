@@ -61,6 +61,7 @@ W_O1, W_O2, W_O3 = (MatrixSymbol(f"W_{{O,{h}}}", e, d) for h in (1, 2, 3))
 b_O = MatrixSymbol("b_O", 1, d)
 b_O_folded = MatrixSymbol(r"b_O^{\mathrm{fold}}", 1, d)
 P = MatrixSymbol("P", n, n)  # a pattern with no guarantee on its row sums
+EXPS = tuple(MatrixSymbol(f"E_{h}", n, n) for h in (1, 2, 3))  # each head's exponentiated scores
 
 
 def _layer(pattern_1, bias_a, bias_b, bias_O):
@@ -106,7 +107,7 @@ def _value_bias_proof() -> Proof:
                     MatMul(A3, X, W_Vb, W_O3), MatMul(ones, b_Vb, W_O3),
                     MatMul(ones, b_O),
                 ),
-                r"$A_h \mathbf{1}_n = \mathbf{1}_n$: every row of a pattern sums to 1",
+                r"$A_h \mathbf{1}_n = \operatorname{diag}(r_h)^{-1} r_h = \mathbf{1}_n$ with $r_h = E_h \mathbf{1}_n$: every row of a softmax pattern sums to 1",
             ),
             Step(
                 MatAdd(
@@ -123,12 +124,17 @@ def _value_bias_proof() -> Proof:
                 MatAdd(b_O, MatMul(b_Va, MatAdd(W_O1, W_O2)), MatMul(b_Vb, W_O3)),
                 "the folded output bias: each value bias through the W_O of every query head that reads it",
             ),
+            *(
+                Definition(A, MatMul(Inverse(DiagMatrix(MatMul(E_h, ones))), E_h),
+                           f"head {h}'s pattern: the softmax of its scores, E_{h} their entrywise exponentials (0 where masked)")
+                for (A, h), E_h in zip(patterns, EXPS)
+            ),
         ),
         facts=tuple(
-            Fact(MatMul(A, ones), ones, f"the rows of head {h}'s pattern sum to 1 (softmax, causal or not)")
-            for A, h in patterns
+            Fact.invertible(DiagMatrix(MatMul(E_h, ones)), f"head {h}'s row sums are positive: every row has an unmasked key")
+            for (_A, h), E_h in zip(patterns, EXPS)
         ),
-        samplers={A1: causal_pattern, A2: causal_pattern, A3: causal_pattern, P: _pattern_with_empty_first_row},
+        samplers={**{E_h: causal_exponentials for E_h in EXPS}, P: _pattern_with_empty_first_row},
         explicit_dims=EXPLICIT_DIMS,
         twins=(
             Twin(
@@ -183,7 +189,7 @@ k, k_b = MatrixSymbol("k", 1, n), MatrixSymbol("k_b", 1, n)
 A, A_b = MatrixSymbol("A", n, n), MatrixSymbol("A_b", n, n)
 
 
-def _causal_exponentials(rng, shape) -> sympy.Matrix:
+def causal_exponentials(rng, shape) -> sympy.Matrix:
     """Entrywise exponentials of causal scores: positive on and below the diagonal, 0 above."""
     rows, cols = shape
     return sympy.Matrix(rows, cols, lambda i, j: _positive(rng) if j <= i else 0)
@@ -231,7 +237,8 @@ def _key_bias_proof() -> Proof:
             Step(MatMul(Inverse(DiagMatrix(r_b)), DiagMatrix(g), E), r"law of exponents: definition of $E_b$"),
             Step(
                 MatMul(Inverse(DiagMatrix(r)), Inverse(DiagMatrix(g)), DiagMatrix(g), E),
-                r"the row sums scale alike: $r_b = \operatorname{diag}(g)\, r$",
+                r"the row sums scale alike: $r_b = E_b \mathbf{1}_n = \operatorname{diag}(g)\, r$, and"
+                r" $\operatorname{diag}(\operatorname{diag}(g)\, r) = \operatorname{diag}(g) \operatorname{diag}(r)$",
             ),
             Step(rhs, r"$\operatorname{diag}(g)^{-1} \operatorname{diag}(g) = I_n$"),
         ),
@@ -246,13 +253,13 @@ def _key_bias_proof() -> Proof:
             Definition(k_b, MatMul(ones.T, E_b), "the column sums of E_b"),
         ),
         facts=(
-            Fact(
-                Inverse(DiagMatrix(r_b)),
-                MatMul(Inverse(DiagMatrix(r)), Inverse(DiagMatrix(g))),
-                "r_b = E_b 1 = diag(g) E 1 = diag(g) r, and diagonal matrices multiply entrywise",
-            ),
+            Fact.invertible(DiagMatrix(r), "the row sums of E are positive: every row has an unmasked key"),
+            Fact.invertible(DiagMatrix(g), "g = exp(c) is positive"),
+            Fact.invertible(DiagMatrix(r_q), "the row sums of E_q are positive"),
+            Fact.invertible(DiagMatrix(k), "the column sums of E are positive (for the twin that normalises columns)"),
+            Fact.invertible(DiagMatrix(k_b), "the column sums of E_b are positive"),
         ),
-        samplers={E: _causal_exponentials, g: _positive_vector, h: _positive_vector},
+        samplers={E: causal_exponentials, g: _positive_vector, h: _positive_vector},
         explicit_dims=EXPLICIT_DIMS,
         twins=(
             Twin(

@@ -26,7 +26,7 @@ import torch
 from sympy import DiagMatrix, Identity as Eye, MatMul, MatrixSymbol, Symbol, Transpose
 
 from .._errors import PreconditionError
-from .._proof import Definition, Fact, Proof, Step, Twin
+from .._proof import Definition, Fact, Nonzero, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names, validate_state_dict
 from ..circuits import FactoredMatrix, composition_scores, copying_scores, full_ov_circuits, ov_circuits, qk_circuits
@@ -143,6 +143,27 @@ def _float64(state_dict) -> dict:
 # -- factored_svd ----------------------------------------------------------------------------
 
 
+def _orthonormal_product(Q, U, q_name, u_name, samplers, dims) -> Proof:
+    """``(Q U)^T (Q U) = I_k``: the factors of the SVD have orthonormal columns, from those of
+    ``Q`` (QR) and ``U`` (the core's SVD)."""
+    size = U.shape[0]
+    return Proof(
+        lhs=MatMul(Transpose(MatMul(Q, U)), MatMul(Q, U)),
+        rhs=Eye(size),
+        steps=(
+            Step(MatMul(Transpose(U), Transpose(Q), Q, U), r"$(Q U)^\top = U^\top Q^\top$"),
+            Step(MatMul(Transpose(U), U), rf"${q_name}^\top {q_name} = I$"),
+            Step(Eye(size), rf"${u_name}$ is orthogonal"),
+        ),
+        facts=(
+            Fact(MatMul(Transpose(Q), Q), Eye(size), f"{q_name} has orthonormal columns (QR)"),
+            Fact(MatMul(Transpose(U), U), Eye(size), f"{u_name} is orthogonal (the core's SVD)"),
+        ),
+        samplers=samplers,
+        explicit_dims=dims,
+    )
+
+
 def _svd_proof():
     A_, B_ = MatrixSymbol("A", m, k), MatrixSymbol("B", k, n)
     Q_A, Q_B = MatrixSymbol("Q_A", m, k), MatrixSymbol("Q_B", n, k)
@@ -178,12 +199,10 @@ def _svd_proof():
             Definition(A_, MatMul(Q_A, R_A), "A by its QR decomposition (Q_A^T Q_A = I_k)"),
             Definition(B_, MatMul(Transpose(R_B), Transpose(Q_B)), "B^T by its QR decomposition (Q_B^T Q_B = I_k)"),
         ),
-        facts=(
-            Fact(MatMul(R_A, Transpose(R_B)), core, "the SVD of the core"),
-            Fact(MatMul(Transpose(Q_A), Q_A), Eye(k), "Q_A has orthonormal columns"),
-            Fact(MatMul(Transpose(Q_B), Q_B), Eye(k), "Q_B has orthonormal columns"),
-            Fact(MatMul(Transpose(U), U), Eye(k), "U is orthogonal"),
-            Fact(MatMul(Transpose(V_), V_), Eye(k), "V is orthogonal"),
+        facts=(Fact(MatMul(R_A, Transpose(R_B)), core, "the SVD of the core"),),
+        lemmas=(
+            ("left_singular_vectors_orthonormal", _orthonormal_product(Q_A, U, "Q_A", "U", samplers, dims)),
+            ("right_singular_vectors_orthonormal", _orthonormal_product(Q_B, V_, "Q_B", "V", samplers, dims)),
         ),
         samplers=samplers,
         explicit_dims=dims,
@@ -291,10 +310,14 @@ def _eigen_proof():
             Step(MatMul(B_, MatMul(lam, v)), r"$A B v = \lambda v$"),
             Step(MatMul(lam, mapped), r"scalars commute: $B v$ is an eigenvector of $B A$, nonzero since $A (B v) = \lambda v \ne 0$"),
         ),
-        facts=(Fact(MatMul(A_, B_, v), MatMul(lam, v), "v is an eigenvector of AB with eigenvalue λ ≠ 0"),),
+        facts=(Fact(MatMul(A_, B_, v), MatMul(lam, v), "v is an eigenvector of AB with eigenvalue λ"),),
+        nonzero=(
+            Nonzero(lam, "λ ≠ 0 (the zero eigenvalues of AB and BA differ in number: m - n of them)"),
+            Nonzero(v, "v ≠ 0: an eigenvector"),
+            Nonzero(mapped, "B v ≠ 0, so B v is an eigenvector: A (B v) = λ v ≠ 0", because=(A_, MatMul(lam, v))),
+        ),
         samplers=joint.samplers(A_, B_, v, lam),
         explicit_dims=dims,
-        assumptions=("λ ≠ 0 (the zero eigenvalues of AB and BA differ in number: m - n of them)",),
         twins=(
             Twin("transposed_product", "B v is an eigenvector of (BA)^T", MatMul(Transpose(A_), Transpose(B_), mapped),
                  MatMul(lam, mapped)),

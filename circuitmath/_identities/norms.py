@@ -173,10 +173,11 @@ def _layer_norm_to_rms_proof() -> Proof:
                 MatMul(rho, x),
             ),
             Twin(
-                "other_eps",
-                "switch to an RMSNorm with another eps (say RMSNorm's customary 1e-6): rho' != rho",
-                MatMul(rho, x_c, C),
-                MatMul(rho_other, x_c),
+                "eps_outside_root",
+                "switch to an RMSNorm that adds eps to the root, x / (sqrt(q/d) + eps), as some implementations do,"
+                " instead of to the mean square",
+                MatMul(Pow(q / d + eps, Rational(-1, 2), evaluate=False), x_c, C),
+                MatMul(Pow(sqrt(q / d) + eps, -1, evaluate=False), x_c),
             ),
         ),
     )

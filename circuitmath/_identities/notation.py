@@ -20,6 +20,7 @@ from __future__ import annotations
 import sympy
 import torch
 from sympy import Identity as Eye, MatAdd, MatMul, MatrixExpr, MatrixSymbol, Symbol, Transpose, ZeroMatrix
+from sympy.matrices.expressions.kronecker import KroneckerProduct
 
 from .._kronecker import Apply, tensor
 from .._proof import Definition, Fact, Step, Twin
@@ -186,6 +187,9 @@ TENSOR_MIXED_PRODUCT = register(
 class Vec(MatrixExpr):
     """``vec(Y)``: the rows of ``Y`` stacked into one column (columns, with ``column_major``)."""
 
+    #: A name a proof defines (``vec(Y) := ...``), although it is not a symbol.
+    is_notation = True
+
     def __new__(cls, Y, column_major=False):
         return super().__new__(cls, Y, sympy.true if column_major else sympy.false)
 
@@ -204,6 +208,9 @@ class Vec(MatrixExpr):
 
 class Kron(MatrixExpr):
     """``kron(A, B)``: the Kronecker product of two matrices, as a matrix."""
+
+    #: A name a proof defines (``vec(Y) := ...``), although it is not a symbol.
+    is_notation = True
 
     def __new__(cls, left, right):
         return super().__new__(cls, left, right)
@@ -263,23 +270,22 @@ def _kronecker_vec_proof():
         Definition(vec_X_col, vec_value(X2, Sc), "column-major vec of X"),
     )
     ones = Eye(1)
-    facts = [Fact(MatMul(Transpose(basis[i]), basis[j]), ones if i == j else ZeroMatrix(1, 1), "basis of R^2")
-             for i in range(2) for j in range(2)]
+    facts = []  # e_i^T e_j is computed: the basis columns are explicit
     for family, size in ((S, d), (T, q), (Sc, d), (Tc, q)):
         facts += [Fact(MatMul(Transpose(family[i]), family[j]), Eye(size) if i == j else ZeroMatrix(size, size),
                        "selectors have orthonormal blocks") for i in range(2) for j in range(2)]
 
-    def selectors(rng, dims):
-        out = {e0: [[1], [0]], e1: [[0], [1]]}
-        for family, size in ((S, dims[d]), (T, dims[q])):
-            for i in range(2):
-                out[family[i]] = selector(i, size, 2).T
-        for family, size in ((Sc, dims[d]), (Tc, dims[q])):
-            for i in range(2):  # feature k of position i goes to row 2k + i
-                out[family[i]] = [[1 if r == 2 * k + i else 0 for k in range(size)] for r in range(2 * size)]
-        return {s: sympy.Matrix(v) for s, v in out.items()}
-
-    joint = Joint(selectors, {d: 3, q: 2})
+    # The selectors are defined, not sampled: which order of vec a proof means is part of it.
+    # Row-major: block i of S_i = e_i ⊗ I is the identity; column-major: feature k of position
+    # i goes to row 2k + i, which is I ⊗ e_i.
+    definitions += (
+        Definition(e0, sympy.ImmutableMatrix([[1], [0]]), "the first basis column of R^2"),
+        Definition(e1, sympy.ImmutableMatrix([[0], [1]]), "the second basis column of R^2"),
+        *(Definition(family[i], KroneckerProduct(basis[i], Eye(size)), "row-major block selector: e_i ⊗ I")
+          for family, size in ((S, d), (T, q)) for i in range(2)),
+        *(Definition(family[i], KroneckerProduct(Eye(size), basis[i]), "column-major interleaving selector: I ⊗ e_i")
+          for family, size in ((Sc, d), (Tc, q)) for i in range(2)),
+    )
     step_rows = MatAdd(*(MatMul(T[i], B, Transpose(X2), Transpose(A2), basis[i]) for i in range(2)))
     step_entries = MatAdd(*(MatMul(a[i][j], T[i], B, Transpose(X2), basis[j]) for i in range(2) for j in range(2)))
     return notation_proof(
@@ -294,7 +300,6 @@ def _kronecker_vec_proof():
         ),
         definitions=definitions,
         facts=tuple(facts),
-        samplers=joint.samplers(e0, e1, *S, *T, *Sc, *Tc),
         explicit_dims={d: 3, q: 2},
         explicit_only=(
             "two positions in and out: the Kronecker matrix is written as 2 x 2 blocks a_ij B,"

@@ -117,6 +117,7 @@ def _combine_kronecker_on_sum(combined):
 
 
 def _zero_layer_proof():
+    t_square = MatrixSymbol("t", V, V)  # as many positions as tokens: the only size where the twin is typed
     lhs = MatMul(t, W_E, W_U)
     rhs = Apply(tensor(Eye(n), MatMul(W_Uc, W_Ec)), t)
     return notation_proof(
@@ -132,7 +133,7 @@ def _zero_layer_proof():
             Twin("row_product_in_paper_formula", "use TransformerLens's W_E W_U as the paper's feature factor",
                  lhs, Apply(tensor(Eye(n), MatMul(W_E, W_U)), t)),
             Twin("table_acts_on_positions", "let the bigram table mix positions: (W_U^c W_E^c ⊗ I)·t (n = d_vocab)",
-                 lhs, Apply(tensor(MatMul(W_Uc, W_Ec), Eye(V)), t), {n: 5, d: 4, V: 5}),
+                 MatMul(t_square, W_E, W_U), Apply(tensor(MatMul(W_Uc, W_Ec), Eye(V)), t_square)),
         ),
     )
 

@@ -25,13 +25,13 @@ result, and is proved on its own.
 from __future__ import annotations
 
 import torch
-from sympy import DiagMatrix, Identity as Eye, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol
+from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol
 
 from .._processing import center_reading_weights, fold_value_biases, process_weights, readers
 from .._processing.pipeline import PIPELINE_STEPS
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, register
-from .attention_biases import causal_pattern
+from .attention_biases import causal_exponentials
 
 n, d, e = (Symbol(s, positive=True, integer=True) for s in ("n", "d", "e"))
 ones_n, ones_d = OneMatrix(n, 1), OneMatrix(d, 1)
@@ -42,6 +42,7 @@ LN = MatrixSymbol(r"\mathrm{LN}(X)", n, d)
 M = MatrixSymbol(r"\mathrm{RMSPre}(X)", n, d)
 w, b = MatrixSymbol("w", d, 1), MatrixSymbol("b", 1, d)
 A = {h: MatrixSymbol(f"A_{h}", n, n) for h in (1, 2)}
+E = {h: MatrixSymbol(f"E_{h}", n, n) for h in (1, 2)}  # each head's exponentiated scores
 W_V = {h: MatrixSymbol(f"W_{{V,{h}}}", d, e) for h in (1, 2)}
 b_V = {h: MatrixSymbol(f"b_{{V,{h}}}", 1, e) for h in (1, 2)}
 W_O = {h: MatrixSymbol(f"W_{{O,{h}}}", e, d) for h in (1, 2)}
@@ -106,7 +107,7 @@ def _pipeline_proof() -> Proof:
                     ),
                     MatMul(ones_n, b_O, C),
                 ),
-                r"$\mathbf{1}_n = A_h \mathbf{1}_n$: every row of a pattern sums to 1",
+                r"$\mathbf{1}_n = A_h \mathbf{1}_n = \operatorname{diag}(E_h \mathbf{1}_n)^{-1} E_h \mathbf{1}_n$: every row of a softmax pattern sums to 1",
             ),
             Step(
                 MatMul(
@@ -134,9 +135,15 @@ def _pipeline_proof() -> Proof:
             *(Definition(W_O_new[h], MatMul(W_O[h], C), "centred over d") for h in HEADS),
             Definition(b_O_new, MatMul(b_O_expanded, C),
                        "b_O plus each folded value bias through its W_O, then centred"),
+            *(Definition(A[h], MatMul(Inverse(DiagMatrix(MatMul(E[h], ones_n))), E[h]),
+                         f"head {h}'s pattern: the softmax of its scores, E_{h} their entrywise exponentials")
+              for h in HEADS),
         ),
-        facts=tuple(Fact(MatMul(A[h], ones_n), ones_n, f"the rows of head {h}'s pattern sum to 1") for h in HEADS),
-        samplers={A[h]: causal_pattern for h in HEADS},
+        facts=tuple(
+            Fact.invertible(DiagMatrix(MatMul(E[h], ones_n)), f"head {h}'s row sums are positive: every row has an unmasked key")
+            for h in HEADS
+        ),
+        samplers={E[h]: causal_exponentials for h in HEADS},
         explicit_dims={n: 3, d: 3, e: 2},
         assumptions=(
             "R is any matrix: the per-position normalisers, eps included, never need a value",
@@ -162,10 +169,13 @@ def _pipeline_proof() -> Proof:
                 MatMul(_original(ONE_HEAD), C),
             ),
             Twin(
-                "value_biases_through_uncentred_writer",
-                "centre b_O, then fold the value biases into it through the uncentred W_O",
-                _processed(lambda h: W_V_new[h], MatAdd(MatMul(b_O, C), MatMul(_folded_value_bias(1), W_O[1])),
-                           ONE_HEAD),
+                "ln_bias_through_processed_reader",
+                "fold the LayerNorm bias through the processed reader, b C diag(w) W_V, instead of b W_V",
+                _processed(
+                    lambda h: W_V_new[h],
+                    MatMul(MatAdd(b_O, MatMul(MatAdd(b_V[1], MatMul(b, W_V_new[1])), W_O[1])), C),
+                    ONE_HEAD,
+                ),
                 MatMul(_original(ONE_HEAD), C),
             ),
             Twin(

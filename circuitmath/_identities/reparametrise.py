@@ -22,7 +22,7 @@ import torch
 from sympy import Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol, Transpose
 
 from .._processing import refactor_factored_attn_matrices
-from .._proof import Definition, Proof, Step, Twin
+from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names
 
@@ -109,6 +109,11 @@ def _reparametrise_proof() -> Proof:
         definitions=(
             Definition(S, MatMul(_affine(X, W_Q, b_Q), Transpose(_affine(Y, W_K, b_K))), "the head's scores (times sqrt(e))"),
             Definition(H, MatMul(A, _affine(Z, W_V, b_V), W_O), "the head's output, given its pattern A"),
+        ),
+        facts=(
+            Fact.invertible(N, "N is a change of basis of the query/key space"),
+            Fact.invertible(N_2, "N_2 is another query head's change of basis"),
+            Fact.invertible(M, "M is a change of basis of the value space"),
         ),
         samplers={N: invertible, N_2: invertible, M: invertible, R: rotation},
         explicit_dims=EXPLICIT_DIMS,
