@@ -8,7 +8,8 @@ from hypothesis import given, strategies as st
 
 import circuitmath as cm
 from circuitmath.strategies import models, tokens
-from support import DISCRIMINATING_WEIGHTS, same, snapshot
+from circuitmath.testing import default_tokens
+from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, same, snapshot
 
 FOLD = cm.get_identity("fold_value_biases")
 # Values never see positions and b_O sits inside the attention layer, so the fold is exact
@@ -69,7 +70,9 @@ def test_negative_control_wrong_fold_is_caught(corruption, data):
             lambda model: model[0].d_model >= 3 and DISCRIMINATING[corruption](model[0])
         )
     )
-    result = FOLD.check_corruption(corruption, sd, cfg)
+    toks = default_tokens(cfg)
+    assume_discriminates(FOLD, corruption, sd, cfg, toks, weights=VISIBLE)
+    result = FOLD.check_corruption(corruption, sd, cfg, toks)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 
