@@ -8,7 +8,7 @@ import circuitmath as cm
 from circuitmath._identities.attention_biases import key_bias_scores_proof
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
-from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, same, snapshot
+from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, discrimination, same, snapshot
 
 REMOVE = cm.get_identity("remove_key_biases")
 UNROTATED = dict(norm_positions=("pre", "post"), positional_embedding_types=("standard", "shortformer"))
@@ -46,8 +46,10 @@ def test_removal_is_exact_with_bidirectional_attention(seed):
     cfg = cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=5, d_mlp=8,
                     causal=False, norm_position="post")
     sd = cm.random_state_dict(cfg, seed=seed, dtype=torch.float64)
-    assert REMOVE.check(sd, cfg).passed
-    assert not REMOVE.check_corruption("drop_query_biases", sd, cfg).passed
+    toks = default_tokens(cfg)
+    assert REMOVE.check(sd, cfg, toks).passed
+    assert discrimination(REMOVE, "drop_query_biases", sd, cfg, toks).pattern > VISIBLE
+    assert not REMOVE.check_corruption("drop_query_biases", sd, cfg, toks).passed
 
 
 @given(models(positional_embedding_types=("rotary",)))
