@@ -11,7 +11,7 @@ MATHJAX_VERSION := 3.2.2
 export HF_HUB_OFFLINE := 1
 export PYTHONHASHSEED := 0
 
-.PHONY: env book test bench prove prove-lowest-sympy mutate chromium clean
+.PHONY: env book test soak bench prove prove-lowest-sympy mutate chromium clean
 
 env: $(STAMP)
 
@@ -58,6 +58,14 @@ test: env $(MATHJAX) chromium prove-lowest-sympy
 # options (e.g. MUTATE_ARGS="--only _processing --per-file 0").
 mutate: env
 	$(PY) .ci/mutate.py --jobs 2 $(MUTATE_ARGS)
+
+# The property tests (hypothesis's own "hypothesis" marker) with random draws and SOAK_EXAMPLES
+# examples each: tests/conftest.py's "soak" profile. Slow, so not part of `make test`; a failure
+# prints a blob that reproduces it.
+SOAK_EXAMPLES ?= 400
+
+soak: env
+	SOAK_EXAMPLES=$(SOAK_EXAMPLES) $(PY) -m pytest tests -m hypothesis -n 2 --dist loadgroup --hypothesis-profile=soak --hypothesis-show-statistics -p no:cacheprovider
 
 # Every benchmark prints its figures, then the target fails if any of them missed its target.
 BENCHMARKS := prove_suite process_weights composition_scores check_speed

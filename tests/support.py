@@ -1,6 +1,12 @@
 """What several test modules share (on the path through ``pythonpath`` in pyproject.toml)."""
 
+import math
+from dataclasses import dataclass
+
 import torch
+from hypothesis import assume, event, note
+
+import circuitmath as cm
 
 # Sizeable biases, and weights small enough that no softmax saturates: a saturated softmax is
 # one-hot whatever its scores, so it hides a wrong change of the scores (post-norm models read
@@ -16,3 +22,140 @@ def snapshot(state_dict):
 def same(a, b):
     """Same names, dtypes and every entry equal."""
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+# -- negative controls: can this draw tell the wrong rewrite from the right one? ----------------
+
+#: How large a measured :class:`Discrimination` quantity must be for a negative control to
+#: require its failure: the controls run in float64, whose log-prob tolerances stay near 1e-13
+#: (see circuitmath.testing.SAFETY), so a change of 1e-6 in an attention weight, a relative weight
+#: or the logits is seen with a margin of several orders of magnitude, and a draw below it is too
+#: close to the wrong rewrite being no change at all to count either way.
+VISIBLE = 1e-6
+
+
+@dataclass(frozen=True)
+class Discrimination:
+    """How far an identity's wrong rewrite departs from its exact one on one draw, measured in
+    float64 on the way to the log-probs, before the check runs (``nan``: does not apply).
+
+    - ``weights``: the largest change of a tensor entry, relative to the largest entry of that
+      tensor in either rewrite (``inf`` when they hold different tensors); 0 when the wrong
+      rewrite only differs through a zero bias or a gain of one.
+    - ``pattern``: the largest change of an attention weight between the two models' runs; 0
+      when a wrong term moves every score of a row alike, or the softmax is saturated.
+    - ``headroom``: the most weight a row of the exact run's patterns (a row with at least two
+      keys) puts off its largest entry; 0 when every pattern is one-hot, so no change of scores
+      shows.
+    - ``logits``: the largest spread over the vocabulary of ``wrong - exact`` logits at one
+      position (a shift common to the vocabulary is no change of the log-probs).
+    - ``result``: for an identity that licenses a computation (``identity.compare``) instead of
+      a rewrite, how far the wrong computation's result is from the exact one's: the spread of
+      their logits as above when they compute logits, else the largest change of an entry
+      relative to the largest entry of either result.
+    """
+
+    weights: float = math.nan
+    pattern: float = math.nan
+    headroom: float = math.nan
+    logits: float = math.nan
+    result: float = math.nan
+
+
+def _tensors(result):
+    """The tensors of a computation's result (a tensor, or a dict or sequence of them), in order."""
+    if isinstance(result, torch.Tensor):
+        return [result]
+    if isinstance(result, dict):
+        return [t for k in sorted(result, key=str) for t in _tensors(result[k])]
+    if isinstance(result, (tuple, list)):
+        return [t for item in result for t in _tensors(item)]
+    return []
+
+
+def _relative_change(exact, wrong) -> float:
+    exact, wrong = _tensors(exact), _tensors(wrong)
+    if len(exact) != len(wrong) or any(e.shape != w.shape for e, w in zip(exact, wrong)):
+        return math.inf
+    largest = 0.0
+    for e, w in zip(exact, wrong):
+        if e.numel() == 0:
+            continue
+        e, w = torch.nan_to_num(e.double()), torch.nan_to_num(w.double())
+        scale = max(float(e.abs().max()), float(w.abs().max()), torch.finfo(torch.float64).tiny)
+        largest = max(largest, float((w - e).abs().max()) / scale)
+    return largest
+
+
+def _logit_spread(exact: torch.Tensor, wrong: torch.Tensor) -> float:
+    if exact.shape != wrong.shape:
+        return math.inf
+    change = wrong.double() - exact.double()
+    return float((change.amax(dim=-1) - change.amin(dim=-1)).max())
+
+
+def _headroom(patterns, causal: bool) -> float:
+    room = 0.0
+    for pattern in patterns:  # [batch, head, query, key]
+        rows = 1 - pattern.amax(dim=-1)
+        if causal:
+            rows = rows[..., 1:]  # the first query sees one key only
+        elif pattern.shape[-1] < 2:
+            continue
+        if rows.numel():
+            room = max(room, float(rows.max()))
+    return room
+
+
+def discrimination(identity, corruption: str, state_dict, cfg, tokens: torch.Tensor) -> Discrimination:
+    """Measure, on ``tokens``, what tells ``identity``'s wrong rewrite ``corruption`` from its
+    exact one on this model (both applied to the prepared model, as the check does)."""
+    before, before_cfg = identity.prepare(state_dict, cfg) if identity.prepare else (state_dict, cfg)
+    if identity.compare is not None:
+        exact = identity.transform(before, before_cfg, tokens)
+        wrong = identity.corruptions[corruption](before, before_cfg, tokens)
+        if isinstance(exact, torch.Tensor) and exact.shape[:2] == tokens.shape and exact.shape[-1] == cfg.d_vocab:
+            return Discrimination(result=_logit_spread(exact, wrong))
+        return Discrimination(result=_relative_change(exact, wrong))
+    exact, exact_cfg = identity.transform(before, before_cfg)
+    wrong, wrong_cfg = identity.corruptions[corruption](before, before_cfg)
+    shared = sorted(exact.keys() & wrong.keys())
+    weights = math.inf if exact.keys() != wrong.keys() else _relative_change(
+        [exact[k] for k in shared], [wrong[k] for k in shared])
+    runs = []
+    for sd, run_cfg in ((exact, exact_cfg), (wrong, wrong_cfg)):
+        record = {}
+        logits = cm.forward({k: v.double() for k, v in sd.items()}, run_cfg, tokens, record=record)
+        runs.append((logits, record["patterns"]))
+    (exact_logits, exact_patterns), (wrong_logits, wrong_patterns) = runs
+    pattern = max((float((w - e).abs().max()) for e, w in zip(exact_patterns, wrong_patterns)), default=0.0)
+    return Discrimination(
+        weights=weights,
+        pattern=pattern,
+        headroom=_headroom(exact_patterns, cfg.causal),
+        logits=_logit_spread(exact_logits, wrong_logits),
+    )
+
+
+def assume_above(label: str, measured: float, floor: float) -> None:
+    """Note a measured discrimination quantity and go on only when it exceeds ``floor``.
+
+    A draw that cannot discriminate is rejected (and counted in hypothesis's statistics), not
+    passed: a control that passed on it would pass for the wrong reason, and one that required
+    the failure on it would be flaky.
+    """
+    note(f"{label} = {measured:.3g} (a negative control needs > {floor:g})")
+    if not measured > floor:
+        event(f"cannot discriminate: {label} <= {floor:g}")
+        assume(False)
+
+
+def assume_discriminates(identity, corruption: str, state_dict, cfg, tokens: torch.Tensor, **minimum: float):
+    """A registry-driven negative control's first step: measure :func:`discrimination` on the
+    tokens the check will run on, note it, and go on only with draws on which each named quantity
+    exceeds its ``minimum`` (``pattern=VISIBLE``, say). Returns the measurement."""
+    found = discrimination(identity, corruption, state_dict, cfg, tokens)
+    note(f"{identity.name}.{corruption} on this draw: {found}")
+    for name, floor in minimum.items():
+        assume_above(f"{identity.name}.{corruption}: {name}", getattr(found, name), floor)
+    return found

@@ -7,8 +7,8 @@ from hypothesis import given, strategies as st
 import circuitmath as cm
 from circuitmath._processing import writers
 from circuitmath.strategies import models, tokens
-from circuitmath.testing import compare_log_probs, logprob_tolerance
-from support import same, snapshot
+from circuitmath.testing import compare_log_probs, default_tokens, logprob_tolerance
+from support import VISIBLE, assume_discriminates, same, snapshot
 
 WRITING = cm.get_identity("center_writing_weights")
 UNEMBED = cm.get_identity("center_unembed")
@@ -49,7 +49,9 @@ def test_centring_writing_weights_preserves_log_probs(dtype, data):
 @given(models(weights=DISCRIMINATING, min_layers=1, **CENTRING_NORMS))
 def test_negative_control_W_O_centred_over_d_head_is_caught(model):
     cfg, sd = model
-    result = WRITING.check_corruption("W_O_over_d_head", sd, cfg)
+    toks = default_tokens(cfg)
+    assume_discriminates(WRITING, "W_O_over_d_head", sd, cfg, toks, weights=VISIBLE)
+    result = WRITING.check_corruption("W_O_over_d_head", sd, cfg, toks)
     assert not result.passed, f"centring W_O over d_head went unnoticed: {result}"
 
 
@@ -67,7 +69,9 @@ UNSATURATED = dict(min_gain_spread=0.3, max_gain_spread=0.5, min_bias_scale=0.5,
 )
 def test_negative_control_centring_shortformer_W_pos_is_caught(model):
     cfg, sd = model
-    result = WRITING.check_corruption("shortformer_W_pos", sd, cfg, _distinct_tokens(cfg))
+    toks = _distinct_tokens(cfg)
+    assume_discriminates(WRITING, "shortformer_W_pos", sd, cfg, toks, pattern=VISIBLE)
+    result = WRITING.check_corruption("shortformer_W_pos", sd, cfg, toks)
     assert not result.passed, f"centring the shortformer W_pos went unnoticed: {result}"
 
 
@@ -142,10 +146,13 @@ NOT_CENTRED_OUTPUT = dict(normalization_types=("LN", "RMS", "RMSPre", None), nor
 @given(models(weights=DISCRIMINATING, **NOT_CENTRED_OUTPUT))
 def test_negative_control_unembed_centred_over_d_model_is_caught(model):
     cfg, sd = model
-    result = UNEMBED.check_corruption("over_d_model", sd, cfg)
+    toks = default_tokens(cfg)
+    # what the wrong centring subtracts, mean_d(x) * mean_d(W_U), differs between tokens
+    assume_discriminates(UNEMBED, "over_d_model", sd, cfg, toks, logits=VISIBLE)
+    result = UNEMBED.check_corruption("over_d_model", sd, cfg, toks)
     assert not result.passed, f"centring W_U over d_model went unnoticed: {result}"
     wrong, wrong_cfg = UNEMBED.corruptions["over_d_model"](sd, cfg)
-    error, tolerance = _shift_spread(sd, cfg, wrong, wrong_cfg, cm.testing.default_tokens(cfg))
+    error, tolerance = _shift_spread(sd, cfg, wrong, wrong_cfg, toks)
     assert error > tolerance, "the logit-shift property did not notice a shift that is not constant"
 
 

@@ -13,6 +13,8 @@ from hypothesis import given, strategies as st
 
 import circuitmath as cm
 from circuitmath.strategies import configs, models, state_dicts, tokens
+from circuitmath.testing import default_tokens
+from support import VISIBLE, assume_discriminates
 
 POSITIONS = ("standard", "rotary", "shortformer", "shortformer_tables")
 ROUTE = dict(attn_only=True, positional_embedding_types=POSITIONS, max_layers=2)
@@ -94,8 +96,11 @@ def test_negative_controls_are_caught(name, data):
     extra, applies = DISCRIMINATING.get(name, ({}, lambda cfg: True))
     cfg = data.draw(configs(**{**CHECKS[name], **extra}).filter(lambda cfg: GENERIC(cfg) and applies(cfg)))
     sd = data.draw(state_dicts(cfg, dtype=torch.float64, **TAME))
+    toks = default_tokens(cfg)
     for corruption in identity.corruptions:
-        result = identity.check_corruption(corruption, sd, cfg)
+        assume_discriminates(identity, corruption, sd, cfg, toks, result=VISIBLE)
+    for corruption in identity.corruptions:
+        result = identity.check_corruption(corruption, sd, cfg, toks)
         assert not result.passed, f"{name}: {corruption} went unnoticed: {result} on {cfg}"
 
 

@@ -7,8 +7,8 @@ from hypothesis.errors import InvalidArgument
 
 import circuitmath as cm
 from circuitmath.strategies import configs, models, state_dicts, tokens
-from circuitmath.testing import compare_log_probs
-from support import same, snapshot
+from circuitmath.testing import compare_log_probs, default_tokens
+from support import VISIBLE, assume_discriminates, same, snapshot
 
 FOLDABLE = dict(normalization_types=("LN",), gated_mlp=(False,))
 LN_FOLD = cm.get_identity("layer_norm_fold")
@@ -44,7 +44,9 @@ DISCRIMINATING = dict(min_gain_spread=0.3, min_bias_scale=0.5)
 @given(models(weights=DISCRIMINATING, **FOLDABLE), st.sampled_from(list(LN_FOLD.corruptions)))
 def test_negative_control_wrong_fold_is_caught(model, corruption):
     cfg, sd = model
-    result = LN_FOLD.check_corruption(corruption, sd, cfg)
+    toks = default_tokens(cfg)
+    assume_discriminates(LN_FOLD, corruption, sd, cfg, toks, weights=VISIBLE)
+    result = LN_FOLD.check_corruption(corruption, sd, cfg, toks)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 
@@ -53,7 +55,9 @@ def test_negative_control_wrong_fold_is_caught(model, corruption):
 @given(models(weights=DISCRIMINATING, min_layers=1, **FOLDABLE), st.sampled_from(list(CENTER.corruptions)))
 def test_negative_control_wrong_centring_is_caught(model, corruption):
     cfg, sd = model
-    result = CENTER.check_corruption(corruption, sd, cfg)
+    toks = default_tokens(cfg)
+    assume_discriminates(CENTER, corruption, sd, cfg, toks, weights=VISIBLE)
+    result = CENTER.check_corruption(corruption, sd, cfg, toks)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 

@@ -8,8 +8,8 @@ import circuitmath as cm
 from circuitmath._identities.norms import with_explicit_eps
 from circuitmath._processing import writers
 from circuitmath.strategies import models, tokens
-from circuitmath.testing import compare_log_probs
-from support import same, snapshot
+from circuitmath.testing import compare_log_probs, default_tokens
+from support import VISIBLE, assume_discriminates, same, snapshot
 
 RMS_FOLD = cm.get_identity("rms_norm_fold")
 LN_TO_RMS = cm.get_identity("layer_norm_to_rms_norm")
@@ -59,15 +59,19 @@ def test_rms_fold_preserves_log_probs(dtype, data):
               **RMS_FOLDABLE))
 def test_rms_fold_reaches_W_gate(model):
     cfg, sd = model
-    assert RMS_FOLD.check(sd, cfg).passed
-    result = RMS_FOLD.check_corruption("forget_W_gate", sd, cfg)
+    toks = default_tokens(cfg)
+    assert RMS_FOLD.check(sd, cfg, toks).passed
+    assume_discriminates(RMS_FOLD, "forget_W_gate", sd, cfg, toks, weights=VISIBLE)
+    result = RMS_FOLD.check_corruption("forget_W_gate", sd, cfg, toks)
     assert not result.passed, f"a fold that forgets W_gate went unnoticed: {result}"
 
 
 @given(models(weights=DISCRIMINATING, **RMS_FOLDABLE))
 def test_negative_control_centring_behind_rms_norm_is_caught(model):
     cfg, sd = model
-    result = RMS_FOLD.check_corruption("centre_reading_weights", sd, cfg)
+    toks = default_tokens(cfg)
+    assume_discriminates(RMS_FOLD, "centre_reading_weights", sd, cfg, toks, weights=VISIBLE)
+    result = RMS_FOLD.check_corruption("centre_reading_weights", sd, cfg, toks)
     assert not result.passed, f"centring readers behind RMSNorm went unnoticed: {result}"
 
 
@@ -111,7 +115,11 @@ def test_layer_norm_to_rms_norm_preserves_log_probs_once_writes_are_centred(dtyp
 @given(_layer_norm_models())
 def test_negative_control_rms_norm_with_another_eps_is_caught(model):
     cfg, sd = model
-    result = LN_TO_RMS.check_corruption("other_eps", sd, cfg)
+    toks = default_tokens(cfg)
+    # no weight changes, only eps: its effect, about eps / mean(x^2) of each normed stream, must
+    # reach the logits
+    assume_discriminates(LN_TO_RMS, "other_eps", sd, cfg, toks, logits=VISIBLE)
+    result = LN_TO_RMS.check_corruption("other_eps", sd, cfg, toks)
     assert not result.passed, f"switching eps went unnoticed: {result}"
 
 
@@ -159,8 +167,10 @@ def test_layer_norm_to_rms_norm_refuses_post_norm():
 @given(models(weights=DISCRIMINATING, normalization_types=("LN", "LNPre")))
 def test_projection_licenses_centring_writes_and_the_notes_slip_is_caught(model):
     cfg, sd = model
-    assert PROJECTION.check(sd, cfg).passed
-    result = PROJECTION.check_corruption("keep_only_the_mean", sd, cfg)
+    toks = default_tokens(cfg)
+    assert PROJECTION.check(sd, cfg, toks).passed
+    assume_discriminates(PROJECTION, "keep_only_the_mean", sd, cfg, toks, weights=VISIBLE)
+    result = PROJECTION.check_corruption("keep_only_the_mean", sd, cfg, toks)
     assert not result.passed, f"keeping only the mean went unnoticed: {result}"
 
 
@@ -187,7 +197,10 @@ def test_rescaling_the_stream_preserves_log_probs_when_eps_is_zero(dtype, data, 
 @given(models(**SCALABLE).map(_eps_free).filter(lambda model: model[0].d_model >= 3))
 def test_negative_control_negative_scale_is_caught(model):
     cfg, sd = model
-    result = SCALE.check_corruption("negative_scale", sd, cfg)
+    toks = default_tokens(cfg)
+    # the writers always change sign; the flip must reach the logits (LNPre is odd, not even)
+    assume_discriminates(SCALE, "negative_scale", sd, cfg, toks, logits=VISIBLE)
+    result = SCALE.check_corruption("negative_scale", sd, cfg, toks)
     assert not result.passed, f"a sign flip of the stream went unnoticed: {result}"
 
 

@@ -9,8 +9,8 @@ from circuitmath._identities.pipeline import EVERYTHING_APPLICABLE
 from circuitmath._processing.fused import FUSED_STEPS, fusable
 from circuitmath._processing.pipeline import PIPELINE_STEPS
 from circuitmath.strategies import models, tokens
-from circuitmath.testing import compare_log_probs
-from support import same, snapshot
+from circuitmath.testing import compare_log_probs, default_tokens
+from support import VISIBLE, assume_above, assume_discriminates, same, snapshot
 
 PIPELINE = cm.get_identity("process_weights")
 EVERY_ARCHITECTURE = dict(
@@ -133,6 +133,10 @@ def test_negative_control_a_chain_without_the_unembed_centring_is_told_apart(mod
     cfg, sd = model
     fused, _ = cm.process_weights(sd, cfg)
     chained, _ = _chain(sd, cfg, PIPELINE_STEPS[:3])
+    # what the left-out step would have subtracted: the unembed's means over the vocabulary
+    means = max(float(chained[k].mean(dim=-1).abs().max()) / max(1.0, float(chained[k].abs().max()))
+                for k in ("unembed.W_U", "unembed.b_U"))
+    assume_above("vocabulary mean of the unembed", means, 2 * _rounding_allowance(cfg, torch.float64))
     assert _largest_gap(fused, chained) > _rounding_allowance(cfg, torch.float64)
 
 
@@ -236,7 +240,9 @@ def test_negative_control_wrong_pipeline_is_caught(corruption, data):
         models(weights=DISCRIMINATING_WEIGHTS, positional_embedding_types=("standard", "rotary"),
                **DISCRIMINATING[corruption]).filter(lambda model: model[0].d_model >= 3)
     )
-    result = PIPELINE.check_corruption(corruption, sd, cfg)
+    toks = default_tokens(cfg)
+    assume_discriminates(PIPELINE, corruption, sd, cfg, toks, weights=VISIBLE)
+    result = PIPELINE.check_corruption(corruption, sd, cfg, toks)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 

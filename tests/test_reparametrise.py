@@ -9,8 +9,8 @@ import circuitmath as cm
 from circuitmath._algebra import is_zero, normal_form
 from circuitmath._identities.reparametrise import change_bases
 from circuitmath.strategies import models, tokens
-from circuitmath.testing import compare_log_probs
-from support import DISCRIMINATING_WEIGHTS, same, snapshot
+from circuitmath.testing import compare_log_probs, default_tokens
+from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, same, snapshot
 
 REFACTOR = cm.get_identity("refactor_factored_attn_matrices")
 UNROTATED = dict(norm_positions=("pre", "post"), positional_embedding_types=("standard", "shortformer"))
@@ -176,7 +176,9 @@ def test_negative_control_wrong_refactor_is_caught(corruption, data):
             lambda model: model[0].d_model >= 3 and model[0].n_ctx >= 2 and DISCRIMINATING[corruption](model[0])
         )
     )
-    result = REFACTOR.check_corruption(corruption, sd, cfg)
+    toks = default_tokens(cfg)
+    assume_discriminates(REFACTOR, corruption, sd, cfg, toks, weights=VISIBLE)
+    result = REFACTOR.check_corruption(corruption, sd, cfg, toks)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 

@@ -6,7 +6,8 @@ from hypothesis import given, strategies as st
 
 import circuitmath as cm
 from circuitmath.strategies import models, tokens
-from circuitmath.testing import compare_log_probs
+from circuitmath.testing import compare_log_probs, default_tokens
+from support import VISIBLE, assume_discriminates
 
 SHORTFORMER = dict(positional_embedding_types=("shortformer",), gated_mlp=(False,))
 IDENTITY = cm.get_identity("shortformer_tables")
@@ -41,7 +42,9 @@ DISCRIMINATING = dict(min_layers=1, min_ctx=2, min_d_model=4, normalization_type
        st.sampled_from(sorted(IDENTITY.corruptions)))
 def test_negative_control_naive_fold_and_older_reading_are_caught(model, corruption):
     cfg, sd = model
-    result = IDENTITY.check_corruption(corruption, sd, cfg)
+    toks = default_tokens(cfg)
+    assume_discriminates(IDENTITY, corruption, sd, cfg, toks, pattern=VISIBLE)
+    result = IDENTITY.check_corruption(corruption, sd, cfg, toks)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 

@@ -8,7 +8,8 @@ from hypothesis import given, strategies as st
 
 import circuitmath as cm
 from circuitmath.strategies import models, tokens
-from support import DISCRIMINATING_WEIGHTS, same, snapshot
+from circuitmath.testing import default_tokens
+from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, discrimination, same, snapshot
 
 FOLD = cm.get_identity("fold_value_biases")
 # Values never see positions and b_O sits inside the attention layer, so the fold is exact
@@ -69,7 +70,9 @@ def test_negative_control_wrong_fold_is_caught(corruption, data):
             lambda model: model[0].d_model >= 3 and DISCRIMINATING[corruption](model[0])
         )
     )
-    result = FOLD.check_corruption(corruption, sd, cfg)
+    toks = default_tokens(cfg)
+    assume_discriminates(FOLD, corruption, sd, cfg, toks, weights=VISIBLE)
+    result = FOLD.check_corruption(corruption, sd, cfg, toks)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 
@@ -87,8 +90,10 @@ def test_fold_is_exact_with_bidirectional_attention(seed):
     cfg = cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=5, d_mlp=8,
                     causal=False, norm_position="post")
     sd = cm.random_state_dict(cfg, seed=seed, dtype=torch.float64)
-    assert FOLD.check(sd, cfg).passed
-    assert not FOLD.check_corruption("drop_value_biases", sd, cfg).passed
+    toks = default_tokens(cfg)
+    assert FOLD.check(sd, cfg, toks).passed
+    assert discrimination(FOLD, "drop_value_biases", sd, cfg, toks).weights > VISIBLE
+    assert not FOLD.check_corruption("drop_value_biases", sd, cfg, toks).passed
 
 
 def test_fold_keeps_bfloat16():
