@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
-from . import _registry
+from . import _identities as _registry
 from ._config import Config
 from ._errors import AlreadyAppliedError, PreconditionError, StateDictError
 from ._processing import fold_layer_norm, readers, writers
 from ._reference import log_probs
 from ._state import StateDict, expected_shapes, validate_state_dict
-from .testing import Comparison, compute_dtype, default_tokens, logprob_tolerance, rounding_sensitivity
+from ._compare import Comparison, compute_dtype, default_tokens, logprob_tolerance, rounding_sensitivity
 
 __all__ = [
     "ParameterMismatch",

@@ -1,8 +1,13 @@
-"""The one list of identities. The CLI, the tests and the book iterate it."""
+"""The one list of identities: :class:`Identity` and :func:`register`.
+
+Each family module of :mod:`circuitmath._identities` registers its identities on import;
+:func:`circuitmath._identities.identities` imports every family and lists them (the CLI, the
+diagnosis, the tests and the book iterate that list). This module imports nothing above the
+comparison of log-probs (:mod:`circuitmath._compare`), so nothing it imports comes back to it.
+"""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -12,9 +17,9 @@ import torch
 from ._config import Config
 from ._proof import Proof, ProofReport
 from ._state import StateDict
-from .testing import Comparison, compare_log_probs
+from ._compare import Comparison, compare_log_probs
 
-__all__ = ["Identity", "register", "identities", "get_identity"]
+__all__ = ["Identity", "register", "registered"]
 
 Transform = Callable[[StateDict, Config], tuple[dict, Config]]
 #: ``compare(state_dict, cfg, tokens, computation) -> Comparison``: the numeric check of an identity
@@ -93,17 +98,7 @@ def register(identity: Identity) -> Identity:
     return identity
 
 
-def identities() -> tuple[Identity, ...]:
-    """Every registered identity, in registration order."""
-    importlib.import_module(f"{__package__}._identities")  # registers the families
-
-    return tuple(_REGISTRY.values())
-
-
-def get_identity(name: str) -> Identity:
-    """The registered identity called ``name`` (``KeyError`` listing the known names if none)."""
-    identities()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"no identity named {name!r}; known: {sorted(_REGISTRY)}") from None
+def registered() -> dict[str, Identity]:
+    """The identities registered so far, by name (a copy; :func:`circuitmath.identities` imports
+    every family first)."""
+    return dict(_REGISTRY)

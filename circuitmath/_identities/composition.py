@@ -30,8 +30,8 @@ from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names, validate_state_dict
 from ..circuits import FactoredMatrix, composition_scores, copying_scores, full_ov_circuits, ov_circuits, qk_circuits
-from ..testing import Comparison
-from ..testing import SAFETY, SENSITIVITY_SAFETY
+from .._compare import Comparison
+from .._compare import SAFETY, SENSITIVITY_SAFETY
 from ._circuit_checks import (
     Joint,
     compare_values,
