@@ -5,8 +5,8 @@ A processed state dict ``after`` is explained by replaying the registered identi
 tensor. The replay follows ``after``'s recorded ``cfg.applied`` when it has one; otherwise every
 weight-rewriting identity is tried, in registry order, and kept when its rewrite reproduces more
 of ``after``'s tensors than leaving the model alone does. Where the exact rewrite does not
-reproduce a tensor, the identity's known wrong rewrites (its registered ``corruptions``, the
-corruptions of other identities that claim to perform it, and the mistakes listed here) are
+reproduce a tensor, the identity's known wrong rewrites (its registered ``wrong_rewrites``, and
+the wrong rewrites of other identities that claim to perform it) are
 tried; one that reproduces the tensor names the mistake. Where an identity refuses the model
 (a :class:`~circuitmath.PreconditionError`), its rewrite applied regardless is tried too: if
 that reproduces ``after``, the broken precondition is the finding.
@@ -31,7 +31,6 @@ import torch
 from . import _identities as _registry
 from ._config import Config
 from ._errors import AlreadyAppliedError, PreconditionError, StateDictError
-from ._processing import fold_layer_norm, readers, writers
 from ._reference import log_probs
 from ._state import StateDict, expected_shapes, validate_state_dict
 from ._compare import Comparison, compute_dtype, default_tokens, logprob_tolerance, rounding_sensitivity
@@ -456,62 +455,7 @@ def _mismatch(name: str, got, expected, reference, threshold: float, written_by:
 
 
 # ---------------------------------------------------------------------------------------------
-# wrong rewrites that are no registered corruption: each named after the proof's negative twin
-
-
-def _fold_scaling_columns(state_dict, cfg):
-    """Fold each LayerNorm gain along the reader's last axis (``W * w``) wherever that axis has
-    length d_model, where the mistake broadcasts silently."""
-    out, new_cfg = fold_layer_norm(state_dict, cfg)
-    for norm, pairs in readers(cfg):
-        gain = state_dict[f"{norm}.w"]
-        for weight, _bias in pairs:
-            if state_dict[weight].shape[-1] == cfg.d_model:
-                out[weight] = state_dict[weight] * gain
-    return out, new_cfg
-
-
-def _centre_readers_regardless(state_dict, cfg):
-    """Centre every reader over d_model whatever its input."""
-    out = dict(state_dict)
-    for _norm, pairs in readers(cfg):
-        for weight, _bias in pairs:
-            W = state_dict[weight]
-            out[weight] = W - W.mean(dim=-2, keepdim=True)
-    return out, cfg.replace(applied=cfg.applied + ("center_reading_weights",))
-
-
-def _centre_writers_regardless(state_dict, cfg):
-    """Centre every write to the residual stream over d_model whatever the norm."""
-    out = dict(state_dict)
-    for name in writers(cfg):
-        out[name] = state_dict[name] - state_dict[name].mean(dim=-1, keepdim=True)
-    return out, cfg.replace(applied=cfg.applied + ("center_writing_weights",))
-
-
-def _fold_bias_through_transpose(state_dict, cfg):
-    """Fold each LayerNorm bias through the reader's transpose (b_W + W b instead of b_W + b W)
-    wherever the reader is square, where the mistake broadcasts silently."""
-    out, new_cfg = fold_layer_norm(state_dict, cfg)
-    for norm, pairs in readers(cfg):
-        bias_of_norm = state_dict[f"{norm}.b"]
-        for weight, bias in pairs:
-            if bias is not None and state_dict[weight].shape[-1] == cfg.d_model:
-                out[bias] = state_dict[bias] + state_dict[weight] @ bias_of_norm
-    return out, new_cfg
-
-
-#: Wrong rewrites tried besides the registered corruptions, by identity. A name that is also one
-#: of the identity's negative twins takes the twin's description.
-MISTAKES: dict[str, dict[str, Callable]] = {
-    "layer_norm_fold": {"scale_columns": _fold_scaling_columns, "bias_through_transpose": _fold_bias_through_transpose},
-}
-
-#: The rewrite applied although the identity refuses the model: tried when it refuses.
-REGARDLESS: dict[str, Callable] = {
-    "center_reading_weights": _centre_readers_regardless,
-    "center_writing_weights": _centre_writers_regardless,
-}
+# the identities replayed
 
 
 def weight_identities() -> tuple:
@@ -523,17 +467,6 @@ def weight_identities() -> tuple:
             seen.add(id(identity.transform))
             out.append(identity)
     return tuple(out)
-
-
-def _describe(identity, name: str, function) -> str:
-    """The wrong rewrite in words: its negative twin's description, else its docstring's first line."""
-    for twin in identity.proof.twins:
-        if twin.name == name:
-            return twin.description
-    doc = " ".join((getattr(function, "__doc__", None) or "").strip().split("\n\n")[0].split()).rstrip(".")
-    if doc:
-        return doc[0].lower() + doc[1:]
-    return name.replace("_", " ")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -618,15 +551,15 @@ class _Replay:
 
     def wrong_rewrites(self, identity, state, cfg, refused: bool, records: tuple[str, ...] = ()) -> list[_Candidate]:
         """The identity's known wrong rewrites of ``state``: its rewrite regardless of the refusal
-        when it refuses the model; otherwise its corruptions, its mistakes and the corruptions of
-        other identities that record it as applied, and nothing that its exact rewrite, which
+        when it refuses the model; otherwise its wrong rewrites and the wrong rewrites of other
+        identities that record it as applied, and nothing that its exact rewrite, which
         records ``records``, does not (a wrong pipeline is no wrong version of one of its steps)."""
         if refused:
-            regardless = REGARDLESS.get(identity.name)
-            if regardless is None:
-                return []
-            description = "the rewrite, applied although the identity refuses this model"
-            return list(self._run(f"{identity.name}.regardless", description, regardless, state, cfg))
+            return [
+                candidate
+                for name, wrong in identity.wrong_rewrites.items() if wrong.regardless
+                for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), wrong.function, state, cfg)
+            ]
         allowed = {identity.name, *records}
         return [
             candidate
@@ -642,9 +575,11 @@ class _Replay:
         if key not in self._wrong_cache:
             out = []
             for identity in weight_identities():
-                for name, function in {**identity.corruptions, **MISTAKES.get(identity.name, {})}.items():
-                    for candidate in self._run(f"{identity.name}.{name}", _describe(identity, name, function),
-                                               function, state, cfg):
+                for name, wrong in identity.wrong_rewrites.items():
+                    if wrong.regardless:
+                        continue
+                    for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), wrong.function,
+                                               state, cfg):
                         out.append((identity.name, candidate))
             self._wrong_cache[key] = (state, out)
         return self._wrong_cache[key][1]
