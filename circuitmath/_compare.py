@@ -27,6 +27,7 @@ __all__ = [
     "rounding_sensitivity",
     "default_tokens",
     "compare_log_probs",
+    "compare_with_log_probs",
 ]
 
 #: Safety factors of :func:`logprob_tolerance`: ``SAFETY`` multiplies the a-priori rounding
@@ -160,6 +161,14 @@ def compare_log_probs(
     Both run in :func:`compute_dtype` of the less precise of the two dtypes; the tolerance is
     :func:`logprob_tolerance` with the ``before`` model's :func:`rounding_sensitivity`.
     """
+    return compare_with_log_probs(before, before_cfg, after, after_cfg, tokens)[0]
+
+
+def compare_with_log_probs(
+    before: StateDict, before_cfg: Config, after: StateDict, after_cfg: Config, tokens: torch.Tensor | None = None
+) -> tuple[Comparison, torch.Tensor, torch.Tensor]:
+    """:func:`compare_log_probs`, and both models' log-probs (float64 ``[batch, pos, d_vocab]``,
+    computed in :func:`compute_dtype`) for a caller that goes on to use them."""
     dtype_before = validate_state_dict(before, before_cfg)
     dtype_after = validate_state_dict(after, after_cfg)
     tokens = default_tokens(before_cfg) if tokens is None else tokens
@@ -171,8 +180,9 @@ def compare_log_probs(
     flat = int(diff.argmax())
     where = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
     sensitivity = rounding_sensitivity(before, before_cfg, tokens, coarse)
-    return Comparison(
+    comparison = Comparison(
         max_abs_error=float(diff.max()),
         tolerance=logprob_tolerance(before_cfg, coarse, float(a.abs().max()), sensitivity),
         where=where,
     )
+    return comparison, a, b

@@ -91,6 +91,9 @@ class Identity:
     corruptions: InitVar[Mapping[str, Transform] | None] = None  # deprecated: wrong_rewrites
 
     def __post_init__(self, corruptions) -> None:
+        if self.function is None and self.compare is None:
+            # a public transform (made by ``rewrite``) names itself; a partial or a private route does not
+            object.__setattr__(self, "function", getattr(self.transform, "public_name", None))
         merged = {**(corruptions or {}), **self.wrong_rewrites}
         object.__setattr__(self, "wrong_rewrites", MappingProxyType({
             name: wrong if isinstance(wrong, WrongRewrite) else WrongRewrite(wrong) for name, wrong in merged.items()

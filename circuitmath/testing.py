@@ -31,6 +31,8 @@ the wrong rewrite layer_norm_fold.drop_bias explains blocks.0.attn.b_V: forget t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from . import _diagnosis
@@ -39,11 +41,13 @@ from ._compare import (
     SENSITIVITY_SAFETY as SENSITIVITY_SAFETY,
     Comparison as Comparison,
     compare_log_probs as compare_log_probs,
+    compare_with_log_probs,
     compute_dtype as compute_dtype,
     default_tokens as default_tokens,
     logprob_tolerance as logprob_tolerance,
     rounding_sensitivity as rounding_sensitivity,
 )
+from ._state import validated_once
 from ._diagnosis import Diagnosis as Diagnosis, Finding as Finding, ParameterMismatch as ParameterMismatch
 
 __all__ = [
@@ -58,16 +62,7 @@ __all__ = [
     "diagnose",
     "check_model",
     "check_identity",
-    "check_fold_layer_norm",
-    "check_center_reading_weights",
-    "check_center_writing_weights",
-    "check_center_unembed",
-    "check_fold_value_biases",
-    "check_remove_key_biases",
-    "check_refactor_factored_attn_matrices",
-    "check_fold_rms_norm",
-    "check_layer_norm_to_rms_norm",
-    "check_shortformer_to_tables",
+    "CHECKERS",
     "Diagnosis",
     "Finding",
     "ParameterMismatch",
@@ -112,21 +107,26 @@ def assert_equivalent(
     which identity's precondition or conclusion is violated, in which parameters (layer, head,
     name) and by how much (:func:`diagnose`).
     """
-    before_sd, before_cfg, after_sd, resolved_after_cfg, _notes = _diagnosis._inputs(before, after, cfg, after_cfg)
-    tokens = default_tokens(before_cfg) if tokens is None else tokens
-    result = compare_log_probs(before_sd, before_cfg, after_sd, resolved_after_cfg, tokens)
-    tolerance = result.tolerance if atol is None else atol
-    if result.max_abs_error <= tolerance:
-        return result
-    b, p, t = result.where
-    message = (
-        f"models differ: max |Δ log-prob| = {result.max_abs_error:.3g} > tolerance {tolerance:.3g}"
-        f" (batch {b}, position {p}, token {t})"
-    )
-    found = None
-    if diagnose:
-        found = _diagnosis.diagnose(before_sd, after_sd, before_cfg, after_cfg=resolved_after_cfg, tokens=tokens)
-        message += "\n\ndiagnosis:\n" + str(found)
+    with validated_once():
+        first, second, notes = _diagnosis.resolve_pair(before, after, cfg, after_cfg)
+        tokens = default_tokens(first.cfg) if tokens is None else tokens
+        result, first_log_probs, second_log_probs = compare_with_log_probs(
+            first.state_dict, first.cfg, second.state_dict, second.cfg, tokens
+        )
+        tolerance = result.tolerance if atol is None else atol
+        if result.max_abs_error <= tolerance:
+            return result
+        b, p, t = result.where
+        message = (
+            f"models differ: max |Δ log-prob| = {result.max_abs_error:.3g} > tolerance {tolerance:.3g}"
+            f" (batch {b}, position {p}, token {t})"
+        )
+        found = None
+        if diagnose:  # the two forward passes just made are handed to the diagnosis, not made again
+            plan = _diagnosis._recorded_plan(first.cfg, second.cfg, notes)
+            computed = ((first.state_dict, first_log_probs), (second.state_dict, second_log_probs))
+            found = _diagnosis.replay_and_explain(first, second, tokens, plan, notes, computed=computed)
+            message += "\n\ndiagnosis:\n" + str(found)
     raise NotEquivalentError(message, result, found)
 
 
@@ -183,59 +183,31 @@ def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens
     return _diagnosis.check_identity(name, before, after, cfg, after_cfg=after_cfg, tokens=tokens)
 
 
-def check_fold_layer_norm(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
-    """Check ``after`` against :func:`circuitmath.fold_layer_norm` of ``before`` (see :func:`check_identity`)."""
-    return check_identity("layer_norm_fold", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
+def _checker(identity) -> Callable:
+    """``check_<function>(before, after, cfg=None, *, after_cfg=None, tokens=None)`` for a
+    registered identity whose transform is the public ``circuitmath.<function>``."""
+
+    def check(before, after, cfg=None, *, after_cfg=None, tokens=None) -> Diagnosis:
+        return check_identity(identity.name, before, after, cfg, after_cfg=after_cfg, tokens=tokens)
+
+    check.__name__ = check.__qualname__ = f"check_{identity.function}"
+    check.__module__ = __name__
+    note = identity.check_note or ""
+    if note and not note[0].isupper():
+        doc = (f"Check ``after`` against :func:`circuitmath.{identity.function}` of ``before`` ({note};"
+               " see :func:`check_identity`).")
+    else:
+        doc = (f"Check ``after`` against :func:`circuitmath.{identity.function}` of ``before``"
+               + (f".\n\n{note} See :func:`check_identity`." if note else " (see :func:`check_identity`)."))
+    check.__doc__ = doc + f"\n\nThe identity is ``{identity.name}``: {identity.summary}."
+    return check
 
 
-def check_center_reading_weights(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
-    """Check ``after`` against :func:`circuitmath.center_reading_weights` of ``before`` (folded first if
-    it is a LayerNorm model; see :func:`check_identity`)."""
-    return check_identity("center_reading_weights", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
-
-
-def check_center_writing_weights(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
-    """Check ``after`` against :func:`circuitmath.center_writing_weights` of ``before`` (see :func:`check_identity`)."""
-    return check_identity("center_writing_weights", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
-
-
-def check_center_unembed(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
-    """Check ``after`` against :func:`circuitmath.center_unembed` of ``before`` (see :func:`check_identity`)."""
-    return check_identity("center_unembed", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
-
-
-def check_fold_value_biases(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
-    """Check ``after`` against :func:`circuitmath.fold_value_biases` of ``before`` (see :func:`check_identity`)."""
-    return check_identity("fold_value_biases", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
-
-
-def check_remove_key_biases(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
-    """Check ``after`` against :func:`circuitmath.remove_key_biases` of ``before`` (see :func:`check_identity`)."""
-    return check_identity("remove_key_biases", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
-
-
-def check_refactor_factored_attn_matrices(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
-    """Check ``after`` against :func:`circuitmath.refactor_factored_attn_matrices` of ``before``.
-
-    Another balanced factorisation (other signs of the singular vectors) computes the same
-    function but is not recognised tensor by tensor: its row is ``"not recognised"`` while the
-    log-probs agree. See :func:`check_identity`.
-    """
-    return check_identity("refactor_factored_attn_matrices", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
-
-
-def check_fold_rms_norm(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
-    """Check ``after`` against :func:`circuitmath.fold_rms_norm` of ``before`` (see :func:`check_identity`)."""
-    return check_identity("rms_norm_fold", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
-
-
-def check_layer_norm_to_rms_norm(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
-    """Check ``after`` against :func:`circuitmath.layer_norm_to_rms_norm` of ``before`` (folded and with its
-    writing weights centred first, as the identity needs; see :func:`check_identity`)."""
-    return check_identity("layer_norm_to_rms_norm", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
-
-
-def check_shortformer_to_tables(before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
-    """Check ``after`` against :func:`circuitmath.shortformer_to_tables` of ``before`` (see :func:`check_identity`)."""
-    return check_identity("shortformer_tables", before, after, cfg, after_cfg=after_cfg, tokens=tokens)
-
+#: The per-identity checkers, one per registered weight identity with a public transform,
+#: derived from the registry: ``check_fold_layer_norm``, ``check_center_reading_weights``, ...
+CHECKERS: dict[str, Callable] = {}
+for _identity in _diagnosis.weight_identities():
+    if _identity.function:
+        CHECKERS[_identity.name] = globals()[f"check_{_identity.function}"] = _checker(_identity)
+        __all__.append(f"check_{_identity.function}")
+del _identity

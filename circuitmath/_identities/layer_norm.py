@@ -232,5 +232,6 @@ CENTER_READING_WEIGHTS = register(
             "regardless": WrongRewrite(_centre_readers_regardless, REGARDLESS, regardless=True),
         },
         prepare=lambda sd, cfg: fold_layer_norm(sd, cfg) if cfg.normalization_type == "LN" else (sd, cfg),
+        check_note="folded first if it is a LayerNorm model",
     )
 )

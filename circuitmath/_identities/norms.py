@@ -320,6 +320,7 @@ LAYER_NORM_TO_RMS_NORM = register(
         transform=layer_norm_to_rms_norm,
         wrong_rewrites={"other_eps": _switch_with_other_eps},
         prepare=_centred_layer_norm_model,
+        check_note="folded and with its writing weights centred first, as the identity needs",
     )
 )
 

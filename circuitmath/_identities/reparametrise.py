@@ -235,6 +235,9 @@ REFACTOR_FACTORED_ATTN_MATRICES = register(
         ),
         build_proof=_reparametrise_proof,
         transform=refactor_factored_attn_matrices,
+        check_note="Another balanced factorisation (other signs of the singular vectors) computes the same"
+        ' function but is not recognised tensor by tensor: its row is ``"not recognised"`` while the'
+        " log-probs agree.",
         wrong_rewrites={
             "key_inverse_not_transposed": _key_inverse_not_transposed,
             "biases_left_behind": _biases_left_behind,

@@ -65,6 +65,8 @@ def rewrite(identity: str, *, check_output: bool = True) -> Callable:
                         )
             return out, out_cfg
 
+        run.identity = identity  # the registered identity it performs
+        run.public_name = transform.__name__  # its name in ``circuitmath``: the registry derives the checker's from it
         return run
 
     return decorate
