@@ -30,7 +30,8 @@ from ._processing import (
 )
 from ._proof import Proof as Proof, ProofReport as ProofReport
 from ._reference import forward as forward, log_probs as log_probs
-from ._registry import Identity as Identity, get_identity as get_identity, identities as identities
+from ._identities import get_identity as get_identity, identities as identities
+from ._registry import Identity as Identity
 from ._state import expected_shapes as expected_shapes, validate_state_dict as validate_state_dict
 from ._weights import random_state_dict as random_state_dict
 from .testing import assert_equivalent as assert_equivalent

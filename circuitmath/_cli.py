@@ -14,7 +14,7 @@ import torch
 from . import io
 from ._config import Config
 from ._errors import CircuitMathError, InputError
-from ._registry import get_identity, identities
+from ._identities import get_identity, identities
 
 COLUMNS = ("identity", "symbolic dims", "steps", "seconds", "twins rejected", "status")
 

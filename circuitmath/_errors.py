@@ -7,6 +7,8 @@ __all__ = [
     "InputError",
     "ConfigError",
     "StateDictError",
+    "Precondition",
+    "NOT_APPLIED",
     "PreconditionError",
     "AlreadyAppliedError",
     "OverflowedError",
@@ -36,14 +38,37 @@ class StateDictError(InputError):
     """A state dict (or the file it came from) does not match its config: nothing was computed."""
 
 
+class Precondition(str):
+    """A condition an identity needs, as one object the registry lists and the transform raises.
+
+    Its string value is its short name (what :class:`PreconditionError` messages and the
+    diagnosis's rows print); ``statement`` is the condition as a sentence (what the book lists).
+    An identity's ``preconditions`` hold these objects, and a transform refuses a model with
+    ``require(identity, PRECONDITION, holds, detail)`` naming one of them, so the error's
+    ``precondition`` *is* a registered precondition (a test checks it).
+    """
+
+    statement: str
+
+    def __new__(cls, name: str, statement: str | None = None) -> "Precondition":
+        self = super().__new__(cls, name)
+        self.statement = statement or name
+        return self
+
+
+#: Every transform's first precondition: it is not recorded in ``cfg.applied`` yet.
+NOT_APPLIED = Precondition("not already applied")
+
+
 class PreconditionError(CircuitMathError, ValueError):
     """A transform refused a model it cannot rewrite exactly.
 
-    ``identity`` is the registered identity whose precondition fails, ``precondition`` names it,
-    and ``detail`` says what in this model breaks it.
+    ``identity`` is the registered identity whose precondition fails, ``precondition`` is that
+    :class:`Precondition` (one of the identity's registered ones; a plain string only from
+    code outside the registry), and ``detail`` says what in this model breaks it.
     """
 
-    def __init__(self, identity: str, precondition: str, detail: str):
+    def __init__(self, identity: str, precondition: Precondition | str, detail: str):
         self.identity = identity
         self.precondition = precondition
         self.detail = detail
@@ -61,7 +86,7 @@ class AlreadyAppliedError(PreconditionError):
     def __init__(self, identity: str):
         super().__init__(
             identity,
-            "not already applied",
+            NOT_APPLIED,
             f"cfg.applied already records '{identity}': these weights went through it once, and a"
             " second application is refused rather than repeated",
         )

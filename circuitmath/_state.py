@@ -17,6 +17,7 @@ __all__ = [
     "validate_state_dict",
     "entries_checked_elsewhere",
     "entries_checked_here",
+    "validated_once",
     "not_finite",
     "StateDict",
 ]
@@ -36,6 +37,22 @@ def entries_checked_elsewhere() -> Iterator[None]:
         yield
     finally:
         _CHECK_ENTRIES.reset(token)
+
+
+_VALIDATED = contextvars.ContextVar("circuitmath_validated", default=None)
+
+
+@contextlib.contextmanager
+def validated_once() -> Iterator[None]:
+    """Within this block :func:`validate_state_dict` validates each state dict once: a state dict
+    (the same object, with the same config) that passed already is not checked again. For a
+    caller that hands the same validated weights through many transforms and forward passes (the
+    diagnosis); the block keeps each validated state dict alive, so an object's id is not reused."""
+    token = _VALIDATED.set({})
+    try:
+        yield
+    finally:
+        _VALIDATED.reset(token)
 
 
 def entries_checked_here() -> bool:
@@ -125,8 +142,22 @@ def validate_state_dict(state_dict: StateDict, cfg: Config) -> torch.dtype:
     """Check names, shapes, dtypes, devices and finiteness; return the common floating dtype.
 
     Raises :class:`StateDictError` listing every problem found. Its work is bounded by the state
-    dict, whatever the config claims.
+    dict, whatever the config claims. Within :func:`validated_once` a state dict that passed
+    with this config already is not checked again.
     """
+    seen = _VALIDATED.get()
+    if seen is None:
+        return _validate(state_dict, cfg)
+    hit = seen.get(id(state_dict))
+    if hit is not None and hit[0] is state_dict and hit[1] == cfg and entries_checked_here() <= hit[3]:
+        return hit[2]
+    dtype = _validate(state_dict, cfg)
+    seen[id(state_dict)] = (state_dict, cfg, dtype, entries_checked_here())
+    return dtype
+
+
+def _validate(state_dict: StateDict, cfg: Config) -> torch.dtype:
+    """:func:`validate_state_dict`'s checks, every time."""
     if not isinstance(state_dict, Mapping):
         raise StateDictError(f"expected a mapping of names to tensors, got {type(state_dict).__name__}")
     problem = _config_problem(state_dict, cfg)

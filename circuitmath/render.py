@@ -115,7 +115,7 @@ def statement(identity: Identity, proof: Proof | None = None) -> str:
     proof = proof or identity.proof
     lines = [f"**Claim** (`{identity.name}`: {md_text(identity.title)}):", "", equation(proof.lhs, proof.rhs)]
     lines += ["", "**Preconditions**:", ""]
-    lines += [f"- {md_text(p)}" for p in identity.preconditions]
+    lines += [f"- {md_text(getattr(p, 'statement', p))}" for p in identity.preconditions]
     if proof.facts:
         lines += ["", "**Facts** the proof may use (every sampled instance is checked to satisfy them):", ""]
         lines += [f"- ${f.latex()}$: {md_text(f.text)}" for f in proof.facts]

@@ -74,6 +74,49 @@ def test_a_wrong_processing_exits_1_naming_identity_and_parameter(files, capsys)
     assert rows[0]["parameters"][0]["name"] == "unembed.W_U"
 
 
+def _counting(monkeypatch):
+    """Count file loads (per path) and state-dict validations (per state dict object)."""
+    from circuitmath import _state
+
+    loads, validations, alive = {}, {}, []
+    real_load, real_validate = io.load_tensors, _state._validate
+
+    def load(path):
+        loads[str(path)] = loads.get(str(path), 0) + 1
+        return real_load(path)
+
+    def validate(state_dict, cfg):
+        alive.append(state_dict)  # keeps each id unique while counting
+        validations[id(state_dict)] = validations.get(id(state_dict), 0) + 1
+        return real_validate(state_dict, cfg)
+
+    monkeypatch.setattr(io, "load_tensors", load)
+    monkeypatch.setattr(_state, "_validate", validate)
+    return loads, validations
+
+
+@pytest.mark.parametrize("other", ["good", "wrong"])
+def test_check_processed_reads_each_file_once_and_validates_each_state_dict_once(files, capsys, monkeypatch, other):
+    loads, validations = _counting(monkeypatch)
+    status, out, _ = _run(capsys, files["model"], "--processed", files[other])
+    assert status == (0 if other == "good" else 1), out
+    assert loads == {str(files["model"]): 1, str(files[other]): 1}
+    assert validations and max(validations.values()) == 1, sorted(validations.values())
+
+
+def test_the_counts_can_fail(files, capsys, monkeypatch):
+    """Without the validated-once block every transform of the replay validates its input again."""
+    from circuitmath import _diagnosis, _state
+    import contextlib
+
+    loads, validations = _counting(monkeypatch)
+    monkeypatch.setattr(_diagnosis, "validated_once", contextlib.nullcontext)
+    _run(capsys, files["model"], "--processed", files["good"])
+    assert max(validations.values()) > 1
+    io.load_tensors(files["model"])
+    assert loads[str(files["model"])] == 2
+
+
 def test_exit_codes_through_python_dash_m(files):
     done = subprocess.run([sys.executable, "-m", "circuitmath", "check", str(files["model"]), "--processed",
                            str(files["wrong"]), "--json"], capture_output=True, text=True)

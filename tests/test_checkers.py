@@ -67,7 +67,18 @@ def test_checker_recognises_the_exact_rewrite(name):
     assert report.ok, report
     row = next(f for f in report.findings if f.name == name)
     assert row.rewrite == "exact" and row.status == "holds"
-    assert checker.__doc__ and name.split("_")[0] in checker.__doc__ + name
+    assert checker is testing.CHECKERS[name] and checker.__name__ == f"check_{identity.function}"
+    assert f":func:`circuitmath.{identity.function}`" in checker.__doc__
+
+
+def test_the_checkers_come_from_the_registry():
+    """One checker per weight identity whose transform is public, named after that function."""
+    expected = {i.name for i in cm.identities() if i.compare is None and i.function}
+    assert set(testing.CHECKERS) == set(CHECKERS) == expected - {"centring_projection"}  # it shares center_writing_weights'
+    for name, checker in testing.CHECKERS.items():
+        identity = cm.get_identity(name)
+        assert getattr(cm, identity.function) is identity.transform, name
+        assert getattr(testing, checker.__name__) is checker and checker.__name__ in testing.__all__
 
 
 @pytest.mark.parametrize("name", sorted(CHECKERS))

@@ -1,6 +1,8 @@
 """Every documented name imports, and the docstring examples run (see --doctest-modules)."""
 
 import importlib
+import re
+from pathlib import Path
 
 import pytest
 
@@ -23,9 +25,26 @@ def test_public_names_have_docstrings():
         assert obj.__doc__ and obj.__doc__.strip(), f"circuitmath.{name} has no docstring"
 
 
-def test_readme_names_exist():
-    from pathlib import Path
+README = (Path(__file__).parents[1] / "README.md").read_text()
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    for name in ("fold_layer_norm", "assert_equivalent", "strategies"):
-        assert name in readme
+
+def test_readme_names_every_public_transform_and_checker():
+    from circuitmath import testing
+
+    transforms = [i.function for i in circuitmath.identities() if i.function]
+    checkers = [n for n in testing.__all__ if n.startswith("check_")]
+    assert transforms and checkers
+    missing = [n for n in transforms + checkers + ["process_weights", "assert_equivalent", "diagnose"]
+               if not re.search(rf"\b{n}\b", README)]
+    assert not missing, f"the README does not name {missing}"
+
+
+def test_readme_layout_lists_every_module():
+    layout = README.split("## Layout", 1)[1].split("```")[1]
+    names = {line.split()[i] for line in layout.splitlines() if line.startswith("  ") for i in range(len(line.split()))
+             if line.split()[i].endswith((".py", "/"))}
+    root = Path(__file__).parents[1] / "circuitmath"
+    actual = {p.name + ("/" if p.is_dir() else "") for p in root.iterdir()
+              if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))}
+    assert actual - names == set(), f"the README's layout misses {sorted(actual - names)}"
+    assert names - actual == set(), f"the README's layout lists {sorted(names - actual)}, which do not exist"

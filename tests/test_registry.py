@@ -18,7 +18,8 @@ def test_identity_is_complete(identity):
     assert identity.summary and identity.title and identity.preconditions
     assert identity.proof.steps, "a proof needs at least one step"
     assert identity.proof.twins, "every proof needs at least one negative twin"
-    assert identity.corruptions, "every numeric check needs at least one negative control"
+    assert any(w.differs_on is None and not w.regardless for w in identity.wrong_rewrites.values()), \
+        "every numeric check needs a wrong rewrite it must reject on every model"
     assert callable(identity.transform)
 
 
@@ -42,3 +43,16 @@ def test_weight_processing_proofs_use_symbolic_dimensions(name):
 def test_unknown_identity_is_a_clear_error():
     with pytest.raises(KeyError, match="no identity named 'nope'"):
         cm.get_identity("nope")
+
+
+def test_the_wrong_rewrites_are_one_catalogue():
+    """The diagnosis keeps no list of its own: the wrong rewrites it tries are the registry's."""
+    from circuitmath import _diagnosis
+
+    assert not hasattr(_diagnosis, "MISTAKES") and not hasattr(_diagnosis, "REGARDLESS")
+    fold = cm.get_identity("layer_norm_fold").wrong_rewrites
+    assert {"scale_columns", "bias_through_transpose"} <= set(fold)
+    assert fold["scale_columns"].differs_on(cm.Config(n_layers=1, d_model=4, n_heads=1, d_head=4, d_vocab=5, n_ctx=3, d_mlp=8))
+    for name in ("center_reading_weights", "center_writing_weights"):
+        assert cm.get_identity(name).wrong_rewrites["regardless"].regardless
+    assert cm.get_identity("layer_norm_fold").describe("scale_columns").startswith("scale the reader's columns")

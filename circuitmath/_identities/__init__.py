@@ -1,5 +1,10 @@
-"""Identity families. Importing this package registers every identity, in book order."""
+"""Identity families. Importing this package registers every identity, in book order.
 
+:func:`identities` and :func:`get_identity` list what is registered; they live here, above the
+families, so that the registry itself imports no family (no import cycle).
+"""
+
+from .._registry import Identity, registered
 from . import layer_norm  # noqa: F401
 from . import centring  # noqa: F401
 from . import norms  # noqa: F401
@@ -11,3 +16,19 @@ from . import notation  # noqa: F401
 from . import attention  # noqa: F401
 from . import paths  # noqa: F401
 from . import composition  # noqa: F401
+
+__all__ = ["identities", "get_identity"]
+
+
+def identities() -> tuple[Identity, ...]:
+    """Every registered identity, in registration order."""
+    return tuple(registered().values())
+
+
+def get_identity(name: str) -> Identity:
+    """The registered identity called ``name`` (``KeyError`` listing the known names if none)."""
+    known = registered()
+    try:
+        return known[name]
+    except KeyError:
+        raise KeyError(f"no identity named {name!r}; known: {sorted(known)}") from None

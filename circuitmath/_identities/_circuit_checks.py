@@ -27,7 +27,7 @@ from .._proof import Proof
 from .._reference import log_probs
 from .._state import StateDict, validate_state_dict
 from ..circuits import TensorProduct, _layer_bias, _layer_weight, _Norm, _run
-from ..testing import SAFETY, Comparison, default_tokens, logprob_tolerance
+from .._compare import SAFETY, Comparison, default_tokens, logprob_tolerance
 
 # -- exact instances -------------------------------------------------------------------------
 

@@ -88,7 +88,7 @@ ATTENTION_HEAD_TENSOR_FORM = register(
         preconditions=ATTENTION_ONLY,
         build_proof=_head_proof,
         transform=_ov_tensor_route(transpose_pattern=False),
-        corruptions={"pattern_transposed": _ov_tensor_route(transpose_pattern=True)},
+        wrong_rewrites={"pattern_transposed": _ov_tensor_route(transpose_pattern=True)},
         compare=compare_logits,
     )
 )
@@ -168,7 +168,7 @@ MULTI_HEAD_SUM = register(
         preconditions=ATTENTION_ONLY,
         build_proof=_multi_head_proof,
         transform=_concatenated_route(head_major=True),
-        corruptions={"stacked_in_wrong_order": _concatenated_route(head_major=False)},
+        wrong_rewrites={"stacked_in_wrong_order": _concatenated_route(head_major=False)},
         compare=compare_logits,
     )
 )
@@ -247,7 +247,7 @@ ONLY_ATTENTION_MIXES_POSITIONS = register(
         preconditions=ATTENTION_ONLY,
         build_proof=_positions_proof,
         transform=_row_by_row_route(mix_positions=False),
-        corruptions={"norm_over_positions": _row_by_row_route(mix_positions=True)},
+        wrong_rewrites={"norm_over_positions": _row_by_row_route(mix_positions=True)},
         compare=compare_logits,
     )
 )

@@ -24,6 +24,7 @@ import torch
 from sympy import DiagMatrix, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol, Transpose
 
 from .._processing import fold_value_biases, remove_key_biases
+from .._processing._common import NOT_APPLIED, NOT_ROTARY
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names
@@ -318,11 +319,11 @@ FOLD_VALUE_BIASES = register(
         preconditions=(
             "every row of every attention pattern sums to 1: a softmax over at least one unmasked key"
             " (the reference pass masks causally, so no row is fully masked)",
-            "not already applied",
+            NOT_APPLIED,
         ),
         build_proof=_value_bias_proof,
         transform=fold_value_biases,
-        corruptions={
+        wrong_rewrites={
             "no_sum_over_heads": _fold_through(lambda heads: heads[:1] if heads.start == 0 else []),
             "once_per_key_value_head": _fold_through(lambda heads: heads[:1]),
             "drop_value_biases": _fold_through(lambda heads: []),
@@ -335,12 +336,9 @@ REMOVE_KEY_BIASES = register(
         name="remove_key_biases",
         title="Removing key biases",
         summary="q_i . (k_j + b_K) = q_i . k_j + q_i . b_K, the same for every key j, and softmax over j ignores it",
-        preconditions=(
-            "keys are not rotated by position (no rotary embeddings)",
-            "not already applied",
-        ),
+        preconditions=(NOT_ROTARY, NOT_APPLIED),
         build_proof=_key_bias_proof,
         transform=remove_key_biases,
-        corruptions={"drop_query_biases": _drop_query_biases},
+        wrong_rewrites={"drop_query_biases": _drop_query_biases},
     )
 )

@@ -22,9 +22,12 @@ from __future__ import annotations
 import torch
 from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, OneMatrix, Rational, Sum, Symbol, exp, log
 
-from .._processing import center_unembed, center_writing_weights
+from .._processing import center_unembed, center_writing_weights, writers
+from .._processing._common import NOT_APPLIED, PRE_NORM
+from .._processing.centring import CENTRING_NORM
 from .._proof import Definition, Fact, Proof, Step, Twin
-from .._registry import Identity, register
+from .._registry import Identity, WrongRewrite, register
+from .layer_norm import REGARDLESS
 
 d, V = Symbol("d", positive=True, integer=True), Symbol("V", positive=True, integer=True)
 e, k = Symbol("e", positive=True, integer=True), Symbol("k", positive=True, integer=True)
@@ -214,6 +217,14 @@ def _center_unembed_over_d_model(state_dict, cfg):
     return out, new_cfg
 
 
+def _centre_writers_regardless(state_dict, cfg):
+    """Centre every write to the residual stream over d_model whatever the norm."""
+    out = dict(state_dict)
+    for name in writers(cfg):
+        out[name] = state_dict[name] - state_dict[name].mean(dim=-1, keepdim=True)
+    return out, cfg.replace(applied=cfg.applied + (CENTER_WRITING_WEIGHTS.name,))
+
+
 CENTER_WRITING_WEIGHTS = register(
     Identity(
         name="center_writing_weights",
@@ -221,14 +232,18 @@ CENTER_WRITING_WEIGHTS = register(
         summary="every reader sees the stream x through LNPre(x) = n(x C); centring every write turns x into"
         " x C, and (x C) C = x C, so LNPre is unchanged, eps included",
         preconditions=(
-            "pre-norm: every reader of the residual stream (attention, MLP, unembed) sits behind a norm",
-            "the norm centres: normalization_type is LN or LNPre (not RMS, RMSPre or None)",
+            PRE_NORM,
+            CENTRING_NORM,
             "a shortformer W_pos is not a write to the stream and is left unchanged",
-            "not already applied",
+            NOT_APPLIED,
         ),
         build_proof=_writing_proof,
         transform=center_writing_weights,
-        corruptions={"W_O_over_d_head": _center_W_O_over_d_head, "shortformer_W_pos": _center_shortformer_W_pos},
+        wrong_rewrites={
+            "W_O_over_d_head": _center_W_O_over_d_head,
+            "shortformer_W_pos": _center_shortformer_W_pos,
+            "regardless": WrongRewrite(_centre_writers_regardless, REGARDLESS, regardless=True),
+        },
     )
 )
 
@@ -240,10 +255,10 @@ CENTER_UNEMBED = register(
         " log_softmax is shift invariant, so the log-probs are unchanged",
         preconditions=(
             "the logits are read through a softmax: compare log-probs, not raw logits",
-            "not already applied",
+            NOT_APPLIED,
         ),
         build_proof=_unembed_proof,
         transform=center_unembed,
-        corruptions={"over_d_model": _center_unembed_over_d_model},
+        wrong_rewrites={"over_d_model": _center_unembed_over_d_model},
     )
 )

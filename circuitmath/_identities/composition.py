@@ -30,8 +30,8 @@ from .._proof import Definition, Fact, Nonzero, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names, validate_state_dict
 from ..circuits import FactoredMatrix, composition_scores, copying_scores, full_ov_circuits, ov_circuits, qk_circuits
-from ..testing import Comparison
-from ..testing import SAFETY, SENSITIVITY_SAFETY
+from .._compare import Comparison
+from .._compare import SAFETY, SENSITIVITY_SAFETY
 from ._circuit_checks import (
     Joint,
     compare_values,
@@ -258,7 +258,7 @@ FACTORED_SVD = register(
         preconditions=ANY_ATTENTION,
         build_proof=_svd_proof,
         transform=_svd_route(),
-        corruptions={"singular_values_of_BA": _svd_route(wrong=True)},
+        wrong_rewrites={"singular_values_of_BA": _svd_route(wrong=True)},
         compare=_compare_svd,
     )
 )
@@ -406,7 +406,7 @@ EIGENVALUES_AB_BA = register(
         preconditions=ANY_ATTENTION,
         build_proof=_eigen_proof,
         transform=_eigenvalues_route(),
-        corruptions={"ov_without_embeddings": _eigenvalues_route(wrong=True)},
+        wrong_rewrites={"ov_without_embeddings": _eigenvalues_route(wrong=True)},
         compare=_compare_eigenvalues,
     )
 )
@@ -519,7 +519,7 @@ COMPOSITION_SCORES_FROM_FACTORS = register(
         preconditions=ANY_ATTENTION + ("Q- and K-composition: no rotary embedding",),
         build_proof=_scores_proof,
         transform=_scores_route(),
-        corruptions={"k_composition_untransposed": _scores_route(k_untransposed=True)},
+        wrong_rewrites={"k_composition_untransposed": _scores_route(k_untransposed=True)},
         compare=_compare_scores(_naive_expected),
     )
 )
@@ -589,7 +589,7 @@ COMPOSITION_SCORE_INVARIANCE = register(
         preconditions=ANY_ATTENTION + ("Q/K reparametrisation: no rotary embedding",),
         build_proof=_score_invariance_proof,
         transform=_reparametrised_scores(),
-        corruptions={"key_times_M": _reparametrised_scores(wrong="key_times_M")},
+        wrong_rewrites={"key_times_M": _reparametrised_scores(wrong="key_times_M")},
         compare=_compare_scores(lambda sd, cfg: {k: v.double() for k, v in _original_scores(sd, cfg).items()}),
     )
 )
@@ -685,7 +685,7 @@ COPYING_SCORE_INVARIANCE = register(
         preconditions=ANY_ATTENTION,
         build_proof=_copying_proof,
         transform=_reparametrised_copying(SCALE),
-        corruptions={"negative_rescaling": _reparametrised_copying(-SCALE)},
+        wrong_rewrites={"negative_rescaling": _reparametrised_copying(-SCALE)},
         compare=_compare_copying,
     )
 )

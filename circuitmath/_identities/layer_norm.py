@@ -17,8 +17,10 @@ import torch
 from sympy import DiagMatrix, Identity as Eye, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol, Transpose
 
 from .._processing import center_reading_weights, fold_layer_norm, readers
+from .._processing._common import NORM_READ_LINEARLY, NOT_APPLIED, PRE_NORM
+from .._processing.layer_norm import IS_LN, READER_HAS_BIAS, READS_LNPRE
 from .._proof import Definition, Proof, Step, Twin
-from .._registry import Identity, register
+from .._registry import Identity, WrongRewrite, register
 
 d, m = Symbol("d", positive=True, integer=True), Symbol("m", positive=True, integer=True)
 rho = Symbol(r"\rho", positive=True)
@@ -158,22 +160,61 @@ def _center_wrong_axis(state_dict, cfg):
     return out, new_cfg
 
 
+def _fold_scaling_columns(state_dict, cfg):
+    """Fold each LayerNorm gain along the reader's last axis (``W * w``) wherever that axis has
+    length d_model, where the mistake broadcasts silently."""
+    out, new_cfg = fold_layer_norm(state_dict, cfg)
+    for norm, pairs in readers(cfg):
+        gain = state_dict[f"{norm}.w"]
+        for weight, _bias in pairs:
+            if state_dict[weight].shape[-1] == cfg.d_model:
+                out[weight] = state_dict[weight] * gain
+    return out, new_cfg
+
+
+def _fold_bias_through_transpose(state_dict, cfg):
+    """Fold each LayerNorm bias through the reader's transpose (b_W + W b instead of b_W + b W)
+    wherever the reader is square, where the mistake broadcasts silently."""
+    out, new_cfg = fold_layer_norm(state_dict, cfg)
+    for norm, pairs in readers(cfg):
+        bias_of_norm = state_dict[f"{norm}.b"]
+        for weight, bias in pairs:
+            if bias is not None and state_dict[weight].shape[-1] == cfg.d_model:
+                out[bias] = state_dict[bias] + state_dict[weight] @ bias_of_norm
+    return out, new_cfg
+
+
+def _a_square_reader(cfg) -> bool:
+    """Whether some reader's output axis has length d_model (d_head, d_mlp or d_vocab)."""
+    return cfg.d_model in (cfg.d_head, cfg.d_mlp, cfg.d_vocab)
+
+
+def _centre_readers_regardless(state_dict, cfg):
+    """Centre every reader over d_model whatever its input."""
+    out = dict(state_dict)
+    for _norm, pairs in readers(cfg):
+        for weight, _bias in pairs:
+            W_ = state_dict[weight]
+            out[weight] = W_ - W_.mean(dim=-2, keepdim=True)
+    return out, cfg.replace(applied=cfg.applied + (CENTER_READING_WEIGHTS.name,))
+
+
+#: What the diagnosis says of a rewrite applied although its identity refuses the model.
+REGARDLESS = "the rewrite, applied although the identity refuses this model"
+
 LAYER_NORM_FOLD = register(
     Identity(
         name="layer_norm_fold",
         title="Folding LayerNorm into its readers",
         summary="LN(x) W + b_W = LNPre(x) (diag(w) W) + (b_W + b W), with eps kept inside LNPre",
-        preconditions=(
-            "pre-norm: each norm's output is read only by linear maps (W_Q, W_K, W_V, W_in, W_U)",
-            "normalization_type is LN",
-            "no shortformer W_pos added to the norm's output before W_Q and W_K",
-            "not already applied",
-        ),
+        preconditions=(PRE_NORM, IS_LN, NORM_READ_LINEARLY, READER_HAS_BIAS, NOT_APPLIED),
         build_proof=_layer_norm_fold_proof,
         transform=fold_layer_norm,
-        corruptions={
+        wrong_rewrites={
             "drop_bias": lambda sd, cfg: _fold_with_bias_term(sd, cfg, lambda b, W_eff: 0),
             "bias_through_gain": lambda sd, cfg: _fold_with_bias_term(sd, cfg, torch.matmul),
+            "scale_columns": WrongRewrite(_fold_scaling_columns, differs_on=_a_square_reader),
+            "bias_through_transpose": WrongRewrite(_fold_bias_through_transpose, differs_on=_a_square_reader),
         },
     )
 )
@@ -183,14 +224,14 @@ CENTER_READING_WEIGHTS = register(
         name="center_reading_weights",
         title="Centring the weights that read the residual stream",
         summary="LNPre(x) is orthogonal to 1, so W - 1 mean_d(W) reads the same values as W",
-        preconditions=(
-            "every reader's input is LNPre(x) (normalization_type LNPre, e.g. after layer_norm_fold)",
-            "pre-norm, no shortformer W_pos added before W_Q and W_K",
-            "not already applied",
-        ),
+        preconditions=(READS_LNPRE, PRE_NORM, NORM_READ_LINEARLY, NOT_APPLIED),
         build_proof=_center_reading_proof,
         transform=center_reading_weights,
-        corruptions={"wrong_axis": _center_wrong_axis},
+        wrong_rewrites={
+            "wrong_axis": _center_wrong_axis,
+            "regardless": WrongRewrite(_centre_readers_regardless, REGARDLESS, regardless=True),
+        },
         prepare=lambda sd, cfg: fold_layer_norm(sd, cfg) if cfg.normalization_type == "LN" else (sd, cfg),
+        check_note="folded first if it is a LayerNorm model",
     )
 )

@@ -26,6 +26,8 @@ from .._processing import (
     rescale_residual_stream,
     writers,
 )
+from .._processing._common import NORM_READ_LINEARLY, NOT_APPLIED, PRE_NORM
+from .._processing.norms import BEHIND_A_NORM, EPS_ZERO, IS_LNPRE, IS_RMS, SCALE_POSITIVE, WRITES_CENTRED
 from .._proof import Definition, Proof, Step, Twin
 from .._registry import Identity, register
 
@@ -288,11 +290,11 @@ CENTRING_PROJECTION = register(
         " so the 1 direction of the residual stream is invisible to LayerNorm",
         preconditions=(
             "the transform it licenses is center_writing_weights: pre-norm, normalization_type LN or LNPre",
-            "not already applied",
+            NOT_APPLIED,
         ),
         build_proof=_projection_proof,
         transform=center_writing_weights,
-        corruptions={"keep_only_the_mean": _keep_only_the_mean},
+        wrong_rewrites={"keep_only_the_mean": _keep_only_the_mean},
     )
 )
 
@@ -302,15 +304,10 @@ SCALE_INVARIANCE = register(
         title="LayerNorm is invariant to positive scaling exactly when eps = 0",
         summary="LNPre(s x) = LNPre(x) for s > 0 when eps = 0; with eps > 0 it is not, while the"
         " LayerNorm fold, which holds for any normaliser, stays exact",
-        preconditions=(
-            "eps == 0",
-            "pre-norm, every reader behind a norm (LN, LNPre, RMS or RMSPre)",
-            "scale > 0",
-            "not already applied",
-        ),
+        preconditions=(EPS_ZERO, PRE_NORM, BEHIND_A_NORM, SCALE_POSITIVE, NOT_APPLIED),
         build_proof=_scale_invariance_proof,
         transform=functools.partial(rescale_residual_stream, scale=CHECK_SCALE),
-        corruptions={"negative_scale": _rescale_by_negative_scale},
+        wrong_rewrites={"negative_scale": _rescale_by_negative_scale},
     )
 )
 
@@ -319,15 +316,12 @@ LAYER_NORM_TO_RMS_NORM = register(
         name="layer_norm_to_rms_norm",
         title="LayerNorm becomes RMSNorm once every write is centred",
         summary="if every write to the residual stream is centred then x C = x, so LNPre(x) = RMSPre(x) with the same eps",
-        preconditions=(
-            "every write to the residual stream is centred (checked on the weights, to rounding)",
-            "pre-norm, normalization_type LNPre (fold a LayerNorm first)",
-            "not already applied",
-        ),
+        preconditions=(WRITES_CENTRED, PRE_NORM, IS_LNPRE, NOT_APPLIED),
         build_proof=_layer_norm_to_rms_proof,
         transform=layer_norm_to_rms_norm,
-        corruptions={"other_eps": _switch_with_other_eps},
+        wrong_rewrites={"other_eps": _switch_with_other_eps},
         prepare=_centred_layer_norm_model,
+        check_note="folded and with its writing weights centred first, as the identity needs",
     )
 )
 
@@ -337,14 +331,9 @@ RMS_NORM_FOLD = register(
         title="Folding RMSNorm into its readers, W_gate included",
         summary="RMS(x) W + b_W = RMSPre(x) (diag(w) W) + b_W for every reader, W_gate of a gated MLP"
         " included; nothing is centred",
-        preconditions=(
-            "pre-norm: each norm's output is read only by linear maps (W_Q, W_K, W_V, W_in, W_gate, W_U)",
-            "normalization_type is RMS",
-            "no shortformer W_pos added to the norm's output before W_Q and W_K",
-            "not already applied",
-        ),
+        preconditions=(PRE_NORM, IS_RMS, NORM_READ_LINEARLY, NOT_APPLIED),
         build_proof=_rms_fold_proof,
         transform=fold_rms_norm,
-        corruptions={"forget_W_gate": _fold_forgetting_W_gate, "centre_reading_weights": _fold_and_centre_readers},
+        wrong_rewrites={"forget_W_gate": _fold_forgetting_W_gate, "centre_reading_weights": _fold_and_centre_readers},
     )
 )

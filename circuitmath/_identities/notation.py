@@ -87,7 +87,7 @@ TENSOR_PRODUCT_ACTION = register(
         preconditions=ATTENTION_ONLY,
         build_proof=_action_proof,
         transform=heads_route(_positions_first, "tensor_product_action"),
-        corruptions={"no_transpose": heads_route(_no_transpose, "tensor_product_action")},
+        wrong_rewrites={"no_transpose": heads_route(_no_transpose, "tensor_product_action")},
         compare=compare_logits,
     )
 )
@@ -175,7 +175,7 @@ TENSOR_MIXED_PRODUCT = register(
         preconditions=ATTENTION_ONLY,
         build_proof=_mixed_product_proof,
         transform=lambda sd, cfg, tokens: _path_operators(sd, cfg, tokens, lambda S, T: S @ T),
-        corruptions={"positions_reversed": lambda sd, cfg, tokens: _path_operators(sd, cfg, tokens, _positions_reversed)},
+        wrong_rewrites={"positions_reversed": lambda sd, cfg, tokens: _path_operators(sd, cfg, tokens, _positions_reversed)},
         compare=compare_logits,
     )
 )
@@ -333,7 +333,7 @@ KRONECKER_VEC = register(
         preconditions=ATTENTION_ONLY,
         build_proof=_kronecker_vec_proof,
         transform=heads_route(_kron_heads(column_major=False), "kronecker_vec"),
-        corruptions={"column_major": heads_route(_kron_heads(column_major=True), "kronecker_vec")},
+        wrong_rewrites={"column_major": heads_route(_kron_heads(column_major=True), "kronecker_vec")},
         compare=compare_logits,
     )
 )
@@ -390,7 +390,7 @@ ROW_COLUMN_CONVENTION = register(
         preconditions=ATTENTION_ONLY,
         build_proof=_convention_proof,
         transform=heads_route(_paper_convention, "row_column_convention"),
-        corruptions={"row_product_in_paper_formula": heads_route(_row_product_in_paper_formula, "row_column_convention")},
+        wrong_rewrites={"row_product_in_paper_formula": heads_route(_row_product_in_paper_formula, "row_column_convention")},
         compare=compare_logits,
     )
 )

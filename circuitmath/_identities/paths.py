@@ -175,7 +175,7 @@ ZERO_LAYER_BIGRAM = register(
         preconditions=("zero layers, pre-norm (positions and the norm's frozen scale enter per position)",),
         build_proof=_zero_layer_proof,
         transform=_bigram_route(transposed=False),
-        corruptions={"table_transposed": _bigram_route(transposed=True)},
+        wrong_rewrites={"table_transposed": _bigram_route(transposed=True)},
         compare=compare_logits,
     )
 )
@@ -226,7 +226,7 @@ ONE_LAYER_PATH_EXPANSION = register(
         preconditions=("one attention-only pre-norm layer; patterns and norm scales frozen from the forward pass",),
         build_proof=_one_layer_proof,
         transform=_path_sum_route("one_layer_path_expansion", 1),
-        corruptions={
+        wrong_rewrites={
             "direct_path_dropped": _path_sum_route("one_layer_path_expansion", 1, lambda p: p != Path("embed")),
         },
         compare=compare_logits,
@@ -271,7 +271,7 @@ TWO_LAYER_PATH_EXPANSION = register(
         preconditions=("two attention-only pre-norm layers; patterns and norm scales frozen from the forward pass",),
         build_proof=_two_layer_proof,
         transform=_path_sum_route("two_layer_path_expansion", 2),
-        corruptions={
+        wrong_rewrites={
             "virtual_heads_dropped": _path_sum_route("two_layer_path_expansion", 2, lambda p: p.order < 2),
         },
         compare=compare_logits,
@@ -353,7 +353,7 @@ QK_COMPOSITION_TERMS = register(
         preconditions=("at least two attention-only pre-norm layers; earlier patterns and norm scales frozen",),
         build_proof=_qk_proof,
         transform=_split_scores_route(()),
-        corruptions={"k_composition_dropped": _split_scores_route(("k_composition",))},
+        wrong_rewrites={"k_composition_dropped": _split_scores_route(("k_composition",))},
         compare=compare_logits,
     )
 )
@@ -449,7 +449,7 @@ VIRTUAL_WEIGHTS = register(
         preconditions=("attention-only pre-norm model; patterns and norm scales frozen from the forward pass",),
         build_proof=_virtual_weights_proof,
         transform=_virtual_weights_route(previous_only=False),
-        corruptions={"previous_layer_only": _virtual_weights_route(previous_only=True)},
+        wrong_rewrites={"previous_layer_only": _virtual_weights_route(previous_only=True)},
         compare=compare_logits,
     )
 )

@@ -254,7 +254,7 @@ PROCESS_WEIGHTS = register(
         ),
         build_proof=_pipeline_proof,
         transform=process_everything,
-        corruptions={
+        wrong_rewrites={
             "centre_readers_before_fold": _centre_readers_before_fold,
             "fold_gain_twice": _fold_gain_twice,
             "value_biases_before_ln_fold": _value_biases_before_ln_fold,

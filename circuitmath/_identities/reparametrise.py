@@ -22,6 +22,7 @@ import torch
 from sympy import Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol, Transpose
 
 from .._processing import refactor_factored_attn_matrices
+from .._processing._common import NOT_APPLIED, NOT_ROTARY
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names
@@ -233,13 +234,16 @@ REFACTOR_FACTORED_ATTN_MATRICES = register(
         summary="W_Q N, W_K N^-T, W_V M, M^-1 W_O (biases alike) give the same scores and head outputs;"
         " the SVD picks balanced factors",
         preconditions=(
-            "queries and keys are not rotated by position (no rotary embeddings)",
+            NOT_ROTARY,
             "with grouped-query attention, one basis per key/value head, shared by its group",
-            "not already applied",
+            NOT_APPLIED,
         ),
         build_proof=_reparametrise_proof,
         transform=refactor_factored_attn_matrices,
-        corruptions={
+        check_note="Another balanced factorisation (other signs of the singular vectors) computes the same"
+        ' function but is not recognised tensor by tensor: its row is ``"not recognised"`` while the'
+        " log-probs agree.",
+        wrong_rewrites={
             "key_inverse_not_transposed": _key_inverse_not_transposed,
             "biases_left_behind": _biases_left_behind,
             "one_svd_per_query_head": _one_svd_per_query_head,

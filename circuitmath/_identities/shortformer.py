@@ -17,6 +17,8 @@ from __future__ import annotations
 from sympy import DiagMatrix, MatAdd, MatMul, MatrixSymbol, Symbol
 
 from .._processing import fold_layer_norm, shortformer_to_tables
+from .._processing._common import NOT_APPLIED
+from .._processing.shortformer import IS_SHORTFORMER
 from .._proof import Definition, Proof, Step, Twin
 from .._registry import Identity, register
 from .layer_norm import C, DEFINITIONS, LN, LNPre, b, d, w, x
@@ -92,13 +94,9 @@ SHORTFORMER_TABLES = register(
         title="Shortformer: positions only in queries and keys, folded into per-layer tables",
         summary="(LN(x) + p) W + b_W = LNPre(x) (diag(w) W) + (b_W + b W) + p W: positions move into"
         " per-layer query and key tables, so LayerNorm folds exactly",
-        preconditions=(
-            "positional_embedding_type is shortformer (W_pos added to ln1's output, queries and keys only)",
-            "pre-norm",
-            "not already applied",
-        ),
+        preconditions=(IS_SHORTFORMER, "pre-norm", NOT_APPLIED),
         build_proof=_tables_proof,
         transform=shortformer_to_tables,
-        corruptions={"naive_fold": _naive_fold, "older_reading": _older_reading},
+        wrong_rewrites={"naive_fold": _naive_fold, "older_reading": _older_reading},
     )
 )

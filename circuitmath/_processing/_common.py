@@ -8,10 +8,23 @@ from collections.abc import Callable, Mapping
 import torch
 
 from .._config import Config
-from .._errors import AlreadyAppliedError, OverflowedError, PreconditionError, StateDictError
+from .._errors import NOT_APPLIED, AlreadyAppliedError, OverflowedError, Precondition, PreconditionError, StateDictError
 from .._state import attention_names, entries_checked_here, not_finite
 
-__all__ = ["readers", "require", "common_preconditions", "rewrite"]
+__all__ = [
+    "readers", "require", "refuse_reapplication", "common_preconditions", "rewrite",
+    "NOT_APPLIED", "PRE_NORM", "NORM_READ_LINEARLY", "NOT_ROTARY",
+]
+
+#: Shared by the transforms that need them (each identity lists the ones its transform raises).
+PRE_NORM = Precondition("pre-norm", "pre-norm: every sub-layer and the unembed read the residual stream through a norm")
+NORM_READ_LINEARLY = Precondition(
+    "norm output read only by linear maps",
+    "each norm's output is read only by linear maps: no shortformer W_pos added to it before W_Q and W_K",
+)
+NOT_ROTARY = Precondition(
+    "keys and queries are not rotated by position", "queries and keys are not rotated by position (no rotary embeddings)"
+)
 
 
 def _same(given, tensor: torch.Tensor) -> bool:
@@ -57,6 +70,8 @@ def rewrite(identity: str, *, check_output: bool = True) -> Callable:
                         )
             return out, out_cfg
 
+        run.identity = identity  # the registered identity it performs
+        run.public_name = transform.__name__  # its name in ``circuitmath``: the registry derives the checker's from it
         return run
 
     return decorate
@@ -80,21 +95,32 @@ def readers(cfg: Config) -> list[tuple[str, list[tuple[str, str]]]]:
     return out
 
 
-def require(identity: str, precondition: str, holds: bool, detail: str) -> None:
+def require(identity: str, precondition: Precondition, holds: bool, detail: str) -> None:
+    """Refuse the model unless ``holds``: :class:`~circuitmath.PreconditionError` naming the
+    registered ``precondition`` (the object itself, not a copy of its text) and ``detail``."""
+    if not isinstance(precondition, Precondition):
+        raise TypeError(f"{identity}: require() takes a registered Precondition, not {precondition!r}")
     if not holds:
         raise PreconditionError(identity, precondition, detail)
 
 
-def common_preconditions(identity: str, cfg: Config) -> None:
+def refuse_reapplication(identity: str, cfg: Config) -> None:
+    """The applied-guard every transform starts with: :class:`~circuitmath.AlreadyAppliedError`
+    (precondition :data:`NOT_APPLIED`) when ``cfg.applied`` records ``identity`` already."""
     if identity in cfg.applied:
         raise AlreadyAppliedError(identity)
+
+
+def common_preconditions(identity: str, cfg: Config) -> None:
+    """Not applied yet, pre-norm, and every norm's output read only by linear maps."""
+    refuse_reapplication(identity, cfg)
     require(
-        identity, "pre-norm", cfg.norm_position == "pre",
+        identity, PRE_NORM, cfg.norm_position == "pre",
         "the model is post-norm: each norm's output is the residual stream itself, read again by"
         " the next norm (a non-linear reader), so there is no linear map to fold into",
     )
     require(
-        identity, "norm output read only by linear maps",
+        identity, NORM_READ_LINEARLY,
         cfg.positional_embedding_type != "shortformer" or cfg.n_layers == 0,
         "with shortformer embeddings W_pos is added to ln1's output before W_Q and W_K read it,"
         " so rewriting W_Q and W_K would rewrite W_pos's contribution too; move W_pos into"

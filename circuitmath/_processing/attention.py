@@ -5,21 +5,15 @@ from __future__ import annotations
 import torch
 
 from .._config import Config
-from .._errors import AlreadyAppliedError
 from .._state import StateDict, attention_names, validate_state_dict
-from ._common import require, rewrite
+from ._common import NOT_ROTARY, refuse_reapplication, require, rewrite
 
 __all__ = ["fold_value_biases", "remove_key_biases", "refactor_factored_attn_matrices"]
 
 
-def _refuse_second_application(identity: str, cfg: Config) -> None:
-    if identity in cfg.applied:
-        raise AlreadyAppliedError(identity)
-
-
 def _refuse_rotary(identity: str, cfg: Config, why: str) -> None:
     require(
-        identity, "keys and queries are not rotated by position", cfg.positional_embedding_type != "rotary",
+        identity, NOT_ROTARY, cfg.positional_embedding_type != "rotary",
         f"the model uses rotary embeddings: {why}",
     )
 
@@ -51,7 +45,7 @@ def fold_value_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
     (True, ('fold_value_biases',))
     """
     identity = "fold_value_biases"
-    _refuse_second_application(identity, cfg)
+    refuse_reapplication(identity, cfg)
     validate_state_dict(state_dict, cfg)
     _weight, bias, _heads = attention_names(cfg, "V")
     out = dict(state_dict)
@@ -79,7 +73,7 @@ def remove_key_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
     ``"remove_key_biases"``.
     """
     identity = "remove_key_biases"
-    _refuse_second_application(identity, cfg)
+    refuse_reapplication(identity, cfg)
     _refuse_rotary(
         identity, cfg,
         "each key, bias included, is rotated by an angle that depends on its position, so the bias"
@@ -141,7 +135,7 @@ def refactor_factored_attn_matrices(state_dict: StateDict, cfg: Config) -> tuple
     models. Records ``"refactor_factored_attn_matrices"``.
     """
     identity = "refactor_factored_attn_matrices"
-    _refuse_second_application(identity, cfg)
+    refuse_reapplication(identity, cfg)
     _refuse_rotary(
         identity, cfg,
         "queries and keys are rotated by position between W_Q, W_K and the scores, and a rotation"

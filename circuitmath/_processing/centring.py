@@ -5,12 +5,17 @@ from __future__ import annotations
 import torch
 
 from .._config import Config
-from .._errors import AlreadyAppliedError
+from .._errors import Precondition
 from .._state import StateDict, validate_state_dict
-from ._common import require, rewrite
+from ._common import PRE_NORM, refuse_reapplication, require, rewrite
 from ._memory import new_tensor
 
-__all__ = ["writers", "center_writing_weights", "center_unembed", "centred_last_axis"]
+__all__ = ["writers", "center_writing_weights", "center_unembed", "centred_last_axis", "CENTRING_NORM"]
+
+CENTRING_NORM = Precondition(
+    "every reader sits behind a centring norm",
+    "the norm centres: normalization_type is LN or LNPre (not RMS, RMSPre or None)",
+)
 
 
 def writers(cfg: Config) -> list[str]:
@@ -31,15 +36,10 @@ def writers(cfg: Config) -> list[str]:
     return names
 
 
-def _not_applied(identity: str, cfg: Config) -> None:
-    if identity in cfg.applied:
-        raise AlreadyAppliedError(identity)
-
-
 def require_pre_norm(identity: str, cfg: Config) -> None:
     """Refuse a post-norm model: there the sub-layers read the residual stream with no norm."""
     require(
-        identity, "pre-norm", cfg.norm_position == "pre",
+        identity, PRE_NORM, cfg.norm_position == "pre",
         "the model is post-norm: attention and MLPs read the residual stream directly, not through"
         " a norm, so what is written to it is not only seen through a norm",
     )
@@ -71,10 +71,10 @@ def center_writing_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     >>> _ = assert_equivalent(sd, centred, cfg, after_cfg=centred_cfg)
     """
     identity = "center_writing_weights"
-    _not_applied(identity, cfg)
+    refuse_reapplication(identity, cfg)
     require_pre_norm(identity, cfg)
     require(
-        identity, "every reader sits behind a centring norm", cfg.normalization_type in ("LN", "LNPre"),
+        identity, CENTRING_NORM, cfg.normalization_type in ("LN", "LNPre"),
         {
             "RMS": "normalization_type is 'RMS': RMSNorm does not centre, RMS(x C) != RMS(x)",
             "RMSPre": "normalization_type is 'RMSPre': RMSNorm does not centre, RMSPre(x C) != RMSPre(x)",
@@ -116,7 +116,7 @@ def center_unembed(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.
     uses the softmax at the output. Records ``"center_unembed"``.
     """
     identity = "center_unembed"
-    _not_applied(identity, cfg)
+    refuse_reapplication(identity, cfg)
     validate_state_dict(state_dict, cfg)
     out = dict(state_dict)
     W_U, b_U = state_dict["unembed.W_U"], state_dict["unembed.b_U"]

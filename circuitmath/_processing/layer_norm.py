@@ -6,11 +6,23 @@ import torch
 
 from .._config import Config
 from .._state import StateDict, validate_state_dict
+from .._errors import Precondition
 from ._common import common_preconditions, readers, require, rewrite
 from ._memory import new_tensor
 from .shortformer import shortformer_to_tables
 
-__all__ = ["fold_layer_norm", "center_reading_weights", "fold_reader", "products_through"]
+__all__ = ["fold_layer_norm", "center_reading_weights", "fold_reader", "products_through", "IS_LN",
+           "READER_HAS_BIAS", "READS_LNPRE"]
+
+IS_LN = Precondition("normalization_type is LN")
+READER_HAS_BIAS = Precondition(
+    "every reader has a bias to absorb b @ W",
+    "every reader has a bias to absorb b @ W (W_gate has none: there b @ W must be zero)",
+)
+READS_LNPRE = Precondition(
+    "readers see LNPre(x), which is orthogonal to 1",
+    "every reader's input is LNPre(x) (normalization_type LNPre, e.g. after layer_norm_fold)",
+)
 
 
 @rewrite("layer_norm_fold")
@@ -44,7 +56,7 @@ def fold_layer_norm(
     """
     identity = "layer_norm_fold"
     require(
-        identity, "normalization_type is LN", cfg.normalization_type == "LN",
+        identity, IS_LN, cfg.normalization_type == "LN",
         f"normalization_type is {cfg.normalization_type!r}; there is no LayerNorm gain and bias"
         + (" (RMSNorm gains fold by a different identity)" if cfg.normalization_type == "RMS" else ""),
     )
@@ -55,7 +67,7 @@ def fold_layer_norm(
     for norm, pairs in readers(cfg):
         for weight, bias in pairs:
             require(
-                identity, "every reader has a bias to absorb b @ W",
+                identity, READER_HAS_BIAS,
                 bias is not None or not torch.any(state_dict[f"{norm}.b"] @ state_dict[weight]),
                 f"{weight} has no bias, so {norm}.b @ {weight} (nonzero) cannot be folded;"
                 " its non-linearity sits right behind it",
@@ -126,7 +138,7 @@ def center_reading_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     identity = "center_reading_weights"
     common_preconditions(identity, cfg)
     require(
-        identity, "readers see LNPre(x), which is orthogonal to 1", cfg.normalization_type == "LNPre",
+        identity, READS_LNPRE, cfg.normalization_type == "LNPre",
         {
             "LN": "normalization_type is 'LN': LN(x) = LNPre(x) diag(w) + b is not orthogonal to 1;"
             " fold the LayerNorm first (layer_norm_fold)",

@@ -7,12 +7,23 @@ import math
 import torch
 
 from .._config import Config
-from .._errors import AlreadyAppliedError, InputError
+from .._errors import InputError, Precondition
 from .._state import StateDict, validate_state_dict
-from ._common import common_preconditions, readers, require, rewrite
+from ._common import common_preconditions, readers, refuse_reapplication, require, rewrite
 from .centring import require_pre_norm, writers
 
-__all__ = ["fold_rms_norm", "layer_norm_to_rms_norm", "rescale_residual_stream", "uncentred_writers"]
+__all__ = ["fold_rms_norm", "layer_norm_to_rms_norm", "rescale_residual_stream", "uncentred_writers", "IS_RMS",
+           "IS_LNPRE", "WRITES_CENTRED", "SCALE_POSITIVE", "BEHIND_A_NORM", "EPS_ZERO"]
+
+IS_RMS = Precondition("normalization_type is RMS")
+IS_LNPRE = Precondition("normalization_type is LNPre", "normalization_type LNPre (fold a LayerNorm first)")
+WRITES_CENTRED = Precondition(
+    "every write to the residual stream is centred",
+    "every write to the residual stream is centred (checked on the weights, to rounding)",
+)
+SCALE_POSITIVE = Precondition("scale > 0")
+BEHIND_A_NORM = Precondition("every reader sits behind a norm", "every reader behind a norm (LN, LNPre, RMS or RMSPre)")
+EPS_ZERO = Precondition("eps == 0")
 
 
 @rewrite("rms_norm_fold")
@@ -40,7 +51,7 @@ def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.T
     identity = "rms_norm_fold"
     common_preconditions(identity, cfg)
     require(
-        identity, "normalization_type is RMS", cfg.normalization_type == "RMS",
+        identity, IS_RMS, cfg.normalization_type == "RMS",
         f"normalization_type is {cfg.normalization_type!r}; there is no RMSNorm gain to fold"
         + (" (LayerNorm folds by layer_norm_fold)" if cfg.normalization_type == "LN" else ""),
     )
@@ -89,11 +100,10 @@ def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     LayerNorm's gain and bias first: an RMSNorm has no bias).
     """
     identity = "layer_norm_to_rms_norm"
-    if identity in cfg.applied:
-        raise AlreadyAppliedError(identity)
+    refuse_reapplication(identity, cfg)
     require_pre_norm(identity, cfg)
     require(
-        identity, "normalization_type is LNPre", cfg.normalization_type == "LNPre",
+        identity, IS_LNPRE, cfg.normalization_type == "LNPre",
         f"normalization_type is {cfg.normalization_type!r}"
         + ("; fold the LayerNorm's gain and bias first (layer_norm_fold)" if cfg.normalization_type == "LN" else
            ": there is no LayerNorm to replace"),
@@ -102,7 +112,7 @@ def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     uncentred = uncentred_writers(state_dict, cfg)
     worst = max(uncentred, key=uncentred.get, default=None)
     require(
-        identity, "every write to the residual stream is centred", not uncentred,
+        identity, WRITES_CENTRED, not uncentred,
         f"{len(uncentred)} writer(s) have a nonzero mean over d_model, largest |mean| {uncentred.get(worst, 0):.3g}"
         f" in {worst}; centre them first (center_writing_weights)",
     )
@@ -122,21 +132,20 @@ def rescale_residual_stream(
     pre-norm model with a norm. Records ``"scale_invariance"``.
     """
     identity = "scale_invariance"
-    if identity in cfg.applied:
-        raise AlreadyAppliedError(identity)
+    refuse_reapplication(identity, cfg)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise InputError(f"scale must be a finite number, got {scale!r}")
     require(
-        identity, "scale > 0", scale > 0,
+        identity, SCALE_POSITIVE, scale > 0,
         f"scale is {scale!r}: the norms are odd, LNPre(-x) = -LNPre(x), so a sign flip reaches every reader",
     )
     require_pre_norm(identity, cfg)
     require(
-        identity, "every reader sits behind a norm", cfg.normalization_type is not None,
+        identity, BEHIND_A_NORM, cfg.normalization_type is not None,
         "normalization_type is None: the readers see the residual stream's scale",
     )
     require(
-        identity, "eps == 0", cfg.eps == 0,
+        identity, EPS_ZERO, cfg.eps == 0,
         f"eps is {cfg.eps!r}: LNPre(s x) = s x C / sqrt(s^2 |x C|^2 / d + eps) differs from LNPre(x)"
         " unless eps = 0",
     )

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from .._config import Config
-from .._errors import AlreadyAppliedError, OverflowedError, PreconditionError
+from .._errors import OverflowedError, PreconditionError
 from .._state import StateDict, entries_checked_elsewhere, not_finite, validate_state_dict
 from .attention import fold_value_biases as _fold_value_biases
 from .attention import refactor_factored_attn_matrices as _refactor_factored_attn_matrices
@@ -16,7 +16,7 @@ from .centring import center_unembed as _center_unembed
 from .centring import center_writing_weights as _center_writing_weights
 from .fused import fusable, fused_default_steps
 from .layer_norm import fold_layer_norm
-from ._common import rewrite
+from ._common import refuse_reapplication, rewrite
 from .norms import fold_rms_norm
 
 __all__ = ["process_weights", "PIPELINE_STEPS"]
@@ -33,8 +33,7 @@ def _fold_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tens
     Any other norm has no parameters to fold: refused like :func:`~circuitmath.fold_layer_norm`.
     """
     for done in ("layer_norm_fold", "rms_norm_fold"):
-        if done in cfg.applied:
-            raise AlreadyAppliedError(done)
+        refuse_reapplication(done, cfg)
     if cfg.normalization_type == "RMS":
         return fold_rms_norm(state_dict, cfg)
     return fold_layer_norm(state_dict, cfg, center_reading_weights=True)

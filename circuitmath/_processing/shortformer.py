@@ -5,11 +5,16 @@ from __future__ import annotations
 import torch
 
 from .._config import Config
-from .._errors import AlreadyAppliedError
+from .._errors import Precondition
 from .._state import StateDict, attention_names, validate_state_dict
-from ._common import require, rewrite
+from ._common import refuse_reapplication, require, rewrite
 
-__all__ = ["shortformer_to_tables"]
+__all__ = ["shortformer_to_tables", "IS_SHORTFORMER"]
+
+IS_SHORTFORMER = Precondition(
+    "positional_embedding_type is shortformer",
+    "positional_embedding_type is shortformer (W_pos added to ln1's output, queries and keys only)",
+)
 
 
 @rewrite("shortformer_tables")
@@ -24,10 +29,9 @@ def shortformer_to_tables(state_dict: StateDict, cfg: Config) -> tuple[dict[str,
     records ``"shortformer_tables"``; ``pos_embed.W_pos`` is dropped.
     """
     identity = "shortformer_tables"
-    if identity in cfg.applied:
-        raise AlreadyAppliedError(identity)
+    refuse_reapplication(identity, cfg)
     require(
-        identity, "positional_embedding_type is shortformer", cfg.positional_embedding_type == "shortformer",
+        identity, IS_SHORTFORMER, cfg.positional_embedding_type == "shortformer",
         f"positional_embedding_type is {cfg.positional_embedding_type!r}: W_pos is not added to the query"
         " and key inputs only",
     )

@@ -31,7 +31,7 @@ import torch
 
 from .._config import Config
 from .._errors import PreconditionError
-from .._registry import identities
+from .._identities import identities
 from .._state import StateDict
 from ..io import load as _load_file, load_hf_directory
 

@@ -1,0 +1,188 @@
+"""Comparing two models' log-probabilities, and the tolerance rounding alone may explain.
+
+The layer below the registry and the diagnosis: :mod:`circuitmath._registry` runs each
+identity's numeric check through :func:`compare_log_probs`, the diagnosis measures each replayed
+step with :func:`logprob_tolerance` and :func:`rounding_sensitivity`, and
+:mod:`circuitmath.testing` re-exports all of it as the public API. Imports nothing above the
+reference forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ._config import Config
+from ._reference import log_probs
+from ._state import StateDict, validate_state_dict
+
+__all__ = [
+    "SAFETY",
+    "SENSITIVITY_SAFETY",
+    "Comparison",
+    "compute_dtype",
+    "logprob_tolerance",
+    "rounding_sensitivity",
+    "default_tokens",
+    "compare_log_probs",
+    "compare_with_log_probs",
+]
+
+#: Safety factors of :func:`logprob_tolerance`: ``SAFETY`` multiplies the a-priori rounding
+#: bound, ``SENSITIVITY_SAFETY`` the measured sensitivity. Measured on models drawn from
+#: :mod:`circuitmath.strategies` (float64 and float32, up to 2 layers, d_model from 2, outlier
+#: dimensions up to 30x): on 1000 random models per dtype |Δ log-prob| / tolerance had median
+#: 0.01 and maximum 0.08; the worst case hypothesis found by searching for failures was 0.5 (a
+#: float64 model whose log-probs are all below 1, so the a-priori term dominates). Without the
+#: sensitivity term the a-priori bound was exceeded up to 19x (tiny LayerNorms over nearly
+#: constant residuals). The sensitivity is measured, so its factor only covers the second model
+#: and log-softmax (4); the a-priori term covers what it does not model (32). In bfloat16
+#: (compared in float32, see :func:`compute_dtype`) a d_model 64 model's correct transforms stay
+#: below 0.13 of the tolerance while every wrong transform of the test suite exceeds it. Float64
+#: tolerances stay near 1e-13: wrong transforms miss them by ten orders of magnitude.
+SAFETY = 32.0
+SENSITIVITY_SAFETY = 4.0
+
+
+def _unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a comparison runs in: the state dicts' own, but float32 for half precisions.
+
+    A forward pass in bfloat16 or float16 is noisier than many wrong transforms are wrong
+    (a dropped LayerNorm bias moves log-probs by a few nats; a bfloat16 forward pass of a small
+    model by about as much), so half-precision weights are compared in float32 and only their
+    own rounding counts.
+    """
+    return torch.float32 if torch.finfo(dtype).bits < 32 else dtype
+
+
+def rounding_sensitivity(
+    state_dict: StateDict,
+    cfg: Config,
+    tokens: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    seed: int = 0,
+    computed: torch.Tensor | None = None,
+) -> float:
+    """How far this model's log-probs move from rounding alone, in ``dtype``.
+
+    The sum of two measured effects, each the largest |Δ log-prob| over ``tokens``:
+
+    - rounding the weights once more: every weight is multiplied by ``1 + u * xi`` (``xi``
+      standard normal, ``u`` the unit roundoff of ``dtype``) and both versions run in float64;
+    - rounding the computation: the forward pass in :func:`compute_dtype` against float64
+      (zero when that is float64).
+
+    Both measure the model's own conditioning: a LayerNorm over a nearly constant residual, a
+    sharp softmax or an outlier dimension amplify rounding, and an exact transform's result
+    differs from the original by rounding of these kinds.
+
+    ``computed``: this model's log-probs on ``tokens`` computed in :func:`compute_dtype`, when
+    the caller has them already (``[batch, pos, d_vocab]``); they are not computed again.
+    """
+    u = _unit_roundoff(dtype)
+    exact = {k: v.double() for k, v in state_dict.items()}
+    reference = log_probs(exact, cfg, tokens)
+    g = torch.Generator().manual_seed(seed)
+    # The change u * xi * w is computed in float32 (several times faster than float64 for big
+    # models) and added in float64: it is of the order of u, so its own rounding does not matter.
+    nudged = {
+        k: exact[k] + torch.randn(v.shape, generator=g, dtype=torch.float32).mul_(u).mul_(v.float())
+        for k, v in state_dict.items()
+    }
+    weights = float((reference - log_probs(nudged, cfg, tokens)).abs().max())
+    run_in = compute_dtype(dtype)
+    if run_in == torch.float64:
+        return weights
+    if computed is None:
+        computed = log_probs({k: v.to(run_in) for k, v in state_dict.items()}, cfg, tokens)
+    return weights + float((computed.double() - reference).abs().max())
+
+
+def logprob_tolerance(cfg: Config, dtype: torch.dtype, scale: float, sensitivity: float = 0.0) -> float:
+    """Largest |Δ log-prob| two exactly-equivalent models may show from rounding alone.
+
+    ``SAFETY * u * (n_layers + 1) * sqrt(K) * max(1, scale) + SENSITIVITY_SAFETY * sensitivity``,
+    where
+
+    - ``u`` is the unit roundoff of the dtype the forward pass runs in (:func:`compute_dtype`:
+      ``2**-53`` for float64, ``2**-24`` for float32 and, via float32, for half precisions);
+    - ``K`` is the longest inner product in the model (``d_model``, ``d_mlp`` or ``d_vocab``):
+      rounding errors of a length-``K`` dot product grow like ``sqrt(K) * u`` times its size;
+    - each layer (and the unembed) adds one such error, relative to the size of the values, and
+      ``scale``, the largest |log-prob|, is the size of what is finally compared;
+    - ``sensitivity`` (:func:`rounding_sensitivity`) is how much this model amplifies rounding
+      of its weights and of its forward pass: the first term assumes a well-conditioned model,
+      this one measures the actual one;
+    - the factors cover two independent computations (one per model), the factor of at most 2
+      by which log-softmax can amplify a logit error and, for the a-priori term, what it does
+      not model; their values are measured (see :data:`SAFETY`).
+    """
+    u = _unit_roundoff(compute_dtype(dtype))
+    k = max(cfg.d_model, cfg.d_mlp or 0, cfg.d_vocab)
+    return SAFETY * u * (cfg.n_layers + 1) * math.sqrt(k) * max(1.0, float(scale)) + SENSITIVITY_SAFETY * sensitivity
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The result of comparing two models' log-probabilities on the same tokens."""
+
+    max_abs_error: float
+    tolerance: float
+    where: tuple[int, int, int]  # (batch, position, token) of the largest difference
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_error <= self.tolerance
+
+
+def default_tokens(cfg: Config, *, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    """Random tokens ``[batch, n_ctx]`` (at most 32 positions) from a fixed seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.d_vocab, (batch, min(cfg.n_ctx, 32)), generator=g)
+
+
+@torch.no_grad()  # weights that require grad are compared as plain tensors
+def compare_log_probs(
+    before: StateDict,
+    before_cfg: Config,
+    after: StateDict,
+    after_cfg: Config,
+    tokens: torch.Tensor | None = None,
+) -> Comparison:
+    """Run both models on ``tokens`` (default: :func:`default_tokens`) and compare log-probs.
+
+    Both run in :func:`compute_dtype` of the less precise of the two dtypes; the tolerance is
+    :func:`logprob_tolerance` with the ``before`` model's :func:`rounding_sensitivity`.
+    """
+    return compare_with_log_probs(before, before_cfg, after, after_cfg, tokens)[0]
+
+
+def compare_with_log_probs(
+    before: StateDict, before_cfg: Config, after: StateDict, after_cfg: Config, tokens: torch.Tensor | None = None
+) -> tuple[Comparison, torch.Tensor, torch.Tensor]:
+    """:func:`compare_log_probs`, and both models' log-probs (float64 ``[batch, pos, d_vocab]``,
+    computed in :func:`compute_dtype`) for a caller that goes on to use them."""
+    dtype_before = validate_state_dict(before, before_cfg)
+    dtype_after = validate_state_dict(after, after_cfg)
+    tokens = default_tokens(before_cfg) if tokens is None else tokens
+    coarse = max((dtype_before, dtype_after), key=lambda d: torch.finfo(d).eps)
+    run_in = compute_dtype(coarse)
+    a = log_probs({k: v.to(run_in) for k, v in before.items()}, before_cfg, tokens).double()
+    b = log_probs({k: v.to(run_in) for k, v in after.items()}, after_cfg, tokens).double()
+    diff = (a - b).abs()
+    flat = int(diff.argmax())
+    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+    sensitivity = rounding_sensitivity(before, before_cfg, tokens, coarse)
+    comparison = Comparison(
+        max_abs_error=float(diff.max()),
+        tolerance=logprob_tolerance(before_cfg, coarse, float(a.abs().max()), sensitivity),
+        where=where,
+    )
+    return comparison, a, b

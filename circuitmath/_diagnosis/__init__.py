@@ -1,0 +1,208 @@
+"""Checking another project's weight processing: which identities it applied, and what went wrong.
+
+A processed state dict ``after`` is explained by replaying the registered identities on
+``before``: each identity's exact rewrite is computed and compared with ``after`` tensor by
+tensor. The replay follows ``after``'s recorded ``cfg.applied`` when it has one; otherwise every
+weight-rewriting identity is tried, in registry order, and kept when its rewrite reproduces more
+of ``after``'s tensors than leaving the model alone does. Where the exact rewrite does not
+reproduce a tensor, the identity's known wrong rewrites (its registered ``wrong_rewrites``, and
+the wrong rewrites of other identities that claim to perform it) are
+tried; one that reproduces the tensor names the mistake. Where an identity refuses the model
+(a :class:`~circuitmath.PreconditionError`), its rewrite applied regardless is tried too: if
+that reproduces ``after``, the broken precondition is the finding.
+
+Only then are log-probabilities compared: ``before`` against ``after`` always, and, when
+anything was found, every replayed state against the next, so that each identity's row shows
+the change in log-probs it is responsible for. A replay in which every identity's exact rewrite
+reproduces ``after`` needs no more than the two forward passes of ``before`` and ``after``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .. import _identities
+from .._config import Config
+from .._errors import PreconditionError
+from .._state import validated_once
+from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
+from ._logprobs import _coarser, _LogProbs
+from ._replay import _Replay, weight_identities
+from ._report import Diagnosis, Finding, _config_differences, _identity_finding, _residual_finding
+from ._tensors import ParameterMismatch, _relative_difference, _Thresholds
+
+__all__ = [
+    "ParameterMismatch",
+    "Finding",
+    "Diagnosis",
+    "Model",
+    "resolve_model",
+    "diagnose",
+    "check_identity",
+    "check_model",
+    "replay_and_explain",
+    "weight_identities",
+]
+
+Progress = Callable[[int, int, str], None]
+
+
+def replay_and_explain(first: Model, second: Model, tokens, plan, notes, progress=None, computed=()) -> Diagnosis:
+    """The diagnosis of ``second`` as a processing of ``first`` (both resolved): replay ``plan``
+    (identities; ``None``: infer it), then compare log-probs where needed. ``computed`` holds
+    ``(state_dict, log_probs)`` pairs already computed on ``tokens`` (a failed
+    :func:`~circuitmath.testing.assert_equivalent` hands over its two forward passes)."""
+    before, before_cfg, after, after_cfg = first.state_dict, first.cfg, second.state_dict, second.cfg
+    dtype = _coarser(first.dtype, second.dtype)
+    thresholds = _Thresholds.of(dtype, before_cfg)
+    replay = _Replay(after, thresholds)
+    report = progress or (lambda done, total, what: None)
+    total = 5
+    report(0, total, "replaying identities")
+    stages, final, final_cfg, residual = replay.explain(before, before_cfg, plan)
+    lp = _LogProbs(tokens, dtype)
+    for state, computed_log_probs in computed:
+        lp.seed(state, computed_log_probs)
+    report(2, total, "forward pass of the model")
+    lp(before, before_cfg)
+    report(3, total, "forward pass of the processed model")
+    overall = None
+    lp(after, after_cfg)
+    report(4, total, "rounding sensitivity")
+    lp.set_reference(before, before_cfg)
+    overall = lp.compare(before, before_cfg, after, after_cfg)
+    config_differences = _config_differences(final_cfg, after_cfg)
+    anything_found = residual or config_differences or any(s.rewrites or s.refusal or not s.recognised for s in stages)
+    measure = bool(anything_found) or not overall.passed
+    last_writer = {}
+    for stage in stages:
+        for name in stage.touched:
+            last_writer[name] = stage.name
+    residual_error = {}
+    for name in set(final) & set(after):
+        if name in last_writer and name not in residual:
+            residual_error[name] = _relative_difference(after[name], final[name], before.get(name), replay.largest)[1]
+    findings = []
+    states = [(before, before_cfg)] + [(s.state, s.cfg) for s in stages]
+    for i, stage in enumerate(stages):
+        if measure:
+            report(4, total, f"log-probs after {stage.name}")
+        comparison = lp.compare(*states[i], *states[i + 1]) if measure else None
+        mine = [residual_error[n] for n, writer in last_writer.items() if writer == stage.name and n in residual_error]
+        findings.append(_identity_finding(stage, before, replay, comparison, max(mine, default=0.0)))
+    if residual or measure:
+        findings.append(_residual_finding(residual, final, final_cfg, before, after, after_cfg, replay, last_writer,
+                                          lp if measure else None, dtype, config_differences))
+    findings.append(Finding(
+        name="before -> after",
+        kind="equivalence",
+        applicable=True,
+        status="holds" if overall.passed else "violated",
+        max_abs_error=overall.max_abs_error,
+        tolerance=overall.tolerance,
+    ))
+    report(total, total, "done")
+    return Diagnosis(tuple(findings), overall, tuple(s.name for s in stages), tuple(notes))
+
+
+def _recorded_plan(before_cfg: Config, after_cfg: Config, notes: list[str]):
+    """The identities ``after_cfg.applied`` records beyond ``before_cfg.applied`` (``None``: infer)."""
+    applied, done = after_cfg.applied, before_cfg.applied
+    if not applied[len(done):] or applied[: len(done)] != done:
+        return None
+    names = {identity.name: identity for identity in _identities.identities()}
+    unknown = [n for n in applied[len(done):] if n not in names]
+    if unknown:
+        notes.append(f"cfg.applied records {unknown}, which are no registered identities: inferring the replay instead")
+        return None
+    notes.append("replaying the identities recorded in the processed model's cfg.applied")
+    return [names[n] for n in applied[len(done):]]
+
+
+@torch.no_grad()  # weights that require grad are compared as plain tensors
+def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress: Progress | None = None) -> Diagnosis:
+    """Explain ``after`` as a processing of ``before``: which identities, which went wrong, where.
+
+    ``before`` and ``after`` are state dicts (TransformerLens or Hugging Face format) or paths of
+    safetensors files; ``cfg`` is ``before``'s :class:`~circuitmath.Config` or Hugging Face config
+    (``None``: read from the file). ``after_cfg`` defaults to the file's metadata, else to
+    ``before``'s config or the first processed form of it the tensors fit (a folded LayerNorm is
+    ``"LNPre"``; a norm kept with unit gain and zero bias is read as none). ``tokens``
+    ``[batch, pos]`` default to :func:`~circuitmath.testing.default_tokens`. ``progress(done,
+    total, what)`` is called as the work proceeds.
+
+    Rows: one per replayed identity; ``residual`` (tensors no replayed rewrite reproduces, each
+    naming the identity that last rewrote it) when there is any; ``before -> after`` last. See
+    the module documentation of :mod:`circuitmath.testing` for how the replay is chosen.
+    """
+    with validated_once():
+        first, second, notes = resolve_pair(before, after, cfg, after_cfg)
+        plan = _recorded_plan(first.cfg, second.cfg, notes)
+        return replay_and_explain(first, second, resolve_tokens(tokens, first.cfg), plan, notes, progress)
+
+
+@torch.no_grad()  # weights that require grad are compared as plain tensors
+def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens=None) -> Diagnosis:
+    """Check that ``after`` is the registered identity ``name`` applied to ``before``.
+
+    Like :func:`diagnose`, but the replay is this identity alone (after the identity's own
+    preparation, e.g. the LayerNorm fold that centring the reading weights needs). Its row is
+    ``"not recognised"`` when none of the tensors the identity rewrites matches its rewrite.
+    """
+    identity = _identities.get_identity(name)
+    if identity.compare is not None:
+        raise ValueError(f"{name} licenses a computation, not a weight rewrite: there is no processed model to check")
+    with validated_once():
+        first, second, notes = resolve_pair(before, after, cfg, after_cfg)
+        plan = [identity]
+        try:  # the identities its preparation and its transform record (a pipeline records its steps)
+            prepared, prepared_cfg = identity.prepare(first.state_dict, first.cfg) if identity.prepare else (first.state_dict, first.cfg)
+            recorded = identity.transform(prepared, prepared_cfg)[1].applied[len(first.cfg.applied):]
+            plan = [_identities.get_identity(n) for n in recorded]
+        except PreconditionError:
+            pass
+        return replay_and_explain(first, second, resolve_tokens(tokens, first.cfg), plan, notes)
+
+
+@torch.no_grad()  # weights that require grad are compared as plain tensors
+def check_model(model, cfg=None, *, tokens=None, progress: Progress | None = None) -> Diagnosis:
+    """Apply every weight identity that applies to ``model`` and compare log-probs, one row each.
+
+    ``model`` and ``cfg`` as for :func:`diagnose`. Each identity runs on the model after its own
+    preparation (e.g. centring the reading weights after the LayerNorm fold); an identity that
+    refuses the model is ``"not applicable"``, with the broken precondition as its reason. The
+    tolerance is the model's (:class:`_LogProbs`). ``progress(done, total, what)`` is called
+    before each identity.
+    """
+    with validated_once():
+        return _check_resolved(resolve(model, cfg), tokens, progress)
+
+
+def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagnosis:
+    state, model_cfg = resolved.state_dict, resolved.cfg
+    tokens = resolve_tokens(tokens, model_cfg)
+    chosen = weight_identities()
+    report = progress or (lambda done, total, what: None)
+    total = len(chosen) + 1
+    report(0, total, "rounding sensitivity")
+    lp = _LogProbs(tokens, resolved.dtype)
+    lp.set_reference(state, model_cfg)
+    findings = []
+    for i, identity in enumerate(chosen, 1):
+        report(i, total, identity.name)
+        try:
+            prepared, prepared_cfg = identity.prepare(state, model_cfg) if identity.prepare else (state, model_cfg)
+            processed, processed_cfg = identity.transform(prepared, prepared_cfg)
+        except PreconditionError as error:
+            findings.append(Finding(identity.name, "identity", False, "not applicable", reason=str(error),
+                                    precondition=error.precondition))
+            continue
+        comparison = lp.compare(prepared, prepared_cfg, processed, processed_cfg)
+        findings.append(Finding(
+            identity.name, "identity", True, "holds" if comparison.passed else "violated", rewrite="exact",
+            max_abs_error=comparison.max_abs_error, tolerance=comparison.tolerance,
+        ))
+    report(total, total, "done")
+    return Diagnosis(tuple(findings))

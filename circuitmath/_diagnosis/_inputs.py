@@ -1,0 +1,204 @@
+"""The inputs of a check, resolved once: state dicts or files, TransformerLens or Hugging Face format.
+
+Each file is read once and each state dict validated once; the result is a :class:`Model`
+(state dict, config, dtype) that the replay, the forward passes and the report trust.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import io
+from .._compare import default_tokens
+from .._config import Config
+from .._errors import StateDictError
+from .._state import StateDict, expected_shapes, validate_state_dict
+
+__all__ = ["Model", "resolve", "resolve_model", "resolve_pair", "resolve_tokens"]
+
+
+#: Buffers a TransformerLens module's ``state_dict()`` carries besides its parameters.
+_TRANSFORMER_LENS_BUFFERS = ("mask", "IGNORE", "rotary_sin", "rotary_cos")
+
+
+def _is_hf_config(cfg) -> bool:
+    if cfg is None or isinstance(cfg, Config):
+        return False
+    if isinstance(cfg, Mapping):
+        return "model_type" in cfg
+    return hasattr(cfg, "model_type")
+
+
+def resolve_model(source, cfg=None) -> tuple[dict[str, torch.Tensor], Config]:
+    """``(state_dict, Config)`` in the reference conventions, validated, from any accepted form.
+
+    ``source`` is a state dict or the path of a ``.safetensors`` file or of a Hugging Face model
+    folder (``config.json`` and ``model.safetensors``). ``cfg`` is a :class:`~circuitmath.Config`
+    (TransformerLens-format names and shapes), a Hugging Face config (its ``config.json`` as a
+    dict, or a ``transformers`` config object: the state dict is converted by
+    :func:`circuitmath.io.from_hf`), or ``None`` for a file written by :func:`circuitmath.io.save`,
+    whose config is read from its metadata. A ``cfg`` given explicitly wins over the metadata.
+    TransformerLens's non-parameter buffers (``attn.mask``, ``attn.IGNORE``, rotary tables) are
+    dropped. A pickle (``.pt``, ``.bin``, ...) is refused without being read.
+
+    Raises :class:`~circuitmath.StateDictError` (or its subclass from :mod:`circuitmath.io`)
+    naming what is wrong.
+    """
+    model = resolve(source, cfg)
+    return model.state_dict, model.cfg
+
+
+@dataclass(frozen=True, eq=False)
+class Model:
+    """One input resolved once: its state dict in the reference conventions, validated against
+    its config, and its floating dtype. Everything after resolution (the replay, the forward
+    passes, the diagnosis) trusts it and does not read or validate it again."""
+
+    state_dict: dict[str, torch.Tensor]
+    cfg: Config
+    dtype: torch.dtype
+
+
+def resolve(source, cfg=None, *, loaded: tuple[dict, dict] | None = None) -> Model:
+    """:func:`resolve_model` as a :class:`Model`; ``loaded`` is ``(tensors, metadata)`` of the
+    file ``source`` when they have been read already (each file is read once)."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.exists() and not path.is_symlink():
+            raise StateDictError(f"{path}: no such file or folder")
+        if path.is_dir():
+            if cfg is not None:
+                raise StateDictError(f"{path} is a Hugging Face folder with its own config.json; pass no config")
+            state_dict, hf_cfg = io.load_hf_directory(path)
+            return Model(state_dict, hf_cfg, _dtype(state_dict))
+        with io._about(path):  # every error names the file
+            tensors, metadata = loaded if loaded is not None else io.load_tensors(path)
+            if cfg is None:
+                cfg = io.stored_config(path, metadata)
+                if cfg is None:
+                    raise StateDictError(
+                        f"{path} carries no circuitmath config in its metadata (it was not written by"
+                        " circuitmath.io.save): pass its config (a circuitmath Config or a Hugging Face config;"
+                        " --config CFG.json on the command line)"
+                    )
+            return _resolve_mapping(tensors, cfg)
+    return _resolve_mapping(source, cfg)
+
+
+def _resolve_mapping(source, cfg) -> Model:
+    """A state dict with a circuitmath or Hugging Face ``cfg``, TransformerLens buffers dropped."""
+    if not isinstance(source, Mapping):
+        raise StateDictError(f"expected a state dict, a .safetensors path or a folder, got {type(source).__name__}")
+    if cfg is None:
+        raise StateDictError("a state dict needs its config: a circuitmath Config or a Hugging Face config")
+    if _is_hf_config(cfg):
+        state_dict, converted = io.from_hf(dict(source), cfg)
+        return Model(state_dict, converted, _dtype(state_dict))
+    if not isinstance(cfg, Config):
+        raise StateDictError(f"expected a circuitmath Config or a Hugging Face config, got {type(cfg).__name__}")
+    state_dict = _without_buffers(source, cfg)
+    return Model(state_dict, cfg, validate_state_dict(state_dict, cfg))
+
+
+def _without_buffers(source: Mapping, cfg: Config) -> dict[str, torch.Tensor]:
+    """``source`` without TransformerLens's non-parameter buffers (``attn.mask``, rotary tables)."""
+    shapes = expected_shapes(cfg)
+    return {
+        name: tensor
+        for name, tensor in source.items()
+        if not (name.rsplit(".", 1)[-1] in _TRANSFORMER_LENS_BUFFERS and name not in shapes)
+    }
+
+
+def _dtype(state_dict: Mapping) -> torch.dtype:
+    return next(iter(state_dict.values())).dtype if state_dict else torch.get_default_dtype()
+
+
+def _processed_forms(cfg: Config) -> list[Config]:
+    """``cfg`` and the configs processing can turn it into without changing any size."""
+    forms = [cfg]
+    bare = {"LN": "LNPre", "RMS": "RMSPre"}.get(cfg.normalization_type)
+    if bare:
+        forms.append(cfg.replace(normalization_type=bare))
+    if cfg.positional_embedding_type == "shortformer":
+        forms += [form.replace(positional_embedding_type="shortformer_tables") for form in forms]
+    return forms
+
+
+def _resolve_after(after, after_cfg, before_cfg: Config, cfg) -> Model:
+    """Resolve ``after``: with ``after_cfg``, else from a file's metadata, else in the format of
+    ``before`` (a Hugging Face ``cfg`` converts a Hugging Face state dict), read against
+    ``before``'s config or the first processed form of it that its tensors fit. A file is read
+    once, and validated against one form: the one its tensor names fit (the others only for the
+    error message when none fits)."""
+    if after_cfg is not None:
+        return resolve(after, after_cfg)
+    if isinstance(after, (str, os.PathLike)):
+        path = Path(after)
+        if path.is_dir() or not path.exists():
+            return resolve(after)
+        tensors, metadata = io.load_tensors(path)
+        if io.CONFIG_KEY in metadata:
+            return resolve(after, loaded=(tensors, metadata))
+        after = tensors
+    if _is_hf_config(cfg) and isinstance(after, Mapping) and "embed.W_E" not in after:
+        return resolve(after, cfg)
+    if not isinstance(after, Mapping):
+        raise StateDictError(f"expected a state dict, a .safetensors path or a folder, got {type(after).__name__}")
+    forms = _processed_forms(before_cfg)
+    fitting = [form for form in forms if set(_without_buffers(after, form)) == set(expected_shapes(form))]
+    first_error = None
+    for form in fitting[:1] + [form for form in forms if form not in fitting[:1]]:
+        try:
+            return resolve(after, form)
+        except StateDictError as error:
+            first_error = first_error or error
+    raise StateDictError(
+        f"the processed state dict fits neither the model's config nor a processed form of it"
+        f" ({', '.join(f.normalization_type or 'no norm' for f in forms[1:]) or 'none'}):"
+        f" {first_error}"
+    ) from None
+
+
+def _norm_parameters(cfg: Config) -> list[str]:
+    """The names of every norm gain and bias ``cfg`` implies."""
+    bare = {"LN": "LNPre", "RMS": "RMSPre"}.get(cfg.normalization_type)
+    if bare is None:
+        return []
+    return sorted(set(expected_shapes(cfg)) - set(expected_shapes(cfg.replace(normalization_type=bare))))
+
+
+def _without_identity_norms(state_dict: StateDict, cfg: Config) -> tuple[dict, Config, str | None]:
+    """Drop norms whose gains are all 1 and biases all 0, which compute ``LNPre`` (``RMSPre``).
+
+    Tools that fold a norm often keep it with unit gain and zero bias (TransformerLens does); the
+    replayed rewrite drops it. Returns the state dict, its config and a note saying what was read.
+    """
+    names = _norm_parameters(cfg)
+    if not names or any(not bool((state_dict[n] == (1 if n.endswith(".w") else 0)).all()) for n in names):
+        return dict(state_dict), cfg, None
+    bare = "LNPre" if cfg.normalization_type == "LN" else "RMSPre"
+    gains = "gain is 1 and bias 0" if cfg.normalization_type == "LN" else "gain is 1"
+    note = f"every {cfg.normalization_type} {gains}: read as {bare}, the same function"
+    return {k: v for k, v in state_dict.items() if k not in names}, cfg.replace(normalization_type=bare), note
+
+
+def resolve_pair(before, after, cfg, after_cfg) -> tuple[Model, Model, list[str]]:
+    """``before`` and ``after`` resolved once each (see :func:`resolve` and :func:`_resolve_after`),
+    a folded norm kept with unit gain and zero bias read as none; and notes on how they were read."""
+    first = resolve(before, cfg)
+    second = _resolve_after(after, after_cfg, first.cfg, cfg)
+    state_dict, second_cfg, note = _without_identity_norms(second.state_dict, second.cfg)
+    return first, Model(state_dict, second_cfg, second.dtype), [note] if note else []
+
+
+def resolve_tokens(tokens, cfg: Config) -> torch.Tensor:
+    """``tokens`` as given, :func:`default_tokens` for ``None``, or ``tokens(cfg)`` for a callable."""
+    if tokens is None:
+        return default_tokens(cfg)
+    return torch.as_tensor(tokens(cfg) if callable(tokens) else tokens)

@@ -1,0 +1,323 @@
+"""Replaying identities on the original model, to tell which rewrite reproduces the processed one.
+
+For each identity the exact rewrite is computed and compared with ``after`` tensor by tensor;
+where it does not reproduce a tensor, the identity's registered wrong rewrites (and those of
+other identities that claim to perform it) are tried; where the identity refuses the model,
+its rewrite applied regardless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import _identities
+from .._config import Config
+from .._errors import AlreadyAppliedError, PreconditionError
+from ._tensors import _largest_entry, _natural_order, _relative_difference, _Thresholds
+
+__all__ = ["weight_identities"]
+
+
+def weight_identities() -> tuple:
+    """The registered identities whose transform rewrites weights (not a computation), each
+    transform once (an identity sharing another's transform is left out)."""
+    seen, out = set(), []
+    for identity in _identities.identities():
+        if identity.compare is None and id(identity.transform) not in seen:
+            seen.add(id(identity.transform))
+            out.append(identity)
+    return tuple(out)
+
+
+@dataclass
+class _Candidate:
+    rewrite: str  # "exact" or "identity.name"
+    description: str
+    state: dict
+    cfg: Config
+
+
+@dataclass
+class _Stage:
+    """One identity of the replay: what it changed, and which rewrite reproduced ``after``."""
+
+    name: str
+    state: dict
+    cfg: Config
+    touched: set[str]
+    exact: dict | None
+    refusal: PreconditionError | None
+    rewrites: dict[str, list[str]] = field(default_factory=dict)  # wrong rewrite -> tensors it explains
+    descriptions: dict[str, str] = field(default_factory=dict)
+    recognised: bool = True
+
+
+class _Replay:
+    """Replays identities on ``before`` and tells which rewrite reproduces ``after``."""
+
+    def __init__(self, after: Mapping[str, torch.Tensor], thresholds: _Thresholds):
+        self.after = after
+        self.thresholds = thresholds
+        self._wrong_cache: dict = {}  # (id(state), cfg) -> (state, wrong rewrites); keeps state alive
+        self._verdicts: dict = {}  # (name, id(tensor), id(reference), level) -> (tensor, reference, verdict)
+        self._largest: dict = {}  # id(tensor) -> (tensor, largest |entry|)
+
+    def same(self, name: str, tensor, reference, level: str = "recognise") -> bool:
+        """Whether ``tensor`` (``None``: absent) is ``after``'s tensor ``name``.
+
+        Verdicts are cached by the tensors' identities: the replay compares the same tensors with
+        ``after`` again and again, and big ones (the unembed) cost a pass each.
+        """
+        theirs = self.after.get(name)
+        if tensor is None or theirs is None:
+            return tensor is None and theirs is None
+        if tensor.shape != theirs.shape:
+            return False
+        key = (name, id(tensor), id(reference), level)
+        hit = self._verdicts.get(key)
+        if hit is None or hit[0] is not tensor or hit[1] is not reference:
+            relative = _relative_difference(theirs, tensor, reference, self.largest)[1]
+            hit = (tensor, reference, relative <= getattr(self.thresholds, level))
+            self._verdicts[key] = hit
+        return hit[2]
+
+    def largest(self, tensor: torch.Tensor) -> float:
+        """The tensor's largest |entry|, computed once per tensor."""
+        hit = self._largest.get(id(tensor))
+        if hit is None or hit[0] is not tensor:
+            hit = (tensor, _largest_entry(tensor))
+            self._largest[id(tensor)] = hit
+        return hit[1]
+
+    @staticmethod
+    def touched(state: Mapping, result: Mapping) -> set[str]:
+        """The tensors ``result`` adds, drops or replaces relative to ``state``.
+
+        Transforms share the tensors they leave alone with their input, so a tensor that is not
+        the same object counts as rewritten (even if its values happen to be equal).
+        """
+        return {name for name in set(state) | set(result) if state.get(name) is not result.get(name)}
+
+    def gain(self, state: Mapping, candidate: _Candidate) -> tuple[int, set[str]]:
+        """Tensors of ``after`` the candidate reproduces, minus those leaving ``state`` alone does."""
+        touched = self.touched(state, candidate.state)
+        won = sum(self.same(n, candidate.state.get(n), state.get(n)) for n in touched)
+        kept = sum(self.same(n, state.get(n), candidate.state.get(n)) for n in touched)
+        return won - kept, touched
+
+    def wrong_rewrites(self, identity, state, cfg, refused: bool, records: tuple[str, ...] = ()) -> list[_Candidate]:
+        """The identity's known wrong rewrites of ``state``: its rewrite regardless of the refusal
+        when it refuses the model; otherwise its wrong rewrites and the wrong rewrites of other
+        identities that record it as applied, and nothing that its exact rewrite, which
+        records ``records``, does not (a wrong pipeline is no wrong version of one of its steps)."""
+        if refused:
+            return [
+                candidate
+                for name, wrong in identity.wrong_rewrites.items() if wrong.regardless
+                for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), wrong.function, state, cfg)
+            ]
+        allowed = {identity.name, *records}
+        return [
+            candidate
+            for owner, candidate in self._all_wrong_rewrites(state, cfg)
+            if owner == identity.name
+            or identity.name in candidate.cfg.applied[len(cfg.applied):]
+            and set(candidate.cfg.applied[len(cfg.applied):]) <= allowed
+        ]
+
+    def _all_wrong_rewrites(self, state, cfg) -> list[tuple[str, _Candidate]]:
+        """Every known wrong rewrite of ``state`` that applies to it, computed once per state."""
+        key = (id(state), cfg)
+        if key not in self._wrong_cache:
+            out = []
+            for identity in weight_identities():
+                for name, wrong in identity.wrong_rewrites.items():
+                    if wrong.regardless:
+                        continue
+                    for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), wrong.function,
+                                               state, cfg):
+                        out.append((identity.name, candidate))
+            self._wrong_cache[key] = (state, out)
+        return self._wrong_cache[key][1]
+
+    @staticmethod
+    def _run(rewrite, description, function, state, cfg) -> Iterable[_Candidate]:
+        try:
+            result, result_cfg = function(state, cfg)
+        except Exception:  # noqa: BLE001 - a wrong rewrite may not fit this model at all: then it explains nothing
+            return
+        yield _Candidate(rewrite, description, dict(result), result_cfg)
+
+    def stage(self, identity, state: dict, cfg: Config, *, forced: bool, search: bool) -> _Stage | None:
+        """Apply ``identity`` to ``state`` the way that best reproduces ``after``.
+
+        The exact rewrite, or (``search``) whichever of it and the identity's known wrong rewrites
+        reproduces most of ``after``, tensor by tensor. When the identity refuses the model, its
+        rewrite applied regardless takes the exact rewrite's place. Returns ``None`` when the
+        identity is not applied: it is already applied, or (``forced=False``) no rewrite of it
+        brings the replay closer to ``after``.
+        """
+        refusal, records = None, ()
+        try:
+            exact_state, exact_cfg = identity.transform(state, cfg)
+            exact = _Candidate("exact", "", dict(exact_state), exact_cfg)
+            records = exact_cfg.applied[len(cfg.applied):]
+        except AlreadyAppliedError:
+            return None
+        except PreconditionError as error:
+            exact, refusal = None, error
+        if exact is not None and identity.name not in records:
+            return None  # a pipeline of other identities: the replay applies those one by one
+        if exact is not None and not search:
+            touched = self.touched(state, exact.state)
+            if forced:  # recognition is judged by what is left at the end (and searched for if anything is)
+                return _Stage(identity.name, exact.state, exact.cfg, touched, exact.state, None)
+            if all(self.same(n, exact.state.get(n), state.get(n)) for n in touched):
+                # it reproduces everything it rewrites: applied, if it changed anything ``after`` has
+                if forced or any(not self.same(n, state.get(n), exact.state.get(n)) for n in touched):
+                    return _Stage(identity.name, exact.state, exact.cfg, touched, exact.state, None)
+                return None
+        candidates = [exact] if exact is not None else []
+        if refusal is not None or search:
+            candidates += self.wrong_rewrites(identity, state, cfg, refused=refusal is not None, records=records)
+        if not candidates:
+            if forced:
+                return _Stage(identity.name, dict(state), cfg, set(), None, refusal, recognised=False)
+            return None
+        gains = [self.gain(state, c) for c in candidates]
+        best = max(range(len(candidates)), key=lambda i: (gains[i][0], -i))
+        primary, (gain, touched) = candidates[best], gains[best]
+        if gain <= 0 and not forced:
+            return None
+        if gain <= 0 and exact is not None:
+            primary, touched = exact, gains[0][1]
+        merged = dict(primary.state)
+        origin = {n: primary for n in touched}
+        for name in touched:
+            if self.same(name, merged.get(name), state.get(name)):
+                continue
+            for other in candidates:
+                if other is not primary and set(other.state) == set(merged) and self.same(name, other.state.get(name), state.get(name)):
+                    merged[name], origin[name] = other.state[name], other
+                    break
+        stage = _Stage(identity.name, merged, primary.cfg, touched, exact.state if exact else None, refusal,
+                       recognised=gain > 0)
+        self._record(stage, origin, primary, state)
+        return stage
+
+    def _record(self, stage: _Stage, origin: Mapping[str, _Candidate], primary: _Candidate, state: Mapping,
+                names: Iterable[str] | None = None) -> None:
+        """Name, in ``stage``, each wrong rewrite and the tensors where the replay departs from the
+        exact rewrite because of it (tensors only one of them has included); only among ``names``
+        when given."""
+        exact = stage.exact
+        if exact is None:  # the identity refuses the model: every tensor rewritten regardless counts
+            for name in _natural_order(origin):
+                if origin[name].rewrite != "exact":
+                    self._name(stage, origin[name], [name])
+            return
+        if names is None:
+            names = self.touched(state, exact) | self.touched(state, stage.state)
+        for name in _natural_order(names):
+            ours, theirs = stage.state.get(name), exact.get(name)
+            if ours is theirs or ours is not None and theirs is not None and torch.equal(ours, theirs):
+                continue
+            candidate = origin.get(name, primary)
+            if candidate.rewrite != "exact":
+                self._name(stage, candidate, [name])
+
+    @staticmethod
+    def _name(stage: _Stage, candidate: _Candidate, names: list[str]) -> None:
+        if names:
+            listed = stage.rewrites.setdefault(candidate.rewrite, [])
+            listed += [n for n in names if n not in listed]
+            stage.descriptions[candidate.rewrite] = candidate.description
+
+    def run(self, before: dict, cfg: Config, plan, *, search: bool) -> tuple[list[_Stage], dict, Config]:
+        """Replay ``plan`` (identities, each forced) or, with ``plan=None``, every weight identity
+        that brings the replay closer to ``after``, in registry order, until none does."""
+        stages, state = [], before
+        if plan is not None:
+            for identity in plan:
+                stage = self.stage(identity, state, cfg, forced=True, search=search)
+                if stage is not None:
+                    stages.append(stage)
+                    state, cfg = stage.state, stage.cfg
+            return stages, state, cfg
+        pending = list(weight_identities())
+        while True:
+            accepted = False
+            for identity in list(pending):
+                stage = self.stage(identity, state, cfg, forced=False, search=search)
+                if stage is not None:
+                    stages.append(stage)
+                    state, cfg = stage.state, stage.cfg
+                    pending.remove(identity)
+                    accepted = True
+            if not accepted:
+                return stages, state, cfg
+
+    def explain(self, before: dict, cfg: Config, plan) -> tuple[list[_Stage], dict, Config, list[str]]:
+        """The replay that best reproduces ``after`` and the tensors it leaves unexplained.
+
+        First exact rewrites only; if anything is left, the known wrong rewrites compared with
+        ``after`` where they are applied; if still anything is left, each wrong rewrite followed
+        by the rest of the replay (it may be hidden under later rewrites of the same tensors,
+        e.g. a wrongly folded unembed that is centred afterwards).
+        """
+        stages, final, final_cfg = self.run(before, cfg, plan, search=False)
+        residual = self.residual(final, before)
+        if not residual:
+            return stages, final, final_cfg, residual
+        searched = self.run(before, cfg, plan, search=True)
+        searched_residual = self.residual(searched[1], before)
+        if len(searched_residual) <= len(residual):
+            (stages, final, final_cfg), residual = searched, searched_residual
+        improved = True
+        while residual and improved:
+            improved = False
+            for i, stage in enumerate(stages):
+                found = self._downstream_trial(before, cfg, plan, stages, i, residual)
+                if found is not None:
+                    stages, final, final_cfg, residual = found
+                    improved = True
+                    break
+        return stages, final, final_cfg, residual
+
+    def _downstream_trial(self, before, cfg, plan, stages, i, residual):
+        """Try each wrong rewrite of stage ``i`` followed by the rest of the replay; return the first
+        that leaves fewer tensors unexplained, as ``(stages, final, final_cfg, residual)``."""
+        state, state_cfg = (before, cfg) if i == 0 else (stages[i - 1].state, stages[i - 1].cfg)
+        stage = stages[i]
+        identity = _identities.get_identity(stage.name)
+        rest = None if plan is None else [_identities.get_identity(s.name) for s in stages[i + 1:]]
+        records = () if stage.exact is None else stage.cfg.applied[len(state_cfg.applied):]
+        for candidate in self.wrong_rewrites(identity, state, state_cfg, refused=stage.refusal is not None,
+                                             records=records):
+            base = stage.state
+            if set(candidate.state) != set(base):
+                continue
+            changed = [n for n in candidate.state if not torch.equal(candidate.state[n], base[n])]
+            while changed:
+                trial = _Stage(stage.name, dict(base, **{n: candidate.state[n] for n in changed}), stage.cfg,
+                               stage.touched | self.touched(state, candidate.state), stage.exact, stage.refusal,
+                               dict(stage.rewrites), dict(stage.descriptions), stage.recognised)
+                later, final, final_cfg = self.run(trial.state, trial.cfg, rest, search=False)
+                trial_residual = self.residual(final, before)
+                if len(trial_residual) < len(residual):
+                    self._record(trial, dict.fromkeys(changed, candidate), candidate, state, changed)
+                    return stages[:i] + [trial] + later, final, final_cfg, trial_residual
+                # the wrong rewrite may be right for only some tensors: keep it only where it does not hurt
+                kept = [n for n in changed if n not in set(trial_residual) - set(residual)]
+                if len(kept) == len(changed):
+                    break
+                changed = kept
+        return None
+
+    def residual(self, state: Mapping, before: Mapping) -> list[str]:
+        """The tensors of ``after`` that ``state`` does not reproduce up to rounding."""
+        names = set(state) | set(self.after)
+        return sorted(n for n in names if not self.same(n, state.get(n), before.get(n), "exact"))

@@ -1,0 +1,259 @@
+"""The result of a check: one :class:`Finding` per row, gathered in a :class:`Diagnosis`.
+
+``str(diagnosis)`` is the table and the explanations the CLI prints; ``as_dicts()`` its JSON
+rows. The row builders turn a replayed stage and its log-prob comparison into a finding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .._compare import Comparison
+from .._config import Config
+from ._tensors import ParameterMismatch, _json_number, _mismatch, _relative_difference
+
+__all__ = ["Finding", "Diagnosis", "TABLE_COLUMNS"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One row of a check: an identity, the residual the identities leave, or the whole model.
+
+    ``kind`` is ``"identity"`` (a registered identity: in a check of one model, its transform
+    applied to that model; in a check of a processed model, one step of the replay), ``"residual"``
+    (what the replayed identities do not reproduce) or ``"equivalence"`` (``before`` against
+    ``after`` as a whole). ``status`` is ``"holds"``, ``"violated"``, ``"not applicable"`` or
+    ``"not recognised"`` (a check of one identity found no trace of it in ``after``).
+    ``max_abs_error`` is the largest |Δ log-prob| this row is responsible for and ``tolerance``
+    what rounding may explain; both are ``None`` for a replayed identity whose exact rewrite
+    reproduced every tensor (then ``parameter_error``, the largest relative difference between
+    ``after`` and that rewrite, is the evidence). ``rewrite`` is ``"exact"``, or the wrong rewrite
+    that reproduced ``after`` as ``"identity.name"``.
+    """
+
+    name: str
+    kind: str
+    applicable: bool
+    status: str
+    reason: str | None = None
+    rewrite: str | None = None
+    max_abs_error: float | None = None
+    tolerance: float | None = None
+    explanation: str | None = None
+    parameters: tuple[ParameterMismatch, ...] = ()
+    parameter_error: float | None = None
+    precondition: str | None = None
+
+    @property
+    def violated(self) -> bool:
+        return self.status in ("violated", "not recognised")
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "applicable": self.applicable,
+            "reason": self.reason,
+            "precondition": self.precondition,
+            "rewrite": self.rewrite,
+            "max_abs_error": _json_number(self.max_abs_error),
+            "tolerance": _json_number(self.tolerance),
+            "status": self.status,
+            "explanation": self.explanation,
+            "parameter_error": _json_number(self.parameter_error),
+            "parameters": [p.as_dict() for p in self.parameters],
+        }
+
+
+TABLE_COLUMNS = ("identity", "applicable", "rewrite", "max |Δ log-prob|", "tolerance", "status")
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The findings of a check, one per row; ``str()`` gives the table and the explanations.
+
+    ``comparison`` is ``before`` against ``after`` (``None`` when one model was checked on its
+    own), ``replayed`` the identities the replay applied, in order, and ``notes`` how the inputs
+    were read.
+    """
+
+    findings: tuple[Finding, ...]
+    comparison: Comparison | None = None
+    replayed: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """No row is violated (or unrecognised) and, when two models were compared, they agree."""
+        return not self.violations and (self.comparison is None or self.comparison.passed)
+
+    @property
+    def violations(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.violated)
+
+    def culprits(self) -> tuple[ParameterMismatch, ...]:
+        """Every parameter named by a violated row."""
+        return tuple(p for f in self.violations for p in f.parameters)
+
+    def as_dicts(self) -> list[dict]:
+        return [f.as_dict() for f in self.findings]
+
+    def table(self) -> str:
+        rows = [TABLE_COLUMNS]
+        for f in self.findings:
+            if f.kind != "identity":
+                applicable = "-"
+            elif f.applicable:
+                applicable = "yes"
+            else:
+                applicable = "no: " + _shorten(f.precondition or f.reason or "", 48)
+            rows.append((
+                f.name,
+                applicable,
+                f.rewrite or "-",
+                "exact rewrite" if f.max_abs_error is None and f.rewrite == "exact" else _number(f.max_abs_error),
+                _number(f.tolerance),
+                f.status,
+            ))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        lines = []
+        if self.comparison is not None:
+            c = self.comparison
+            b, p, t = c.where
+            verdict = "agree" if c.passed else "DIFFER"
+            relation = "<=" if c.passed else ">"
+            lines.append(
+                f"before and after {verdict}: max |Δ log-prob| {c.max_abs_error:.3g} {relation} tolerance"
+                f" {c.tolerance:.3g} (batch {b}, position {p}, token {t})"
+            )
+            lines.append("replayed: " + (" -> ".join(self.replayed) if self.replayed else "no identity"))
+        lines += [f"note: {n}" for n in self.notes]
+        lines += ["", self.table()]
+        for f in self.findings:
+            if not (f.violated or f.explanation or f.reason and f.kind == "identity" and f.applicable):
+                continue
+            if f.status == "not applicable":
+                continue
+            lines += ["", f"{f.name}: {f.status}"]
+            if f.reason:
+                lines.append(f"  {f.reason}")
+            if f.explanation:
+                lines += [f"  {line}" for line in f.explanation.splitlines()]
+            lines += [f"    {p}" for p in f.parameters]
+        return "\n".join(lines)
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _identity_finding(stage: _Stage, before: Mapping, replay: _Replay, comparison: Comparison | None,
+                      parameter_error: float | None) -> Finding:
+    """The row of one replayed identity."""
+    lines, parameters = [], []
+    reference = stage.exact
+    for rewrite, names in stage.rewrites.items():
+        lines.append(f"the wrong rewrite {rewrite} explains {', '.join(names)}: {stage.descriptions[rewrite]}")
+        for name in names:
+            if reference is not None:
+                expected, expected_in = reference.get(name), "the exact rewrite"
+            else:  # the identity refuses the model: there is no exact rewrite, so measure the change
+                expected, expected_in = before.get(name), "the original model"
+            parameters.append(_mismatch(name, stage.state.get(name), expected, before.get(name),
+                                        replay.thresholds.exact, stage.name, expected_in))
+    if stage.refusal is not None and stage.recognised:
+        lines = [line.replace(f"the wrong rewrite {stage.name}.regardless explains", "applied regardless, to", 1)
+                 for line in lines]
+    if not stage.recognised:
+        lines.append(
+            "not recognised: none of the tensors this identity rewrites matches its rewrite"
+            + ("" if stage.refusal is None else " (and the identity refuses this model)")
+        )
+        if reference is not None:
+            parameters += [
+                _mismatch(n, replay.after.get(n), reference.get(n), before.get(n), replay.thresholds.exact, stage.name)
+                for n in sorted(stage.touched)
+            ]
+    rewrite = "exact" if not stage.rewrites and stage.refusal is None else ", ".join(stage.rewrites) or "regardless"
+    if not stage.recognised:
+        status = "not recognised"
+    elif comparison is None:
+        status = "holds"
+    else:
+        status = "holds" if comparison.passed else "violated"
+    return Finding(
+        name=stage.name,
+        kind="identity",
+        applicable=stage.refusal is None,
+        status=status,
+        reason=None if stage.refusal is None else str(stage.refusal),
+        precondition=None if stage.refusal is None else stage.refusal.precondition,
+        rewrite=rewrite,
+        max_abs_error=None if comparison is None else comparison.max_abs_error,
+        tolerance=None if comparison is None else comparison.tolerance,
+        explanation="\n".join(lines) or None,
+        parameters=tuple(parameters),
+        parameter_error=parameter_error,
+    )
+
+
+def _config_differences(replayed: Config, processed: Config) -> list[str]:
+    """The config fields (other than ``applied``) in which the processed model differs from the replay."""
+    ours, theirs = replayed.to_dict(), processed.to_dict()
+    return [f"{k}: {theirs[k]!r} (the replay gives {ours[k]!r})" for k in ours if k != "applied" and ours[k] != theirs[k]]
+
+
+def _residual_finding(residual, final, final_cfg, before, after, after_cfg, replay, last_writer, lp, dtype,
+                      config_differences) -> Finding:
+    """What the replayed identities leave unexplained: tensors, and config fields."""
+    parameters = tuple(
+        _mismatch(n, after.get(n), final.get(n), before.get(n), replay.thresholds.exact, last_writer.get(n), "the replay")
+        for n in residual
+    )
+    comparison = None
+    if lp is not None:
+        comparison = lp.compare(final, final_cfg, after, after_cfg)
+    lines = []
+    if residual:
+        relative = [p.relative_error for p in parameters]
+        if dtype == torch.float64 and max(relative) <= replay.thresholds.float32_rounding:
+            lines.append(
+                f"every difference is within float32 rounding (largest {max(relative):.2g} of a tensor's largest"
+                " entry): the float64 weights were processed in float32 or lower precision"
+            )
+        writers_ = sorted({p.written_by for p in parameters if p.written_by})
+        if writers_:
+            lines.append("these tensors differ from the exact rewrite of " + ", ".join(writers_)
+                         + " (each parameter names the identity that last rewrote it)")
+        if any(p.written_by is None for p in parameters):
+            lines.append("tensors no replayed identity rewrites differ from the original model")
+    if config_differences:
+        lines.append("the processed model's config differs from the replay's: " + "; ".join(config_differences))
+    if comparison is None:
+        status = "holds"
+    else:
+        status = "holds" if comparison.passed else "violated"
+    if residual and comparison is not None and comparison.passed:
+        lines.append("the differences do not change the log-probs beyond rounding")
+    return Finding(
+        name="residual",
+        kind="residual",
+        applicable=True,
+        status=status,
+        max_abs_error=None if comparison is None else comparison.max_abs_error,
+        tolerance=None if comparison is None else comparison.tolerance,
+        explanation="\n".join(lines) or None,
+        parameters=parameters,
+    )

@@ -1,0 +1,140 @@
+"""Comparing the processed model's tensors with a rewrite's: thresholds, differences, and where.
+
+A :class:`ParameterMismatch` names a tensor (layer, heads) and how far it is from what it
+should be; :class:`_Thresholds` says when two tensors count as the same rewrite.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .._config import Config
+
+__all__ = ["ParameterMismatch"]
+
+_HEAD_AXIS = {"W_Q": 0, "W_K": 0, "W_V": 0, "_W_K": 0, "_W_V": 0, "W_O": 0, "b_Q": 0, "b_K": 0, "b_V": 0,
+              "_b_K": 0, "_b_V": 0, "pos_Q": 1, "pos_K": 1}
+
+
+@dataclass(frozen=True)
+class ParameterMismatch:
+    """Where one tensor of the processed model differs from what it should be, and by how much.
+
+    ``layer`` is the block index (``None`` outside the blocks), ``heads`` the attention heads
+    whose slice differs (per-head tensors only), ``max_abs_error`` the largest absolute difference
+    and ``relative_error`` that over the largest entry of the tensors compared. ``problem`` is set
+    when the tensor is missing, unexpected or of another shape; ``written_by`` names the identity
+    whose rewrite last produced the expected tensor (``None``: no identity rewrites it).
+    """
+
+    name: str
+    layer: int | None
+    heads: tuple[int, ...]
+    max_abs_error: float
+    relative_error: float
+    problem: str | None = None
+    written_by: str | None = None
+
+    def __str__(self) -> str:
+        where = [f"layer {self.layer}"] if self.layer is not None else []
+        if self.heads:
+            where.append(("head " if len(self.heads) == 1 else "heads ") + ", ".join(map(str, self.heads)))
+        place = f"{self.name} ({', '.join(where)})" if where else self.name
+        if self.problem:
+            return f"{place}: {self.problem}"
+        return f"{place}: max |Δ| {self.max_abs_error:.3g} ({self.relative_error:.2g} of its largest entry)"
+
+    def as_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "layer": self.layer,
+            "heads": list(self.heads),
+            "max_abs_error": _json_number(self.max_abs_error),
+            "relative_error": _json_number(self.relative_error),
+            "problem": self.problem,
+            "written_by": self.written_by,
+        }
+
+
+def _json_number(value: float | None):
+    return None if value is None or not math.isfinite(value) else value
+
+
+@dataclass(frozen=True)
+class _Thresholds:
+    """When two tensors count as the same.
+
+    ``recognise``: the same rewrite (used to tell which rewrite was applied; wrong rewrites miss
+    it by orders of magnitude, while rewrites computed another way, in float32 or with another
+    summation order, stay well inside). ``exact``: equal up to rounding in the model's dtype.
+    """
+
+    recognise: float
+    exact: float
+    float32_rounding: float
+
+    @classmethod
+    def of(cls, dtype: torch.dtype, cfg: Config) -> "_Thresholds":
+        root_k = math.sqrt(max(cfg.d_model, cfg.d_mlp or 0, cfg.d_vocab))
+        recognise = max(1e-3, 4 * torch.finfo(dtype).eps)
+        return cls(
+            recognise=recognise,
+            exact=min(recognise, 8 * torch.finfo(dtype).eps * root_k),
+            float32_rounding=8 * torch.finfo(torch.float32).eps * root_k,
+        )
+
+
+def _largest_entry(tensor: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(tensor, ord=math.inf)) if tensor.numel() else 0.0
+
+
+def _relative_difference(a: torch.Tensor, b: torch.Tensor, reference: torch.Tensor | None = None,
+                         largest: Callable[[torch.Tensor], float] = _largest_entry) -> tuple[float, float]:
+    """``(max |a - b|, that over the largest |entry| of a, b and reference)``; (0, 0) when equal.
+
+    ``largest`` gives a tensor's largest |entry| (a caching version saves passes over big tensors).
+    """
+    if a is b or torch.equal(a, b):
+        return 0.0, 0.0
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    difference = _largest_entry(a.to(dtype) - b.to(dtype))
+    scale = max(largest(t) for t in (a, b) + ((reference,) if reference is not None else ()))
+    return difference, (difference / scale if scale > 0 else math.inf)
+
+
+def _natural_order(names: Iterable[str]) -> list[str]:
+    """Names sorted with their numbers compared as numbers (blocks.2 before blocks.10)."""
+    return sorted(names, key=lambda n: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", n)])
+
+
+def _location(name: str) -> tuple[int | None, int | None]:
+    """``(layer, head axis)`` of a parameter name."""
+    layer = re.match(r"blocks\.(\d+)\.", name)
+    return (int(layer.group(1)) if layer else None), _HEAD_AXIS.get(name.rsplit(".", 1)[-1])
+
+
+def _mismatch(name: str, got, expected, reference, threshold: float, written_by: str | None,
+              expected_in: str = "the exact rewrite") -> ParameterMismatch:
+    """``got`` (the processed model's tensor) against ``expected`` (``expected_in``'s); ``None``: absent."""
+    layer, head_axis = _location(name)
+    if got is None:
+        problem = f"absent from the processed model, present in {expected_in}"
+        return ParameterMismatch(name, layer, (), math.inf, math.inf, problem, written_by)
+    if expected is None:
+        problem = f"present in the processed model, absent from {expected_in}"
+        return ParameterMismatch(name, layer, (), math.inf, math.inf, problem, written_by)
+    if got.shape != expected.shape:
+        problem = f"shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+        return ParameterMismatch(name, layer, (), math.inf, math.inf, problem, written_by)
+    absolute, relative = _relative_difference(got, expected, reference)
+    heads: tuple[int, ...] = ()
+    if head_axis is not None and got.ndim > head_axis and relative > 0:
+        dtype = torch.promote_types(got.dtype, expected.dtype)
+        per_head = (got.to(dtype) - expected.to(dtype)).abs().movedim(head_axis, 0).flatten(1).amax(dim=1)
+        heads = tuple(int(h) for h in torch.nonzero(per_head > threshold * (absolute / relative)).flatten())
+    return ParameterMismatch(name, layer, heads, absolute, relative, None, written_by)

@@ -1,0 +1,85 @@
+"""Every precondition a transform raises is one its identity registers: the same object."""
+
+import ast
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+import circuitmath as cm
+from circuitmath._errors import Precondition
+from circuitmath._processing._common import require
+
+PROCESSING = Path(__file__).parents[1] / "circuitmath" / "_processing"
+BASE = dict(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=9, n_ctx=5, d_mlp=12)
+
+#: Model options that break one precondition or another.
+OPTIONS = {
+    "normalization_type": ("LN", "LNPre", "RMS", "RMSPre", None),
+    "norm_position": ("pre", "post"),
+    "positional_embedding_type": ("standard", "shortformer", "rotary"),
+    "eps": (1e-5, 0.0),
+}
+
+
+def _configs():
+    for values in itertools.product(*OPTIONS.values()):
+        changes = dict(zip(OPTIONS, values))
+        if changes["norm_position"] == "post" and changes["normalization_type"] is None:
+            continue
+        try:
+            yield cm.Config(**BASE).replace(**changes)
+        except cm.CircuitMathError:
+            continue  # a combination the config itself refuses
+
+
+def _unregistered(error: cm.PreconditionError) -> str | None:
+    """Why ``error`` names no registered precondition of its identity (``None``: it does)."""
+    registered = cm.get_identity(error.identity).preconditions
+    if not isinstance(error.precondition, Precondition):
+        return f"{error.identity}: {error.precondition!r} is a plain string, not a Precondition"
+    if not any(error.precondition is p for p in registered):
+        return f"{error.identity}: {error.precondition!r} is not among its registered preconditions"
+    return None
+
+
+def test_require_takes_only_registered_objects():
+    with pytest.raises(TypeError, match="registered Precondition"):
+        require("layer_norm_fold", "pre-norm", True, "")
+    with pytest.raises(cm.PreconditionError) as caught:
+        require("layer_norm_fold", Precondition("made up"), False, "detail")
+    assert _unregistered(caught.value)  # the check below can fail
+
+
+def test_require_is_called_with_named_preconditions_only():
+    for path in sorted(PROCESSING.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "require" and len(node.args) > 1:
+                assert not isinstance(node.args[1], ast.Constant), f"{path.name}:{node.lineno}: a literal precondition"
+
+
+def test_every_raised_precondition_is_registered():
+    raised, problems = set(), []
+    weight_identities = [i for i in cm.identities() if i.compare is None]
+    for cfg in _configs():
+        state_dict = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+        for identity in weight_identities:
+            for applied in ((), (identity.name,)):
+                try:
+                    prepared, prepared_cfg = identity.prepare(state_dict, cfg) if identity.prepare else (state_dict, cfg)
+                    identity.transform(prepared, prepared_cfg.replace(applied=prepared_cfg.applied + applied))
+                except cm.PreconditionError as error:
+                    raised.add((error.identity, str(error.precondition)))
+                    if (why := _unregistered(error)) is not None:
+                        problems.append(why)
+    assert not problems, sorted(set(problems))
+    # the sweep reaches every raisable precondition of the folds, the centrings and the norms
+    for name, precondition in [("layer_norm_fold", "normalization_type is LN"), ("layer_norm_fold", "pre-norm"),
+                               ("center_reading_weights", "readers see LNPre(x), which is orthogonal to 1"),
+                               ("center_writing_weights", "every reader sits behind a centring norm"),
+                               ("rms_norm_fold", "normalization_type is RMS"), ("scale_invariance", "eps == 0"),
+                               ("remove_key_biases", "keys and queries are not rotated by position"),
+                               ("shortformer_tables", "positional_embedding_type is shortformer"),
+                               ("fold_value_biases", "not already applied")]:
+        assert (name, precondition) in raised, (name, precondition)
