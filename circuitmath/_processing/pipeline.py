@@ -54,19 +54,22 @@ def process_weights(
     state_dict: StateDict,
     cfg: Config,
     *,
-    fold_ln: bool | None = True,
-    center_writing_weights: bool | None = True,
-    center_unembed: bool | None = True,
-    fold_value_biases: bool | None = True,
+    fold_ln: bool | None = None,
+    center_writing_weights: bool | None = None,
+    center_unembed: bool | None = None,
+    fold_value_biases: bool | None = None,
     refactor_factored_attn_matrices: bool | None = False,
 ) -> tuple[dict[str, torch.Tensor], Config]:
     """Apply the weight-processing steps of the source notes, each only where it is exact.
 
     Each keyword takes ``True`` (apply the step; if this model breaks one of its preconditions,
     raise that step's :class:`~circuitmath.PreconditionError`), ``False`` (leave it out) or
-    ``None`` (apply it if its preconditions hold, leave it out otherwise). ``None`` for every
-    keyword asks for everything that applies; what was applied is read from the returned
-    config's ``applied``, so nothing is skipped unseen. A step already recorded in
+    ``None`` (apply it if its preconditions hold, leave it out otherwise). The defaults, ``None``
+    for the first four steps and ``False`` for the refactor, apply what is exact for the model's
+    architecture: every step on a pre-LayerNorm model, and on an RMSNorm model (LLaMA) the fold,
+    the value biases and the unembed but not the centring of the writers (RMSNorm does not
+    centre). What was applied is read from the returned config's ``applied``, so nothing is
+    skipped unseen; ask for a step with ``True`` to be told why it does not apply. A step already recorded in
     ``cfg.applied`` is refused when asked for with ``True`` (:class:`~circuitmath.AlreadyAppliedError`)
     and left out with ``None``. A refusal returns nothing, and the input is never modified.
 
@@ -114,13 +117,13 @@ def process_weights(
      'center_unembed')
     >>> _ = assert_equivalent(sd, processed, cfg, after_cfg=processed_cfg)
     >>> rms = cfg.replace(normalization_type="RMS")
-    >>> process_weights(random_state_dict(rms, seed=0), rms)  # doctest: +ELLIPSIS
+    >>> process_weights(random_state_dict(rms, seed=0), rms)[1].applied
+    ('rms_norm_fold', 'fold_value_biases', 'center_unembed')
+    >>> process_weights(random_state_dict(rms, seed=0), rms, center_writing_weights=True)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     circuitmath._errors.PreconditionError: center_writing_weights: precondition 'every reader sits behind a centring norm' does not hold: ...
-    >>> everything = dict.fromkeys(["fold_ln", "center_writing_weights", "center_unembed",
-    ...                             "fold_value_biases", "refactor_factored_attn_matrices"])
-    >>> process_weights(random_state_dict(rms, seed=0), rms, **everything)[1].applied
+    >>> process_weights(random_state_dict(rms, seed=0), rms, refactor_factored_attn_matrices=None)[1].applied
     ('rms_norm_fold', 'fold_value_biases', 'center_unembed', 'refactor_factored_attn_matrices')
     """
     requested = {
