@@ -167,17 +167,19 @@ REFUSALS = [
 @pytest.mark.parametrize("options, flags, keyword, identity, precondition", REFUSALS,
                          ids=["centre-writers-behind-rms", "fold-post-norm", "refactor-rotary", "ln-gated-mlp"])
 @given(data=st.data())
-def test_a_requested_step_that_cannot_apply_exactly_raises_its_own_error(
+def test_a_requested_step_that_cannot_apply_exactly_raises_its_own_error_and_the_default_leaves_it_out(
     options, flags, keyword, identity, precondition, data
 ):
     cfg, sd = data.draw(models(**options))
     before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
-        cm.process_weights(sd, cfg, **flags)
+        cm.process_weights(sd, cfg, **(flags | {keyword: True}))
     assert (info.value.identity, info.value.precondition) == (identity, precondition)
     assert same(sd, before)
-    _processed, processed_cfg = cm.process_weights(sd, cfg, **(flags | {keyword: None}))
-    assert not RECORDS[keyword] & set(processed_cfg.applied)
+    for left_out in (None, "default"):  # the default applies what fits, like None
+        asked = flags | {keyword: None} if left_out is None else {k: v for k, v in flags.items() if k != keyword}
+        _processed, processed_cfg = cm.process_weights(sd, cfg, **asked)
+        assert not RECORDS[keyword] & set(processed_cfg.applied)
 
 
 @given(models(normalization_types=("LN", "RMS"), positional_embedding_types=("standard", "rotary"), gated_mlp=(False,)))
