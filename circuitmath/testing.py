@@ -105,7 +105,8 @@ def assert_equivalent(
 
     On failure the message says where the largest difference is and, with ``diagnose=True``,
     which identity's precondition or conclusion is violated, in which parameters (layer, head,
-    name) and by how much (:func:`diagnose`).
+    name) and by how much (:func:`diagnose`). Inside a hypothesis test the diagnosis runs only on
+    the final, shrunk failing example: the comparison alone decides while hypothesis shrinks.
     """
     with validated_once():
         first, second, notes = _diagnosis.resolve_pair(before, after, cfg, after_cfg)
@@ -122,12 +123,29 @@ def assert_equivalent(
             f" (batch {b}, position {p}, token {t})"
         )
         found = None
-        if diagnose:  # the two forward passes just made are handed to the diagnosis, not made again
+        if diagnose and not _shrinking():
+            # the two forward passes just made are handed to the diagnosis, not made again
             plan = _diagnosis._recorded_plan(first.cfg, second.cfg, notes)
             computed = ((first.state_dict, first_log_probs), (second.state_dict, second_log_probs))
             found = _diagnosis.replay_and_explain(first, second, tokens, plan, notes, computed=computed)
             message += "\n\ndiagnosis:\n" + str(found)
+        elif diagnose:
+            message += "\n(diagnosed on hypothesis's final, shrunk example only)"
     raise NotEquivalentError(message, result, found)
+
+
+def _shrinking() -> bool:
+    """Whether this runs inside a hypothesis test on an example other than the final one.
+
+    Hypothesis re-runs a failing test hundreds of times while it shrinks and explains the
+    failure; the comparison alone decides each of those runs, and the diagnosis (many times the
+    cost of the comparison) runs once, on the final example, whose error is the one reported.
+    """
+    try:
+        from hypothesis.control import current_build_context, currently_in_test_context
+    except ImportError:  # pragma: no cover - hypothesis is a dependency
+        return False
+    return currently_in_test_context() and not current_build_context().is_final
 
 
 def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress=None) -> "Diagnosis":
