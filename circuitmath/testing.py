@@ -221,11 +221,30 @@ def _checker(identity) -> Callable:
     return check
 
 
+def _asserting(check: Callable) -> Callable:
+    """``assert_<function>``: :func:`check_<function>`, raising :class:`NotEquivalentError` (an
+    ``AssertionError`` whose message is the whole report) unless the report is ok."""
+
+    def assert_(before, after, cfg=None, *, after_cfg=None, tokens=None) -> Diagnosis:
+        report = check(before, after, cfg, after_cfg=after_cfg, tokens=tokens)
+        if not report.ok:
+            raise NotEquivalentError(str(report), report.comparison, report)
+        return report
+
+    assert_.__name__ = assert_.__qualname__ = check.__name__.replace("check_", "assert_", 1)
+    assert_.__module__ = __name__
+    assert_.__doc__ = (f"Raise :class:`NotEquivalentError` with the report of :func:`{check.__name__}` unless it"
+                       " is ok; return the report otherwise.")
+    return assert_
+
+
 #: The per-identity checkers, one per registered weight identity with a public transform,
-#: derived from the registry: ``check_fold_layer_norm``, ``check_center_reading_weights``, ...
+#: derived from the registry: ``check_fold_layer_norm``, ``check_center_reading_weights``, ...;
+#: each has an ``assert_`` form that raises instead of returning a failed report.
 CHECKERS: dict[str, Callable] = {}
 for _identity in _diagnosis.weight_identities():
     if _identity.function:
         CHECKERS[_identity.name] = globals()[f"check_{_identity.function}"] = _checker(_identity)
-        __all__.append(f"check_{_identity.function}")
+        globals()[f"assert_{_identity.function}"] = _asserting(CHECKERS[_identity.name])
+        __all__ += [f"check_{_identity.function}", f"assert_{_identity.function}"]
 del _identity

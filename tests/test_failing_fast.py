@@ -50,3 +50,23 @@ def test_outside_hypothesis_every_failure_is_diagnosed():
     processed, processed_cfg = _wrong_fold(sd, cfg)
     with pytest.raises(NotEquivalentError, match="diagnosis:"):
         assert_equivalent(sd, processed, cfg, after_cfg=processed_cfg)
+
+
+def test_a_failed_report_reads_well_under_pytest():
+    """``assert report.ok, report`` shows the verdict within pytest's 240-character repr, and
+    the assert_* form raises with the whole table."""
+    from circuitmath.testing import assert_fold_layer_norm, check_fold_layer_norm
+
+    cfg = cm.Config(n_layers=1, d_model=6, n_heads=2, d_head=3, d_vocab=7, n_ctx=4)
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    processed, processed_cfg = _wrong_fold(sd, cfg)
+    report = check_fold_layer_norm(sd, processed, cfg, after_cfg=processed_cfg)
+    assert not report.ok
+    text = repr(report)
+    assert len(text) <= 240 and text.startswith("<Diagnosis FAILED") and "layer_norm_fold" in text, text
+    assert "unembed.b_U" in text
+    with pytest.raises(NotEquivalentError) as error:
+        assert_fold_layer_norm(sd, processed, cfg, after_cfg=processed_cfg)
+    assert str(report) in str(error.value) and "identity" in str(error.value)
+    good, good_cfg = cm.fold_layer_norm(sd, cfg)
+    assert repr(assert_fold_layer_norm(sd, good, cfg, after_cfg=good_cfg)).startswith("<Diagnosis ok")

@@ -123,6 +123,21 @@ class Diagnosis:
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
+    def __repr__(self) -> str:
+        """One line, the verdict first, short enough for a test runner's assertion message
+        (pytest cuts reprs at 240 characters); ``str()`` gives the table and the explanations."""
+        if self.ok:
+            return f"<Diagnosis ok: {len(self.findings)} rows hold>"
+        parts = []
+        if self.comparison is not None and not self.comparison.passed:
+            parts.append(f"log-probs differ by {self.comparison.max_abs_error:.3g} > {self.comparison.tolerance:.3g}")
+        for f in self.violations:
+            names = [p.name for p in f.parameters]
+            shown = ", ".join(names[:2]) + (f" +{len(names) - 2} more" if len(names) > 2 else "")
+            parts.append(f"{f.name} {f.status}" + (f" ({f.rewrite}: {shown})" if f.rewrite and shown else
+                                                   f" ({shown})" if shown else ""))
+        return _shorten(f"<Diagnosis FAILED: {'; '.join(parts)}; print it for the table>", 230)
+
     def __str__(self) -> str:
         lines = []
         if self.comparison is not None:
