@@ -137,7 +137,10 @@ def _check(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m circuitmath", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m circuitmath",
+        description="Prove the identities behind transformer weight processing, and check models against them.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     prove = commands.add_parser("prove", help="check every proof and reject every negative twin")
     prove.add_argument("names", nargs="*", help="identities to prove (default: all)")

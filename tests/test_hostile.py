@@ -595,3 +595,11 @@ def test_special_files_are_refused_by_name(tmp_path, capsys, kind):
         assert str(path) in str(error.value)
         if kind != "folder":  # a folder is read as a Hugging Face model folder by check
             refused(capsys, tmp_path, path, naming=(path,))
+
+
+@pytest.mark.parametrize("command", [[], ["prove"], ["check"]])
+def test_help_is_plain_text(capsys, command):
+    with pytest.raises(SystemExit) as done:
+        _cli.main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and out.startswith("usage:") and "``" not in out and ":func:" not in out

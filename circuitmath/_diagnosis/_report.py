@@ -109,7 +109,9 @@ class Diagnosis:
             elif f.applicable:
                 applicable = "yes"
             else:
-                applicable = "no: " + _shorten(f.precondition or f.reason or "", 48)
+                # what the identity needs, not what the model is: "no: needs normalization_type is RMS"
+                applicable = ("no: needs " + _shorten(f.precondition, 42)) if f.precondition else \
+                    "no: " + _shorten(f.reason or "", 48)
             rows.append((
                 f.name,
                 applicable,
