@@ -49,7 +49,7 @@ TARGETS = {
     "circuitmath/_processing/pipeline.py": [*PROCESSING_TESTS, "tests/test_pipeline.py"],
     "circuitmath/_processing/shortformer.py": ["tests/test_shortformer.py"],
     "circuitmath/_processing/_common.py": ["tests/test_layer_norm.py", "tests/test_norms.py"],
-    "circuitmath/_processing/_memory.py": ["tests/test_memory.py"],
+    "circuitmath/_processing/_memory.py": ["tests/test_memory_pins.py", "tests/test_memory.py"],
     "circuitmath/_reference.py": [*PROCESSING_TESTS, "tests/test_reference.py"],
     "circuitmath/_state.py": ["tests/test_state_validation.py", "tests/test_state.py", "tests/test_io.py"],
     "circuitmath/testing.py::SAFETY,SENSITIVITY_SAFETY,_unit_roundoff,compute_dtype,rounding_sensitivity,"

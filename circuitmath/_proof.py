@@ -459,7 +459,7 @@ class Proof:
             reasons.append(f"the claim is ill-typed: {error}")
         reports = []
         previous = self.lhs
-        unchecked = "not checked: the definitions are invalid" if reasons else None
+        unchecked = "not checked: the claim, its definitions or its facts are ill-formed" if reasons else None
         for number, step in enumerate(self.steps, 1):
             if unchecked:
                 reports.append(StepReport(previous, step.expr, step.reason, False, unchecked))

@@ -118,3 +118,62 @@ def test_a_sampler_that_breaks_a_fact_is_an_error():
     report = proof.verify()
     assert not report.proved
     assert any("breaks the assumption" in reason for reason in report.reasons), report.reasons
+
+
+# -- the normal form on its own refuses what it cannot read ------------------------------------
+
+W = MatrixSymbol("W", n, k)
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda: normal_form(n), IllTyped, "got the scalar"),
+        (lambda: normal_form(A, {A: W}), IllTyped, "definition of A"),
+        (lambda: normal_form(MatMul(A, v), facts=[(MatMul(A, v), MatrixSymbol("w", k, 1))]), IllTyped, "the fact"),
+        (lambda: normal_form(MatMul(A, v), facts=[(MatAdd(A, B), A)]), ValueError, "plain product"),
+        (lambda: normal_form(MatMul(P, sympy.Inverse(P)), CENTRING, invertible=[P]), IllTyped, "inverse of a defined"),
+        (
+            lambda: normal_form(MatMul(A, B), facts=[(MatMul(A, B), MatMul(B, A)), (MatMul(B, A), MatMul(A, B))]),
+            ValueError,
+            "did not terminate",
+        ),
+    ],
+)
+def test_normal_form_refusals(call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+def test_evaluate_refuses_an_unknown_node():
+    from sympy import HadamardProduct
+
+    values = random_instance([A, B], {n: 2, k: 3}, seed=0)
+    with pytest.raises(TypeError, match="cannot evaluate"):
+        evaluate(HadamardProduct(A, B), values)
+
+
+def test_real_scalars_are_drawn_with_both_signs():
+    a, s = Symbol("a", real=True), Symbol("s", positive=True)
+    drawn = [random_instance([MatMul(a, s, A)], {n: 2, k: 3}, seed=seed) for seed in range(20)]
+    assert min(d[a] for d in drawn) < 0 < max(d[a] for d in drawn)
+    assert all(d[s] > 0 for d in drawn)
+
+
+def test_a_twin_equating_a_matrix_and_a_scalar_is_ill_typed_not_a_crash():
+    proof = Proof(
+        lhs=MatMul(A, B), rhs=MatMul(A, B), steps=(Step(MatMul(A, B), "nothing"),), explicit_dims={n: 3, k: 2},
+        twins=(Twin("scalar", "a matrix equals a number", MatMul(ones.T, ones), n),),
+    )
+    report = proof.verify()
+    assert report.proved and not report.twins[0].rejected
+    assert report.twins[0].symbolic_residual.startswith("ill-typed")
+
+
+def test_derivation_latex_has_one_line_per_step():
+    proof = Proof(
+        lhs=MatMul(A, MatAdd(B, A)), rhs=MatAdd(MatMul(A, B), MatMul(A, A)),
+        steps=(Step(MatAdd(MatMul(A, B), MatMul(A, A)), "distribute"),), explicit_dims={n: 3, k: 2},
+    )
+    latex = proof.derivation_latex()
+    assert latex.count(r"\\") == len(proof.steps) and r"\text{distribute}" in latex

@@ -87,3 +87,16 @@ def test_fused_pipeline_equals_the_chain_of_transforms(dtype):
     for name in chain:
         scale = max(1.0, float(chain[name].abs().max()))
         assert float((fused[name].double() - chain[name].double()).abs().max()) <= 64 * eps * scale, name
+
+
+def test_rescale_multiplies_every_write_by_the_scale():
+    """Dividing by the scale would be as invisible to an eps = 0 model; the transform multiplies."""
+    from circuitmath import rescale_residual_stream
+
+    cfg = CFG.replace(eps=0.0)
+    sd = random_state_dict(cfg, seed=5, dtype=torch.float64)
+    out, _ = rescale_residual_stream(sd, cfg, scale=3.0)
+    for name in writers(cfg):
+        assert torch.equal(out[name], sd[name] * 3.0), name
+    for name in set(sd) - set(writers(cfg)):
+        assert torch.equal(out[name], sd[name]), name

@@ -1,5 +1,7 @@
 """Every registered identity has a proof, negative twins, a numeric check and wrong transforms."""
 
+import json
+
 import pytest
 
 import circuitmath as cm
@@ -56,3 +58,51 @@ def test_the_wrong_rewrites_are_one_catalogue():
     for name in ("center_reading_weights", "center_writing_weights"):
         assert cm.get_identity(name).wrong_rewrites["regardless"].regardless
     assert cm.get_identity("layer_norm_fold").describe("scale_columns").startswith("scale the reader's columns")
+
+
+def test_prove_json_lists_each_proofs_axioms(capsys):
+    from circuitmath import _cli
+
+    assert _cli.main(["prove", "remove_key_biases", "kronecker_vec", "layer_norm_fold", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["layer_norm_fold"]["axioms"] == []
+    key_bias = [a["text"] for a in rows["remove_key_biases"]["axioms"]]
+    assert key_bias and all("positive" in text for text in key_bias)  # invertibility only: the row sums are proved
+    for row in rows.values():
+        assert all(set(a) == {"latex", "text"} for a in row["axioms"])
+        assert len(row["instances"]) == 2 and row["reasons"] == []
+
+
+@pytest.mark.parametrize("identity", IDENTITIES, ids=NAMES)
+def test_every_step_agrees_on_two_instances_of_distinct_sizes(identity):
+    report = identity.prove()
+    assert all(step.instances_agree for step in report.steps)
+    first, second = report.instances
+    assert all(first[d] != second[d] for d in first)
+    assert len(set(first.values())) == len(first), "two dimensions of the same size hide transposes"
+
+
+def test_row_sums_are_proved_not_assumed():
+    """The crux of fold_value_biases (A 1 = 1) and remove_key_biases (the row sums scale alike)
+    follows from the softmax definitions; what remains assumed is that the sums are positive."""
+    for name in ("fold_value_biases", "remove_key_biases", "process_weights"):
+        proof = cm.get_identity(name).proof
+        assert all(f.invertible_matrix is not None for f in proof.facts), name
+
+
+def test_eigenvalue_proof_needs_its_nonzero_hypotheses():
+    import dataclasses
+
+    proof = cm.get_identity("eigenvalues_ab_ba").proof
+    assert {h.text.split(" ")[0] for h in proof.nonzero} >= {"λ", "v", "B"}
+    without_lambda = dataclasses.replace(proof, nonzero=tuple(h for h in proof.nonzero if not h.text.startswith("λ")))
+    assert not without_lambda.verify().proved  # B v != 0 is no longer derived
+
+
+def test_svd_proof_uses_its_orthonormality_facts():
+    import dataclasses
+
+    proof = cm.get_identity("factored_svd").proof
+    name, lemma = proof.lemmas[0]
+    broken = dataclasses.replace(proof, lemmas=((name, dataclasses.replace(lemma, facts=lemma.facts[:1])),))
+    assert not broken.verify().proved

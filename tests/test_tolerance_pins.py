@@ -92,6 +92,12 @@ def test_sensitivity_measures_the_forward_pass_and_the_weights():
     weights = sensitivity - forward
     assert forward > 0 and sensitivity >= forward
     assert 0.4 * min(nudges) <= weights <= 2.5 * max(nudges), (weights, nudges)
+    # Given the exact log-probs as the computed ones, only the weights term is left, and it is
+    # measured against float64 log-probs of the float64 weights (measured: 0.69e-6 against
+    # nudges of 0.6e-6 to 1.0e-6; against float32 log-probs it would carry the forward pass's
+    # 1.6e-6 of rounding as well).
+    alone = rounding_sensitivity(sd, cfg, tokens, torch.float32, computed=reference)
+    assert 0.4 * min(nudges) <= alone <= 1.6 * max(nudges), (alone, nudges)
     # float64 weights: no forward-pass term, the weights term at float64's roundoff.
     sensitivity64 = rounding_sensitivity(exact, cfg, tokens, torch.float64)
     assert 0 < sensitivity64 <= 1e-12
