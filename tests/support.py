@@ -7,6 +7,7 @@ import torch
 from hypothesis import assume, event, note
 
 import circuitmath as cm
+from circuitmath._identities._circuit_checks import compare_logits
 
 # Sizeable biases, and weights small enough that no softmax saturates: a saturated softmax is
 # one-hot whatever its scores, so it hides a wrong change of the scores (post-norm models read
@@ -52,7 +53,7 @@ class Discrimination:
     - ``result``: for an identity that licenses a computation (``identity.compare``) instead of
       a rewrite, how far the wrong computation's result is from the exact one's: the spread of
       their logits as above when they compute logits, else the largest change of an entry
-      relative to the largest entry of either result.
+      (entrywise, complex entries included) relative to the largest entry of either result.
     """
 
     weights: float = math.nan
@@ -81,9 +82,10 @@ def _relative_change(exact, wrong) -> float:
     for e, w in zip(exact, wrong):
         if e.numel() == 0:
             continue
-        e, w = torch.nan_to_num(e.double()), torch.nan_to_num(w.double())
-        scale = max(float(e.abs().max()), float(w.abs().max()), torch.finfo(torch.float64).tiny)
-        largest = max(largest, float((w - e).abs().max()) / scale)
+        wide = torch.complex128 if e.is_complex() or w.is_complex() else torch.float64  # eigenvalues
+        e, w = e.to(wide), w.to(wide)
+        scale = max(float(e.abs().nan_to_num().max()), float(w.abs().nan_to_num().max()), torch.finfo(torch.float64).tiny)
+        largest = max(largest, float((w - e).abs().nan_to_num(nan=0.0).max()) / scale)
     return largest
 
 
@@ -114,7 +116,7 @@ def discrimination(identity, corruption: str, state_dict, cfg, tokens: torch.Ten
     if identity.compare is not None:
         exact = identity.transform(before, before_cfg, tokens)
         wrong = identity.corruptions[corruption](before, before_cfg, tokens)
-        if isinstance(exact, torch.Tensor) and exact.shape[:2] == tokens.shape and exact.shape[-1] == cfg.d_vocab:
+        if identity.compare is compare_logits:
             return Discrimination(result=_logit_spread(exact, wrong))
         return Discrimination(result=_relative_change(exact, wrong))
     exact, exact_cfg = identity.transform(before, before_cfg)
