@@ -39,7 +39,6 @@ from collections.abc import Callable
 
 import torch
 
-from . import _diagnosis
 from ._compare import (
     SAFETY as SAFETY,
     SENSITIVITY_SAFETY as SENSITIVITY_SAFETY,
@@ -51,6 +50,7 @@ from ._compare import (
     logprob_tolerance as logprob_tolerance,
     rounding_sensitivity as rounding_sensitivity,
 )
+from . import _diagnosis  # after _compare: an identity family may import testing's comparison names
 from ._state import validated_once
 from ._diagnosis import Diagnosis as Diagnosis, Finding as Finding, ParameterMismatch as ParameterMismatch
 
