@@ -56,3 +56,10 @@ def test_the_wrong_rewrites_are_one_catalogue():
     for name in ("center_reading_weights", "center_writing_weights"):
         assert cm.get_identity(name).wrong_rewrites["regardless"].regardless
     assert cm.get_identity("layer_norm_fold").describe("scale_columns").startswith("scale the reader's columns")
+
+
+def test_an_identity_is_found_by_its_public_function_name_too():
+    for identity in IDENTITIES:
+        if identity.function and identity.name != "centring_projection":
+            assert cm.get_identity(identity.function) is identity
+    assert cm.get_identity("fold_layer_norm") is cm.get_identity("layer_norm_fold")
