@@ -49,7 +49,7 @@ def test_centring_writing_weights_preserves_log_probs(dtype, data):
 @given(models(weights=DISCRIMINATING, min_layers=1, **CENTRING_NORMS))
 def test_negative_control_W_O_centred_over_d_head_is_caught(model):
     cfg, sd = model
-    result = WRITING.check_corruption("W_O_over_d_head", sd, cfg)
+    result = WRITING.check_wrong_rewrite("W_O_over_d_head", sd, cfg)
     assert not result.passed, f"centring W_O over d_head went unnoticed: {result}"
 
 
@@ -67,7 +67,7 @@ UNSATURATED = dict(min_gain_spread=0.3, max_gain_spread=0.5, min_bias_scale=0.5,
 )
 def test_negative_control_centring_shortformer_W_pos_is_caught(model):
     cfg, sd = model
-    result = WRITING.check_corruption("shortformer_W_pos", sd, cfg, _distinct_tokens(cfg))
+    result = WRITING.check_wrong_rewrite("shortformer_W_pos", sd, cfg, _distinct_tokens(cfg))
     assert not result.passed, f"centring the shortformer W_pos went unnoticed: {result}"
 
 
@@ -142,7 +142,7 @@ NOT_CENTRED_OUTPUT = dict(normalization_types=("LN", "RMS", "RMSPre", None), nor
 @given(models(weights=DISCRIMINATING, **NOT_CENTRED_OUTPUT))
 def test_negative_control_unembed_centred_over_d_model_is_caught(model):
     cfg, sd = model
-    result = UNEMBED.check_corruption("over_d_model", sd, cfg)
+    result = UNEMBED.check_wrong_rewrite("over_d_model", sd, cfg)
     assert not result.passed, f"centring W_U over d_model went unnoticed: {result}"
     wrong, wrong_cfg = UNEMBED.corruptions["over_d_model"](sd, cfg)
     error, tolerance = _shift_spread(sd, cfg, wrong, wrong_cfg, cm.testing.default_tokens(cfg))

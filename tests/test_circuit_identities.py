@@ -95,7 +95,7 @@ def test_negative_controls_are_caught(name, data):
     cfg = data.draw(configs(**{**CHECKS[name], **extra}).filter(lambda cfg: GENERIC(cfg) and applies(cfg)))
     sd = data.draw(state_dicts(cfg, dtype=torch.float64, **TAME))
     for corruption in identity.corruptions:
-        result = identity.check_corruption(corruption, sd, cfg)
+        result = identity.check_wrong_rewrite(corruption, sd, cfg)
         assert not result.passed, f"{name}: {corruption} went unnoticed: {result} on {cfg}"
 
 

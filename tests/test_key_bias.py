@@ -47,7 +47,7 @@ def test_removal_is_exact_with_bidirectional_attention(seed):
                     causal=False, norm_position="post")
     sd = cm.random_state_dict(cfg, seed=seed, dtype=torch.float64)
     assert REMOVE.check(sd, cfg).passed
-    assert not REMOVE.check_corruption("drop_query_biases", sd, cfg).passed
+    assert not REMOVE.check_wrong_rewrite("drop_query_biases", sd, cfg).passed
 
 
 @given(models(positional_embedding_types=("rotary",)))
@@ -80,7 +80,7 @@ def test_rotary_refusal_is_not_a_formality(n_key_value_heads):
     lambda model: model[0].d_model >= 3 and model[0].n_ctx >= 2))
 def test_negative_control_dropping_query_biases_is_caught(model):
     cfg, sd = model
-    result = REMOVE.check_corruption("drop_query_biases", sd, cfg)
+    result = REMOVE.check_wrong_rewrite("drop_query_biases", sd, cfg)
     assert not result.passed, f"drop_query_biases went unnoticed: {result}"
 
 

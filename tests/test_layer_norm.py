@@ -44,7 +44,7 @@ DISCRIMINATING = dict(min_gain_spread=0.3, min_bias_scale=0.5)
 @given(models(weights=DISCRIMINATING, **FOLDABLE), st.sampled_from(list(LN_FOLD.corruptions)))
 def test_negative_control_wrong_fold_is_caught(model, corruption):
     cfg, sd = model
-    result = LN_FOLD.check_corruption(corruption, sd, cfg)
+    result = LN_FOLD.check_wrong_rewrite(corruption, sd, cfg)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 
@@ -53,7 +53,7 @@ def test_negative_control_wrong_fold_is_caught(model, corruption):
 @given(models(weights=DISCRIMINATING, min_layers=1, **FOLDABLE), st.sampled_from(list(CENTER.corruptions)))
 def test_negative_control_wrong_centring_is_caught(model, corruption):
     cfg, sd = model
-    result = CENTER.check_corruption(corruption, sd, cfg)
+    result = CENTER.check_wrong_rewrite(corruption, sd, cfg)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 

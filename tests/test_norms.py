@@ -60,14 +60,14 @@ def test_rms_fold_preserves_log_probs(dtype, data):
 def test_rms_fold_reaches_W_gate(model):
     cfg, sd = model
     assert RMS_FOLD.check(sd, cfg).passed
-    result = RMS_FOLD.check_corruption("forget_W_gate", sd, cfg)
+    result = RMS_FOLD.check_wrong_rewrite("forget_W_gate", sd, cfg)
     assert not result.passed, f"a fold that forgets W_gate went unnoticed: {result}"
 
 
 @given(models(weights=DISCRIMINATING, **RMS_FOLDABLE))
 def test_negative_control_centring_behind_rms_norm_is_caught(model):
     cfg, sd = model
-    result = RMS_FOLD.check_corruption("centre_reading_weights", sd, cfg)
+    result = RMS_FOLD.check_wrong_rewrite("centre_reading_weights", sd, cfg)
     assert not result.passed, f"centring readers behind RMSNorm went unnoticed: {result}"
 
 
@@ -111,7 +111,7 @@ def test_layer_norm_to_rms_norm_preserves_log_probs_once_writes_are_centred(dtyp
 @given(_layer_norm_models())
 def test_negative_control_rms_norm_with_another_eps_is_caught(model):
     cfg, sd = model
-    result = LN_TO_RMS.check_corruption("other_eps", sd, cfg)
+    result = LN_TO_RMS.check_wrong_rewrite("other_eps", sd, cfg)
     assert not result.passed, f"switching eps went unnoticed: {result}"
 
 
@@ -160,7 +160,7 @@ def test_layer_norm_to_rms_norm_refuses_post_norm():
 def test_projection_licenses_centring_writes_and_the_notes_slip_is_caught(model):
     cfg, sd = model
     assert PROJECTION.check(sd, cfg).passed
-    result = PROJECTION.check_corruption("keep_only_the_mean", sd, cfg)
+    result = PROJECTION.check_wrong_rewrite("keep_only_the_mean", sd, cfg)
     assert not result.passed, f"keeping only the mean went unnoticed: {result}"
 
 
@@ -187,7 +187,7 @@ def test_rescaling_the_stream_preserves_log_probs_when_eps_is_zero(dtype, data, 
 @given(models(**SCALABLE).map(_eps_free).filter(lambda model: model[0].d_model >= 3))
 def test_negative_control_negative_scale_is_caught(model):
     cfg, sd = model
-    result = SCALE.check_corruption("negative_scale", sd, cfg)
+    result = SCALE.check_wrong_rewrite("negative_scale", sd, cfg)
     assert not result.passed, f"a sign flip of the stream went unnoticed: {result}"
 
 

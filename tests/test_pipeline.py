@@ -236,7 +236,7 @@ def test_negative_control_wrong_pipeline_is_caught(corruption, data):
         models(weights=DISCRIMINATING_WEIGHTS, positional_embedding_types=("standard", "rotary"),
                **DISCRIMINATING[corruption]).filter(lambda model: model[0].d_model >= 3)
     )
-    result = PIPELINE.check_corruption(corruption, sd, cfg)
+    result = PIPELINE.check_wrong_rewrite(corruption, sd, cfg)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 

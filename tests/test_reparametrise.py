@@ -176,7 +176,7 @@ def test_negative_control_wrong_refactor_is_caught(corruption, data):
             lambda model: model[0].d_model >= 3 and model[0].n_ctx >= 2 and DISCRIMINATING[corruption](model[0])
         )
     )
-    result = REFACTOR.check_corruption(corruption, sd, cfg)
+    result = REFACTOR.check_wrong_rewrite(corruption, sd, cfg)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 

@@ -41,7 +41,7 @@ DISCRIMINATING = dict(min_layers=1, min_ctx=2, min_d_model=4, normalization_type
        st.sampled_from(sorted(IDENTITY.corruptions)))
 def test_negative_control_naive_fold_and_older_reading_are_caught(model, corruption):
     cfg, sd = model
-    result = IDENTITY.check_corruption(corruption, sd, cfg)
+    result = IDENTITY.check_wrong_rewrite(corruption, sd, cfg)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 

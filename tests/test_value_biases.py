@@ -69,7 +69,7 @@ def test_negative_control_wrong_fold_is_caught(corruption, data):
             lambda model: model[0].d_model >= 3 and DISCRIMINATING[corruption](model[0])
         )
     )
-    result = FOLD.check_corruption(corruption, sd, cfg)
+    result = FOLD.check_wrong_rewrite(corruption, sd, cfg)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 
@@ -88,7 +88,7 @@ def test_fold_is_exact_with_bidirectional_attention(seed):
                     causal=False, norm_position="post")
     sd = cm.random_state_dict(cfg, seed=seed, dtype=torch.float64)
     assert FOLD.check(sd, cfg).passed
-    assert not FOLD.check_corruption("drop_value_biases", sd, cfg).passed
+    assert not FOLD.check_wrong_rewrite("drop_value_biases", sd, cfg).passed
 
 
 def test_fold_keeps_bfloat16():
