@@ -12,9 +12,9 @@ import torch
 
 from ._config import Config
 from ._errors import InputError
-from ._state import StateDict, attention_names, validate_state_dict
+from ._state import StateDict, attention_names, per_query_head, validate_state_dict
 
-__all__ = ["forward", "log_probs", "normalize"]
+__all__ = ["forward", "log_probs", "normalize", "pattern_from_scores"]
 
 
 def normalize(x: torch.Tensor, kind, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -72,19 +72,25 @@ def _project(params: StateDict, p: str, cfg: Config, name: str, x: torch.Tensor)
     out = torch.einsum("bpd,hde->bphe", x, params[f"{p}.{weight}"]) + params[f"{p}.{bias}"]
     if cfg.positional_embedding_type == "shortformer_tables" and name != "V":
         out = out + params[f"{p}.pos_{name}"][: x.shape[1]]
-    return out.repeat_interleave(cfg.n_heads // heads, dim=2) if heads != cfg.n_heads else out
+    return per_query_head(out, cfg, heads, dim=2)
+
+
+def pattern_from_scores(scores: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """The attention pattern from raw scores ``q k^T`` ``[..., query, key]``: scaled by
+    ``1/sqrt(d_head)``, the future masked (causal models), softmax over keys."""
+    scores = scores / math.sqrt(cfg.d_head)
+    if cfg.causal:
+        n = scores.shape[-1]
+        future = torch.triu(torch.ones(n, n, dtype=torch.bool, device=scores.device), diagonal=1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return torch.softmax(scores, dim=-1)
 
 
 def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in, record: dict | None = None) -> torch.Tensor:
     q, k, v = (_project(params, p, cfg, n, x) for n, x in (("Q", q_in), ("K", k_in), ("V", v_in)))
     if cfg.positional_embedding_type == "rotary":
         q, k = _rotate(q, cfg), _rotate(k, cfg)
-    scores = torch.einsum("bqhe,bkhe->bhqk", q, k) / math.sqrt(cfg.d_head)
-    if cfg.causal:
-        n = scores.shape[-1]
-        future = torch.triu(torch.ones(n, n, dtype=torch.bool, device=scores.device), diagonal=1)
-        scores = scores.masked_fill(future, float("-inf"))
-    pattern = torch.softmax(scores, dim=-1)
+    pattern = pattern_from_scores(torch.einsum("bqhe,bkhe->bhqk", q, k), cfg)
     z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
     if record is None:
         return torch.einsum("bqhe,hed->bqd", z, params[f"{p}.W_O"]) + params[f"{p}.b_O"]
@@ -135,12 +141,14 @@ def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, *, record:
     ``record``, a dict, receives what analyses of the run need: ``"patterns"``, per layer the
     attention pattern ``[batch, n_heads, query, key]``; ``"head_outputs"``, per layer each head's
     write ``[batch, pos, n_heads, d_model]`` (without ``b_O``; they sum, with it, to the
-    layer's output); and ``"final_residual"``, the residual stream ``[batch, pos, d_model]``
-    after the last block (what a pre-norm model's final norm reads).
+    layer's output); ``"residuals"``, per layer of a pre-norm model the residual stream entering
+    it ``[batch, pos, d_model]`` (what its first norm reads); and ``"final_residual"``, the
+    residual stream ``[batch, pos, d_model]`` after the last block (what a pre-norm model's
+    final norm reads).
     """
     validate_state_dict(state_dict, cfg)
     if record is not None:
-        record.update(patterns=[], head_outputs=[])
+        record.update(patterns=[], head_outputs=[], residuals=[])
     tokens = check_tokens(cfg, tokens, state_dict["embed.W_E"].device)
     params = state_dict
     positions = tokens.shape[1]
@@ -157,6 +165,8 @@ def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, *, record:
             if not cfg.attn_only:
                 x = _norm(params, f"{p}.ln2", cfg, x + _mlp(params, f"{p}.mlp", cfg, x))
             continue
+        if record is not None:
+            record["residuals"].append(x)
         normed = _norm(params, f"{p}.ln1", cfg, x)
         qk_in = normed + pos if cfg.positional_embedding_type == "shortformer" else normed
         attn_out = _attention(params, f"{p}.attn", cfg, qk_in, qk_in, normed, record)

@@ -13,6 +13,8 @@ from ._errors import StateDictError
 
 __all__ = [
     "attention_names",
+    "per_query_head",
+    "key_value_groups",
     "expected_shapes",
     "validate_state_dict",
     "entries_checked_elsewhere",
@@ -83,6 +85,20 @@ def attention_names(cfg: Config, name: str) -> tuple[str, str, int]:
     if name != "Q" and cfg.n_key_value_heads is not None:
         return f"_W_{name}", f"_b_{name}", cfg.n_key_value_heads
     return f"W_{name}", f"b_{name}", cfg.n_heads
+
+
+def per_query_head(tensor: torch.Tensor, cfg: Config, heads: int, dim: int) -> torch.Tensor:
+    """``tensor``, with ``heads`` key/value heads along axis ``dim``, repeated to one per query
+    head (``n_heads``): each grouped-query key/value head serves the ``n_heads // heads`` query
+    heads of its group, in order. ``tensor`` itself when ``heads == n_heads``."""
+    return tensor.repeat_interleave(cfg.n_heads // heads, dim=dim) if heads != cfg.n_heads else tensor
+
+
+def key_value_groups(cfg: Config) -> list[range]:
+    """The query heads of each key/value head (one head each without grouped-query attention)."""
+    kv_heads = cfg.n_key_value_heads or cfg.n_heads
+    size = cfg.n_heads // kv_heads
+    return [range(j * size, (j + 1) * size) for j in range(kv_heads)]
 
 
 def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:

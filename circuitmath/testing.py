@@ -13,8 +13,12 @@ the original model and compares the processed model's tensors with each exact re
 the identity's known wrong rewrites (its negative twins, done numerically), and names the
 identity whose precondition or conclusion is violated, the parameters responsible (layer, head,
 name) and by how much, and the change in log-probs each identity is responsible for.
-:func:`assert_equivalent` prints that diagnosis when it fails. The per-identity checkers
-(:func:`check_fold_layer_norm` and the others) check one identity's rewrite.
+:func:`assert_equivalent` prints that diagnosis when it fails (and hands it the two forward
+passes it made). The per-identity checkers (:func:`check_fold_layer_norm` and the others, one
+per registered weight identity with a public transform: :data:`CHECKERS`) are derived from the
+registry and check one identity's rewrite. Comparison and tolerances live in the private layer
+below the registry (``circuitmath._compare``); this module is the thin public layer over it and
+over the diagnosis (``circuitmath._diagnosis``).
 
 >>> import torch
 >>> from circuitmath import Config, fold_layer_norm, random_state_dict
@@ -35,7 +39,6 @@ from collections.abc import Callable
 
 import torch
 
-from . import _diagnosis
 from ._compare import (
     SAFETY as SAFETY,
     SENSITIVITY_SAFETY as SENSITIVITY_SAFETY,
@@ -47,6 +50,7 @@ from ._compare import (
     logprob_tolerance as logprob_tolerance,
     rounding_sensitivity as rounding_sensitivity,
 )
+from . import _diagnosis  # after _compare: an identity family may import testing's comparison names
 from ._state import validated_once
 from ._diagnosis import Diagnosis as Diagnosis, Finding as Finding, ParameterMismatch as ParameterMismatch
 

@@ -115,12 +115,12 @@ def discrimination(identity, corruption: str, state_dict, cfg, tokens: torch.Ten
     before, before_cfg = identity.prepare(state_dict, cfg) if identity.prepare else (state_dict, cfg)
     if identity.compare is not None:
         exact = identity.transform(before, before_cfg, tokens)
-        wrong = identity.corruptions[corruption](before, before_cfg, tokens)
+        wrong = identity.wrong_rewrites[corruption](before, before_cfg, tokens)
         if identity.compare is compare_logits:
             return Discrimination(result=_logit_spread(exact, wrong))
         return Discrimination(result=_relative_change(exact, wrong))
     exact, exact_cfg = identity.transform(before, before_cfg)
-    wrong, wrong_cfg = identity.corruptions[corruption](before, before_cfg)
+    wrong, wrong_cfg = identity.wrong_rewrites[corruption](before, before_cfg)
     shared = sorted(exact.keys() & wrong.keys())
     weights = math.inf if exact.keys() != wrong.keys() else _relative_change(
         [exact[k] for k in shared], [wrong[k] for k in shared])

@@ -51,7 +51,7 @@ def test_negative_control_W_O_centred_over_d_head_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
     assume_discriminates(WRITING, "W_O_over_d_head", sd, cfg, toks, weights=VISIBLE)
-    result = WRITING.check_corruption("W_O_over_d_head", sd, cfg, toks)
+    result = WRITING.check_wrong_rewrite("W_O_over_d_head", sd, cfg, toks)
     assert not result.passed, f"centring W_O over d_head went unnoticed: {result}"
 
 
@@ -71,7 +71,7 @@ def test_negative_control_centring_shortformer_W_pos_is_caught(model):
     cfg, sd = model
     toks = _distinct_tokens(cfg)
     assume_discriminates(WRITING, "shortformer_W_pos", sd, cfg, toks, pattern=VISIBLE)
-    result = WRITING.check_corruption("shortformer_W_pos", sd, cfg, toks)
+    result = WRITING.check_wrong_rewrite("shortformer_W_pos", sd, cfg, toks)
     assert not result.passed, f"centring the shortformer W_pos went unnoticed: {result}"
 
 
@@ -149,7 +149,7 @@ def test_negative_control_unembed_centred_over_d_model_is_caught(model):
     toks = default_tokens(cfg)
     # what the wrong centring subtracts, mean_d(x) * mean_d(W_U), differs between tokens
     assume_discriminates(UNEMBED, "over_d_model", sd, cfg, toks, logits=VISIBLE)
-    result = UNEMBED.check_corruption("over_d_model", sd, cfg, toks)
+    result = UNEMBED.check_wrong_rewrite("over_d_model", sd, cfg, toks)
     assert not result.passed, f"centring W_U over d_model went unnoticed: {result}"
     wrong, wrong_cfg = UNEMBED.corruptions["over_d_model"](sd, cfg)
     error, tolerance = _shift_spread(sd, cfg, wrong, wrong_cfg, toks)

@@ -97,10 +97,10 @@ def test_negative_controls_are_caught(name, data):
     cfg = data.draw(configs(**{**CHECKS[name], **extra}).filter(lambda cfg: GENERIC(cfg) and applies(cfg)))
     sd = data.draw(state_dicts(cfg, dtype=torch.float64, **TAME))
     toks = default_tokens(cfg)
-    for corruption in identity.corruptions:
+    for corruption in identity.wrong_rewrites_for(cfg):
         assume_discriminates(identity, corruption, sd, cfg, toks, result=VISIBLE)
-    for corruption in identity.corruptions:
-        result = identity.check_corruption(corruption, sd, cfg, toks)
+    for corruption in identity.wrong_rewrites_for(cfg):
+        result = identity.check_wrong_rewrite(corruption, sd, cfg, toks)
         assert not result.passed, f"{name}: {corruption} went unnoticed: {result} on {cfg}"
 
 

@@ -207,7 +207,7 @@ def test_score_terms_rebuild_every_layers_pattern(data):
     for layer in range(cfg.n_layers):
         terms = circuits.score_terms(sd, cfg, toks, layer)
         assert set(terms) == set(circuits.SCORE_TERMS)
-        rebuilt = circuits._softmax_scores(sum(terms.values()), cfg)
+        rebuilt = circuits.pattern_from_scores(sum(terms.values()), cfg)
         torch.testing.assert_close(rebuilt, patterns[layer])
         if layer == 0:  # nothing composes in the first layer
             for group in ("q_composition", "k_composition", "qk_composition"):

@@ -49,7 +49,7 @@ def test_removal_is_exact_with_bidirectional_attention(seed):
     toks = default_tokens(cfg)
     assert REMOVE.check(sd, cfg, toks).passed
     assert discrimination(REMOVE, "drop_query_biases", sd, cfg, toks).pattern > VISIBLE
-    assert not REMOVE.check_corruption("drop_query_biases", sd, cfg, toks).passed
+    assert not REMOVE.check_wrong_rewrite("drop_query_biases", sd, cfg, toks).passed
 
 
 @given(models(positional_embedding_types=("rotary",)))
@@ -88,7 +88,7 @@ def test_negative_control_dropping_query_biases_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
     assume_discriminates(REMOVE, "drop_query_biases", sd, cfg, toks, weights=VISIBLE, pattern=VISIBLE)
-    result = REMOVE.check_corruption("drop_query_biases", sd, cfg, toks)
+    result = REMOVE.check_wrong_rewrite("drop_query_biases", sd, cfg, toks)
     assert not result.passed, f"drop_query_biases went unnoticed: {result}"
 
 

@@ -46,7 +46,7 @@ def test_negative_control_wrong_fold_is_caught(model, corruption):
     cfg, sd = model
     toks = default_tokens(cfg)
     assume_discriminates(LN_FOLD, corruption, sd, cfg, toks, weights=VISIBLE)
-    result = LN_FOLD.check_corruption(corruption, sd, cfg, toks)
+    result = LN_FOLD.check_wrong_rewrite(corruption, sd, cfg, toks)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 
@@ -57,7 +57,7 @@ def test_negative_control_wrong_centring_is_caught(model, corruption):
     cfg, sd = model
     toks = default_tokens(cfg)
     assume_discriminates(CENTER, corruption, sd, cfg, toks, weights=VISIBLE)
-    result = CENTER.check_corruption(corruption, sd, cfg, toks)
+    result = CENTER.check_wrong_rewrite(corruption, sd, cfg, toks)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 

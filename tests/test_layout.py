@@ -3,6 +3,8 @@
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parents[1] / "circuitmath"
 PACKAGE = "circuitmath"
 
@@ -83,3 +85,17 @@ def test_no_import_cycle_in_circuitmath():
     cycle = _cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
+
+
+#: Modules allowed over :data:`MAX_LINES`, each one cohesive thing.
+COHESIVE = {
+    "circuitmath._identities.composition": "one family of proofs: composition scores, SVDs and their invariances",
+    "circuitmath.io": "one converter per supported architecture and the safetensors reader",
+}
+MAX_LINES = 600
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_modules_are_small_unless_cohesive(name):
+    lines = len(_modules()[name].read_text().splitlines())
+    assert lines <= MAX_LINES or name in COHESIVE, f"{name} has {lines} lines"

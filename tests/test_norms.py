@@ -62,7 +62,7 @@ def test_rms_fold_reaches_W_gate(model):
     toks = default_tokens(cfg)
     assert RMS_FOLD.check(sd, cfg, toks).passed
     assume_discriminates(RMS_FOLD, "forget_W_gate", sd, cfg, toks, weights=VISIBLE)
-    result = RMS_FOLD.check_corruption("forget_W_gate", sd, cfg, toks)
+    result = RMS_FOLD.check_wrong_rewrite("forget_W_gate", sd, cfg, toks)
     assert not result.passed, f"a fold that forgets W_gate went unnoticed: {result}"
 
 
@@ -71,7 +71,7 @@ def test_negative_control_centring_behind_rms_norm_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
     assume_discriminates(RMS_FOLD, "centre_reading_weights", sd, cfg, toks, weights=VISIBLE)
-    result = RMS_FOLD.check_corruption("centre_reading_weights", sd, cfg, toks)
+    result = RMS_FOLD.check_wrong_rewrite("centre_reading_weights", sd, cfg, toks)
     assert not result.passed, f"centring readers behind RMSNorm went unnoticed: {result}"
 
 
@@ -119,7 +119,7 @@ def test_negative_control_rms_norm_with_another_eps_is_caught(model):
     # no weight changes, only eps: its effect, about eps / mean(x^2) of each normed stream, must
     # reach the logits
     assume_discriminates(LN_TO_RMS, "other_eps", sd, cfg, toks, logits=VISIBLE)
-    result = LN_TO_RMS.check_corruption("other_eps", sd, cfg, toks)
+    result = LN_TO_RMS.check_wrong_rewrite("other_eps", sd, cfg, toks)
     assert not result.passed, f"switching eps went unnoticed: {result}"
 
 
@@ -170,7 +170,7 @@ def test_projection_licenses_centring_writes_and_the_notes_slip_is_caught(model)
     toks = default_tokens(cfg)
     assert PROJECTION.check(sd, cfg, toks).passed
     assume_discriminates(PROJECTION, "keep_only_the_mean", sd, cfg, toks, weights=VISIBLE)
-    result = PROJECTION.check_corruption("keep_only_the_mean", sd, cfg, toks)
+    result = PROJECTION.check_wrong_rewrite("keep_only_the_mean", sd, cfg, toks)
     assert not result.passed, f"keeping only the mean went unnoticed: {result}"
 
 
@@ -200,7 +200,7 @@ def test_negative_control_negative_scale_is_caught(model):
     toks = default_tokens(cfg)
     # the writers always change sign; the flip must reach the logits (LNPre is odd, not even)
     assume_discriminates(SCALE, "negative_scale", sd, cfg, toks, logits=VISIBLE)
-    result = SCALE.check_corruption("negative_scale", sd, cfg, toks)
+    result = SCALE.check_wrong_rewrite("negative_scale", sd, cfg, toks)
     assert not result.passed, f"a sign flip of the stream went unnoticed: {result}"
 
 

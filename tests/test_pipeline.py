@@ -244,7 +244,7 @@ def test_negative_control_wrong_pipeline_is_caught(corruption, data):
     )
     toks = default_tokens(cfg)
     assume_discriminates(PIPELINE, corruption, sd, cfg, toks, weights=VISIBLE)
-    result = PIPELINE.check_corruption(corruption, sd, cfg, toks)
+    result = PIPELINE.check_wrong_rewrite(corruption, sd, cfg, toks)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 

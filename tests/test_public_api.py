@@ -41,8 +41,13 @@ def test_readme_names_every_public_transform_and_checker():
 
 def test_readme_layout_lists_every_module():
     layout = README.split("## Layout", 1)[1].split("```")[1]
-    names = {line.split()[i] for line in layout.splitlines() if line.startswith("  ") for i in range(len(line.split()))
-             if line.split()[i].endswith((".py", "/"))}
+    names = set()
+    for line in layout.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):  # an entry: names, then what it holds
+            for word in line.split():
+                if not word.endswith((".py", "/")):
+                    break
+                names.add(word)
     root = Path(__file__).parents[1] / "circuitmath"
     actual = {p.name + ("/" if p.is_dir() else "") for p in root.iterdir()
               if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))}

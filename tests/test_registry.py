@@ -106,3 +106,10 @@ def test_svd_proof_uses_its_orthonormality_facts():
     name, lemma = proof.lemmas[0]
     broken = dataclasses.replace(proof, lemmas=((name, dataclasses.replace(lemma, facts=lemma.facts[:1])),))
     assert not broken.verify().proved
+
+
+def test_an_identity_is_found_by_its_public_function_name_too():
+    for identity in IDENTITIES:
+        if identity.function and identity.name != "centring_projection":
+            assert cm.get_identity(identity.function) is identity
+    assert cm.get_identity("fold_layer_norm") is cm.get_identity("layer_norm_fold")

@@ -178,7 +178,7 @@ def test_negative_control_wrong_refactor_is_caught(corruption, data):
     )
     toks = default_tokens(cfg)
     assume_discriminates(REFACTOR, corruption, sd, cfg, toks, weights=VISIBLE)
-    result = REFACTOR.check_corruption(corruption, sd, cfg, toks)
+    result = REFACTOR.check_wrong_rewrite(corruption, sd, cfg, toks)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 

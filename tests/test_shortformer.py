@@ -44,7 +44,7 @@ def test_negative_control_naive_fold_and_older_reading_are_caught(model, corrupt
     cfg, sd = model
     toks = default_tokens(cfg)
     assume_discriminates(IDENTITY, corruption, sd, cfg, toks, pattern=VISIBLE)
-    result = IDENTITY.check_corruption(corruption, sd, cfg, toks)
+    result = IDENTITY.check_wrong_rewrite(corruption, sd, cfg, toks)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 

@@ -72,7 +72,7 @@ def test_negative_control_wrong_fold_is_caught(corruption, data):
     )
     toks = default_tokens(cfg)
     assume_discriminates(FOLD, corruption, sd, cfg, toks, weights=VISIBLE)
-    result = FOLD.check_corruption(corruption, sd, cfg, toks)
+    result = FOLD.check_wrong_rewrite(corruption, sd, cfg, toks)
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 
@@ -93,7 +93,7 @@ def test_fold_is_exact_with_bidirectional_attention(seed):
     toks = default_tokens(cfg)
     assert FOLD.check(sd, cfg, toks).passed
     assert discrimination(FOLD, "drop_value_biases", sd, cfg, toks).weights > VISIBLE
-    assert not FOLD.check_corruption("drop_value_biases", sd, cfg, toks).passed
+    assert not FOLD.check_wrong_rewrite("drop_value_biases", sd, cfg, toks).passed
 
 
 def test_fold_keeps_bfloat16():

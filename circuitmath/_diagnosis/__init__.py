@@ -6,8 +6,7 @@ tensor. The replay follows ``after``'s recorded ``cfg.applied`` when it has one;
 weight-rewriting identity is tried, in registry order, and kept when its rewrite reproduces more
 of ``after``'s tensors than leaving the model alone does. Where the exact rewrite does not
 reproduce a tensor, the identity's known wrong rewrites (its registered ``wrong_rewrites``, and
-the wrong rewrites of other identities that claim to perform it) are
-tried; one that reproduces the tensor names the mistake. Where an identity refuses the model
+the wrong rewrites of other identities that claim to perform it) are tried; one that reproduces the tensor names the mistake. Where an identity refuses the model
 (a :class:`~circuitmath.PreconditionError`), its rewrite applied regardless is tried too: if
 that reproduces ``after``, the broken precondition is the finding.
 
@@ -15,6 +14,11 @@ Only then are log-probabilities compared: ``before`` against ``after`` always, a
 anything was found, every replayed state against the next, so that each identity's row shows
 the change in log-probs it is responsible for. A replay in which every identity's exact rewrite
 reproduces ``after`` needs no more than the two forward passes of ``before`` and ``after``.
+
+The package: ``_inputs`` resolves each input once (a validated :class:`Model`), ``_replay``
+replays the identities, ``_tensors`` compares tensors, ``_logprobs`` computes each state's
+log-probs once, ``_report`` builds the rows; this module holds the entry points. The wrong
+rewrites are the registry's (``Identity.wrong_rewrites``): none is listed here.
 """
 
 from __future__ import annotations

@@ -26,9 +26,13 @@ def identities() -> tuple[Identity, ...]:
 
 
 def get_identity(name: str) -> Identity:
-    """The registered identity called ``name`` (``KeyError`` listing the known names if none)."""
+    """The registered identity called ``name``, or whose public transform is ``circuitmath.<name>``
+    (``get_identity("fold_layer_norm")`` is ``layer_norm_fold``); ``KeyError`` listing the known
+    names if none."""
     known = registered()
-    try:
+    if name in known:
         return known[name]
-    except KeyError:
-        raise KeyError(f"no identity named {name!r}; known: {sorted(known)}") from None
+    by_function = [i for i in known.values() if i.function == name]
+    if by_function:
+        return by_function[0]  # the first registered: an identity that shares another's transform comes later
+    raise KeyError(f"no identity named {name!r}; known: {sorted(known)}")

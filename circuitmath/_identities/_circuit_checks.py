@@ -26,7 +26,9 @@ from .._kronecker import notation_definitions
 from .._proof import Proof
 from .._reference import log_probs
 from .._state import StateDict, validate_state_dict
-from ..circuits import TensorProduct, _layer_bias, _layer_weight, _Norm, _run
+from ..circuits import TensorProduct
+from ..circuits._heads import _layer_bias, _layer_weight
+from ..circuits._paths import _Norm, _run
 from .._compare import SAFETY, Comparison, default_tokens, logprob_tolerance
 
 # -- exact instances -------------------------------------------------------------------------

@@ -20,7 +20,9 @@ from .._kronecker import Apply, tensor
 from .._proof import Definition, Fact, Step, Twin
 from .._registry import Identity, register
 from .._reference import normalize
-from ..circuits import TensorProduct, _layer_bias, _layer_weight, _run, ov_circuits
+from ..circuits import TensorProduct, ov_circuits
+from ..circuits._heads import _layer_bias, _layer_weight
+from ..circuits._paths import _run
 from ._circuit_checks import Joint, compare_logits, dim, logits_with_heads, notation_proof, selector
 
 n, d, e, q = dim("n"), dim("d"), dim("e"), dim("q")

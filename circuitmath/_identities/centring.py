@@ -217,7 +217,7 @@ def _center_unembed_over_d_model(state_dict, cfg):
     return out, new_cfg
 
 
-def _centre_writers_regardless(state_dict, cfg):
+def _center_writers_regardless(state_dict, cfg):
     """Centre every write to the residual stream over d_model whatever the norm."""
     out = dict(state_dict)
     for name in writers(cfg):
@@ -242,7 +242,7 @@ CENTER_WRITING_WEIGHTS = register(
         wrong_rewrites={
             "W_O_over_d_head": _center_W_O_over_d_head,
             "shortformer_W_pos": _center_shortformer_W_pos,
-            "regardless": WrongRewrite(_centre_writers_regardless, REGARDLESS, regardless=True),
+            "regardless": WrongRewrite(_center_writers_regardless, REGARDLESS, regardless=True),
         },
     )
 )

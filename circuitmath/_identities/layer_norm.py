@@ -189,7 +189,7 @@ def _a_square_reader(cfg) -> bool:
     return cfg.d_model in (cfg.d_head, cfg.d_mlp, cfg.d_vocab)
 
 
-def _centre_readers_regardless(state_dict, cfg):
+def _center_readers_regardless(state_dict, cfg):
     """Centre every reader over d_model whatever its input."""
     out = dict(state_dict)
     for _norm, pairs in readers(cfg):
@@ -229,7 +229,7 @@ CENTER_READING_WEIGHTS = register(
         transform=center_reading_weights,
         wrong_rewrites={
             "wrong_axis": _center_wrong_axis,
-            "regardless": WrongRewrite(_centre_readers_regardless, REGARDLESS, regardless=True),
+            "regardless": WrongRewrite(_center_readers_regardless, REGARDLESS, regardless=True),
         },
         prepare=lambda sd, cfg: fold_layer_norm(sd, cfg) if cfg.normalization_type == "LN" else (sd, cfg),
         check_note="folded first if it is a LayerNorm model",

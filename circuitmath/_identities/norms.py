@@ -256,7 +256,7 @@ def _fold_forgetting_W_gate(state_dict, cfg):
     return out, new_cfg
 
 
-def _fold_and_centre_readers(state_dict, cfg):
+def _fold_and_center_readers(state_dict, cfg):
     out, new_cfg = fold_rms_norm(state_dict, cfg)
     for _norm, pairs in readers(cfg):
         for weight, _bias in pairs:
@@ -334,6 +334,6 @@ RMS_NORM_FOLD = register(
         preconditions=(PRE_NORM, IS_RMS, NORM_READ_LINEARLY, NOT_APPLIED),
         build_proof=_rms_fold_proof,
         transform=fold_rms_norm,
-        wrong_rewrites={"forget_W_gate": _fold_forgetting_W_gate, "centre_reading_weights": _fold_and_centre_readers},
+        wrong_rewrites={"forget_W_gate": _fold_forgetting_W_gate, "centre_reading_weights": _fold_and_center_readers},
     )
 )

@@ -25,7 +25,9 @@ from sympy.matrices.expressions.kronecker import KroneckerProduct
 from .._kronecker import Apply, tensor
 from .._proof import Definition, Fact, Step, Twin
 from .._registry import Identity, register
-from ..circuits import Path, TensorProduct, _embed, _layer_weight, _run, _through_layer, vec
+from ..circuits import Path, TensorProduct, vec
+from ..circuits._heads import _layer_weight
+from ..circuits._paths import _embed, _run, _through_layer
 from ._circuit_checks import Joint, compare_logits, dim, frozen_norm_operator, heads_route, notation_proof, selector
 
 n, m, d, q = dim("n"), dim("m"), dim("d"), dim("q")

@@ -32,18 +32,9 @@ from .._errors import PreconditionError
 from .._kronecker import Apply, expand_operator, tensor
 from .._proof import Definition, Step, Twin
 from .._registry import Identity, register
-from ..circuits import (
-    Path,
-    _embed,
-    _layer_bias,
-    _layer_weight,
-    _run,
-    _softmax_scores,
-    bigram_table,
-    path_terms,
-    score_terms,
-    virtual_weights,
-)
+from ..circuits import Path, bigram_table, path_terms, pattern_from_scores as _softmax_scores, score_terms, virtual_weights
+from ..circuits._heads import _layer_bias, _layer_weight
+from ..circuits._paths import _embed, _run
 from ._circuit_checks import compare_logits, dim, frozen_norm_operator, logits_with_heads, notation_proof
 
 n, d, e, V, f = dim("n"), dim("d"), dim("e"), dim("V"), dim("f")

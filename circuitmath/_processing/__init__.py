@@ -1,7 +1,10 @@
 """Pure weight transforms: a state dict and config in, a new state dict and config out.
 
 Every transform validates its input, refuses a model it cannot rewrite exactly (raising
-:class:`~circuitmath.PreconditionError` naming the identity and the broken precondition), keeps
+:class:`~circuitmath.PreconditionError` naming the identity and the broken precondition: one of
+the :class:`~circuitmath._errors.Precondition` objects its module defines and its identity
+registers, raised through ``_common.require``; ``_common.refuse_reapplication`` is the one
+already-applied guard), keeps
 every dtype, records itself in ``cfg.applied`` and refuses to run twice. Inputs are never
 mutated; tensors a transform does not change are shared with the input, not copied. One module
 per family of identities.

@@ -97,9 +97,11 @@ def readers(cfg: Config) -> list[tuple[str, list[tuple[str, str]]]]:
 
 def require(identity: str, precondition: Precondition, holds: bool, detail: str) -> None:
     """Refuse the model unless ``holds``: :class:`~circuitmath.PreconditionError` naming the
-    registered ``precondition`` (the object itself, not a copy of its text) and ``detail``."""
-    if not isinstance(precondition, Precondition):
-        raise TypeError(f"{identity}: require() takes a registered Precondition, not {precondition!r}")
+    registered ``precondition`` (the object itself, not a copy of its text) and ``detail``.
+
+    A plain string is still accepted (code written before preconditions were objects keeps
+    working), but ``tests/test_preconditions.py`` fails on it: register a Precondition instead.
+    """
     if not holds:
         raise PreconditionError(identity, precondition, detail)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._config import Config
-from .._state import StateDict, attention_names, validate_state_dict
+from .._state import StateDict, attention_names, key_value_groups, validate_state_dict
 from ._common import NOT_ROTARY, refuse_reapplication, require, rewrite
 
 __all__ = ["fold_value_biases", "remove_key_biases", "refactor_factored_attn_matrices"]
@@ -16,13 +16,6 @@ def _refuse_rotary(identity: str, cfg: Config, why: str) -> None:
         identity, NOT_ROTARY, cfg.positional_embedding_type != "rotary",
         f"the model uses rotary embeddings: {why}",
     )
-
-
-def _key_value_groups(cfg: Config) -> list[range]:
-    """The query heads of each key/value head (one head each without grouped-query attention)."""
-    kv_heads = cfg.n_key_value_heads or cfg.n_heads
-    size = cfg.n_heads // kv_heads
-    return [range(j * size, (j + 1) * size) for j in range(kv_heads)]
 
 
 @rewrite("fold_value_biases")
@@ -199,7 +192,7 @@ def _refactor_qk(state_dict: StateDict, cfg: Config, p: str) -> dict[str, torch.
         _Side(state_dict, *(f"{p}.{n}" for n in attention_names(cfg, side)[:2]), *([f"{p}.pos_{side}"] if tables else []))
         for side in "QK"
     )
-    for j, heads in enumerate(_key_value_groups(cfg)):
+    for j, heads in enumerate(key_value_groups(cfg)):
         extend_queries, extend_keys = queries.extends(heads), keys.extends([j])
         rows = [queries.rows(h, extend_queries) for h in heads]
         U, S, Vh = _svd_of_product(torch.cat(rows), keys.rows(j, extend_keys).T)
@@ -213,7 +206,7 @@ def _refactor_ov(state_dict: StateDict, cfg: Config, p: str) -> dict[str, torch.
     """``[W_V; b_V] = U S`` and ``W_O = V^T`` from the SVD of ``[W_V; b_V] [W_O[h] for h in group]``."""
     values = _Side(state_dict, *(f"{p}.{n}" for n in attention_names(cfg, "V")[:2]))
     W_O = state_dict[f"{p}.W_O"].double().clone()  # [n_heads, d_head, d_model]
-    for j, heads in enumerate(_key_value_groups(cfg)):
+    for j, heads in enumerate(key_value_groups(cfg)):
         side_by_side = torch.cat([W_O[h] for h in heads], dim=1)  # [d_head, group * d_model]
         U, S, Vh = _svd_of_product(values.rows(j, values.extends([j])), side_by_side)
         values.store(j, U * S)

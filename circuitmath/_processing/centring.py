@@ -10,7 +10,7 @@ from .._state import StateDict, validate_state_dict
 from ._common import PRE_NORM, refuse_reapplication, require, rewrite
 from ._memory import new_tensor
 
-__all__ = ["writers", "center_writing_weights", "center_unembed", "centred_last_axis", "CENTRING_NORM"]
+__all__ = ["writers", "center_writing_weights", "center_unembed", "centered_last_axis", "CENTRING_NORM"]
 
 CENTRING_NORM = Precondition(
     "every reader sits behind a centring norm",
@@ -84,11 +84,11 @@ def center_writing_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     validate_state_dict(state_dict, cfg)
     out = dict(state_dict)
     for name in writers(cfg):
-        out[name] = centred_last_axis(state_dict[name])
+        out[name] = centered_last_axis(state_dict[name])
     return out, cfg.replace(applied=cfg.applied + (identity,))
 
 
-def centred_last_axis(W: torch.Tensor, *, block_bytes: int = 1 << 20, sums: list | None = None) -> torch.Tensor:
+def centered_last_axis(W: torch.Tensor, *, block_bytes: int = 1 << 20, sums: list | None = None) -> torch.Tensor:
     """``W - W.mean(-1, keepdim=True)`` for ``W: [..., n]``, as a new tensor of ``W``'s shape.
 
     Large tensors (an embedding) are centred in blocks of rows of about ``block_bytes``, so each

@@ -26,7 +26,7 @@ from .._state import StateDict, attention_names
 from ._common import readers
 from ._memory import new_tensor
 from .attention import value_bias_through_output
-from .centring import centred_last_axis, writers
+from .centring import centered_last_axis, writers
 from .layer_norm import fold_reader
 
 __all__ = ["FUSED_STEPS", "fusable", "fused_default_steps"]
@@ -66,9 +66,9 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
         w, b = out.pop(f"{norm}.w"), out.pop(f"{norm}.b")
         for weight, bias in pairs:
             if weight == "unembed.W_U":
-                out[weight], out[bias] = _fold_centred_unembed(state_dict[weight], w, b, state_dict[bias], sums=sums)
+                out[weight], out[bias] = _fold_centered_unembed(state_dict[weight], w, b, state_dict[bias], sums=sums)
             else:
-                out[weight], out[bias] = fold_reader(state_dict[weight], w, b, state_dict[bias], centre=True)
+                out[weight], out[bias] = fold_reader(state_dict[weight], w, b, state_dict[bias], center=True)
                 sums.append(out[weight].sum())  # the folded reader is still in cache
     _weight, b_V_name, _heads = attention_names(cfg, "V")
     for layer in range(cfg.n_layers):
@@ -79,14 +79,14 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
         sums.append(b_V.sum())  # the folded b_V, zeroed below, carries any NaN of ln1.b or W_V into b_O too
         out[f"{p}.{b_V_name}"] = torch.zeros_like(b_V)
     for name in writers(cfg):
-        out[name] = centred_last_axis(out[name], sums=sums)
+        out[name] = centered_last_axis(out[name], sums=sums)
     summed = set(writers(cfg)) | {weight for _norm, pairs in readers(cfg) for weight, _bias in pairs}
     sums += [tensor.sum() for name, tensor in out.items() if name not in summed]  # the biases: small
     finite = bool(torch.isfinite(torch.stack(sums).sum(dtype=torch.float64))) if sums else True
     return out, cfg.replace(normalization_type="LNPre", applied=FUSED_STEPS), finite
 
 
-def _fold_centred_unembed(
+def _fold_centered_unembed(
     W_U: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_U: torch.Tensor, *, rows: int = 64, rows_out: int = 8,
     sums: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,7 +80,7 @@ def fold_layer_norm(
         w, b = out.pop(f"{norm}.w"), out.pop(f"{norm}.b")
         for weight, bias in pairs:
             out[weight], folded_bias = fold_reader(
-                state_dict[weight], w, b, None if bias is None else state_dict[bias], centre=center_reading_weights
+                state_dict[weight], w, b, None if bias is None else state_dict[bias], center=center_reading_weights
             )
             if bias is not None:
                 out[bias] = folded_bias
@@ -88,18 +88,18 @@ def fold_layer_norm(
 
 
 def fold_reader(
-    W: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_W: torch.Tensor | None, *, centre: bool
+    W: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_W: torch.Tensor | None, *, center: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One reader ``W: [..., d_model, m]`` with bias ``b_W: [..., m]`` (or ``None``) folded with
     the gain ``w`` and bias ``b`` (``[d_model]``): ``(w[:, None] * W, b_W + b @ W)``.
 
-    With ``centre=True`` the weight is also centred over ``d_model``
+    With ``center=True`` the weight is also centred over ``d_model``
     (:func:`center_reading_weights`): ``w_i W_ij - mean_i(w_i W_ij)``, the mean taken from the
     same pass over ``W`` as ``b @ W``, so the result is written once.
     """
     through = products_through(torch.stack([w, b]), W)  # [..., 2, m]: w @ W and b @ W
     folded = new_tensor(W.shape, W.dtype, W.device)
-    if centre:
+    if center:
         mean = (through[..., 0, :] / W.shape[-2]).to(W.dtype).unsqueeze(-2)
         torch.addcmul(mean.neg_(), W, w[:, None], out=folded)
     else:

@@ -12,7 +12,7 @@ from .._state import StateDict, validate_state_dict
 from ._common import common_preconditions, readers, refuse_reapplication, require, rewrite
 from .centring import require_pre_norm, writers
 
-__all__ = ["fold_rms_norm", "layer_norm_to_rms_norm", "rescale_residual_stream", "uncentred_writers", "IS_RMS",
+__all__ = ["fold_rms_norm", "layer_norm_to_rms_norm", "rescale_residual_stream", "uncentered_writers", "IS_RMS",
            "IS_LNPRE", "WRITES_CENTRED", "SCALE_POSITIVE", "BEHIND_A_NORM", "EPS_ZERO"]
 
 IS_RMS = Precondition("normalization_type is RMS")
@@ -64,7 +64,7 @@ def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.T
     return out, cfg.replace(normalization_type="RMSPre", applied=cfg.applied + (identity,))
 
 
-def uncentred_writers(state_dict: StateDict, cfg: Config) -> dict[str, float]:
+def uncentered_writers(state_dict: StateDict, cfg: Config) -> dict[str, float]:
     """The writers (see :func:`~circuitmath._processing.centring.writers`) whose mean over ``d_model`` is not zero.
 
     Maps each such tensor's name to its largest ``|mean over d_model|``. A mean counts as zero
@@ -95,7 +95,7 @@ def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str
 
     Centring is verified on the weights themselves, not read from ``cfg.applied``: a model
     centred elsewhere qualifies, and one whose writes a later rewrite un-centred does not. Each
-    writer's mean must be zero up to rounding (see :func:`uncentred_writers`); run
+    writer's mean must be zero up to rounding (see :func:`uncentered_writers`); run
     :func:`~circuitmath.center_writing_weights` first. Needs a pre-norm ``LNPre`` model (fold a
     LayerNorm's gain and bias first: an RMSNorm has no bias).
     """
@@ -109,7 +109,7 @@ def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str
            ": there is no LayerNorm to replace"),
     )
     validate_state_dict(state_dict, cfg)
-    uncentred = uncentred_writers(state_dict, cfg)
+    uncentred = uncentered_writers(state_dict, cfg)
     worst = max(uncentred, key=uncentred.get, default=None)
     require(
         identity, WRITES_CENTRED, not uncentred,
