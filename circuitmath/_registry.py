@@ -46,8 +46,10 @@ class WrongRewrite:
     differs_on: Callable[[Config], bool] | None = field(default=None, repr=False)
     regardless: bool = False
 
-    def __call__(self, state_dict: StateDict, cfg: Config) -> tuple[dict, Config]:
-        return self.function(state_dict, cfg)
+    def __call__(self, state_dict: StateDict, cfg: Config, *tokens) -> tuple[dict, Config]:
+        """The wrong transform (or, for an identity with ``compare``, the wrong computation, which
+        also takes the tokens)."""
+        return self.function(state_dict, cfg, *tokens)
 
 
 @dataclass(frozen=True, eq=False)

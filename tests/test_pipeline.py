@@ -190,8 +190,10 @@ def test_a_step_already_applied_is_refused_when_asked_for_and_left_out_otherwise
         cm.process_weights(processed, processed_cfg, fold_ln=False, center_writing_weights=False,
                            center_unembed=False, fold_value_biases=True)
     with pytest.raises(cm.AlreadyAppliedError):
-        cm.process_weights(processed, processed_cfg, center_writing_weights=False, center_unembed=False,
-                           fold_value_biases=False)
+        cm.process_weights(processed, processed_cfg, fold_ln=True, center_writing_weights=False,
+                           center_unembed=False, fold_value_biases=False)
+    again, again_cfg = cm.process_weights(processed, processed_cfg)  # by default, what is done is left out
+    assert again_cfg.applied == processed_cfg.applied
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", "if applicable"])
