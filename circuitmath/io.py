@@ -59,6 +59,9 @@ __all__ = [
     "from_hf_llama",
     "from_hf_bert",
     "load_hf_directory",
+    "Checkpoint",
+    "CheckpointWriter",
+    "open_checkpoint",
 ]
 
 CONFIG_KEY = "circuitmath.config"
@@ -764,21 +767,18 @@ def from_hf(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Con
 
 
 def load_hf_directory(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Config]:
-    """Convert the ``config.json`` and ``model.safetensors`` of a Hugging Face model folder.
+    """Convert the ``config.json`` and ``model.safetensors`` (or the shards named by
+    ``model.safetensors.index.json``) of a Hugging Face model folder, read whole into memory.
 
     A folder with only ``pytorch_model.bin`` (a pickle) is refused with :class:`UnsafeFormatError`.
-    Every error names the folder and the file or field at fault.
+    Every error names the folder and the file or field at fault. :func:`open_checkpoint` reads
+    the same folder a layer at a time.
     """
     directory = Path(directory)
-    weights = directory / "model.safetensors"
-    if not weights.exists():
-        pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise UnsafeFormatError(f"{directory} has only pickled weights {pickles}; circuitmath reads safetensors only")
-        raise InputError(f"{directory} has no model.safetensors")
-    config = read_json(directory / "config.json", "Hugging Face config")
-    if not isinstance(config, dict):
-        raise ConfigError(f"{directory / 'config.json'}: a JSON {type(config).__name__}, not an object")
-    tensors, _metadata = load_tensors(weights)
-    with _about(directory):
-        return from_hf(tensors, config)
+    if not directory.is_dir():
+        raise InputError(f"{directory} is not a folder")
+    return open_checkpoint(directory).load()
+
+
+# Reading and writing checkpoints a layer at a time builds on the converters above.
+from ._checkpoint import Checkpoint, CheckpointWriter, open_checkpoint  # noqa: E402
