@@ -158,8 +158,10 @@ def process_checkpoint(
         raise InputError(f"dtype {dtype}: circuitmath computes in {', '.join(map(str, DTYPES))}")
     try:
         device = torch.device(device) if device is not None else None
-    except RuntimeError as error:
-        raise InputError(f"device {device!r}: {error}") from None
+        if device is not None:
+            torch.empty(0, device=device)  # a device this torch build cannot use is refused here
+    except (RuntimeError, AssertionError) as error:
+        raise InputError(f"device {device!r} cannot be used: {error}") from None
     parts = _Parts(_opened(source, config), dtype, device)
     cfg = parts.cfg
 
