@@ -67,19 +67,36 @@ def _mapped(path: Path, offset: int, entry: dict) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape), offset=start - aligned).view(shape)
 
 
-class _Tensors(Mapping):
-    """The tensors of one or more safetensors files by name, each mapped from disk when looked up
-    (nothing is kept: a tensor lives as long as its views). With ``placeholders``, each is a
-    zero-stride tensor of its shape and dtype that holds no memory, to check a structure."""
+def _read(path: Path, offset: int, entry: dict) -> torch.Tensor:
+    """The tensor ``entry`` read into memory of its own (no map, no file left open)."""
+    begin, end = entry["data_offsets"]
+    tensor = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset + begin)
+            got = handle.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) if end > begin else 0
+    except OSError as error:
+        raise InputError(f"{path}: cannot be read ({error.strerror or error})") from None
+    if got != end - begin:
+        raise StateDictError(f"{path}: the file ended inside a tensor (it changed while being read)")
+    return tensor
 
-    def __init__(self, entries: dict[str, tuple[Path, int, dict]], *, placeholders: bool = False):
-        self.entries, self.placeholders = entries, placeholders
+
+def _placeholder(path: Path, offset: int, entry: dict) -> torch.Tensor:
+    """A zero-stride tensor of the entry's shape and dtype: no memory, for checking a structure."""
+    return torch.zeros((), dtype=DTYPES[entry["dtype"]]).expand(entry["shape"])
+
+
+class _Tensors(Mapping):
+    """The tensors of one or more safetensors files by name, each fetched from disk when looked
+    up by ``fetch`` (:func:`_mapped` by default; nothing is kept: a tensor lives as long as its
+    views, a memory map with it)."""
+
+    def __init__(self, entries: dict[str, tuple[Path, int, dict]], fetch=_mapped):
+        self.entries, self.fetch = entries, fetch
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        path, offset, entry = self.entries[name]
-        if self.placeholders:
-            return torch.zeros((), dtype=DTYPES[entry["dtype"]]).expand(entry["shape"])
-        return _mapped(path, offset, entry)
+        return self.fetch(*self.entries[name])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.entries)
@@ -87,11 +104,8 @@ class _Tensors(Mapping):
     def __len__(self) -> int:
         return len(self.entries)
 
-    def file_of(self, name: str) -> Path:
-        return self.entries[name][0]
-
-    def placeheld(self) -> "_Tensors":
-        return _Tensors(self.entries, placeholders=True)
+    def fetched_by(self, fetch) -> "_Tensors":
+        return _Tensors(self.entries, fetch)
 
 
 def _entries(path: Path, names: set[str] | None = None) -> tuple[dict[str, tuple[Path, int, dict]], dict[str, str]]:
@@ -161,7 +175,7 @@ class Checkpoint:
     def __post_init__(self):
         with _about(self.path):
             self.source = self.layout.source(self.tensors)
-            placeheld = self.layout.source(self.tensors.placeheld())
+            placeheld = self.layout.source(self.tensors.fetched_by(_placeholder))
             whole = self.layout.embed(placeheld) | self.layout.final(placeheld)
             for layer in range(self.cfg.n_layers):
                 whole |= self.layout.block(placeheld, layer)
@@ -180,7 +194,7 @@ class Checkpoint:
     def load(self) -> tuple[dict[str, torch.Tensor], Config]:
         """The whole state dict in memory, validated (what :func:`circuitmath.io.load_hf_directory` returns)."""
         with _about(self.path):
-            return self.layout.convert(self.tensors)
+            return self.layout.convert(self.tensors.fetched_by(_read))
 
 
 def open_checkpoint(path: str | os.PathLike, config=None) -> Checkpoint:
