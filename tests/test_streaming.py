@@ -5,6 +5,10 @@ runs leaving nothing behind."""
 
 import json
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -263,3 +267,18 @@ def test_sharded_folders_load_whole_as_before(tmp_path):
     expected, expected_cfg = io.from_hf(merged, json.loads((folder / "config.json").read_text()))
     got, got_cfg = io.load_hf_directory(folder)
     assert got_cfg == expected_cfg and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_terminated_process_command_leaves_nothing(tmp_path):
+    cfg = cm.Config(n_layers=150, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
+    io.save(tmp_path / "m.safetensors", cm.random_state_dict(cfg, seed=0), cfg)
+    child = subprocess.Popen([sys.executable, "-m", "circuitmath", "process", str(tmp_path / "m.safetensors"),
+                              str(tmp_path / "out")], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not _left_behind(tmp_path) and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert _left_behind(tmp_path), "the temporary output never appeared"
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=60) == 130
+    assert "not written" in child.stderr.read().decode()
+    assert _left_behind(tmp_path) == []
