@@ -31,6 +31,7 @@ import math
 import os
 import re
 import stat
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -369,7 +370,11 @@ class _Source:
         names = {n: n for n in state_dict}
         for prefix in prefixes:  # a task model (GPT2LMHeadModel, BertForX) nests the base model
             if any(n.startswith(prefix) for n in names):
-                names = {n[len(prefix):] if n.startswith(prefix) else n: n for n in names}
+                stripped = [n[len(prefix):] if n.startswith(prefix) else n for n in names]
+                twice = sorted(n for n, count in Counter(stripped).items() if count > 1)
+                if twice:
+                    raise StateDictError(f"the checkpoint has {twice} both with and without the prefix {prefix!r}")
+                names = dict(zip(stripped, names))
                 break
         skip = re.compile(ignored) if ignored else None
         # Tensors are looked up when taken, so a lazy mapping (a checkpoint read from disk,
