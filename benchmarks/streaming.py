@@ -45,7 +45,6 @@ from safetensors.torch import save_file
 
 import circuitmath as cm
 from circuitmath import io
-from circuitmath._streaming import process_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "streaming"
@@ -170,7 +169,7 @@ def bench_gpt2(args) -> list[bool]:
         for round_ in range(args.rounds):
             out = tmp / f"streamed-{round_}"
             start = time.perf_counter()
-            process_checkpoint(source, out)
+            io.process_checkpoint(source, out)
             streaming.append(time.perf_counter() - start)
             shutil.rmtree(out)
             start = time.perf_counter()

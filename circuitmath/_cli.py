@@ -130,9 +130,9 @@ def _check(args) -> int:
     try:
         cfg = io.read_config(args.config) if args.config else None
         if args.processed and (Path(args.processed).is_dir() or (Path(args.model) / INDEX).exists()):
-            from . import _streaming  # checkpoint folders: read a block at a time
+            from ._streaming_check import check_processed  # checkpoint folders: read a block at a time
 
-            report = _streaming.check_processed(args.model, args.processed, cfg, tokens=tokens, progress=progress)
+            report = check_processed(args.model, args.processed, cfg, tokens=tokens, progress=progress)
         elif args.processed:
             report = _diagnosis.diagnose(args.model, args.processed, cfg, tokens=tokens, progress=progress)
         else:
@@ -161,15 +161,13 @@ DTYPE_NAMES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": t
 
 
 def _process(args) -> int:
-    from . import _streaming
-
     steps = None if args.steps == "default" else "applicable" if args.steps == "applicable" else [
         s.strip() for s in args.steps.split(",") if s.strip()]
     progress = _ProgressLine(sys.stderr, label="process") if sys.stderr.isatty() else None
     # A termination request unwinds like Ctrl-C, so the temporary output is removed.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        cfg = _streaming.process_checkpoint(
+        cfg = io.process_checkpoint(
             args.input, args.output, steps=steps, dtype=DTYPE_NAMES.get(args.dtype), device=args.device, progress=progress)
     except KeyboardInterrupt:
         print(f"interrupted: {args.output} not written", file=sys.stderr)

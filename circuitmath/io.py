@@ -63,6 +63,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointWriter",
     "open_checkpoint",
+    "process_checkpoint",
 ]
 
 CONFIG_KEY = "circuitmath.config"
@@ -787,3 +788,4 @@ def load_hf_directory(directory: str | os.PathLike) -> tuple[dict[str, torch.Ten
 
 # Reading and writing checkpoints a layer at a time builds on the converters above.
 from ._checkpoint import Checkpoint, CheckpointWriter, open_checkpoint  # noqa: E402
+from ._streaming import process_checkpoint  # noqa: E402

@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 import circuitmath as cm
 from circuitmath import _cli, io
 from circuitmath._checkpoint import INDEX, CheckpointWriter
-from circuitmath._streaming import STEPS, check_processed, process_checkpoint
+from circuitmath._streaming import STEPS
+from circuitmath._streaming_check import check_processed
 from circuitmath.testing import compare_log_probs
 
 VOCAB, CTX = 64, 12
@@ -76,7 +77,7 @@ def test_streaming_process_equals_the_in_memory_transform(tmp_path, name):
     assert len(_shards(folder)) >= 3
     state_dict, cfg = io.load_hf_directory(folder)  # the shards read whole, through the same converter
     expected, expected_cfg = cm.process_weights(state_dict, cfg, **EVERYTHING)
-    out_cfg = process_checkpoint(folder, tmp_path / "out", steps="applicable")
+    out_cfg = io.process_checkpoint(folder, tmp_path / "out", steps="applicable")
     assert len(_shards(tmp_path / "out")) == cfg.n_layers + 1
     got, got_cfg = io.open_checkpoint(tmp_path / "out").load()
     assert out_cfg == got_cfg == expected_cfg
@@ -96,7 +97,7 @@ def test_circuitmath_files_stream_too(tmp_path, cfg, dtype):
     state_dict = cm.random_state_dict(cfg, seed=0, dtype=dtype)
     io.save(tmp_path / "m.safetensors", state_dict, cfg)
     expected, expected_cfg = cm.process_weights(state_dict, cfg, **EVERYTHING)
-    process_checkpoint(tmp_path / "m.safetensors", tmp_path / "out", steps="applicable")
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "out", steps="applicable")
     got, got_cfg = io.open_checkpoint(tmp_path / "out").load()
     assert got_cfg == expected_cfg and got.keys() == expected.keys()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
@@ -106,7 +107,7 @@ def test_dtype_option_processes_in_that_dtype(tmp_path):
     folder = _hf_folder(tmp_path, "gpt2")
     state_dict, cfg = io.load_hf_directory(folder)
     expected, _ = cm.process_weights({k: v.double() for k, v in state_dict.items()}, cfg)
-    process_checkpoint(folder, tmp_path / "out", dtype=torch.float64)
+    io.process_checkpoint(folder, tmp_path / "out", dtype=torch.float64)
     got, _ = io.open_checkpoint(tmp_path / "out").load()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
@@ -134,7 +135,7 @@ def test_a_nan_in_a_late_layer_is_named_and_nothing_is_written(tmp_path):
     folder = _hf_folder(tmp_path, "gpt2")
     _corrupt(folder, "transformer.h.2.mlp.c_fc.weight", float("nan"))
     with pytest.raises(cm.StateDictError, match=r"gpt2: .*blocks\.2\.mlp\.W_in has 1 NaN"):
-        process_checkpoint(folder, tmp_path / "out")
+        io.process_checkpoint(folder, tmp_path / "out")
     assert _left_behind(tmp_path) == []
 
 
@@ -144,7 +145,7 @@ def test_refusals_are_the_in_memory_transforms(tmp_path):
     with pytest.raises(cm.PreconditionError) as in_memory:
         cm.process_weights(state_dict, cfg)  # the defaults centre the writers: not behind an RMSNorm
     with pytest.raises(cm.PreconditionError) as streamed:
-        process_checkpoint(folder, tmp_path / "out")
+        io.process_checkpoint(folder, tmp_path / "out")
     assert str(streamed.value) == str(in_memory.value)
     assert _left_behind(tmp_path) == []
 
@@ -157,7 +158,7 @@ def test_an_interrupted_run_leaves_nothing(tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        process_checkpoint(folder, tmp_path / "out", progress=interrupt)
+        io.process_checkpoint(folder, tmp_path / "out", progress=interrupt)
     assert _left_behind(tmp_path) == []
 
 
@@ -175,7 +176,7 @@ def _wrong_processing(tmp_path, folder):
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
 def test_streaming_check_agrees_with_the_in_memory_check(tmp_path, name):
     folder = _hf_folder(tmp_path, name)
-    process_checkpoint(folder, tmp_path / "out", steps="applicable")
+    io.process_checkpoint(folder, tmp_path / "out", steps="applicable")
     state_dict, cfg = io.load_hf_directory(folder)
     processed, processed_cfg = io.open_checkpoint(tmp_path / "out").load()
     in_memory = compare_log_probs(state_dict, cfg, processed, processed_cfg, TOKENS)
