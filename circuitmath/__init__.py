@@ -7,12 +7,14 @@ numeric check on weights, and the weight transform it licenses.
 from ._config import Config as Config
 from ._errors import (
     AlreadyAppliedError as AlreadyAppliedError,
+    ArgumentTypeError as ArgumentTypeError,
     CircuitMathError as CircuitMathError,
     ConfigError as ConfigError,
     InputError as InputError,
     OverflowedError as OverflowedError,
     PreconditionError as PreconditionError,
     StateDictError as StateDictError,
+    UnknownNameError as UnknownNameError,
 )
 from ._processing import (
     center_reading_weights as center_reading_weights,
@@ -40,6 +42,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AlreadyAppliedError",
+    "ArgumentTypeError",
     "CircuitMathError",
     "Config",
     "ConfigError",
@@ -50,6 +53,7 @@ __all__ = [
     "Proof",
     "ProofReport",
     "StateDictError",
+    "UnknownNameError",
     "assert_equivalent",
     "center_reading_weights",
     "center_unembed",

@@ -1,17 +1,21 @@
-"""``python -m circuitmath prove [NAME ...] [--json]`` and
-``python -m circuitmath check MODEL.safetensors [--config CFG.json] [--processed OTHER.safetensors] [--json]``."""
+"""``python -m circuitmath prove [NAME ...] [--json]``,
+``python -m circuitmath check MODEL.safetensors [--config CFG.json] [--processed OTHER.safetensors] [--json]`` and
+``python -m circuitmath process IN OUT [--steps ...] [--dtype ...] [--device ...]``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
+import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from . import io
+from ._checkpoint import INDEX
 from ._config import Config
 from ._errors import CircuitMathError, InputError
 from ._identities import get_identity, identities
@@ -78,8 +82,8 @@ PROGRESS_DELAY = 0.5
 class _ProgressLine:
     """A one-line progress bar on a terminal, redrawn in place; shown once a run lasts ``PROGRESS_DELAY`` s."""
 
-    def __init__(self, stream, *, width: int = 24):
-        self.stream, self.delay, self.width = stream, PROGRESS_DELAY, width
+    def __init__(self, stream, *, width: int = 24, label: str = "check"):
+        self.stream, self.delay, self.width, self.label = stream, PROGRESS_DELAY, width, label
         self.start = time.monotonic()
         self.shown = 0
 
@@ -87,7 +91,7 @@ class _ProgressLine:
         if time.monotonic() - self.start < self.delay:
             return
         filled = self.width * done // max(total, 1)
-        line = f"check [{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} {what}"
+        line = f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} {what}"
         line = line[: shutil.get_terminal_size().columns - 1]
         self.stream.write("\r" + line.ljust(self.shown))
         self.stream.flush()
@@ -125,7 +129,11 @@ def _check(args) -> int:
     progress = _ProgressLine(sys.stderr) if sys.stderr.isatty() and not args.json else None
     try:
         cfg = io.read_config(args.config) if args.config else None
-        if args.processed:
+        if args.processed and (Path(args.processed).is_dir() or (Path(args.model) / INDEX).exists()):
+            from ._streaming_check import check_processed  # checkpoint folders: read a block at a time
+
+            report = check_processed(args.model, args.processed, cfg, tokens=tokens, progress=progress)
+        elif args.processed:
             report = _diagnosis.diagnose(args.model, args.processed, cfg, tokens=tokens, progress=progress)
         else:
             report = _diagnosis.check_model(args.model, cfg, tokens=tokens, progress=progress)
@@ -134,6 +142,41 @@ def _check(args) -> int:
             progress.close()
     print(json.dumps(report.as_dicts(), indent=2) if args.json else str(report).lstrip("\n"))
     return 0 if report.ok else 1
+
+
+def _interrupt(_signal, _frame) -> None:
+    raise KeyboardInterrupt
+
+
+PROCESS_HELP = """Process the checkpoint IN (a Hugging Face folder with config.json and model.safetensors or
+model.safetensors.index.json and its shards, a folder written by process, or a .safetensors file
+written by circuitmath.io.save) one layer at a time, as process_weights processes a model in
+memory, and write the result to the new folder OUT: one safetensors shard per layer with the
+processed config in its metadata, and model.safetensors.index.json. Memory holds one layer.
+OUT is written under a temporary name and renamed at the end: a refusal, an error or an
+interruption leaves nothing. Exit status: 0 written, 2 bad input or a step refused (nothing
+written)."""
+
+DTYPE_NAMES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _process(args) -> int:
+    steps = None if args.steps == "default" else "applicable" if args.steps == "applicable" else [
+        s.strip() for s in args.steps.split(",") if s.strip()]
+    progress = _ProgressLine(sys.stderr, label="process") if sys.stderr.isatty() else None
+    # A termination request unwinds like Ctrl-C, so the temporary output is removed.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        cfg = io.process_checkpoint(
+            args.input, args.output, steps=steps, dtype=DTYPE_NAMES.get(args.dtype), device=args.device, progress=progress)
+    except KeyboardInterrupt:
+        print(f"interrupted: {args.output} not written", file=sys.stderr)
+        return 130
+    finally:
+        if progress is not None:
+            progress.close()
+    print(f"{args.output}: {cfg.n_layers + 1} shards, applied {', '.join(cfg.applied) or 'nothing'}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,12 +195,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     check.add_argument("model", metavar="MODEL", help="the model: a .safetensors file (or a Hugging Face folder)")
     check.add_argument("--config", metavar="CFG.json", help="MODEL's config: circuitmath Config JSON or Hugging Face config.json")
-    check.add_argument("--processed", metavar="OTHER", help="a processed version of MODEL to check (.safetensors)")
+    check.add_argument("--processed", metavar="OTHER", help="a processed version of MODEL to check (.safetensors, or a"
+                       " checkpoint folder: then both are read a block at a time)")
     check.add_argument("--json", action="store_true", help="print a JSON list, one object per row")
     check.add_argument("--batch", type=int, default=4, help="sequences of random tokens (default 4)")
     check.add_argument("--seq-len", type=int, default=128, help="positions per sequence, at most n_ctx (default 128)")
     check.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
     check.set_defaults(run=_check)
+    process = commands.add_parser("process", help="process a checkpoint layer by layer into a new sharded checkpoint",
+                                  description=PROCESS_HELP)
+    process.add_argument("input", metavar="IN", help="the checkpoint: a folder or a .safetensors file")
+    process.add_argument("output", metavar="OUT", help="the folder to write (must not exist)")
+    process.add_argument("--steps", default="default", help="'default' (process_weights' defaults), 'applicable' (every"
+                         " step that applies) or a comma-separated list of fold_ln, fold_value_biases,"
+                         " center_writing_weights, center_unembed, refactor_factored_attn_matrices")
+    process.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="cast the weights before processing (default: keep)")
+    process.add_argument("--device", default=None, help="where each layer is processed (default cpu)")
+    process.set_defaults(run=_process)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

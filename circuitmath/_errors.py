@@ -6,6 +6,8 @@ __all__ = [
     "CircuitMathError",
     "InputError",
     "ConfigError",
+    "UnknownNameError",
+    "ArgumentTypeError",
     "StateDictError",
     "Precondition",
     "NOT_APPLIED",
@@ -27,6 +29,16 @@ class CircuitMathError(Exception):
 class InputError(CircuitMathError, ValueError):
     """A file or an argument that cannot be used as given (missing, not a regular file, too
     large, not UTF-8, not JSON, an argument out of range): nothing was computed or written."""
+
+
+class UnknownNameError(InputError, KeyError):
+    """A name nothing is registered under (an identity, a zoo model); the message lists the known ones."""
+
+    __str__ = Exception.__str__  # the message as written, not quoted as KeyError quotes it
+
+
+class ArgumentTypeError(InputError, TypeError):
+    """An argument of the wrong type (a keyword that takes True, False or None, say)."""
 
 
 class ConfigError(InputError):

@@ -14,7 +14,7 @@ from ._config import Config
 from ._errors import InputError
 from ._state import StateDict, attention_names, per_query_head, validate_state_dict
 
-__all__ = ["forward", "log_probs", "normalize", "pattern_from_scores"]
+__all__ = ["forward", "log_probs", "normalize", "pattern_from_scores", "embed", "block", "unembed"]
 
 
 def normalize(x: torch.Tensor, kind, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -150,7 +150,17 @@ def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, *, record:
     if record is not None:
         record.update(patterns=[], head_outputs=[], residuals=[])
     tokens = check_tokens(cfg, tokens, state_dict["embed.W_E"].device)
-    params = state_dict
+    x, pos = embed(state_dict, cfg, tokens)
+    for layer in range(cfg.n_layers):
+        x = block(state_dict, layer, cfg, x, pos, record)
+    if record is not None:
+        record["final_residual"] = x
+    return unembed(state_dict, cfg, x)
+
+
+def embed(params: StateDict, cfg: Config, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The residual stream before the first block, ``[batch, pos, d_model]``, and the positional
+    embeddings ``[pos, d_model]`` a shortformer block adds to its query and key inputs (or ``None``)."""
     positions = tokens.shape[1]
     x = params["embed.W_E"][tokens]
     pos = params["pos_embed.W_pos"][:positions] if "pos_embed.W_pos" in params else None
@@ -158,26 +168,33 @@ def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, *, record:
         x = x + pos
     if cfg.embedding_norm:
         x = _norm(params, "embed.ln", cfg, x)
-    for layer in range(cfg.n_layers):
-        p = f"blocks.{layer}"
-        if cfg.norm_position == "post":
-            x = _norm(params, f"{p}.ln1", cfg, x + _attention(params, f"{p}.attn", cfg, x, x, x, record))
-            if not cfg.attn_only:
-                x = _norm(params, f"{p}.ln2", cfg, x + _mlp(params, f"{p}.mlp", cfg, x))
-            continue
-        if record is not None:
-            record["residuals"].append(x)
-        normed = _norm(params, f"{p}.ln1", cfg, x)
-        qk_in = normed + pos if cfg.positional_embedding_type == "shortformer" else normed
-        attn_out = _attention(params, f"{p}.attn", cfg, qk_in, qk_in, normed, record)
-        if cfg.parallel_attn_mlp:
-            x = x + attn_out + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x))
-            continue
-        x = x + attn_out
+    return x, pos
+
+
+def block(params: StateDict, layer: int, cfg: Config, x: torch.Tensor, pos: torch.Tensor | None,
+          record: dict | None = None) -> torch.Tensor:
+    """The residual stream ``[batch, pos, d_model]`` after block ``layer``; ``params`` needs only that block's tensors."""
+    p = f"blocks.{layer}"
+    if cfg.norm_position == "post":
+        x = _norm(params, f"{p}.ln1", cfg, x + _attention(params, f"{p}.attn", cfg, x, x, x, record))
         if not cfg.attn_only:
-            x = x + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x))
+            x = _norm(params, f"{p}.ln2", cfg, x + _mlp(params, f"{p}.mlp", cfg, x))
+        return x
     if record is not None:
-        record["final_residual"] = x
+        record["residuals"].append(x)
+    normed = _norm(params, f"{p}.ln1", cfg, x)
+    qk_in = normed + pos if cfg.positional_embedding_type == "shortformer" else normed
+    attn_out = _attention(params, f"{p}.attn", cfg, qk_in, qk_in, normed, record)
+    if cfg.parallel_attn_mlp:
+        return x + attn_out + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x))
+    x = x + attn_out
+    if not cfg.attn_only:
+        x = x + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x))
+    return x
+
+
+def unembed(params: StateDict, cfg: Config, x: torch.Tensor) -> torch.Tensor:
+    """Logits ``[batch, pos, d_vocab]`` from the residual stream after the last block."""
     if cfg.norm_position == "pre":
         x = _norm(params, "ln_final", cfg, x)
     return x @ params["unembed.W_U"] + params["unembed.b_U"]

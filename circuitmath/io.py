@@ -32,7 +32,8 @@ import os
 import re
 import stat
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,6 +60,10 @@ __all__ = [
     "from_hf_llama",
     "from_hf_bert",
     "load_hf_directory",
+    "Checkpoint",
+    "CheckpointWriter",
+    "open_checkpoint",
+    "process_checkpoint",
 ]
 
 CONFIG_KEY = "circuitmath.config"
@@ -363,31 +368,33 @@ class _Source:
             raise StateDictError(f"expected a mapping of names to tensors, got {type(state_dict).__name__}")
         if not all(isinstance(name, str) for name in state_dict):
             raise StateDictError("the checkpoint's tensor names must be strings")
-        names = list(state_dict)
+        names = {n: n for n in state_dict}
         for prefix in prefixes:  # a task model (GPT2LMHeadModel, BertForX) nests the base model
             if any(n.startswith(prefix) for n in names):
-                names = [n[len(prefix):] if n.startswith(prefix) else n for n in names]
-                twice = sorted(n for n, count in Counter(names).items() if count > 1)
+                stripped = [n[len(prefix):] if n.startswith(prefix) else n for n in names]
+                twice = sorted(n for n, count in Counter(stripped).items() if count > 1)
                 if twice:
                     raise StateDictError(f"the checkpoint has {twice} both with and without the prefix {prefix!r}")
-                state_dict = dict(zip(names, state_dict.values()))
+                names = dict(zip(stripped, names))
                 break
         skip = re.compile(ignored) if ignored else None
-        self.tensors = {n: t for n, t in state_dict.items() if not (skip and skip.fullmatch(n))}
-        self.unused = set(self.tensors)
-        floats = {t.dtype for t in self.tensors.values() if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        # Tensors are looked up when taken, so a lazy mapping (a checkpoint read from disk,
+        # circuitmath.io.open_checkpoint) is read one part at a time.
+        self.state_dict, self.names = state_dict, {n: o for n, o in names.items() if not (skip and skip.fullmatch(n))}
+        self.unused = set(self.names)
+        floats = {t.dtype for t in map(state_dict.get, self.names.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()}
         if len(floats) != 1:
             raise StateDictError(f"expected one floating dtype in the checkpoint, found {sorted(map(str, floats)) or 'none'}")
         self.dtype = floats.pop()
 
     def __contains__(self, name: str) -> bool:
-        return name in self.tensors
+        return name in self.names
 
     def take(self, name: str, *shape: int) -> torch.Tensor:
         """The tensor ``name``, checked to have ``shape`` when one is given (before any reshape)."""
-        if name not in self.tensors:
+        if name not in self.names:
             raise StateDictError(f"the checkpoint has no tensor {name!r}")
-        tensor = self.tensors[name]
+        tensor = self.state_dict[self.names[name]]
         if not isinstance(tensor, torch.Tensor):
             raise StateDictError(f"the checkpoint's {name!r} is a {type(tensor).__name__}, not a tensor")
         if shape and tuple(tensor.shape) != shape:
@@ -403,14 +410,52 @@ class _Source:
         return torch.zeros(shape, dtype=self.dtype)
 
     def finish(self, out: dict[str, torch.Tensor], cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+        self.all_used()
+        out = {name: tensor.contiguous() for name, tensor in out.items()}
+        validate_state_dict(out, cfg)
+        return out, cfg
+
+    def all_used(self) -> None:
+        """Refuse tensors no part of the conversion took."""
         if self.unused:
             raise StateDictError(
                 f"the checkpoint has tensors this converter does not use: {sorted(self.unused)}; the config"
                 " does not describe the weights, or the architecture has a part the reference lacks"
             )
-        out = {name: tensor.contiguous() for name, tensor in out.items()}
-        validate_state_dict(out, cfg)
-        return out, cfg
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a checkpoint's tensors become a state dict in the reference conventions, part by part.
+
+    ``cfg`` is the converted model's config; ``prefixes`` and ``ignored`` are those of
+    :class:`_Source`. ``embed(source)`` returns the tensors before the first block (``embed.*``,
+    ``pos_embed.*``), ``block(source, layer)`` those of ``blocks.{layer}``, ``final(source)``
+    those after the last (``ln_final.*``, ``unembed.*``), each taken from the source by the
+    checkpoint's names and checked against the shapes the config implies. The one mapping of
+    names and shapes serves a whole model in memory (:meth:`convert`, behind
+    :func:`from_hf_gpt2` and the others) and one layer at a time
+    (:func:`circuitmath.io.open_checkpoint`).
+    """
+
+    cfg: Config
+    prefixes: tuple[str, ...]
+    ignored: str | None
+    embed: Callable[[_Source], dict]
+    block: Callable[[_Source, int], dict]
+    final: Callable[[_Source], dict]
+
+    def source(self, tensors: StateDict) -> _Source:
+        return _Source(tensors, self.prefixes, self.ignored)
+
+    def convert(self, tensors: StateDict) -> tuple[dict[str, torch.Tensor], Config]:
+        """The whole state dict, validated, with every tensor of ``tensors`` used."""
+        src = self.source(tensors)
+        out = self.embed(src)
+        for layer in range(self.cfg.n_layers):
+            out |= self.block(src, layer)
+        out |= self.final(src)
+        return src.finish(out, self.cfg)
 
 
 def _activation(hf_name: str, architecture: str) -> str:
@@ -472,6 +517,10 @@ def from_hf_gpt2(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor]
     holds ``[W_Q | W_K | W_V]`` side by side, each with its heads side by side. Without an
     ``lm_head.weight`` the unembed is the tied ``wte``; ``b_U`` is zero.
     """
+    return _gpt2_layout(config).convert(state_dict)
+
+
+def _gpt2_layout(config) -> Layout:
     arch = "GPT-2"
     d, heads, layers = _int(config, "n_embd", arch), _int(config, "n_head", arch), _int(config, "n_layer", arch, floor=0)
     _require(d % heads == 0, arch, f"n_embd={d} is not a multiple of n_head={heads}")
@@ -486,10 +535,12 @@ def from_hf_gpt2(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor]
         act_fn=_activation(_option(config, "activation_function", "gelu_new"), arch),
         eps=_number(config, "layer_norm_epsilon", arch, 1e-5),
     )
-    src = _Source(state_dict, ("transformer.",), ignored=r"h\.\d+\.attn\.(masked_)?bias")  # causal-mask buffers
-    out = {"embed.W_E": src.take("wte.weight", cfg.d_vocab, d), "pos_embed.W_pos": src.take("wpe.weight", cfg.n_ctx, d)}
-    for layer in range(layers):
-        h, p = f"h.{layer}", f"blocks.{layer}"
+
+    def embed(src: _Source) -> dict:
+        return {"embed.W_E": src.take("wte.weight", cfg.d_vocab, d), "pos_embed.W_pos": src.take("wpe.weight", cfg.n_ctx, d)}
+
+    def block(src: _Source, layer: int) -> dict:
+        h, p, out = f"h.{layer}", f"blocks.{layer}", {}
         out[f"{p}.ln1.w"], out[f"{p}.ln1.b"] = src.take(f"{h}.ln_1.weight"), src.take(f"{h}.ln_1.bias")
         qkv_w, qkv_b = src.take(f"{h}.attn.c_attn.weight", d, 3 * d), src.take(f"{h}.attn.c_attn.bias", 3 * d)
         for i, name in enumerate("QKV"):
@@ -501,10 +552,18 @@ def from_hf_gpt2(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor]
         out[f"{p}.mlp.W_in"], out[f"{p}.mlp.b_in"] = src.take(f"{h}.mlp.c_fc.weight"), src.take(f"{h}.mlp.c_fc.bias")
         out[f"{p}.mlp.W_out"] = src.take(f"{h}.mlp.c_proj.weight")
         out[f"{p}.mlp.b_out"] = src.take(f"{h}.mlp.c_proj.bias")
-    out["ln_final.w"], out["ln_final.b"] = src.take("ln_f.weight"), src.take("ln_f.bias")
-    out["unembed.W_U"] = src.linear("lm_head.weight", cfg.d_vocab, d) if "lm_head.weight" in src else out["embed.W_E"].T
-    out["unembed.b_U"] = src.zeros(cfg.d_vocab)
-    return src.finish(out, cfg)
+        return out
+
+    def final(src: _Source) -> dict:
+        tied = "lm_head.weight" not in src
+        return {
+            "ln_final.w": src.take("ln_f.weight"), "ln_final.b": src.take("ln_f.bias"),
+            "unembed.W_U": src.take("wte.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
+            "unembed.b_U": src.zeros(cfg.d_vocab),
+        }
+
+    # causal-mask buffers
+    return Layout(cfg, ("transformer.",), r"h\.\d+\.attn\.(masked_)?bias", embed, block, final)
 
 
 def from_hf_gpt_neox(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
@@ -515,6 +574,10 @@ def from_hf_gpt_neox(state_dict: StateDict, config) -> tuple[dict[str, torch.Ten
     ``rotary_pct`` / ``partial_rotary_factor`` to ``rotary_dim``. The unembed (``embed_out``,
     named ``lm_head`` by transformers 5) has no bias (``b_U`` is zero).
     """
+    return _gpt_neox_layout(config).convert(state_dict)
+
+
+def _gpt_neox_layout(config) -> Layout:
     arch = "GPT-NeoX"
     d, heads, layers = _dimensions(config, arch)
     d_head = d // heads
@@ -528,10 +591,12 @@ def from_hf_gpt_neox(state_dict: StateDict, config) -> tuple[dict[str, torch.Ten
         parallel_attn_mlp=bool(_option(config, "use_parallel_residual", True)),
     )
     m = cfg.d_mlp
-    src = _Source(state_dict, ("gpt_neox.",), ignored=r"(layers\.\d+\.attention\.)?(rotary_emb\.inv_freq|(masked_)?bias)")
-    out = {"embed.W_E": src.take("embed_in.weight", cfg.d_vocab, d)}
-    for layer in range(layers):
-        h, p = f"layers.{layer}", f"blocks.{layer}"
+
+    def embed(src: _Source) -> dict:
+        return {"embed.W_E": src.take("embed_in.weight", cfg.d_vocab, d)}
+
+    def block(src: _Source, layer: int) -> dict:
+        h, p, out = f"layers.{layer}", f"blocks.{layer}", {}
         out[f"{p}.ln1.w"], out[f"{p}.ln1.b"] = src.take(f"{h}.input_layernorm.weight"), src.take(f"{h}.input_layernorm.bias")
         qkv = src.linear(f"{h}.attention.query_key_value.weight", 3 * d, d).reshape(d, heads, 3, d_head)
         qkv_b = src.take(f"{h}.attention.query_key_value.bias", 3 * d).reshape(heads, 3, d_head) if bias else None
@@ -544,12 +609,19 @@ def from_hf_gpt_neox(state_dict: StateDict, config) -> tuple[dict[str, torch.Ten
         out[f"{p}.ln2.b"] = src.take(f"{h}.post_attention_layernorm.bias")
         out[f"{p}.mlp.W_in"], out[f"{p}.mlp.b_in"] = src.linear(f"{h}.mlp.dense_h_to_4h.weight", m, d), src.take(f"{h}.mlp.dense_h_to_4h.bias")
         out[f"{p}.mlp.W_out"], out[f"{p}.mlp.b_out"] = src.linear(f"{h}.mlp.dense_4h_to_h.weight", d, m), src.take(f"{h}.mlp.dense_4h_to_h.bias")
-    out["ln_final.w"], out["ln_final.b"] = src.take("final_layer_norm.weight"), src.take("final_layer_norm.bias")
-    head = next((n for n in ("embed_out.weight", "lm_head.weight") if n in src), None)  # transformers 4 / 5 name
-    _require(head is not None or _option(config, "tie_word_embeddings", False), arch, "no unembed and untied embeddings")
-    out["unembed.W_U"] = src.linear(head, cfg.d_vocab, d) if head else out["embed.W_E"].T
-    out["unembed.b_U"] = src.zeros(cfg.d_vocab)
-    return src.finish(out, cfg)
+        return out
+
+    def final(src: _Source) -> dict:
+        head = next((n for n in ("embed_out.weight", "lm_head.weight") if n in src), None)  # transformers 4 / 5 name
+        _require(head is not None or _option(config, "tie_word_embeddings", False), arch, "no unembed and untied embeddings")
+        return {
+            "ln_final.w": src.take("final_layer_norm.weight"), "ln_final.b": src.take("final_layer_norm.bias"),
+            "unembed.W_U": src.linear(head, cfg.d_vocab, d) if head else src.take("embed_in.weight", cfg.d_vocab, d).T,
+            "unembed.b_U": src.zeros(cfg.d_vocab),
+        }
+
+    ignored = r"(layers\.\d+\.attention\.)?(rotary_emb\.inv_freq|(masked_)?bias)"
+    return Layout(cfg, ("gpt_neox.",), ignored, embed, block, final)
 
 
 def from_hf_llama(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
@@ -561,6 +633,10 @@ def from_hf_llama(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor
     biases (``attention_bias=False``) are zero. ``mlp_bias=True`` is refused: the reference's
     ``W_gate`` has no bias.
     """
+    return _llama_layout(config).convert(state_dict)
+
+
+def _llama_layout(config) -> Layout:
     arch = "LLaMA"
     d, heads, layers = _int(config, "hidden_size", arch), _int(config, "num_attention_heads", arch), _int(config, "num_hidden_layers", arch, floor=0)
     d_head = _int(config, "head_dim", arch, None) or d // heads
@@ -577,11 +653,13 @@ def from_hf_llama(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor
         eps=_number(config, "rms_norm_eps", arch, 1e-6), positional_embedding_type="rotary", rotary_base=base,
         gated_mlp=True, n_key_value_heads=kv_heads if kv_heads != heads else None,
     )
-    src = _Source(state_dict, ("model.",), ignored=r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
     m = cfg.d_mlp
-    out = {"embed.W_E": src.take("embed_tokens.weight", cfg.d_vocab, d)}
-    for layer in range(layers):
-        h, p = f"layers.{layer}", f"blocks.{layer}"
+
+    def embed(src: _Source) -> dict:
+        return {"embed.W_E": src.take("embed_tokens.weight", cfg.d_vocab, d)}
+
+    def block(src: _Source, layer: int) -> dict:
+        h, p, out = f"layers.{layer}", f"blocks.{layer}", {}
         out[f"{p}.ln1.w"] = src.take(f"{h}.input_layernorm.weight")
         for name, proj in (("Q", "q_proj"), ("K", "k_proj"), ("V", "v_proj")):
             weight, b, n = attention_names(cfg, name)
@@ -594,12 +672,18 @@ def from_hf_llama(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor
         out[f"{p}.mlp.b_in"] = src.zeros(cfg.d_mlp)
         out[f"{p}.mlp.W_out"] = src.linear(f"{h}.mlp.down_proj.weight", d, m)
         out[f"{p}.mlp.b_out"] = src.zeros(d)
-    out["ln_final.w"] = src.take("norm.weight")
-    tied = "lm_head.weight" not in src
-    _require(not tied or _option(config, "tie_word_embeddings", False), arch, "no lm_head.weight and untied embeddings")
-    out["unembed.W_U"] = out["embed.W_E"].T if tied else src.linear("lm_head.weight", cfg.d_vocab, d)
-    out["unembed.b_U"] = src.zeros(cfg.d_vocab)
-    return src.finish(out, cfg)
+        return out
+
+    def final(src: _Source) -> dict:
+        tied = "lm_head.weight" not in src
+        _require(not tied or _option(config, "tie_word_embeddings", False), arch, "no lm_head.weight and untied embeddings")
+        return {
+            "ln_final.w": src.take("norm.weight"),
+            "unembed.W_U": src.take("embed_tokens.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
+            "unembed.b_U": src.zeros(cfg.d_vocab),
+        }
+
+    return Layout(cfg, ("model.",), r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", embed, block, final)
 
 
 def from_hf_bert(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
@@ -618,6 +702,10 @@ def from_hf_bert(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor]
     The pooler and task heads (``pooler.*``, ``cls.*``) are outside the encoder and are not
     converted.
     """
+    return _bert_layout(config).convert(state_dict)
+
+
+def _bert_layout(config) -> Layout:
     arch = "BERT"
     d, heads, layers = _dimensions(config, arch)
     _require(_option(config, "position_embedding_type", "absolute") == "absolute", arch,
@@ -630,19 +718,21 @@ def from_hf_bert(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor]
         act_fn=_activation(_option(config, "hidden_act", "gelu"), arch), eps=_number(config, "layer_norm_eps", arch, 1e-12),
         norm_position="post", causal=False, embedding_norm=True,
     )
-    src = _Source(state_dict, ("bert.",), ignored=r"(pooler|cls)\..*|embeddings\.(position|token_type)_ids")
     e, m = "embeddings", cfg.d_mlp
-    token_types = src.take(f"{e}.token_type_embeddings.weight")
-    _require(token_types.ndim == 2 and token_types.shape[0] >= 1 and token_types.shape[1] == d, arch,
-             f"token_type_embeddings has shape {tuple(token_types.shape)}, expected [type_vocab_size, {d}]")
-    out = {
-        "embed.W_E": src.take(f"{e}.word_embeddings.weight", cfg.d_vocab, d),
-        "pos_embed.W_pos": src.take(f"{e}.position_embeddings.weight", cfg.n_ctx, d) + token_types[0],
-        "embed.ln.w": src.take(f"{e}.LayerNorm.weight"),
-        "embed.ln.b": src.take(f"{e}.LayerNorm.bias"),
-    }
-    for layer in range(layers):
-        h, p = f"encoder.layer.{layer}", f"blocks.{layer}"
+
+    def embed(src: _Source) -> dict:
+        token_types = src.take(f"{e}.token_type_embeddings.weight")
+        _require(token_types.ndim == 2 and token_types.shape[0] >= 1 and token_types.shape[1] == d, arch,
+                 f"token_type_embeddings has shape {tuple(token_types.shape)}, expected [type_vocab_size, {d}]")
+        return {
+            "embed.W_E": src.take(f"{e}.word_embeddings.weight", cfg.d_vocab, d),
+            "pos_embed.W_pos": src.take(f"{e}.position_embeddings.weight", cfg.n_ctx, d) + token_types[0],
+            "embed.ln.w": src.take(f"{e}.LayerNorm.weight"),
+            "embed.ln.b": src.take(f"{e}.LayerNorm.bias"),
+        }
+
+    def block(src: _Source, layer: int) -> dict:
+        h, p, out = f"encoder.layer.{layer}", f"blocks.{layer}", {}
         for name, proj in (("Q", "query"), ("K", "key"), ("V", "value")):
             out[f"{p}.attn.W_{name}"], out[f"{p}.attn.b_{name}"] = _linear_heads(
                 src, f"{h}.attention.self.{proj}", heads, d_head, d, bias=True)
@@ -656,38 +746,46 @@ def from_hf_bert(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor]
         out[f"{p}.mlp.b_out"] = src.take(f"{h}.output.dense.bias")
         out[f"{p}.ln2.w"] = src.take(f"{h}.output.LayerNorm.weight")
         out[f"{p}.ln2.b"] = src.take(f"{h}.output.LayerNorm.bias")
-    out["unembed.W_U"] = out["embed.W_E"].T
-    out["unembed.b_U"] = src.zeros(cfg.d_vocab)
-    return src.finish(out, cfg)
+        return out
+
+    def final(src: _Source) -> dict:
+        return {"unembed.W_U": src.take(f"{e}.word_embeddings.weight", cfg.d_vocab, d).T, "unembed.b_U": src.zeros(cfg.d_vocab)}
+
+    ignored = r"(pooler|cls)\..*|embeddings\.(position|token_type)_ids"
+    return Layout(cfg, ("bert.",), ignored, embed, block, final)
 
 
 CONVERTERS = {"gpt2": from_hf_gpt2, "gpt_neox": from_hf_gpt_neox, "llama": from_hf_llama, "bert": from_hf_bert}
+_LAYOUTS = {"gpt2": _gpt2_layout, "gpt_neox": _gpt_neox_layout, "llama": _llama_layout, "bert": _bert_layout}
+
+
+def hf_layout(config) -> Layout:
+    """The :class:`Layout` of ``config``'s ``model_type`` (gpt2, gpt_neox, llama, bert)."""
+    model_type = _option(config, "model_type")
+    if not isinstance(model_type, str) or model_type not in _LAYOUTS:
+        raise UnsupportedArchitectureError(f"model_type {model_type!r}: converters exist for {sorted(_LAYOUTS)}")
+    return _LAYOUTS[model_type](config)
 
 
 def from_hf(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
     """Convert with the converter for ``config``'s ``model_type`` (gpt2, gpt_neox, llama, bert)."""
-    model_type = _option(config, "model_type")
-    if not isinstance(model_type, str) or model_type not in CONVERTERS:
-        raise UnsupportedArchitectureError(f"model_type {model_type!r}: converters exist for {sorted(CONVERTERS)}")
-    return CONVERTERS[model_type](state_dict, config)
+    return hf_layout(config).convert(state_dict)
 
 
 def load_hf_directory(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Config]:
-    """Convert the ``config.json`` and ``model.safetensors`` of a Hugging Face model folder.
+    """Convert the ``config.json`` and ``model.safetensors`` (or the shards named by
+    ``model.safetensors.index.json``) of a Hugging Face model folder, read whole into memory.
 
     A folder with only ``pytorch_model.bin`` (a pickle) is refused with :class:`UnsafeFormatError`.
-    Every error names the folder and the file or field at fault.
+    Every error names the folder and the file or field at fault. :func:`open_checkpoint` reads
+    the same folder a layer at a time.
     """
     directory = Path(directory)
-    weights = directory / "model.safetensors"
-    if not weights.exists():
-        pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise UnsafeFormatError(f"{directory} has only pickled weights {pickles}; circuitmath reads safetensors only")
-        raise InputError(f"{directory} has no model.safetensors")
-    config = read_json(directory / "config.json", "Hugging Face config")
-    if not isinstance(config, dict):
-        raise ConfigError(f"{directory / 'config.json'}: a JSON {type(config).__name__}, not an object")
-    tensors, _metadata = load_tensors(weights)
-    with _about(directory):
-        return from_hf(tensors, config)
+    if not directory.is_dir():
+        raise InputError(f"{directory} is not a folder")
+    return open_checkpoint(directory).load()
+
+
+# Reading and writing checkpoints a layer at a time builds on the converters above.
+from ._checkpoint import Checkpoint, CheckpointWriter, open_checkpoint  # noqa: E402
+from ._streaming import process_checkpoint  # noqa: E402

@@ -29,7 +29,7 @@ import torch
 
 from .. import _identities
 from .._config import Config
-from .._errors import PreconditionError
+from .._errors import InputError, PreconditionError
 from .._state import validated_once
 from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
 from ._logprobs import _coarser, _LogProbs
@@ -157,7 +157,7 @@ def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens
     """
     identity = _identities.get_identity(name)
     if identity.compare is not None:
-        raise ValueError(f"{name} licenses a computation, not a weight rewrite: there is no processed model to check")
+        raise InputError(f"{name} licenses a computation, not a weight rewrite: there is no processed model to check")
     with validated_once():
         first, second, notes = resolve_pair(before, after, cfg, after_cfg)
         plan = [identity]

@@ -16,6 +16,7 @@ from . import notation  # noqa: F401
 from . import attention  # noqa: F401
 from . import paths  # noqa: F401
 from . import composition  # noqa: F401
+from .._errors import UnknownNameError
 
 __all__ = ["identities", "get_identity"]
 
@@ -35,4 +36,4 @@ def get_identity(name: str) -> Identity:
     by_function = [i for i in known.values() if i.function == name]
     if by_function:
         return by_function[0]  # the first registered: an identity that shares another's transform comes later
-    raise KeyError(f"no identity named {name!r}; known: {sorted(known)}")
+    raise UnknownNameError(f"no identity named {name!r}; known: {sorted(known)}")

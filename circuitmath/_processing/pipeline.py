@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from .._config import Config
-from .._errors import OverflowedError, PreconditionError
+from .._errors import ArgumentTypeError, OverflowedError, PreconditionError
 from .._state import StateDict, entries_checked_elsewhere, not_finite, validate_state_dict
 from .attention import fold_value_biases as _fold_value_biases
 from .attention import refactor_factored_attn_matrices as _refactor_factored_attn_matrices
@@ -135,7 +135,7 @@ def process_weights(
     }
     for keyword, value in requested.items():
         if not any(value is allowed for allowed in (True, False, None)):
-            raise TypeError(f"{keyword} must be True, False or None (if applicable), got {value!r}")
+            raise ArgumentTypeError(f"{keyword} must be True, False or None (if applicable), got {value!r}")
     fused = fusable(cfg) and all(requested[keyword] is not False for keyword, _ in PIPELINE_STEPS[:4])
     given, given_cfg = state_dict, cfg
     # Fused, every entry of the input reaches the output (below), so only the output's are checked.

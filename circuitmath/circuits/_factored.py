@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .._errors import InputError
+
 __all__ = ["FactoredMatrix"]
 
 
@@ -34,9 +36,9 @@ class FactoredMatrix:
 
     def __init__(self, left: torch.Tensor, right: torch.Tensor):
         if left.ndim < 2 or right.ndim < 2:
-            raise ValueError(f"factors need at least two axes, got {tuple(left.shape)} and {tuple(right.shape)}")
+            raise InputError(f"factors need at least two axes, got {tuple(left.shape)} and {tuple(right.shape)}")
         if left.shape[-1] != right.shape[-2]:
-            raise ValueError(
+            raise InputError(
                 f"inner sizes differ: left is {tuple(left.shape)}, right is {tuple(right.shape)}"
             )
         self.left = left
@@ -134,5 +136,5 @@ class FactoredMatrix:
         """
         m, n = self.shape[-2:]
         if m != n:
-            raise ValueError(f"eigenvalues need a square product, this one is {m} x {n}")
+            raise InputError(f"eigenvalues need a square product, this one is {m} x {n}")
         return torch.linalg.eigvals(self.BA if self.inner <= m else self.AB)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from .._config import Config
-from .._errors import PreconditionError
+from .._errors import InputError, PreconditionError
 from .._state import StateDict, attention_names, per_query_head, validate_state_dict
 from ._factored import FactoredMatrix, _t
 
@@ -105,7 +105,7 @@ def virtual_weights(writer: torch.Tensor, reader: torch.Tensor) -> torch.Tensor:
     (identity ``virtual_weights``).
     """
     if writer.shape[-1] != reader.shape[-2]:
-        raise ValueError(
+        raise InputError(
             f"the writer's output axis ({writer.shape[-1]}) is not the reader's input axis"
             f" ({reader.shape[-2]}): pass W_O-like [..., a, d_model] and W_V-like [..., d_model, b]"
         )

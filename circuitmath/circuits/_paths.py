@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .._config import Config
-from .._errors import PreconditionError
+from .._errors import InputError, PreconditionError
 from .._reference import _project, _rotate, forward, pattern_from_scores
 from .._state import StateDict, validate_state_dict, validated_once
 from ._heads import _layer_bias, _layer_weight
@@ -173,7 +173,7 @@ def path_terms(
     sources = 2 + cfg.n_layers
     count = sources * (cfg.n_heads + 1) ** cfg.n_layers
     if count > max_paths:
-        raise ValueError(f"about {count} paths (more than max_paths={max_paths}); raise max_paths to expand anyway")
+        raise InputError(f"about {count} paths (more than max_paths={max_paths}); raise max_paths to expand anyway")
     terms = _embed(state_dict, cfg, tokens)
     for layer in range(cfg.n_layers):
         terms = _through_layer(state_dict, cfg, layer, run, terms)
@@ -224,7 +224,7 @@ def score_terms(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, layer:
     """
     run = _run(state_dict, cfg, tokens, "qk_composition_terms")
     if not 0 <= layer < cfg.n_layers:
-        raise ValueError(f"layer must lie in [0, n_layers={cfg.n_layers}), got {layer}")
+        raise InputError(f"layer must lie in [0, n_layers={cfg.n_layers}), got {layer}")
     terms = _embed(state_dict, cfg, tokens)
     for earlier in range(layer):
         terms = _through_layer(state_dict, cfg, earlier, run, terms)

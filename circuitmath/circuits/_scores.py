@@ -10,6 +10,7 @@ from .._config import Config
 from .._state import StateDict, validate_state_dict
 from ._factored import FactoredMatrix, _t
 from ._heads import _per_head, _require_attention, _require_position_free_scores, full_ov_circuits
+from .._errors import InputError
 
 __all__ = ["KINDS", "composition_scores", "copying_scores"]
 
@@ -57,7 +58,7 @@ def composition_scores(state_dict: StateDict, cfg: Config, kinds: Iterable[str] 
     kinds = tuple(kinds)
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
-        raise ValueError(f"unknown composition kinds {unknown}; choose among {KINDS}")
+        raise InputError(f"unknown composition kinds {unknown}; choose among {KINDS}")
     _require_attention(cfg, "composition_scores_from_factors")
     if {"q", "k"} & set(kinds):
         _require_position_free_scores(cfg, "composition_scores_from_factors")

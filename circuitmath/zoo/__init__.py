@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from .._config import Config
-from .._errors import PreconditionError
+from .._errors import PreconditionError, UnknownNameError
 from .._identities import identities
 from .._state import StateDict
 from ..io import load as _load_file, load_hf_directory
@@ -45,7 +45,7 @@ NAMES = ("attn_only_1l", "attn_only_2l", "attn_only_2l_shortformer", "gelu_2l")
 
 def _known(name: str) -> None:
     if name not in NAMES:
-        raise KeyError(f"no zoo model named {name!r}; known: {list(NAMES)}")
+        raise UnknownNameError(f"no zoo model named {name!r}; known: {list(NAMES)}")
 
 
 def load(name: str, *, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], Config]:

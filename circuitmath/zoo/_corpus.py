@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from .._errors import InputError
+
 __all__ = ["TRAIN_MODULES", "HELDOUT_MODULES", "corpus_bytes", "corpus_tokens", "corpus_description"]
 
 TRAIN_MODULES = (
@@ -38,7 +40,7 @@ def corpus_bytes(split: str = "train") -> bytes:
     """The raw corpus: ``"train"`` (:data:`TRAIN_MODULES`) or ``"heldout"`` (:data:`HELDOUT_MODULES`)."""
     modules = {"train": TRAIN_MODULES, "heldout": HELDOUT_MODULES}.get(split)
     if modules is None:
-        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+        raise InputError(f"split must be 'train' or 'heldout', got {split!r}")
     return b"".join((_stdlib() / f"{name}.py").read_bytes() for name in modules)
 
 

@@ -22,6 +22,7 @@ from .._processing import center_writing_weights, fold_layer_norm
 from .._reference import forward
 from .._state import StateDict
 from ._corpus import corpus_tokens
+from .._errors import InputError
 
 __all__ = [
     "repeated_random_tokens",
@@ -64,7 +65,7 @@ def run_with_patterns(state_dict: StateDict, cfg: Config, tokens: torch.Tensor):
     ``final_scale [batch, pos, 1]`` the divisor ``ln_final`` applies.
     """
     if cfg.norm_position != "pre":
-        raise ValueError("run_with_patterns needs a pre-norm model: its copying scores read the heads through ln_final")
+        raise InputError("run_with_patterns needs a pre-norm model: its copying scores read the heads through ln_final")
     record: dict = {}
     logits = forward(state_dict, cfg, tokens, record=record)
     x = record["final_residual"]
@@ -128,7 +129,7 @@ def composition_scores(state_dict: StateDict, cfg: Config) -> dict[str, torch.Te
     ``{"Q", "K", "V"}`` each ``[n_heads (layer 0), n_heads (layer 1)]``.
     """
     if cfg.n_layers < 2:
-        raise ValueError("composition scores need two layers")
+        raise InputError("composition scores need two layers")
     folded, folded_cfg = fold_layer_norm(state_dict, cfg)
     folded, folded_cfg = center_writing_weights(folded, folded_cfg)
     scores = circuits.composition_scores(folded, folded_cfg)

@@ -1,0 +1,209 @@
+"""Processing and checking checkpoints layer by layer: time and peak memory against copying the files.
+
+Two measurements.
+
+1. A LLaMA-7B-shaped checkpoint in the Hugging Face layout (32 layers, d_model 4096, 32 heads
+   of 128 with 8 key/value heads, gated MLP of 11008, RMSNorm, vocabulary 32000, untied
+   ``lm_head``; 5.9 B parameters, 11.9 GB in bfloat16) of random weights, written once in 2 GB
+   shards under ``.cache/streaming/`` (reused by later runs; ``torch.randn`` in bfloat16, the
+   cheapest generator torch has). Then, each in its own subprocess whose peak resident memory is
+   read from ``wait4`` (``ru_maxrss``: file pages mapped in count too):
+
+   - ``cp -r`` of the folder (the yardstick: reading and writing the checkpoint once);
+   - ``python -m circuitmath process IN OUT --steps applicable`` (for LLaMA: fold the RMSNorm
+     gains, fold the value biases, centre the unembed);
+   - ``python -m circuitmath check IN --processed OUT`` on ``--batch`` x ``--seq-len`` tokens.
+
+   Outputs are removed afterwards; the input stays cached. Needs about 40 GB of free disk.
+
+2. GPT-2-small-shaped float32 weights (163M parameters, untied unembed) in a circuitmath
+   safetensors file: the streaming ``process_checkpoint`` against ``io.load`` +
+   ``process_weights`` + ``io.save``, both in this process, alternating for ``--rounds`` rounds;
+   the best time of each counts.
+
+Targets: 7B ``process`` peak RSS at most 3 GB and time at most 2x ``cp``; ``check --processed``
+peak RSS at most 4 GB; GPT-2-small streaming at most 1.5x in-memory. Exit status 1 if one is
+missed.
+
+Usage: ``python benchmarks/streaming.py [--skip-7b] [--skip-gpt2] [--rounds N] [--batch N] [--seq-len N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import circuitmath as cm
+from circuitmath import io
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "streaming"
+LLAMA_7B = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 11008, "vocab_size": 32000,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
+    "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+}
+GPT2_SMALL = cm.Config(
+    n_layers=12, d_model=768, n_heads=12, d_head=64, d_vocab=50257, n_ctx=1024, d_mlp=3072, act_fn="gelu_new"
+)
+SHARD_BYTES = 2 << 30
+TARGET_PROCESS_RSS, TARGET_PROCESS_VS_CP, TARGET_CHECK_RSS, TARGET_GPT2 = 3.0, 2.0, 4.0, 1.5
+
+
+def _llama_tensors(config: dict):
+    """``(name, shape, kind)`` of every tensor of a ``LlamaForCausalLM`` checkpoint."""
+    d, m, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv = config["num_key_value_heads"] * d // config["num_attention_heads"]
+    yield "model.embed_tokens.weight", (v, d), "matrix"
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        yield f"{p}.input_layernorm.weight", (d,), "gain"
+        for name, rows in (("q_proj", d), ("k_proj", kv), ("v_proj", kv), ("o_proj", d)):
+            yield f"{p}.self_attn.{name}.weight", (rows, d), "matrix"
+        yield f"{p}.post_attention_layernorm.weight", (d,), "gain"
+        for name, shape in (("gate_proj", (m, d)), ("up_proj", (m, d)), ("down_proj", (d, m))):
+            yield f"{p}.mlp.{name}.weight", shape, "matrix"
+    yield "model.norm.weight", (d,), "gain"
+    yield "lm_head.weight", (v, d), "matrix"
+
+
+def _write_llama(folder: Path, config: dict) -> None:
+    """A sharded bfloat16 checkpoint of random weights (unit-scale rows through each matrix)."""
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    shards, current, size = [], {}, 0
+    for name, shape, kind in _llama_tensors(config):
+        if kind == "gain":
+            tensor = (1 + 0.1 * torch.randn(shape, generator=g)).to(torch.bfloat16)
+        else:
+            tensor = torch.randn(shape, generator=g, dtype=torch.bfloat16).mul_(shape[-1] ** -0.5)
+        current[name] = tensor
+        size += tensor.numel() * 2
+        if size >= SHARD_BYTES:
+            shards.append(current)
+            save_file(current, str(partial / f"shard-{len(shards)}.safetensors"), metadata={"format": "pt"})
+            current, size = {}, 0
+    if current:
+        shards.append(current)
+        save_file(current, str(partial / f"shard-{len(shards)}.safetensors"), metadata={"format": "pt"})
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        final = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        (partial / f"shard-{i}.safetensors").rename(partial / final)
+        weight_map |= dict.fromkeys(shard, final)
+    total = sum(t.numel() * 2 for shard in shards for t in shard.values())
+    (partial / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    partial.rename(folder)
+
+
+def _measured(command: list[str]) -> tuple[float, float, str]:
+    """``(seconds, peak RSS in GB, output)`` of a subprocess (its own ``ru_maxrss``, from wait4)."""
+    start = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
+                             env=os.environ | {"PYTHONPATH": str(ROOT)})
+    output = child.stdout.read().decode()
+    _pid, status, usage = os.wait4(child.pid, 0)
+    seconds = time.perf_counter() - start
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode not in (0,):
+        raise SystemExit(f"{' '.join(command)} exited {child.returncode}:\n{output}")
+    return seconds, usage.ru_maxrss / 1e6, output  # ru_maxrss is in KiB on Linux
+
+
+def bench_7b(args) -> list[bool]:
+    folder = CACHE / "llama-7b-bf16"
+    if not folder.exists():
+        free = shutil.disk_usage(CACHE.parent if CACHE.parent.exists() else ROOT).free / 1e9
+        print(f"writing the 7B-shaped checkpoint to {folder} ({free:.0f} GB free) ...", flush=True)
+        start = time.perf_counter()
+        _write_llama(folder, LLAMA_7B)
+        print(f"  written in {time.perf_counter() - start:.0f} s", flush=True)
+    size = sum(p.stat().st_size for p in folder.iterdir()) / 1e9
+    copy, out = folder.with_name("copy.tmp"), folder.with_name("processed.tmp")
+    for leftover in (copy, out):
+        shutil.rmtree(leftover, ignore_errors=True)
+    try:
+        cp_s, cp_rss, _ = _measured(["cp", "-r", str(folder), str(copy)])
+        shutil.rmtree(copy)
+        print(f"cp -r of the folder ({size:.1f} GB): {cp_s:.1f} s, peak RSS {cp_rss:.2f} GB", flush=True)
+        python = [sys.executable, "-m", "circuitmath"]
+        p_s, p_rss, p_out = _measured(python + ["process", str(folder), str(out), "--steps", "applicable"])
+        print(f"process: {p_s:.1f} s ({p_s / cp_s:.2f}x cp), peak RSS {p_rss:.2f} GB  [{p_out.strip()}]", flush=True)
+        c_s, c_rss, c_out = _measured(python + ["check", str(folder), "--processed", str(out), "--batch", str(args.batch),
+                                                "--seq-len", str(args.seq_len)])
+        print(f"check --processed ({args.batch} x {args.seq_len} tokens): {c_s:.1f} s, peak RSS {c_rss:.2f} GB", flush=True)
+        print("  " + c_out.strip().replace("\n", "\n  "), flush=True)
+    finally:
+        for leftover in (copy, out):
+            shutil.rmtree(leftover, ignore_errors=True)
+    results = [
+        (f"7B process peak RSS {p_rss:.2f} GB <= {TARGET_PROCESS_RSS} GB", p_rss <= TARGET_PROCESS_RSS),
+        (f"7B process {p_s / cp_s:.2f}x cp <= {TARGET_PROCESS_VS_CP}x", p_s / cp_s <= TARGET_PROCESS_VS_CP),
+        (f"7B check --processed peak RSS {c_rss:.2f} GB <= {TARGET_CHECK_RSS} GB", c_rss <= TARGET_CHECK_RSS),
+    ]
+    for text, met in results:
+        print(("met:    " if met else "MISSED: ") + text)
+    return [met for _, met in results]
+
+
+def bench_gpt2(args) -> list[bool]:
+    with tempfile.TemporaryDirectory(dir=CACHE.parent if CACHE.parent.exists() else None) as tmp:
+        tmp = Path(tmp)
+        source = tmp / "gpt2.safetensors"
+        io.save(source, cm.random_state_dict(GPT2_SMALL, seed=0), GPT2_SMALL)
+        streaming, in_memory = [], []
+        for round_ in range(args.rounds):
+            out = tmp / f"streamed-{round_}"
+            start = time.perf_counter()
+            io.process_checkpoint(source, out)
+            streaming.append(time.perf_counter() - start)
+            shutil.rmtree(out)
+            start = time.perf_counter()
+            state_dict, cfg = io.load(source)
+            processed, processed_cfg = cm.process_weights(state_dict, cfg)
+            io.save(tmp / "in-memory.safetensors", processed, processed_cfg)
+            in_memory.append(time.perf_counter() - start)
+            del state_dict, processed
+            (tmp / "in-memory.safetensors").unlink()
+    ratio = min(streaming) / min(in_memory)
+    print(f"GPT-2-small float32, best of {args.rounds}: streaming process {min(streaming):.2f} s, in-memory"
+          f" load + process_weights + save {min(in_memory):.2f} s: {ratio:.2f}x")
+    met = ratio <= TARGET_GPT2
+    print(("met:    " if met else "MISSED: ") + f"GPT-2-small streaming {ratio:.2f}x in-memory <= {TARGET_GPT2}x")
+    return [met]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--skip-7b", action="store_true")
+    parser.add_argument("--skip-gpt2", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=16)
+    args = parser.parse_args()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    met = []
+    if not args.skip_gpt2:
+        met += bench_gpt2(args)
+    if not args.skip_7b:
+        met += bench_7b(args)
+    return 0 if all(met) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""Checkpoints processed and checked a layer at a time (circuitmath._checkpoint, circuitmath._streaming):
+small sharded checkpoints built here, the streaming output equal to the in-memory transform
+tensor for tensor, streaming checks agreeing with the in-memory ones, and bad or interrupted
+runs leaving nothing behind."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+import circuitmath as cm
+from circuitmath import _cli, io
+from circuitmath._checkpoint import INDEX, CheckpointWriter
+from circuitmath._streaming import STEPS
+from circuitmath._streaming_check import check_processed
+from circuitmath.testing import compare_log_probs
+
+VOCAB, CTX = 64, 12
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+HF = {
+    "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=CTX, n_embd=24, n_layer=3, n_head=3, bos_token_id=0, eos_token_id=0)),
+    "neox-parallel-partial-rotary": (transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, max_position_embeddings=CTX, hidden_size=24, num_hidden_layers=3, num_attention_heads=3,
+        intermediate_size=40, use_parallel_residual=True, rope_parameters=ROPE | {"partial_rotary_factor": 0.5},
+        bos_token_id=0, eos_token_id=0)),
+    "llama-gqa": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        vocab_size=VOCAB, max_position_embeddings=CTX, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, rope_parameters=ROPE, bos_token_id=0, eos_token_id=0,
+        pad_token_id=None)),
+    "llama-attention-bias": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        vocab_size=VOCAB, max_position_embeddings=CTX, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=24, attention_bias=True, rope_parameters=ROPE, bos_token_id=0, eos_token_id=0,
+        pad_token_id=None)),
+}
+EVERYTHING = dict.fromkeys(STEPS)
+TOKENS = torch.randint(0, VOCAB, (2, CTX), generator=torch.Generator().manual_seed(0))
+
+
+def _hf_folder(tmp_path, name: str):
+    """A Hugging Face folder of ``name`` with random weights of unit scale, in several shards."""
+    model_class, config = HF[name]
+    torch.manual_seed(0)
+    model = model_class(config)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            value = torch.randn(param.shape, generator=g)
+            if param.ndim == 1:
+                value = torch.exp(0.3 * value) if param_name.endswith("weight") else 0.5 * value
+            else:
+                value = value * param.shape[-1] ** -0.5
+            param.copy_(value)
+    folder = tmp_path / name
+    model.save_pretrained(folder, max_shard_size="8KB")
+    return folder
+
+
+def _shards(folder) -> set[str]:
+    return set(json.loads((folder / INDEX).read_text())["weight_map"].values())
+
+
+def _left_behind(tmp_path, name="out") -> list:
+    return sorted(p.name for p in tmp_path.iterdir() if name in p.name)
+
+
+@pytest.mark.parametrize("name", sorted(HF))
+def test_streaming_process_equals_the_in_memory_transform(tmp_path, name):
+    folder = _hf_folder(tmp_path, name)
+    assert len(_shards(folder)) >= 3
+    state_dict, cfg = io.load_hf_directory(folder)  # the shards read whole, through the same converter
+    expected, expected_cfg = cm.process_weights(state_dict, cfg, **EVERYTHING)
+    out_cfg = io.process_checkpoint(folder, tmp_path / "out", steps="applicable")
+    assert len(_shards(tmp_path / "out")) == cfg.n_layers + 1
+    got, got_cfg = io.open_checkpoint(tmp_path / "out").load()
+    assert out_cfg == got_cfg == expected_cfg
+    assert got.keys() == expected.keys()
+    assert all(got[k].dtype == expected[k].dtype and torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("cfg", [
+    cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16),
+    cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5,
+              positional_embedding_type="shortformer"),
+    cm.Config(n_layers=2, d_model=8, n_heads=4, d_head=2, d_vocab=11, n_ctx=5, d_mlp=16, normalization_type="RMS",
+              gated_mlp=True, n_key_value_heads=2, act_fn="silu"),
+], ids=["pre-ln", "shortformer", "rms-gqa-gated"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_circuitmath_files_stream_too(tmp_path, cfg, dtype):
+    state_dict = cm.random_state_dict(cfg, seed=0, dtype=dtype)
+    io.save(tmp_path / "m.safetensors", state_dict, cfg)
+    expected, expected_cfg = cm.process_weights(state_dict, cfg, **EVERYTHING)
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "out", steps="applicable")
+    got, got_cfg = io.open_checkpoint(tmp_path / "out").load()
+    assert got_cfg == expected_cfg and got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_dtype_option_processes_in_that_dtype(tmp_path):
+    folder = _hf_folder(tmp_path, "gpt2")
+    state_dict, cfg = io.load_hf_directory(folder)
+    expected, _ = cm.process_weights({k: v.double() for k, v in state_dict.items()}, cfg)
+    io.process_checkpoint(folder, tmp_path / "out", dtype=torch.float64)
+    got, _ = io.open_checkpoint(tmp_path / "out").load()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_opening_reads_headers_only_and_tensors_are_memory_mapped(tmp_path):
+    folder = _hf_folder(tmp_path, "llama-gqa")
+    checkpoint = io.open_checkpoint(folder)
+    weight = checkpoint.block(1)["blocks.1.mlp.W_in"]  # up_proj.weight transposed: a view of the map
+    assert not weight.is_contiguous()
+    shard = folder / json.loads((folder / INDEX).read_text())["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    file_bytes = shard.read_bytes()
+    assert weight.T.contiguous().numpy().tobytes() in file_bytes
+
+
+def _corrupt(folder, tensor: str, value: float) -> None:
+    """Set one entry of ``tensor`` in its shard to ``value``, the header left as it is."""
+    shard = folder / json.loads((folder / INDEX).read_text())["weight_map"][tensor]
+    tensors, metadata = io.load_tensors(shard)
+    tensors[tensor] = tensors[tensor].clone()
+    tensors[tensor].view(-1)[3] = value
+    save_file(tensors, str(shard), metadata=metadata)
+
+
+def test_a_nan_in_a_late_layer_is_named_and_nothing_is_written(tmp_path):
+    folder = _hf_folder(tmp_path, "gpt2")
+    _corrupt(folder, "transformer.h.2.mlp.c_fc.weight", float("nan"))
+    with pytest.raises(cm.StateDictError, match=r"gpt2: .*blocks\.2\.mlp\.W_in has 1 NaN"):
+        io.process_checkpoint(folder, tmp_path / "out")
+    assert _left_behind(tmp_path) == []
+
+
+def test_refusals_are_the_in_memory_transforms(tmp_path):
+    folder = _hf_folder(tmp_path, "llama-gqa")
+    state_dict, cfg = io.load_hf_directory(folder)
+    with pytest.raises(cm.PreconditionError) as in_memory:
+        cm.process_weights(state_dict, cfg)  # the defaults centre the writers: not behind an RMSNorm
+    with pytest.raises(cm.PreconditionError) as streamed:
+        io.process_checkpoint(folder, tmp_path / "out")
+    assert str(streamed.value) == str(in_memory.value)
+    assert _left_behind(tmp_path) == []
+
+
+def test_an_interrupted_run_leaves_nothing(tmp_path):
+    folder = _hf_folder(tmp_path, "gpt2")
+
+    def interrupt(done, total, what):
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        io.process_checkpoint(folder, tmp_path / "out", progress=interrupt)
+    assert _left_behind(tmp_path) == []
+
+
+def _wrong_processing(tmp_path, folder):
+    """``process_weights`` of ``folder`` with layer 1's ln1 gain folded into W_Q twice, written
+    as a processed checkpoint."""
+    state_dict, cfg = io.load_hf_directory(folder)
+    right, right_cfg = cm.process_weights(state_dict, cfg, **EVERYTHING)
+    wrong = dict(right, **{"blocks.1.attn.W_Q": right["blocks.1.attn.W_Q"] * state_dict["blocks.1.ln1.w"][:, None]})
+    with CheckpointWriter(tmp_path / "wrong", 1) as out:
+        out.write(wrong, right_cfg)
+    return state_dict, cfg, wrong, right_cfg
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+def test_streaming_check_agrees_with_the_in_memory_check(tmp_path, name):
+    folder = _hf_folder(tmp_path, name)
+    io.process_checkpoint(folder, tmp_path / "out", steps="applicable")
+    state_dict, cfg = io.load_hf_directory(folder)
+    processed, processed_cfg = io.open_checkpoint(tmp_path / "out").load()
+    in_memory = compare_log_probs(state_dict, cfg, processed, processed_cfg, TOKENS)
+    report = check_processed(folder, tmp_path / "out", tokens=TOKENS)
+    log_probs, tensors = report.rows
+    assert report.ok and in_memory.passed
+    assert log_probs["max_abs_error"] == pytest.approx(in_memory.max_abs_error, rel=1e-3, abs=1e-7)
+    assert in_memory.tolerance / 3 < log_probs["tolerance"] < 3 * in_memory.tolerance
+    assert tensors["status"] == "holds" and "bit for bit" in tensors["explanation"]
+    # negative twin: one layer's value biases forgotten
+    _state, _cfg, wrong, wrong_cfg = _wrong_processing(tmp_path, folder)
+    in_memory = compare_log_probs(state_dict, cfg, wrong, wrong_cfg, TOKENS)
+    report = check_processed(folder, tmp_path / "wrong", tokens=TOKENS)
+    log_probs, tensors = report.rows
+    assert not report.ok and not in_memory.passed
+    assert log_probs["status"] == "violated" and log_probs["max_abs_error"] == pytest.approx(in_memory.max_abs_error, rel=1e-3)
+    assert tensors["status"] == "violated" and "blocks.1.attn.W_Q" in tensors["explanation"]
+    assert "blocks.0." not in tensors["explanation"] and "blocks.2." not in tensors["explanation"]
+
+
+def test_check_command_streams_checkpoint_folders(tmp_path, capsys):
+    folder = _hf_folder(tmp_path, "gpt2")
+    assert _cli.main(["process", str(folder), str(tmp_path / "out")]) == 0
+    assert "4 shards" in capsys.readouterr().out
+    assert _cli.main(["check", str(folder), "--processed", str(tmp_path / "out"), "--batch", "2", "--seq-len", "8"]) == 0
+    assert "log-probs  holds" in capsys.readouterr().out
+    _wrong_processing(tmp_path, folder)
+    assert _cli.main(["check", str(folder), "--processed", str(tmp_path / "wrong"), "--json"]) == 1
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["status"]) for r in rows] == [("log-probs", "violated"), ("tensors", "violated")]
+
+
+def _index_naming(folder, file_name):
+    index = json.loads((folder / INDEX).read_text())
+    index["weight_map"][next(iter(index["weight_map"]))] = file_name
+    (folder / INDEX).write_text(json.dumps(index))
+
+
+BAD_INPUTS = {
+    "no such input": (lambda tmp, folder: [str(tmp / "absent"), str(tmp / "out")], "no such file"),
+    "only a pickle": (
+        lambda tmp, folder: [_pickle_folder(tmp), str(tmp / "out")], "pickled weights"),
+    "output exists": (lambda tmp, folder: [str(folder), str(folder)], "exists"),
+    "unknown step": (lambda tmp, folder: [str(folder), str(tmp / "out"), "--steps", "fold_ln,fold_everything"],
+                     "unknown processing steps"),
+    "step refused": (lambda tmp, folder: [str(folder), str(tmp / "out"), "--steps", "refactor_factored_attn_matrices"],
+                     "keys and queries are not rotated"),
+    "index points outside": (lambda tmp, folder: [_index_naming(folder, "../x.safetensors") or str(folder),
+                                                  str(tmp / "out")], "not the name of a .safetensors file"),
+    "index lists a tensor the shard lacks": (lambda tmp, folder: [_index_naming(folder, sorted(_shards(folder))[-1])
+                                                                  or str(folder), str(tmp / "out")], "does not hold"),
+    "nan in block 1": (lambda tmp, folder: [_corrupt(folder, "model.layers.1.self_attn.o_proj.weight", float("inf"))
+                                            or str(folder), str(tmp / "out")], r"blocks\.1\.attn\.W_O has 1 NaN or Inf"),
+    "unusable device": (lambda tmp, folder: [str(folder), str(tmp / "out"), "--device", "nonsense:0"], "device"),
+    "bad shape": (lambda tmp, folder: [_reshaped_config(folder) or str(folder), str(tmp / "out")], "has shape"),
+}
+
+
+def _pickle_folder(tmp):
+    (tmp / "pickled").mkdir()
+    (tmp / "pickled" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp / "pickled" / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    return str(tmp / "pickled")
+
+
+def _reshaped_config(folder):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"intermediate_size": 40}))
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_exits_2_writing_nothing(tmp_path, capsys, case):
+    arguments, message = BAD_INPUTS[case]
+    folder = _hf_folder(tmp_path, "llama-gqa")
+    argv = arguments(tmp_path, folder)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert _cli.main(["process", *argv, "--steps", "applicable"] if "--steps" not in argv else ["process", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' own progress bar
+    assert err.startswith("error: ")
+    assert re.search(message, err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no temporary left
+
+
+def test_sharded_folders_load_whole_as_before(tmp_path):
+    folder = _hf_folder(tmp_path, "neox-parallel-partial-rotary")
+    merged = {}
+    for shard in _shards(folder):
+        merged |= io.load_tensors(folder / shard)[0]
+    expected, expected_cfg = io.from_hf(merged, json.loads((folder / "config.json").read_text()))
+    got, got_cfg = io.load_hf_directory(folder)
+    assert got_cfg == expected_cfg and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_terminated_process_command_leaves_nothing(tmp_path):
+    cfg = cm.Config(n_layers=150, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
+    io.save(tmp_path / "m.safetensors", cm.random_state_dict(cfg, seed=0), cfg)
+    child = subprocess.Popen([sys.executable, "-m", "circuitmath", "process", str(tmp_path / "m.safetensors"),
+                              str(tmp_path / "out")], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not _left_behind(tmp_path) and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert _left_behind(tmp_path), "the temporary output never appeared"
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=60) == 130
+    assert "not written" in child.stderr.read().decode()
+    assert _left_behind(tmp_path) == []
