@@ -30,7 +30,7 @@ import torch
 from ._config import Config
 from ._errors import ConfigError, InputError, StateDictError
 from ._state import entries_checked_elsewhere, expected_shapes, validate_state_dict
-from .io import (
+from ._files import (
     CONFIG_KEY, PICKLE_SUFFIXES, Layout, UnsafeFormatError, _about, _Source, hf_layout, read_config, read_header,
     read_json,
 )

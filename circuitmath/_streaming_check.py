@@ -27,7 +27,7 @@ from ._errors import InputError
 from ._processing.pipeline import process_weights
 from ._reference import block, check_tokens, embed, unembed
 from ._streaming import KEYWORD_OF, STEPS, Parts, opened
-from .testing import _unit_roundoff, compute_dtype, logprob_tolerance
+from ._compare import _unit_roundoff, compute_dtype, logprob_tolerance
 
 __all__ = ["check_processed", "StreamingReport"]
 

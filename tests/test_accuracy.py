@@ -10,7 +10,7 @@ import torch
 from circuitmath import Config, process_weights, random_state_dict
 from circuitmath._processing.attention import value_bias_through_output
 from circuitmath._processing.layer_norm import fold_reader
-from circuitmath._processing.norms import uncentred_writers
+from circuitmath._processing.norms import uncentered_writers
 
 BIG = 2.0**24  # float32 has 24 bits: BIG + 1 rounds back to BIG
 
@@ -28,14 +28,14 @@ def test_folded_bias_sums_the_blocks_in_float64():
     W = _cancelling_column(16)
     ones = torch.ones(W.shape[0])
     assert float(W.sum()) != 8.0 or float(ones @ W) != 8.0  # float32 loses here...
-    _folded, bias = fold_reader(W, ones, ones, torch.zeros(1), centre=False)
+    _folded, bias = fold_reader(W, ones, ones, torch.zeros(1), center=False)
     assert bias.dtype == torch.float32 and float(bias) == 8.0  # ...the fold does not
 
 
 def test_folded_and_centred_reader_uses_the_float64_mean():
     W = _cancelling_column(16)
     ones = torch.ones(W.shape[0])
-    folded, _bias = fold_reader(W, ones, ones, None, centre=True)
+    folded, _bias = fold_reader(W, ones, ones, None, center=True)
     exact = W.double() - W.double().mean(dim=0)
     assert float((folded.double() - exact).abs().max()) <= torch.finfo(torch.float32).eps * BIG / 2
 
@@ -81,7 +81,7 @@ def test_uncentred_writers_reports_each_mean_over_d_model():
     sd = random_state_dict(cfg, seed=0, dtype=torch.float64)
     sd = {k: v - v.mean(dim=-1, keepdim=True) if v.shape[-1] == cfg.d_model else v for k, v in sd.items()}
     sd["blocks.0.attn.b_O"] = sd["blocks.0.attn.b_O"] + 0.5
-    assert uncentred_writers(sd, cfg) == {"blocks.0.attn.b_O": pytest_approx(0.5)}
+    assert uncentered_writers(sd, cfg) == {"blocks.0.attn.b_O": pytest_approx(0.5)}
 
 
 def pytest_approx(value):

@@ -20,5 +20,5 @@ def _mapped(tensor: torch.Tensor) -> bool:
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
 def test_tensors_from_the_threshold_up_are_mapped_and_smaller_ones_are_not():
     count = HUGE_PAGE_MIN_BYTES // 4
-    assert _mapped(new_tensor((count,), torch.float32))
-    assert not _mapped(new_tensor((count - 1,), torch.float32))
+    assert _mapped(new_tensor((count,), torch.float32, "cpu"))
+    assert not _mapped(new_tensor((count - 1,), torch.float32, "cpu"))

@@ -133,7 +133,7 @@ def test_post_norm_layer_norms_are_folded_anyway(layout):
     theirs = compare_log_probs(sd, cfg, transformer_lens_process_weights(sd, cfg), cfg)
     assert theirs.max_abs_error > 0.3, theirs
     with pytest.raises(cm.PreconditionError, match="pre-norm"):
-        cm.process_weights(sd, cfg, center_writing_weights=False)
+        cm.process_weights(sd, cfg, fold_ln=True, center_writing_weights=False)
     assert compare_log_probs(sd, cfg, *cm.process_weights(sd, cfg, fold_ln=None, center_writing_weights=None)).passed
 
 
@@ -164,7 +164,8 @@ def test_layer_norm_bias_in_front_of_W_gate_becomes_a_new_gate_bias():
     assert added == [f"blocks.{layer}.mlp.b_gate" for layer in range(cfg.n_layers)]
     assert all(theirs[name].abs().max() > 0.1 for name in added)
     with pytest.raises(cm.PreconditionError, match="W_gate has no bias"):
-        cm.process_weights(sd, cfg)
+        cm.process_weights(sd, cfg, fold_ln=True)
+    assert "layer_norm_fold" not in cm.process_weights(sd, cfg)[1].applied  # by default: what is exact
 
 
 def test_refactoring_a_grouped_query_model_is_an_error():

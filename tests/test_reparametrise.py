@@ -6,7 +6,7 @@ from hypothesis import given, strategies as st
 from sympy import Inverse, MatMul, MatrixSymbol, Symbol, Transpose
 
 import circuitmath as cm
-from circuitmath._algebra import is_zero, normal_form
+from circuitmath._algebra import IllTyped, is_zero, normal_form
 from circuitmath._identities.reparametrise import change_bases
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
@@ -185,7 +185,9 @@ def test_negative_control_wrong_refactor_is_caught(corruption, data):
 def test_algebra_cancels_inverses_and_transposed_inverses():
     e, d = Symbol("e", positive=True, integer=True), Symbol("d", positive=True, integer=True)
     N, B = MatrixSymbol("N", e, e), MatrixSymbol("B", d, e)
-    assert normal_form(MatMul(N, Inverse(N))) == {(): 1}
-    assert normal_form(MatMul(Inverse(N), N)) == {(): 1}
-    assert is_zero(MatMul(N, Transpose(MatMul(B, Transpose(Inverse(N))))) - Transpose(B))
-    assert not is_zero(MatMul(N, Transpose(MatMul(B, Inverse(N)))) - Transpose(B))
+    assert normal_form(MatMul(N, Inverse(N)), invertible=(N,)) == {(): 1}
+    assert normal_form(MatMul(Inverse(N), N), invertible=(N,)) == {(): 1}
+    assert is_zero(MatMul(N, Transpose(MatMul(B, Transpose(Inverse(N))))) - Transpose(B), invertible=(N,))
+    assert not is_zero(MatMul(N, Transpose(MatMul(B, Inverse(N)))) - Transpose(B), invertible=(N,))
+    with pytest.raises(IllTyped, match="no fact declares invertible"):  # an inverse must be declared
+        normal_form(MatMul(N, Inverse(N)))

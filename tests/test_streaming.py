@@ -142,10 +142,11 @@ def test_a_nan_in_a_late_layer_is_named_and_nothing_is_written(tmp_path):
 def test_refusals_are_the_in_memory_transforms(tmp_path):
     folder = _hf_folder(tmp_path, "llama-gqa")
     state_dict, cfg = io.load_hf_directory(folder)
-    with pytest.raises(cm.PreconditionError) as in_memory:
-        cm.process_weights(state_dict, cfg)  # the defaults centre the writers: not behind an RMSNorm
+    asked = ["fold_ln", "fold_value_biases", "center_writing_weights", "center_unembed"]
+    with pytest.raises(cm.PreconditionError) as in_memory:  # centring the writers behind an RMSNorm, asked for
+        cm.process_weights(state_dict, cfg, **dict.fromkeys(asked, True))
     with pytest.raises(cm.PreconditionError) as streamed:
-        io.process_checkpoint(folder, tmp_path / "out")
+        io.process_checkpoint(folder, tmp_path / "out", steps=asked)
     assert str(streamed.value) == str(in_memory.value)
     assert _left_behind(tmp_path) == []
 

@@ -17,6 +17,7 @@ from .. import io
 from .._compare import default_tokens
 from .._config import Config
 from .._errors import StateDictError
+from .._files import _about
 from .._state import StateDict, check_config_fits, expected_shapes, validate_state_dict
 
 __all__ = ["Model", "resolve", "resolve_model", "resolve_pair", "resolve_tokens"]
@@ -76,7 +77,7 @@ def resolve(source, cfg=None, *, loaded: tuple[dict, dict] | None = None) -> Mod
                 raise StateDictError(f"{path} is a Hugging Face folder with its own config.json; pass no config")
             state_dict, hf_cfg = io.load_hf_directory(path)
             return Model(state_dict, hf_cfg, _dtype(state_dict))
-        with io._about(path):  # every error names the file
+        with _about(path):  # every error names the file
             tensors, metadata = loaded if loaded is not None else io.load_tensors(path)
             if cfg is None:
                 cfg = io.stored_config(path, metadata)
