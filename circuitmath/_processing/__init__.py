@@ -21,4 +21,12 @@ from .norms import (
     rescale_residual_stream as rescale_residual_stream,
 )
 from .pipeline import process_weights as process_weights
+from .rotation import (
+    permute_heads as permute_heads,
+    permute_neurons as permute_neurons,
+    recover_head_permutation as recover_head_permutation,
+    recover_neuron_permutation as recover_neuron_permutation,
+    recover_rotation as recover_rotation,
+    rotate_residual_stream as rotate_residual_stream,
+)
 from .shortformer import shortformer_to_tables as shortformer_to_tables
