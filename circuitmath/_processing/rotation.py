@@ -41,6 +41,9 @@ __all__ = [
     "recover_head_permutation",
     "recover_neuron_permutation",
     "ORTHOGONALITY_SAFETY",
+    "random_orthogonal",
+    "hadamard",
+    "orthogonal_fixing_ones",
 ]
 
 #: ``Q`` counts as orthogonal for a model in ``dtype`` when ``max |Q^T Q - I|`` is at most
@@ -71,6 +74,41 @@ def orthogonality_error(Q: torch.Tensor) -> float:
     """``max |Q^T Q - I|`` computed in float64."""
     Q = Q.double()
     return float((Q.T @ Q - torch.eye(Q.shape[0], dtype=torch.float64, device=Q.device)).abs().max())
+
+
+def random_orthogonal(size: int, *, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A random orthogonal ``[size, size]`` matrix (Haar distributed), computed in float64:
+    the QR factor of a Gaussian matrix, its columns' signs fixed by ``R``'s diagonal."""
+    gaussian = torch.randn(size, size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    Q, R = torch.linalg.qr(gaussian)
+    return (Q * torch.where(R.diagonal() < 0, -1.0, 1.0)).to(dtype)
+
+
+def hadamard(size: int, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The Sylvester Hadamard matrix of order ``size`` (a power of 2) divided by ``sqrt(size)``:
+    orthogonal, symmetric, every entry ``±1/sqrt(size)`` (QuaRot's choice: it spreads every
+    direction, an outlier dimension included, evenly over all dimensions)."""
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power of 2, got {size}")
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < size:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)])
+    return (H / math.sqrt(size)).to(dtype)
+
+
+def orthogonal_fixing_ones(size: int, *, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A random orthogonal ``Q`` with ``Q 1 = 1``: ``H diag(1, R) H`` with ``H`` the Householder
+    reflection that swaps ``e_1`` and ``1 / sqrt(size)``, ``R`` random orthogonal of size
+    ``size - 1``. It rotates the vectors orthogonal to ``1`` and leaves ``1`` alone, so it commutes
+    with centring (``layer_norm_rotation``)."""
+    v = torch.full((size,), 1 / math.sqrt(size), dtype=torch.float64)
+    v[0] -= 1.0
+    norm = float(v.norm())
+    H = torch.eye(size, dtype=torch.float64) - (2 * torch.outer(v, v) / norm**2 if norm > 0 else 0)
+    inner = torch.eye(size, dtype=torch.float64)
+    if size > 1:
+        inner[1:, 1:] = random_orthogonal(size - 1, seed=seed)
+    return (H @ inner @ H).to(dtype)
 
 
 def _rotated(state_dict: StateDict, cfg: Config, Q: torch.Tensor) -> dict[str, torch.Tensor]:
