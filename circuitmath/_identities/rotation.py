@@ -619,7 +619,7 @@ def _heads_but(kept):
 
 
 def _permute_neurons(state_dict, cfg):
-    return permute_neurons(state_dict, cfg, _reversed(cfg.d_mlp))
+    return permute_neurons(state_dict, cfg, _reversed(cfg.d_mlp or 0))  # attention-only: refused
 
 
 def _neurons_but(leaf):
