@@ -97,6 +97,24 @@ def test_rotation_keeps_bfloat16():
     assert {t.device for t in out.values()} == {torch.device("cpu")}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rotation_and_permutations_keep_the_device():
+    sd, cfg = _rms_model(torch.float32)
+    sd = {k: v.cuda() for k, v in sd.items()}
+    Q = random_orthogonal(cfg.d_model, seed=0)  # on the CPU: moved to the weights' device
+    out, _ = cm.rotate_residual_stream(sd, cfg, Q)
+    assert {t.device.type for t in out.values()} == {"cuda"}
+    assert cm.recover_rotation(sd, out, cfg) is not None
+    heads, _ = cm.permute_heads(sd, cfg, _reversed_heads(cfg))
+    neurons, _ = cm.permute_neurons(sd, cfg, torch.arange(cfg.d_mlp).flip(0))
+    assert {t.device.type for t in (*heads.values(), *neurons.values())} == {"cuda"}
+    assert cm.recover_head_permutation(sd, heads, cfg) is not None
+
+
+def _reversed_heads(cfg):
+    return torch.arange(cfg.n_heads).flip(0)
+
+
 @pytest.mark.parametrize("changes", [
     dict(gated_mlp=True, normalization_type="RMS", act_fn="silu"),
     dict(n_key_value_heads=2),

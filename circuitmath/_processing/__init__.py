@@ -2,7 +2,8 @@
 
 Every transform validates its input, refuses a model it cannot rewrite exactly (raising
 :class:`~circuitmath.PreconditionError` naming the identity and the broken precondition), keeps
-every dtype, records itself in ``cfg.applied`` and refuses to run twice. Inputs are never
+every dtype, records itself in ``cfg.applied`` and refuses to run twice (except a rotation or a
+permutation, which composes with itself into another one, exact too). Inputs are never
 mutated; tensors a transform does not change are shared with the input, not copied. One module
 per family of identities.
 """
