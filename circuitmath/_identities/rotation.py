@@ -18,7 +18,6 @@ d_mlp, ``v`` = d_vocab, ``c`` = n_ctx; ``k`` the columns of the free test matric
 
 from __future__ import annotations
 
-import math
 
 import sympy
 import torch
