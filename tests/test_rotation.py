@@ -9,7 +9,7 @@ from circuitmath import zoo
 from circuitmath._identities.rotation import check_rotation, slicegpt_route, to_rms_pre
 from circuitmath._processing.rotation import (
     ORTHOGONALITY_SAFETY,
-    _rotated,
+    rotated_tensors,
     hadamard,
     orthogonal_fixing_ones,
     orthogonality_error,
@@ -161,7 +161,7 @@ def test_refusing_a_gain_is_not_a_formality():
     """Rotating an RMS model with its gains in place changes it by O(1)."""
     cfg = _cfg(normalization_type="RMS")
     sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
-    wrong = dict(sd) | _rotated(sd, cfg, random_orthogonal(cfg.d_model, seed=0))
+    wrong = dict(sd) | rotated_tensors(sd, cfg, random_orthogonal(cfg.d_model, seed=0))
     result = compare_log_probs(sd, cfg, wrong, cfg)
     assert result.max_abs_error > 1e6 * result.tolerance, result
 

@@ -18,12 +18,10 @@ d_mlp, ``v`` = d_vocab, ``c`` = n_ctx; ``k`` the columns of the free test matric
 
 from __future__ import annotations
 
-
 import sympy
 import torch
 from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Transpose
 
-from .._processing._common import require
 from .._processing import (
     center_writing_weights,
     fold_layer_norm,
@@ -32,8 +30,9 @@ from .._processing import (
     permute_heads,
     permute_neurons,
 )
+from .._processing._common import require
 from .._processing.rotation import (
-    _rotated,
+    rotated_tensors,
     orthogonal_fixing_ones,
     random_orthogonal,
     residual_readers,
@@ -568,7 +567,7 @@ def _layer_norm_rotation(state_dict, cfg):
 
 def _layer_norm_generic_rotation(state_dict, cfg):
     _unused, new_cfg = _layer_norm_rotation(state_dict, cfg)
-    return dict(state_dict) | _rotated(state_dict, cfg, check_rotation(cfg)), new_cfg
+    return dict(state_dict) | rotated_tensors(state_dict, cfg, check_rotation(cfg)), new_cfg
 
 
 def _to_lnpre(state_dict, cfg):
@@ -590,7 +589,7 @@ def slicegpt_route(state_dict, cfg, Q=None):
 def _route_skipping_centring(state_dict, cfg):
     _unused, new_cfg = slicegpt_route(state_dict, cfg)
     folded, _folded_cfg = fold_layer_norm(state_dict, cfg)
-    return dict(folded) | _rotated(folded, cfg, check_rotation(cfg)), new_cfg
+    return dict(folded) | rotated_tensors(folded, cfg, check_rotation(cfg)), new_cfg
 
 
 def _route_keeping_layer_norm(state_dict, cfg):

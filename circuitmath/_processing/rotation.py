@@ -36,6 +36,7 @@ __all__ = [
     "residual_writers",
     "residual_readers",
     "orthogonality_error",
+    "rotated_tensors",
     "rotation_mismatches",
     "recover_rotation",
     "recover_head_permutation",
@@ -112,7 +113,7 @@ def orthogonal_fixing_ones(size: int, *, seed: int, dtype: torch.dtype = torch.f
     return (H @ inner @ H).to(dtype)
 
 
-def _rotated(state_dict: StateDict, cfg: Config, Q: torch.Tensor) -> dict[str, torch.Tensor]:
+def rotated_tensors(state_dict: StateDict, cfg: Config, Q: torch.Tensor) -> dict[str, torch.Tensor]:
     """The rotated tensors (writers ``W Q``, readers ``Q^T W``), computed in float64 and rounded
     once to each tensor's dtype; nothing is checked."""
     out = {}
@@ -218,7 +219,7 @@ def rotate_residual_stream(
             " RMSNorm first (center_writing_weights, layer_norm_to_rms_norm)",
         )
     out = dict(state_dict)
-    out.update(_rotated(state_dict, cfg, Q))
+    out.update(rotated_tensors(state_dict, cfg, Q))
     return out, cfg.replace(applied=cfg.applied + (identity,))
 
 
@@ -351,7 +352,7 @@ def rotation_mismatches(before: StateDict, after: StateDict, cfg: Config, Q: tor
     is ``before`` rotated by ``Q`` to rounding.
     """
     expected = dict(before)
-    expected.update(_rotated(before, cfg, Q))
+    expected.update(rotated_tensors(before, cfg, Q))
     out = {}
     for name, want in expected.items():
         got = after[name]
