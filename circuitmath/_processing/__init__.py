@@ -2,7 +2,8 @@
 
 Every transform validates its input, refuses a model it cannot rewrite exactly (raising
 :class:`~circuitmath.PreconditionError` naming the identity and the broken precondition), keeps
-every dtype, records itself in ``cfg.applied`` and refuses to run twice. Inputs are never
+every dtype, records itself in ``cfg.applied`` and refuses to run twice (except a rotation or a
+permutation, which composes with itself into another one, exact too). Inputs are never
 mutated; tensors a transform does not change are shared with the input, not copied. One module
 per family of identities.
 """
@@ -21,4 +22,12 @@ from .norms import (
     rescale_residual_stream as rescale_residual_stream,
 )
 from .pipeline import process_weights as process_weights
+from .rotation import (
+    permute_heads as permute_heads,
+    permute_neurons as permute_neurons,
+    recover_head_permutation as recover_head_permutation,
+    recover_neuron_permutation as recover_neuron_permutation,
+    recover_rotation as recover_rotation,
+    rotate_residual_stream as rotate_residual_stream,
+)
 from .shortformer import shortformer_to_tables as shortformer_to_tables
