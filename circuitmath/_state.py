@@ -17,6 +17,7 @@ __all__ = [
     "validate_state_dict",
     "entries_checked_elsewhere",
     "entries_checked_here",
+    "check_config_fits",
     "validated_once",
     "not_finite",
     "StateDict",
@@ -122,6 +123,15 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def check_config_fits(state_dict: Mapping, cfg) -> None:
+    """Refuse (:class:`StateDictError`) a ``cfg`` that cannot describe ``state_dict``, before
+    anything proportional to the config is built: call it before :func:`expected_shapes` on a
+    config read from a file."""
+    problem = _config_problem(state_dict, cfg)
+    if problem:
+        raise StateDictError(problem)
+
+
 def _config_problem(state_dict: Mapping, cfg) -> str | None:
     """Why ``cfg`` cannot describe ``state_dict``, decided before anything proportional to the
     config is built (a config read from a file may claim 10**9 layers)."""
@@ -160,9 +170,7 @@ def _validate(state_dict: StateDict, cfg: Config) -> torch.dtype:
     """:func:`validate_state_dict`'s checks, every time."""
     if not isinstance(state_dict, Mapping):
         raise StateDictError(f"expected a mapping of names to tensors, got {type(state_dict).__name__}")
-    problem = _config_problem(state_dict, cfg)
-    if problem:
-        raise StateDictError(problem)
+    check_config_fits(state_dict, cfg)
     not_names = [repr(name) for name in state_dict if not isinstance(name, str)]
     if not_names:
         raise StateDictError(f"parameter names must be strings, got {', '.join(not_names[:5])}")

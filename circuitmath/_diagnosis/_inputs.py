@@ -17,7 +17,7 @@ from .. import io
 from .._compare import default_tokens
 from .._config import Config
 from .._errors import StateDictError
-from .._state import StateDict, expected_shapes, validate_state_dict
+from .._state import StateDict, check_config_fits, expected_shapes, validate_state_dict
 
 __all__ = ["Model", "resolve", "resolve_model", "resolve_pair", "resolve_tokens"]
 
@@ -107,6 +107,7 @@ def _resolve_mapping(source, cfg) -> Model:
 
 def _without_buffers(source: Mapping, cfg: Config) -> dict[str, torch.Tensor]:
     """``source`` without TransformerLens's non-parameter buffers (``attn.mask``, rotary tables)."""
+    check_config_fits(source, cfg)
     shapes = expected_shapes(cfg)
     return {
         name: tensor

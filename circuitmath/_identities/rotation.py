@@ -43,7 +43,7 @@ from .._proof import Definition, Fact, Proof, Step, Twin
 from .._reference import forward, normalize
 from .._registry import Identity, register
 from .._state import attention_names, validate_state_dict
-from ..testing import default_tokens
+from .._compare import default_tokens
 from ._circuit_checks import compare_values, dim, rational_orthogonal
 from .reparametrise import invertible
 
