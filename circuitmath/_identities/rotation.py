@@ -130,18 +130,19 @@ def _norm_rotation_proof() -> Proof:
 
 
 def _fixing_ones(rng, shape):
-    """An exactly orthogonal rational ``Q`` with ``Q 1 = 1``: ``H diag(1, R) H`` with ``H`` the
-    Householder reflection swapping ``e_1`` and ``1/sqrt(size)`` (rational for ``size = 4``)."""
+    """An exactly orthogonal rational ``Q`` with ``Q 1 = 1``, for any size: a product of
+    Householder reflections ``I - 2 v v^T / (v^T v)`` by integer vectors ``v`` orthogonal to
+    ``1`` (each reflection is rational, orthogonal and fixes ``1``)."""
     size = shape[0]
-    root = sympy.sqrt(size)
-    if not root.is_Rational:
-        raise ValueError(f"exact instances fixing 1 need a square size, got {size}")
-    u = sympy.Matrix([1 / root] * size)
-    u[0] -= 1
-    H = sympy.eye(size) - 2 * u * u.T / (u.T * u)[0]
-    inner = sympy.eye(size)
-    inner[1:, 1:] = rational_orthogonal(rng, size - 1)
-    return H * inner * H
+    Q_ = sympy.eye(size)
+    for _ in range(size):
+        while True:
+            r = [rng.randint(-3, 3) for _ in range(size)]
+            v = sympy.Matrix([size * a - sum(r) for a in r])
+            if any(v):
+                break
+        Q_ = Q_ * (sympy.eye(size) - 2 * v * v.T / (v.T * v)[0])
+    return Q_
 
 
 def _layer_norm_rotation_proof() -> Proof:
@@ -266,7 +267,7 @@ def _model_rotation_proof() -> Proof:
                       r" $Q^\top W_{in}$ and $Q^\top W_{gate}$, so the same activations $F$; $W_{out} Q$, $b_{out} Q$ factor out"),
         ),
         definitions=MODEL_DEFINITIONS,
-        facts=ORTHOGONAL,
+        facts=ORTHOGONAL + (Fact.invertible(G, "G, the twins' non-orthogonal rotation, is invertible"),),
         samplers={Q: _orthogonal, G: invertible},
         explicit_dims={n: 3, d: 3, e: 2, m: 2, v: 2, c: 3, k: 1},
         assumptions=(
