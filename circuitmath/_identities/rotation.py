@@ -30,8 +30,19 @@ from .._processing import (
     permute_heads,
     permute_neurons,
 )
-from .._processing._common import require
+from .._errors import Precondition
+from .._processing._common import PRE_NORM, require
+from .._processing.layer_norm import IS_LN
+from .._processing.norms import IS_LNPRE
 from .._processing.rotation import (
+    A_HEAD_PERMUTATION,
+    A_NEURON_PERMUTATION,
+    GROUPS_MOVE_TOGETHER,
+    HAS_MLPS,
+    NO_NORM_GAIN,
+    Q_FIXES_ONES,
+    Q_ORTHOGONAL,
+    Q_SQUARE,
     rotated_tensors,
     orthogonal_fixing_ones,
     random_orthogonal,
@@ -559,7 +570,7 @@ def _norm_not_transposed(x, Q_, eps):
 
 def _layer_norm_rotation(state_dict, cfg):
     require(
-        "layer_norm_rotation", "normalization_type is LNPre", cfg.normalization_type == "LNPre",
+        "layer_norm_rotation", IS_LNPRE, cfg.normalization_type == "LNPre",
         f"normalization_type is {cfg.normalization_type!r}: this identity is about LayerNorm without gain and bias"
         + (" (fold it first: layer_norm_fold)" if cfg.normalization_type == "LN" else ""),
     )
@@ -579,7 +590,7 @@ def slicegpt_route(state_dict, cfg, Q=None):
     """Fold the LayerNorm, centre every write, switch to RMSNorm, rotate by ``Q`` (default
     :func:`check_rotation`): SliceGPT's preparation, before it deletes directions."""
     require(
-        "slicegpt_route", "normalization_type is LN", cfg.normalization_type == "LN",
+        "slicegpt_route", IS_LN, cfg.normalization_type == "LN",
         f"normalization_type is {cfg.normalization_type!r}: the route starts from a LayerNorm model"
         + (" (an RMSNorm model needs only fold_rms_norm before rotating)" if cfg.normalization_type == "RMS" else ""),
     )
@@ -630,13 +641,21 @@ def _neurons_but(leaf):
     return corruption
 
 
+NO_GAIN_INSIDE = Precondition(
+    "no gain between the normalisation and the rotation", "no gain between the normalisation and the rotation (fold it first)"
+)
+ROUTE_ORDER = Precondition(
+    "fold, centre, switch, rotate in this order", "the steps in this order: the rotation needs RMSPre, the switch needs centred writes"
+)
+ENTRYWISE_ACTIVATION = Precondition("the activation (and the gate) acts entry by entry")
+
 RMS_NORM_ROTATION = register(
     Identity(
         name="rms_norm_rotation",
         title="RMSNorm commutes with rotations",
         summary="RMSPre(x Q) = RMSPre(x) Q for orthogonal Q, eps included: |x Q| = |x|; not for LNPre"
         " unless Q 1 = 1, not through an unfolded gain, not for a non-orthogonal Q",
-        preconditions=("Q orthogonal", "no gain between the normalisation and the rotation (fold it first)"),
+        preconditions=(Q_ORTHOGONAL, NO_GAIN_INSIDE),
         build_proof=_norm_rotation_proof,
         transform=_rotated_norm,
         corruptions={"non_orthogonal": _stretched_norm, "not_transposed": _norm_not_transposed},
@@ -650,10 +669,7 @@ LAYER_NORM_ROTATION = register(
         title="LayerNorm commutes only with rotations that fix the all-ones direction",
         summary="LNPre(x Q) = LNPre(x) Q when Q is orthogonal and Q 1 = 1: centring commutes with Q"
         " exactly then; any other rotation of an LNPre model changes it",
-        preconditions=(
-            "pre-norm, normalization_type LNPre (fold a LayerNorm's gain and bias first)",
-            "Q orthogonal with Q 1 = 1",
-        ),
+        preconditions=(IS_LNPRE, Q_ORTHOGONAL, Q_FIXES_ONES, PRE_NORM, NO_NORM_GAIN, Q_SQUARE),
         build_proof=_layer_norm_rotation_proof,
         transform=_layer_norm_rotation,
         corruptions={"generic_rotation": _layer_norm_generic_rotation},
@@ -667,11 +683,9 @@ ROTATION_INVARIANCE = register(
         title="Rotating the residual stream of a pre-RMSNorm model",
         summary="writers W Q (W_E, W_pos, W_O, b_O, W_out, b_out), readers Q^T W (W_Q, W_K, W_V, W_in,"
         " W_gate, W_U): the stream becomes x Q and every reader computes what it did",
-        preconditions=(
-            "pre-norm, every norm RMSPre or none (gains folded; LayerNorm folded, centred, switched to RMSNorm)",
-            "Q orthogonal to the precision of the weights",
-            "a second rotation is a rotation by the product: not refused",
-        ),
+        preconditions=(PRE_NORM, NO_NORM_GAIN, Q_SQUARE, Q_ORTHOGONAL),
+        function="rotate_residual_stream",
+        check_note="the rotation Q is recovered from the tensors (orthogonal Procrustes) and verified on every tensor",
         build_proof=_model_rotation_proof,
         transform=_rotate,
         corruptions={
@@ -691,11 +705,7 @@ SLICEGPT_ROUTE = register(
         title="The SliceGPT route: fold, centre, switch to RMSNorm, rotate",
         summary="LN(x) W + b_W = RMSPre(x C Q) (Q^T diag(w) W) + b_W + b W: after folding the LayerNorm and"
         " centring every write, the stream x C Q is seen through RMSNorm with LayerNorm's normaliser",
-        preconditions=(
-            "pre-norm LayerNorm model; every reader has a bias to absorb b W",
-            "Q orthogonal",
-            "the steps in this order: the rotation needs RMSPre, the switch needs centred writes",
-        ),
+        preconditions=(IS_LN, PRE_NORM, Q_ORTHOGONAL, ROUTE_ORDER),
         build_proof=_slicegpt_proof,
         transform=slicegpt_route,
         corruptions={"skip_centring": _route_skipping_centring, "keep_layer_norm": _route_keeping_layer_norm},
@@ -708,10 +718,9 @@ PERMUTE_HEADS = register(
         title="Permuting the heads of a layer",
         summary="a layer's output is the sum of its heads: any order gives the same sum, each head moving"
         " its W_Q, W_K, W_V, W_O and biases together; with grouped-query attention whole groups move",
-        preconditions=(
-            "each head's tensors move together",
-            "with grouped-query attention, a query head stays with its key/value head",
-        ),
+        preconditions=(A_HEAD_PERMUTATION, GROUPS_MOVE_TOGETHER),
+        function="permute_heads",
+        check_note="the permutation is recovered from the tensors and verified on every tensor",
         build_proof=_heads_proof,
         transform=_permute_heads,
         corruptions={
@@ -728,7 +737,9 @@ PERMUTE_NEURONS = register(
         title="Permuting the neurons of an MLP",
         summary="f(x W_in P + b_in P) P^T W_out = f(x W_in + b_in) W_out for a permutation P: the"
         " activation acts entry by entry; W_gate moves with W_in",
-        preconditions=("the model has MLPs", "the activation (and the gate) acts entry by entry"),
+        preconditions=(HAS_MLPS, A_NEURON_PERMUTATION, ENTRYWISE_ACTIVATION),
+        function="permute_neurons",
+        check_note="the permutation is recovered from the tensors and verified on every tensor",
         build_proof=_neurons_proof,
         transform=_permute_neurons,
         corruptions={"bias_not_permuted": _neurons_but("b_in"), "out_not_permuted": _neurons_but("W_out")},

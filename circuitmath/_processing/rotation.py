@@ -24,9 +24,9 @@ from collections.abc import Sequence
 import torch
 
 from .._config import Config
-from .._errors import PreconditionError
+from .._errors import Precondition, PreconditionError
 from .._state import StateDict, attention_names, validate_state_dict
-from ._common import readers, require
+from ._common import PRE_NORM, readers, require, rewrite
 from .centring import require_pre_norm, writers
 
 __all__ = [
@@ -45,7 +45,31 @@ __all__ = [
     "random_orthogonal",
     "hadamard",
     "orthogonal_fixing_ones",
+    "procrustes",
+    "NO_NORM_GAIN",
+    "Q_SQUARE",
+    "Q_ORTHOGONAL",
+    "Q_FIXES_ONES",
+    "A_HEAD_PERMUTATION",
+    "GROUPS_MOVE_TOGETHER",
+    "HAS_MLPS",
+    "A_NEURON_PERMUTATION",
 ]
+
+NO_NORM_GAIN = Precondition(
+    "no norm gain or bias between the stream and its readers",
+    "every norm is RMSPre, LNPre or none: a gain diag(w) or a bias does not commute with Q (fold it first)",
+)
+Q_SQUARE = Precondition("Q is a floating [d_model, d_model] tensor")
+Q_ORTHOGONAL = Precondition("Q is orthogonal", "Q is orthogonal to the precision of the weights")
+Q_FIXES_ONES = Precondition("Q fixes the all-ones direction (Q 1 = 1)")
+A_HEAD_PERMUTATION = Precondition("a permutation of the heads", "a permutation of 0..n_heads-1, per layer or for all")
+GROUPS_MOVE_TOGETHER = Precondition(
+    "each group of query heads moves with its key/value head",
+    "with grouped-query attention, a query head stays with its key/value head",
+)
+HAS_MLPS = Precondition("the model has MLPs")
+A_NEURON_PERMUTATION = Precondition("a permutation of the neurons", "a permutation of 0..d_mlp-1, per layer or for all")
 
 #: ``Q`` counts as orthogonal for a model in ``dtype`` when ``max |Q^T Q - I|`` is at most
 #: ``ORTHOGONALITY_SAFETY * d_model * eps(dtype)``: what computing an orthogonal matrix in that
@@ -128,16 +152,17 @@ def rotated_tensors(state_dict: StateDict, cfg: Config, Q: torch.Tensor) -> dict
 
 def _as_square(identity: str, Q, d_model: int) -> torch.Tensor:
     if not isinstance(Q, torch.Tensor) or not Q.is_floating_point():
-        raise PreconditionError(identity, "Q is a floating [d_model, d_model] tensor",
+        raise PreconditionError(identity, Q_SQUARE,
                                 f"got {type(Q).__name__}" + (f" of dtype {Q.dtype}" if isinstance(Q, torch.Tensor) else ""))
     if tuple(Q.shape) != (d_model, d_model):
-        raise PreconditionError(identity, "Q is a floating [d_model, d_model] tensor",
+        raise PreconditionError(identity, Q_SQUARE,
                                 f"Q has shape {tuple(Q.shape)}, d_model is {d_model}")
     if not bool(torch.isfinite(Q).all()):
-        raise PreconditionError(identity, "Q is a floating [d_model, d_model] tensor", "Q has NaN or Inf entries")
+        raise PreconditionError(identity, Q_SQUARE, "Q has NaN or Inf entries")
     return Q
 
 
+@rewrite("rotation_invariance")
 def rotate_residual_stream(
     state_dict: StateDict, cfg: Config, Q: torch.Tensor
 ) -> tuple[dict[str, torch.Tensor], Config]:
@@ -189,7 +214,7 @@ def rotate_residual_stream(
     require_pre_norm(identity, cfg)
     kind = cfg.normalization_type
     require(
-        identity, "no norm gain or bias between the stream and its readers", kind not in ("LN", "RMS"),
+        identity, NO_NORM_GAIN, kind not in ("LN", "RMS"),
         {
             "LN": "normalization_type is 'LN': its gain diag(w) and bias do not commute with Q; fold it"
                   " (layer_norm_fold), centre the writes (center_writing_weights) and switch to RMSNorm"
@@ -202,7 +227,7 @@ def rotate_residual_stream(
     tolerance = ORTHOGONALITY_SAFETY * cfg.d_model * torch.finfo(dtype).eps
     error = orthogonality_error(Q)
     require(
-        identity, "Q is orthogonal", error <= tolerance,
+        identity, Q_ORTHOGONAL, error <= tolerance,
         f"max |Q^T Q - I| is {error:.3g}, above {tolerance:.3g} for a {str(dtype).removeprefix('torch.')} model with"
         f" d_model {cfg.d_model}: the norms see |x Q| != |x|"
         + (" (orthogonalise Q in the model's precision, e.g. torch.linalg.qr in float64)" if error < 1e-3 else ""),
@@ -213,7 +238,7 @@ def rotate_residual_stream(
         ones = torch.ones(cfg.d_model, dtype=torch.float64, device=Q.device)
         moved = float((Q64 @ ones - ones).abs().max())
         require(
-            identity, "Q fixes the all-ones direction (Q 1 = 1)", moved <= tolerance * math.sqrt(cfg.d_model),
+            identity, Q_FIXES_ONES, moved <= tolerance * math.sqrt(cfg.d_model),
             f"normalization_type is 'LNPre' and max |Q 1 - 1| is {moved:.3g}: LNPre centres, and centring"
             " commutes with Q only when Q fixes the all-ones direction. Centre the writes and switch to"
             " RMSNorm first (center_writing_weights, layer_norm_to_rms_norm)",
@@ -226,27 +251,27 @@ def rotate_residual_stream(
 # -- permutations -----------------------------------------------------------------------------
 
 
-def _per_layer(identity: str, permutation, n_layers: int, size: int, what: str) -> torch.Tensor:
+def _per_layer(identity: str, permutation, n_layers: int, size: int, what: str, precondition: Precondition) -> torch.Tensor:
     """``permutation`` (``[size]`` for every layer, or ``[n_layers, size]``) as ``[n_layers, size]`` longs."""
     try:
         perm = torch.as_tensor(permutation)
     except (TypeError, ValueError, RuntimeError) as error:
-        raise PreconditionError(identity, f"a permutation of the {what}", f"cannot read {permutation!r}: {error}") from None
+        raise PreconditionError(identity, precondition, f"cannot read {permutation!r}: {error}") from None
     if perm.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
-        raise PreconditionError(identity, f"a permutation of the {what}", f"expected integers, got dtype {perm.dtype}")
+        raise PreconditionError(identity, precondition, f"expected integers, got dtype {perm.dtype}")
     perm = perm.to(device="cpu", dtype=torch.long)
     if perm.ndim == 1:
         perm = perm.expand(n_layers, -1)
     if tuple(perm.shape) != (n_layers, size):
         raise PreconditionError(
-            identity, f"a permutation of the {what}",
+            identity, precondition,
             f"expected shape [{size}] or [{n_layers}, {size}], got {list(perm.shape)}",
         )
     expected = torch.arange(size)
     for layer in range(n_layers):
         if not torch.equal(perm[layer].sort().values, expected):
             raise PreconditionError(
-                identity, f"a permutation of the {what}",
+                identity, precondition,
                 f"layer {layer}: {perm[layer].tolist()} does not list each of 0..{size - 1} once",
             )
     return perm
@@ -264,13 +289,14 @@ def _key_value_permutation(cfg: Config, perm: torch.Tensor, layer: int) -> torch
     groups = (perm // size).reshape(kv_heads, size)
     if not bool((groups == groups[:, :1]).all()):
         raise PreconditionError(
-            "permute_heads", "each group of query heads moves with its key/value head",
+            "permute_heads", GROUPS_MOVE_TOGETHER,
             f"layer {layer}: the permutation {perm.tolist()} mixes query heads of different groups"
             f" (groups of {size}); a query head must stay with the keys and values it shares",
         )
     return groups[:, 0].contiguous()
 
 
+@rewrite("permute_heads", check_output=False)
 def permute_heads(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict[str, torch.Tensor], Config]:
     """Reorder the heads of every attention layer: new head ``i`` is old head ``permutation[i]``.
 
@@ -289,7 +315,7 @@ def permute_heads(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict
     """
     identity = "permute_heads"
     validate_state_dict(state_dict, cfg)
-    perms = _per_layer(identity, permutation, cfg.n_layers, cfg.n_heads, "heads")
+    perms = _per_layer(identity, permutation, cfg.n_layers, cfg.n_heads, "heads", A_HEAD_PERMUTATION)
     out = dict(state_dict)
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}.attn"
@@ -306,6 +332,7 @@ def permute_heads(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict
     return out, cfg.replace(applied=cfg.applied + (identity,))
 
 
+@rewrite("permute_neurons", check_output=False)
 def permute_neurons(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict[str, torch.Tensor], Config]:
     """Reorder the neurons of every MLP: new neuron ``i`` is old neuron ``permutation[i]``.
 
@@ -318,9 +345,9 @@ def permute_neurons(state_dict: StateDict, cfg: Config, permutation) -> tuple[di
     is a permutation too and is not refused; each records ``"permute_neurons"``.
     """
     identity = "permute_neurons"
-    require(identity, "the model has MLPs", not cfg.attn_only, "the model is attention-only: there are no neurons to permute")
+    require(identity, HAS_MLPS, not cfg.attn_only, "the model is attention-only: there are no neurons to permute")
     validate_state_dict(state_dict, cfg)
-    perms = _per_layer(identity, permutation, cfg.n_layers, cfg.d_mlp, "neurons")
+    perms = _per_layer(identity, permutation, cfg.n_layers, cfg.d_mlp, "neurons", A_NEURON_PERMUTATION)
     out = dict(state_dict)
     for layer in range(cfg.n_layers):
         p, perm = f"blocks.{layer}.mlp", perms[layer]
@@ -378,17 +405,23 @@ def recover_rotation(before: StateDict, after: StateDict, cfg: Config) -> torch.
     """
     if not _same_layout(before, after):
         return None
+    Q = procrustes(before, after, cfg)
+    return None if rotation_mismatches(before, after, cfg, Q) else Q
+
+
+def procrustes(before: StateDict, after: StateDict, cfg: Config) -> torch.Tensor:
+    """The orthogonal ``Q`` (float64, on the CPU) that best maps ``before``'s writer rows and
+    reader columns onto ``after``'s (orthogonal Procrustes, see :func:`recover_rotation`), not
+    verified: :func:`rotation_mismatches` names the tensors it does not explain."""
     rows_before, rows_after = [], []
     for name in residual_writers(cfg):
-        rows_before.append(before[name].double().reshape(-1, cfg.d_model))
-        rows_after.append(after[name].double().reshape(-1, cfg.d_model))
+        rows_before.append(before[name].double().reshape(-1, cfg.d_model).cpu())
+        rows_after.append(after[name].double().reshape(-1, cfg.d_model).cpu())
     for name in residual_readers(cfg):
-        rows_before.append(before[name].double().transpose(-1, -2).reshape(-1, cfg.d_model))
-        rows_after.append(after[name].double().transpose(-1, -2).reshape(-1, cfg.d_model))
-    A, B = torch.cat(rows_before), torch.cat([r.to(rows_before[0].device) for r in rows_after])
-    U, _S, Vh = torch.linalg.svd(A.T @ B)
-    Q = (U @ Vh).cpu()
-    return None if rotation_mismatches(before, after, cfg, Q) else Q
+        rows_before.append(before[name].double().transpose(-1, -2).reshape(-1, cfg.d_model).cpu())
+        rows_after.append(after[name].double().transpose(-1, -2).reshape(-1, cfg.d_model).cpu())
+    U, _S, Vh = torch.linalg.svd(torch.cat(rows_before).T @ torch.cat(rows_after))
+    return U @ Vh
 
 
 def _signatures(tensors: Sequence[torch.Tensor], axes: Sequence[int], count: int) -> list[bytes]:
