@@ -16,16 +16,33 @@ import torch
 from .. import _identities
 from .._config import Config
 from .._errors import AlreadyAppliedError, PreconditionError
+from .._processing.rotation import (
+    permute_heads,
+    permute_neurons,
+    procrustes,
+    recover_head_permutation,
+    recover_neuron_permutation,
+    rotate_residual_stream,
+    rotated_tensors,
+)
 from ._tensors import _largest_entry, _natural_order, _relative_difference, _Thresholds
 
-__all__ = ["weight_identities"]
+__all__ = ["weight_identities", "SYMMETRIES"]
+
+#: Identities with a free parameter (a rotation ``Q``, a permutation): the blind replay cannot try
+#: them with a fixed one, so the diagnosis recovers the parameter from the tensors instead.
+SYMMETRIES = ("rms_norm_rotation", "layer_norm_rotation", "rotation_invariance", "slicegpt_route",
+              "permute_heads", "permute_neurons")
 
 
-def weight_identities() -> tuple:
+def weight_identities(*, symmetries: bool = False) -> tuple:
     """The registered identities whose transform rewrites weights (not a computation), each
-    transform once (an identity sharing another's transform is left out)."""
+    transform once (an identity sharing another's transform is left out); the
+    :data:`SYMMETRIES` only with ``symmetries``."""
     seen, out = set(), []
     for identity in _identities.identities():
+        if identity.name in SYMMETRIES and not symmetries:
+            continue
         if identity.compare is None and id(identity.transform) not in seen:
             seen.add(id(identity.transform))
             out.append(identity)
@@ -151,6 +168,69 @@ class _Replay:
             return
         yield _Candidate(rewrite, description, dict(result), result_cfg)
 
+    def transform_of(self, identity, state: Mapping, cfg: Config):
+        """The rewrite the replay applies for ``identity``: its transform, except for a symmetry,
+        whose parameter (``Q``, the permutation) is recovered from ``state`` and ``after``."""
+        if identity.name not in SYMMETRIES or not _same_names(state, self.after):
+            return identity.transform
+        if identity.name in ("rotation_invariance", "layer_norm_rotation"):
+            Q = procrustes(state, self.after, cfg)
+            return lambda sd, c: rotate_residual_stream(sd, c, Q)
+        recover, apply = {
+            "permute_heads": (recover_head_permutation, permute_heads),
+            "permute_neurons": (recover_neuron_permutation, permute_neurons),
+        }.get(identity.name, (None, None))
+        perm = recover(state, self.after, cfg) if recover else None
+        return identity.transform if perm is None else (lambda sd, c: apply(sd, c, perm))
+
+    def symmetric(self, before: dict, cfg: Config, replayed: tuple[list, dict, Config], residual: list[str]):
+        """Recognise a rotation, then head and neuron permutations, applied after the replayed
+        identities: ``(stages, final, final_cfg, residual)`` when that leaves fewer tensors
+        unexplained than ``residual``, else ``None``.
+
+        The rotation is recovered by orthogonal Procrustes from the replay's end (or from the
+        model with its norms made ``RMSPre``, the SliceGPT preparation) to ``after``; ``after``
+        rotated back is replayed blind, and ``Q`` recovered again from that replay's end, where
+        the exact rotation, or one of its registered wrong rewrites, must reproduce ``after``.
+        """
+        best = None
+        final, final_cfg = replayed[1], replayed[2]
+        starts = [(final, final_cfg)]
+        prepared = _identities.rotation.to_rms_pre
+        try:
+            starts.append(prepared(before, cfg))
+        except PreconditionError:
+            pass
+        for start, start_cfg in starts:
+            if not _same_names(start, self.after):
+                continue
+            Q = procrustes(start, self.after, start_cfg, writers_only=True)
+            back = dict(self.after) | rotated_tensors(self.after, start_cfg, Q.T)
+            stages, state, state_cfg = _Replay(back, self.thresholds).run(before, cfg, None, search=False)
+            if state_cfg.normalization_type == "LNPre" and not _fixes_ones(procrustes(state, self.after, state_cfg)):
+                # LNPre rotates only by a Q fixing 1; the writes are centred, so switch to RMSNorm first
+                switch = self.stage(_identities.get_identity("layer_norm_to_rms_norm"), state, state_cfg,
+                                    forced=True, search=False)
+                if switch is not None and switch.refusal is None:
+                    stages, state, state_cfg = stages + [switch], switch.state, switch.cfg
+            name = "layer_norm_rotation" if state_cfg.normalization_type == "LNPre" else "rotation_invariance"
+            try:
+                stage = self.stage(_identities.get_identity(name), state, state_cfg, forced=True, search=True)
+            except PreconditionError:
+                continue
+            if stage is None:
+                continue
+            found = (stages + [stage], stage.state, stage.cfg, self.residual(stage.state, before))
+            if len(found[3]) < len(residual) and (best is None or len(found[3]) < len(best[3])):
+                best = found
+        stages, state, state_cfg = best[:3] if best else replayed
+        for name in ("permute_heads", "permute_neurons"):
+            stage = self.stage(_identities.get_identity(name), state, state_cfg, forced=False, search=False)
+            if stage is not None:
+                stages, state, state_cfg = stages + [stage], stage.state, stage.cfg
+        found = self.residual(state, before)
+        return (stages, state, state_cfg, found) if len(found) < len(residual) else None
+
     def stage(self, identity, state: dict, cfg: Config, *, forced: bool, search: bool) -> _Stage | None:
         """Apply ``identity`` to ``state`` the way that best reproduces ``after``.
 
@@ -162,7 +242,7 @@ class _Replay:
         """
         refusal, records = None, ()
         try:
-            exact_state, exact_cfg = identity.transform(state, cfg)
+            exact_state, exact_cfg = self.transform_of(identity, state, cfg)(state, cfg)
             exact = _Candidate("exact", "", dict(exact_state), exact_cfg)
             records = exact_cfg.applied[len(cfg.applied):]
         except AlreadyAppliedError:
@@ -272,6 +352,12 @@ class _Replay:
         residual = self.residual(final, before)
         if not residual:
             return stages, final, final_cfg, residual
+        if plan is None:  # a symmetry applied last: recovered, not replayed blind
+            found = self.symmetric(before, cfg, (stages, final, final_cfg), residual)
+            if found is not None:
+                stages, final, final_cfg, residual = found
+                if not residual:
+                    return stages, final, final_cfg, residual
         searched = self.run(before, cfg, plan, search=True)
         searched_residual = self.residual(searched[1], before)
         if len(searched_residual) <= len(residual):
@@ -321,3 +407,13 @@ class _Replay:
         """The tensors of ``after`` that ``state`` does not reproduce up to rounding."""
         names = set(state) | set(self.after)
         return sorted(n for n in names if not self.same(n, state.get(n), before.get(n), "exact"))
+
+
+def _same_names(state: Mapping, after: Mapping) -> bool:
+    return set(state) == set(after)
+
+
+def _fixes_ones(Q: torch.Tensor) -> bool:
+    """Whether ``Q 1 = 1`` to float64 rounding (``layer_norm_rotation`` may apply)."""
+    ones = torch.ones(Q.shape[0], dtype=Q.dtype)
+    return float((Q @ ones - ones).abs().max()) <= 1e-8 * Q.shape[0]
