@@ -114,16 +114,20 @@ def assert_equivalent(
             first.state_dict, first.cfg, second.state_dict, second.cfg, tokens
         )
         tolerance = result.tolerance if atol is None else atol
-        if result.max_abs_error <= tolerance:
+        plan = _diagnosis._recorded_plan(first.cfg, second.cfg, notes) if diagnose else None
+        agree = result.max_abs_error <= tolerance
+        if agree and not (diagnose and _diagnosis.named_wrong_rewrites(first, second, plan)):
             return result
         b, p, t = result.where
         message = (
             f"models differ: max |Δ log-prob| = {result.max_abs_error:.3g} > tolerance {tolerance:.3g}"
             f" (batch {b}, position {p}, token {t})"
+        ) if not agree else (
+            f"the log-probs agree (max |Δ log-prob| = {result.max_abs_error:.3g} <= tolerance {tolerance:.3g}),"
+            " but a tensor is rewritten by a named wrong rewrite"
         )
         found = None
         if diagnose:  # the two forward passes just made are handed to the diagnosis, not made again
-            plan = _diagnosis._recorded_plan(first.cfg, second.cfg, notes)
             computed = ((first.state_dict, first_log_probs), (second.state_dict, second_log_probs))
             found = _diagnosis.replay_and_explain(first, second, tokens, plan, notes, computed=computed)
             message += "\n\ndiagnosis:\n" + str(found)

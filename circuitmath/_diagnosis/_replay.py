@@ -21,6 +21,7 @@ from .._processing.rotation import (
     permute_neurons,
     procrustes,
     recover_head_permutation,
+    residual_writers,
     recover_neuron_permutation,
     rotate_residual_stream,
     rotated_tensors,
@@ -136,6 +137,12 @@ class _Replay:
                 for name, wrong in identity.wrong_rewrites.items() if wrong.regardless
                 for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), wrong.function, state, cfg)
             ]
+        if identity.name in SYMMETRIES:  # tried only where the symmetry is: not in every search
+            return [
+                candidate
+                for name, wrong in identity.wrong_rewrites.items() if not wrong.regardless
+                for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), wrong.function, state, cfg)
+            ]
         allowed = {identity.name, *records}
         return [
             candidate
@@ -174,7 +181,7 @@ class _Replay:
         if identity.name not in SYMMETRIES or not _same_names(state, self.after):
             return identity.transform
         if identity.name in ("rotation_invariance", "layer_norm_rotation"):
-            Q = procrustes(state, self.after, cfg)
+            Q = procrustes(state, self.after, cfg, _anchors(cfg))
             return lambda sd, c: rotate_residual_stream(sd, c, Q)
         recover, apply = {
             "permute_heads": (recover_head_permutation, permute_heads),
@@ -204,25 +211,15 @@ class _Replay:
         for start, start_cfg in starts:
             if not _same_names(start, self.after):
                 continue
-            Q = procrustes(start, self.after, start_cfg, writers_only=True)
+            Q = procrustes(start, self.after, start_cfg, _anchors(start_cfg))
             back = dict(self.after) | rotated_tensors(self.after, start_cfg, Q.T)
-            stages, state, state_cfg = _Replay(back, self.thresholds).run(before, cfg, None, search=False)
-            if state_cfg.normalization_type == "LNPre" and not _fixes_ones(procrustes(state, self.after, state_cfg)):
-                # LNPre rotates only by a Q fixing 1; the writes are centred, so switch to RMSNorm first
-                switch = self.stage(_identities.get_identity("layer_norm_to_rms_norm"), state, state_cfg,
-                                    forced=True, search=False)
-                if switch is not None and switch.refusal is None:
-                    stages, state, state_cfg = stages + [switch], switch.state, switch.cfg
-            name = "layer_norm_rotation" if state_cfg.normalization_type == "LNPre" else "rotation_invariance"
-            try:
-                stage = self.stage(_identities.get_identity(name), state, state_cfg, forced=True, search=True)
-            except PreconditionError:
-                continue
-            if stage is None:
-                continue
-            found = (stages + [stage], stage.state, stage.cfg, self.residual(stage.state, before))
-            if len(found[3]) < len(residual) and (best is None or len(found[3]) < len(best[3])):
-                best = found
+            routes = [_Replay(back, self.thresholds).run(before, cfg, None, search=False)]
+            if start is not final:  # the start itself, rotated rightly or by a known wrong rotation
+                routes.append(_Replay(start, self.thresholds).run(before, cfg, None, search=False))
+            for stages, state, state_cfg in routes:
+                found = self._rotation(before, stages, state, state_cfg)
+                if found and len(found[3]) < len(residual) and (best is None or len(found[3]) < len(best[3])):
+                    best = found
         stages, state, state_cfg = best[:3] if best else replayed
         for name in ("permute_heads", "permute_neurons"):
             stage = self.stage(_identities.get_identity(name), state, state_cfg, forced=False, search=False)
@@ -230,6 +227,22 @@ class _Replay:
                 stages, state, state_cfg = stages + [stage], stage.state, stage.cfg
         found = self.residual(state, before)
         return (stages, state, state_cfg, found) if len(found) < len(residual) else None
+
+    def _rotation(self, before, stages, state, state_cfg):
+        """``stages`` then the rotation recovered from ``state`` to ``after`` (or a known wrong
+        rotation), after switching an ``LNPre`` model to RMSNorm when ``Q`` moves the all-ones
+        direction: ``(stages, final, final_cfg, residual)``, or ``None`` when it cannot apply."""
+        if state_cfg.normalization_type == "LNPre" and not _fixes_ones(procrustes(state, self.after, state_cfg)):
+            # LNPre rotates only by a Q fixing 1; with centred writes switch to RMSNorm first
+            switch = self.stage(_identities.get_identity("layer_norm_to_rms_norm"), state, state_cfg,
+                                forced=True, search=False)
+            if switch is not None and switch.refusal is None:
+                stages, state, state_cfg = stages + [switch], switch.state, switch.cfg
+        name = "layer_norm_rotation" if state_cfg.normalization_type == "LNPre" else "rotation_invariance"
+        stage = self.stage(_identities.get_identity(name), state, state_cfg, forced=True, search=True)
+        if stage is None or stage.exact is None:
+            return None
+        return stages + [stage], stage.state, stage.cfg, self.residual(stage.state, before)
 
     def stage(self, identity, state: dict, cfg: Config, *, forced: bool, search: bool) -> _Stage | None:
         """Apply ``identity`` to ``state`` the way that best reproduces ``after``.
@@ -417,3 +430,12 @@ def _fixes_ones(Q: torch.Tensor) -> bool:
     """Whether ``Q 1 = 1`` to float64 rounding (``layer_norm_rotation`` may apply)."""
     ones = torch.ones(Q.shape[0], dtype=Q.dtype)
     return float((Q @ ones - ones).abs().max()) <= 1e-8 * Q.shape[0]
+
+
+def _anchors(cfg: Config) -> list[str]:
+    """The tensors a rotation is recovered from: ``W_E`` (``[d_vocab, d_model]``, which the usual
+    processing before a rotation leaves as it is once the writes are centred; the other tensors
+    then show a wrong rotation), or every writer's weight when ``d_vocab < d_model``."""
+    if cfg.d_vocab >= cfg.d_model:
+        return ["embed.W_E"]
+    return [n for n in residual_writers(cfg) if not n.rsplit(".", 1)[-1].startswith("b_")]

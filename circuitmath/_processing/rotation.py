@@ -409,21 +409,18 @@ def recover_rotation(before: StateDict, after: StateDict, cfg: Config) -> torch.
     return None if rotation_mismatches(before, after, cfg, Q) else Q
 
 
-def procrustes(before: StateDict, after: StateDict, cfg: Config, *, writers_only: bool = False) -> torch.Tensor:
+def procrustes(before: StateDict, after: StateDict, cfg: Config, names: Sequence[str] | None = None) -> torch.Tensor:
     """The orthogonal ``Q`` (float64, on the CPU) that best maps ``before``'s writer rows and
     reader columns onto ``after``'s (orthogonal Procrustes, see :func:`recover_rotation`), not
-    verified: :func:`rotation_mismatches` names the tensors it does not explain. With
-    ``writers_only``, from the writers' weights alone (no biases, no readers): the tensors that
-    the usual processing before a rotation (folds, centring the readers, the value-bias fold)
-    leaves as they are once the writes are centred. Directions no tensor has a component along
+    verified: :func:`rotation_mismatches` names the tensors it does not explain. ``names``: only
+    these writers (e.g. ``["embed.W_E"]``, which the usual processing before a rotation leaves
+    as it is once the writes are centred), no readers. Directions no tensor has a component along
     (the all-ones direction of a centred model) are mapped arbitrarily: no tensor depends on them."""
     rows_before, rows_after = [], []
-    for name in residual_writers(cfg):
-        if writers_only and name.rsplit(".", 1)[-1].startswith("b_"):
-            continue
+    for name in residual_writers(cfg) if names is None else names:
         rows_before.append(before[name].double().reshape(-1, cfg.d_model).cpu())
         rows_after.append(after[name].double().reshape(-1, cfg.d_model).cpu())
-    for name in [] if writers_only else residual_readers(cfg):
+    for name in [] if names is not None else residual_readers(cfg):
         rows_before.append(before[name].double().transpose(-1, -2).reshape(-1, cfg.d_model).cpu())
         rows_after.append(after[name].double().transpose(-1, -2).reshape(-1, cfg.d_model).cpu())
     U, _S, Vh = torch.linalg.svd(torch.cat(rows_before).T @ torch.cat(rows_after))
