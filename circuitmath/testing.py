@@ -210,7 +210,7 @@ def _checker(identity) -> Callable:
 #: The per-identity checkers, one per registered weight identity with a public transform,
 #: derived from the registry: ``check_fold_layer_norm``, ``check_center_reading_weights``, ...
 CHECKERS: dict[str, Callable] = {}
-for _identity in _diagnosis.weight_identities():
+for _identity in _diagnosis.weight_identities(symmetries=True):
     if _identity.function:
         CHECKERS[_identity.name] = globals()[f"check_{_identity.function}"] = _checker(_identity)
         __all__.append(f"check_{_identity.function}")

@@ -382,3 +382,92 @@ def test_wrong_permutations_are_not_recognised():
         for corruption, function in identity.corruptions.items():
             wrong, _ = function(sd, cfg)
             assert recover(sd, wrong, cfg) is None, (name, corruption)
+
+
+# -- recognition in the diagnosis, and the verdicts ---------------------------------------------
+
+
+def _zoo_rotated(name="attn_only_1l"):
+    """A zoo model, the default processing, LayerNorm switched to RMSNorm, a random rotation."""
+    sd, cfg = zoo.load(name, dtype=torch.float64)
+    processed, processed_cfg = cm.layer_norm_to_rms_norm(*cm.process_weights(sd, cfg))
+    return sd, cfg, cm.rotate_residual_stream(processed, processed_cfg, random_orthogonal(cfg.d_model, seed=3))
+
+
+def test_a_rotated_zoo_model_passes_check_processed_and_is_reported_as_rotated(tmp_path, capsys):
+    from circuitmath import _cli, io
+
+    sd, cfg, (rotated, rotated_cfg) = _zoo_rotated()
+    io.save(tmp_path / "model.safetensors", sd, cfg)
+    io.save(tmp_path / "rotated.safetensors", rotated, rotated_cfg)  # cfg.applied records the rotation
+    status = _cli.main(["check", str(tmp_path / "model.safetensors"), "--processed", str(tmp_path / "rotated.safetensors")])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "rotation_invariance" in out and "violated" not in out
+    # inferred: no config given, the tensors alone; RMSPre is inferred, the rotation recovered
+    found = cm.testing.diagnose(sd, rotated, cfg)
+    assert found.ok, str(found)
+    assert found.replayed[-2:] == ("layer_norm_to_rms_norm", "rotation_invariance"), found.replayed
+
+
+@pytest.mark.parametrize("twin", ["non_orthogonal", "forget_W_pos", "forget_writer_bias", "readers_not_transposed"])
+def test_each_rotation_twin_on_a_zoo_model_fails_naming_the_identity_and_tensors(twin, tmp_path, capsys):
+    from circuitmath import _cli, io
+
+    sd, cfg = zoo.load("attn_only_1l", dtype=torch.float64)
+    wrong, wrong_cfg = cm.get_identity("rotation_invariance").wrong_rewrites[twin](*to_rms_pre(sd, cfg))
+    io.save(tmp_path / "model.safetensors", sd, cfg)
+    io.save(tmp_path / "wrong.safetensors", wrong, wrong_cfg)
+    status = _cli.main(["check", str(tmp_path / "model.safetensors"), "--processed", str(tmp_path / "wrong.safetensors")])
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert f"rotation_invariance.{twin}" in out, out
+    expected = {"forget_W_pos": ["pos_embed.W_pos"], "forget_writer_bias": ["blocks.0.attn.b_O"],
+                "readers_not_transposed": ["blocks.0.attn.W_Q", "unembed.W_U"]}.get(twin, ["embed.W_E"])
+    assert all(name in out for name in expected), out
+    if twin in ("forget_W_pos", "forget_writer_bias"):  # only the tensors responsible are named
+        assert "embed.W_E" not in out.split(f"rotation_invariance.{twin} explains", 1)[1].split("\n")[0]
+
+
+def test_head_and_neuron_permutations_are_recognised():
+    cfg = _cfg(normalization_type="RMSPre")
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    heads, heads_cfg = cm.permute_heads(sd, cfg, [2, 0, 3, 1])
+    both, both_cfg = cm.permute_neurons(heads, heads_cfg, [5, 4, 3, 2, 1, 0])
+    found = cm.testing.diagnose(sd, both, cfg)  # inferred: nothing recorded
+    assert found.ok and found.replayed == ("permute_heads", "permute_neurons"), str(found)
+    recorded = cm.testing.check_permute_neurons(heads, both, heads_cfg, after_cfg=both_cfg)
+    assert recorded.ok, str(recorded)
+    # negative control: a permutation that forgets W_out is no permutation
+    broken = dict(both, **{f"blocks.{l}.mlp.W_out": heads[f"blocks.{l}.mlp.W_out"] for l in range(cfg.n_layers)})
+    assert not cm.testing.diagnose(sd, broken, cfg).ok
+
+
+def test_a_named_wrong_rewrite_fails_even_where_the_tokens_do_not_show_it():
+    cfg = _cfg(normalization_type="LN")
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    for name in sd:  # small LayerNorm biases: dropping them moves the log-probs by less than the tolerance
+        if name.endswith(".b") and ("ln" in name):
+            sd[name] = sd[name] * 1e-14
+    wrong, wrong_cfg = cm.get_identity("layer_norm_fold").wrong_rewrites["drop_bias"](sd, cfg)
+    assert compare_log_probs(sd, cfg, wrong, wrong_cfg).passed  # the tokens do not show it
+    found = cm.testing.diagnose(sd, wrong, cfg, after_cfg=wrong_cfg)
+    assert not found.ok and any(f.rewrite == "layer_norm_fold.drop_bias" for f in found.violations), str(found)
+    with pytest.raises(cm.testing.NotEquivalentError, match="named wrong rewrite"):
+        cm.testing.assert_equivalent(sd, wrong, cfg, after_cfg=wrong_cfg)
+    # negative control: the exact fold passes
+    folded, folded_cfg = cm.fold_layer_norm(sd, cfg)
+    assert cm.testing.diagnose(sd, folded, cfg, after_cfg=folded_cfg).ok
+
+
+def test_an_unrecognised_exact_processing_passes():
+    cfg = _cfg(normalization_type="RMSPre")
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    # a rescaling of one head's OV factors: exact, registered as no rewrite
+    scaled = dict(sd)
+    scaled["blocks.0.attn.W_V"] = sd["blocks.0.attn.W_V"] * 2
+    scaled["blocks.0.attn.b_V"] = sd["blocks.0.attn.b_V"] * 2
+    scaled["blocks.0.attn.W_O"] = sd["blocks.0.attn.W_O"] / 2
+    found = cm.testing.diagnose(sd, scaled, cfg)
+    assert found.ok, str(found)
+    assert any(f.name == "residual" and f.parameters for f in found.findings)  # reported, not hidden

@@ -448,13 +448,22 @@ def _match(before: list[bytes], after: list[bytes]) -> torch.Tensor | None:
     return torch.tensor(perm, dtype=torch.long)
 
 
-def recover_head_permutation(before: StateDict, after: StateDict, cfg: Config) -> torch.Tensor | None:
+def _verified(before: StateDict, expected: StateDict, after: StateDict, verify_all: bool) -> bool:
+    """``after`` equals ``expected`` exactly: on every tensor, or (``verify_all=False``) on those
+    the permutation moved (the rest may have been rewritten by another step)."""
+    return all(torch.equal(expected[k], after[k]) for k in before if verify_all or expected[k] is not before[k])
+
+
+def recover_head_permutation(
+    before: StateDict, after: StateDict, cfg: Config, *, verify_all: bool = True
+) -> torch.Tensor | None:
     """``[n_layers, n_heads]``: the permutation with ``after = permute_heads(before, cfg, perm)``
     (exactly: a permutation copies entries), or ``None`` when there is none.
 
     Each head of ``after`` is matched to the head of ``before`` with the same bytes in ``W_Q``,
     ``b_Q``, ``W_O`` (and ``pos_Q``), then the result is verified on every tensor, keys and
-    values included. The identity permutation is returned when nothing moved.
+    values included (``verify_all=False``: only the tensors it moves). The identity permutation
+    is returned when nothing moved.
     """
     if not _same_layout(before, after):
         return None
@@ -474,14 +483,16 @@ def recover_head_permutation(before: StateDict, after: StateDict, cfg: Config) -
         expected, _cfg = permute_heads(before, cfg, perms)
     except PreconditionError:
         return None
-    return perms if all(torch.equal(expected[k], after[k]) for k in before) else None
+    return perms if _verified(before, expected, after, verify_all) else None
 
 
-def recover_neuron_permutation(before: StateDict, after: StateDict, cfg: Config) -> torch.Tensor | None:
+def recover_neuron_permutation(
+    before: StateDict, after: StateDict, cfg: Config, *, verify_all: bool = True
+) -> torch.Tensor | None:
     """``[n_layers, d_mlp]``: the permutation with ``after = permute_neurons(before, cfg, perm)``,
     or ``None`` (no MLPs, or no such permutation). Neurons are matched by the bytes of their
     ``W_in`` column, ``b_in`` entry, ``W_gate`` column and ``W_out`` row; every tensor is then
-    verified."""
+    verified (``verify_all=False``: only the tensors it moves)."""
     if cfg.attn_only or not _same_layout(before, after):
         return None
     perms = []
@@ -496,4 +507,4 @@ def recover_neuron_permutation(before: StateDict, after: StateDict, cfg: Config)
         perms.append(perm)
     perms = torch.stack(perms) if perms else torch.zeros(0, cfg.d_mlp, dtype=torch.long)
     expected, _cfg = permute_neurons(before, cfg, perms)
-    return perms if all(torch.equal(expected[k], after[k]) for k in before) else None
+    return perms if _verified(before, expected, after, verify_all) else None
