@@ -94,7 +94,9 @@ def assert_equivalent(
     diagnose: bool = True,
 ) -> Comparison:
     """Raise :class:`NotEquivalentError` (an ``AssertionError``) unless ``after`` computes the
-    same log-probs as ``before``; return the :class:`Comparison` otherwise.
+    same log-probs as ``before`` and (with ``diagnose=True``) no tensor of ``after`` is a named
+    wrong rewrite's (see the README's verdicts: such a rewrite fails even where the tokens do not
+    show it); return the :class:`Comparison` otherwise.
 
     ``before`` and ``after`` are state dicts or safetensors paths; ``cfg`` is ``before``'s
     :class:`~circuitmath.Config` or Hugging Face config (``None`` for a file that carries its

@@ -212,8 +212,8 @@ class _Replay:
         except PreconditionError:
             pass
         for start, start_cfg in starts:
-            if not _same_names(start, self.after):
-                continue
+            if not _same_names(start, self.after) or not self._norms_kept(start):
+                continue  # a rotation keeps the norm of every row of W_E: no rotation from this start
             routes = []
             for names in (_anchors(start_cfg), None):  # W_E alone, then every tensor (uncentred readers fix 1's image)
                 Q = procrustes(start, self.after, start_cfg, names)
@@ -232,6 +232,15 @@ class _Replay:
                 stages, state, state_cfg = stages + [stage], stage.state, stage.cfg
         found = self.residual(state, before)
         return (stages, state, state_cfg, found) if len(found) < len(residual) else None
+
+    def _norms_kept(self, start: Mapping) -> bool:
+        """Whether ``after``'s ``W_E`` rows have the norms of ``start``'s (to the recognition
+        threshold): the cheap test before a rotation from ``start`` is looked for."""
+        ours, theirs = (sd["embed.W_E"].double().norm(dim=-1) for sd in (start, self.after))
+        if ours.shape != theirs.shape or ours.device != theirs.device:
+            return ours.shape == theirs.shape
+        scale = max(float(ours.max()), float(theirs.max()), 1e-30)
+        return float((ours - theirs).abs().max()) <= self.thresholds.recognise * scale
 
     def _rotation(self, before, stages, state, state_cfg):
         """``stages`` then the rotation recovered from ``state`` to ``after`` (or a known wrong
