@@ -234,8 +234,10 @@ class _Replay:
         return (stages, state, state_cfg, found) if len(found) < len(residual) else None
 
     def _norms_kept(self, start: Mapping) -> bool:
-        """Whether ``after``'s ``W_E`` rows have the norms of ``start``'s (to the recognition
-        threshold): the cheap test before a rotation from ``start`` is looked for."""
+        """Whether ``after``'s ``W_E`` differs from ``start``'s but its rows have the same norms (to
+        the recognition threshold): the cheap test before a rotation from ``start`` is looked for."""
+        if self.same("embed.W_E", start["embed.W_E"], None):
+            return False  # W_E itself unchanged: nothing rotated it
         ours, theirs = (sd["embed.W_E"].double().norm(dim=-1) for sd in (start, self.after))
         if ours.shape != theirs.shape or ours.device != theirs.device:
             return ours.shape == theirs.shape
