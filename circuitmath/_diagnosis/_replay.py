@@ -198,10 +198,12 @@ class _Replay:
         identities: ``(stages, final, final_cfg, residual)`` when that leaves fewer tensors
         unexplained than ``residual``, else ``None``.
 
-        The rotation is recovered by orthogonal Procrustes from the replay's end (or from the
-        model with its norms made ``RMSPre``, the SliceGPT preparation) to ``after``; ``after``
-        rotated back is replayed blind, and ``Q`` recovered again from that replay's end, where
-        the exact rotation, or one of its registered wrong rewrites, must reproduce ``after``.
+        The rotation is recovered by orthogonal Procrustes (on ``W_E``, and on every tensor) from
+        the replay's end, or from the model with its norms made ``RMSPre`` (the SliceGPT
+        preparation), to ``after``, where ``W_E`` changed but kept its row norms; ``after`` rotated
+        back is replayed blind, and ``Q`` recovered again from that replay's end, where the exact
+        rotation, or one of its registered wrong rewrites (then named with the tensors it
+        explains), must reproduce ``after``. The starting point itself, rotated, is tried too.
         """
         best = None
         final, final_cfg = replayed[1], replayed[2]
