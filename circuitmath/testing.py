@@ -98,7 +98,9 @@ def assert_equivalent(
     diagnose: bool = True,
 ) -> Comparison:
     """Raise :class:`NotEquivalentError` (an ``AssertionError``) unless ``after`` computes the
-    same log-probs as ``before``; return the :class:`Comparison` otherwise.
+    same log-probs as ``before`` and (with ``diagnose=True``) no tensor of ``after`` is a named
+    wrong rewrite's (see the README's verdicts: such a rewrite fails even where the tokens do not
+    show it); return the :class:`Comparison` otherwise.
 
     ``before`` and ``after`` are state dicts or safetensors paths; ``cfg`` is ``before``'s
     :class:`~circuitmath.Config` or Hugging Face config (``None`` for a file that carries its
@@ -119,17 +121,21 @@ def assert_equivalent(
             first.state_dict, first.cfg, second.state_dict, second.cfg, tokens
         )
         tolerance = result.tolerance if atol is None else atol
-        if result.max_abs_error <= tolerance:
+        plan = _diagnosis._recorded_plan(first.cfg, second.cfg, notes) if diagnose else None
+        agree = result.max_abs_error <= tolerance
+        if agree and not (diagnose and _diagnosis.named_wrong_rewrites(first, second, plan)):
             return result
         b, p, t = result.where
         message = (
             f"models differ: max |Δ log-prob| = {result.max_abs_error:.3g} > tolerance {tolerance:.3g}"
             f" (batch {b}, position {p}, token {t})"
+        ) if not agree else (
+            f"the log-probs agree (max |Δ log-prob| = {result.max_abs_error:.3g} <= tolerance {tolerance:.3g}),"
+            " but a tensor is rewritten by a named wrong rewrite"
         )
         found = None
         if diagnose and not _shrinking():
             # the two forward passes just made are handed to the diagnosis, not made again
-            plan = _diagnosis._recorded_plan(first.cfg, second.cfg, notes)
             computed = ((first.state_dict, first_log_probs), (second.state_dict, second_log_probs))
             found = _diagnosis.replay_and_explain(first, second, tokens, plan, notes, computed=computed)
             message += "\n\ndiagnosis:\n" + str(found)
@@ -246,7 +252,7 @@ def _asserting(check: Callable) -> Callable:
 #: derived from the registry: ``check_fold_layer_norm``, ``check_center_reading_weights``, ...;
 #: each has an ``assert_`` form that raises instead of returning a failed report.
 CHECKERS: dict[str, Callable] = {}
-for _identity in _diagnosis.weight_identities():
+for _identity in _diagnosis.weight_identities(symmetries=True):
     if _identity.function:
         CHECKERS[_identity.name] = globals()[f"check_{_identity.function}"] = _checker(_identity)
         globals()[f"assert_{_identity.function}"] = _asserting(CHECKERS[_identity.name])

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
 import circuitmath as cm
+from circuitmath._diagnosis._replay import SYMMETRIES
 from circuitmath import io, strategies, testing
 from circuitmath.testing import (
     NotEquivalentError,
@@ -45,6 +46,10 @@ CHECKERS = {
     "rms_norm_fold": (check_fold_rms_norm, {"normalization_type": "RMS", "gated_mlp": True}),
     "layer_norm_to_rms_norm": (check_layer_norm_to_rms_norm, {}),
     "shortformer_tables": (check_shortformer_to_tables, {"positional_embedding_type": "shortformer"}),
+    # symmetries: the checker recovers the rotation or permutation from the tensors
+    "rotation_invariance": (testing.check_rotate_residual_stream, {"normalization_type": "RMSPre"}),
+    "permute_heads": (testing.check_permute_heads, {}),
+    "permute_neurons": (testing.check_permute_neurons, {}),
 }
 
 
@@ -77,7 +82,8 @@ def test_the_checkers_come_from_the_registry():
     assert set(testing.CHECKERS) == set(CHECKERS) == expected - {"centring_projection"}  # it shares center_writing_weights'
     for name, checker in testing.CHECKERS.items():
         identity = cm.get_identity(name)
-        assert getattr(cm, identity.function) is identity.transform, name
+        # a symmetry's public transform takes its parameter (Q, the permutation); the registry's fixes one
+        assert getattr(cm, identity.function) is identity.transform or identity.name in SYMMETRIES, name
         assert getattr(testing, checker.__name__) is checker and checker.__name__ in testing.__all__
 
 

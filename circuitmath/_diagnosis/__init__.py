@@ -23,6 +23,7 @@ rewrites are the registry's (``Identity.wrong_rewrites``): none is listed here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -48,6 +49,7 @@ __all__ = [
     "check_model",
     "replay_and_explain",
     "weight_identities",
+    "named_wrong_rewrites",
 ]
 
 Progress = Callable[[int, int, str], None]
@@ -167,7 +169,16 @@ def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens
             plan = [_identities.get_identity(n) for n in recorded]
         except PreconditionError:
             pass
-        return replay_and_explain(first, second, resolve_tokens(tokens, first.cfg), plan, notes)
+        found = replay_and_explain(first, second, resolve_tokens(tokens, first.cfg), plan, notes)
+        return dataclasses.replace(found, recognition_required=True)
+
+
+def named_wrong_rewrites(first: Model, second: Model, plan) -> bool:
+    """Whether the replay of ``second`` on ``first`` (resolved; ``plan`` as for
+    :func:`replay_and_explain`) reproduces a tensor by a named wrong rewrite: no forward pass."""
+    replay = _Replay(second.state_dict, _Thresholds.of(_coarser(first.dtype, second.dtype), first.cfg))
+    stages = replay.explain(first.state_dict, first.cfg, plan)[0]
+    return any(stage.rewrites and stage.recognised for stage in stages)
 
 
 @torch.no_grad()  # weights that require grad are compared as plain tensors
@@ -187,7 +198,7 @@ def check_model(model, cfg=None, *, tokens=None, progress: Progress | None = Non
 def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagnosis:
     state, model_cfg = resolved.state_dict, resolved.cfg
     tokens = resolve_tokens(tokens, model_cfg)
-    chosen = weight_identities()
+    chosen = weight_identities(symmetries=True)
     report = progress or (lambda done, total, what: None)
     total = len(chosen) + 1
     report(0, total, "rounding sensitivity")

@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 
 from .. import io
-from .._compare import default_tokens
+from .._compare import compare_log_probs, default_tokens
 from .._config import Config
 from .._errors import StateDictError
 from .._files import _about
+from .._processing.norms import uncentered_writers
 from .._state import StateDict, check_config_fits, expected_shapes, validate_state_dict
 
 __all__ = ["Model", "resolve", "resolve_model", "resolve_pair", "resolve_tokens"]
@@ -132,7 +133,7 @@ def _processed_forms(cfg: Config) -> list[Config]:
     return forms
 
 
-def _resolve_after(after, after_cfg, before_cfg: Config, cfg) -> Model:
+def _resolve_after(after, after_cfg, before_cfg: Config, cfg, before: Model | None = None) -> Model:
     """Resolve ``after``: with ``after_cfg``, else from a file's metadata, else in the format of
     ``before`` (a Hugging Face ``cfg`` converts a Hugging Face state dict), read against
     ``before``'s config or the first processed form of it that its tensors fit. A file is read
@@ -157,14 +158,32 @@ def _resolve_after(after, after_cfg, before_cfg: Config, cfg) -> Model:
     first_error = None
     for form in fitting[:1] + [form for form in forms if form not in fitting[:1]]:
         try:
-            return resolve(after, form)
+            resolved = resolve(after, form)
         except StateDictError as error:
             first_error = first_error or error
+            continue
+        return _layer_norm_or_rms_norm(resolved, before) if before is not None else resolved
     raise StateDictError(
         f"the processed state dict fits neither the model's config nor a processed form of it"
         f" ({', '.join(f.normalization_type or 'no norm' for f in forms[1:]) or 'none'}):"
         f" {first_error}"
     ) from None
+
+
+def _layer_norm_or_rms_norm(resolved: Model, before: Model) -> Model:
+    """``LNPre`` or ``RMSPre``: the two have the same tensors. Read as ``LNPre`` (a folded
+    LayerNorm) unless a writer is not centred: then ``LNPre`` and ``RMSPre`` compute different
+    functions (after ``layer_norm_to_rms_norm`` and a rotation the writes are not centred), and
+    the one whose log-probs are closer to ``before``'s on the default tokens is taken."""
+    if resolved.cfg.normalization_type != "LNPre" or before.cfg.normalization_type != "LN":
+        return resolved
+    if not uncentered_writers(resolved.state_dict, resolved.cfg):
+        return resolved
+    rms = resolved.cfg.replace(normalization_type="RMSPre")
+    tokens = default_tokens(before.cfg)
+    errors = [compare_log_probs(before.state_dict, before.cfg, resolved.state_dict, form, tokens).max_abs_error
+              for form in (resolved.cfg, rms)]
+    return Model(resolved.state_dict, rms, resolved.dtype) if errors[1] < errors[0] else resolved
 
 
 def _norm_parameters(cfg: Config) -> list[str]:
@@ -194,7 +213,7 @@ def resolve_pair(before, after, cfg, after_cfg) -> tuple[Model, Model, list[str]
     """``before`` and ``after`` resolved once each (see :func:`resolve` and :func:`_resolve_after`),
     a folded norm kept with unit gain and zero bias read as none; and notes on how they were read."""
     first = resolve(before, cfg)
-    second = _resolve_after(after, after_cfg, first.cfg, cfg)
+    second = _resolve_after(after, after_cfg, first.cfg, cfg, before=first)
     state_dict, second_cfg, note = _without_identity_norms(second.state_dict, second.cfg)
     return first, Model(state_dict, second_cfg, second.dtype), [note] if note else []
 

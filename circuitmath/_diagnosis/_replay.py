@@ -16,16 +16,35 @@ import torch
 from .. import _identities
 from .._config import Config
 from .._errors import AlreadyAppliedError, PreconditionError
+from .._processing.rotation import (
+    permute_heads,
+    permute_neurons,
+    procrustes,
+    recover_head_permutation,
+    residual_writers,
+    recover_neuron_permutation,
+    rotate_residual_stream,
+    rotated_tensors,
+    rotation_mismatches,
+)
 from ._tensors import _largest_entry, _natural_order, _relative_difference, _Thresholds
 
-__all__ = ["weight_identities"]
+__all__ = ["weight_identities", "SYMMETRIES"]
+
+#: Identities with a free parameter (a rotation ``Q``, a permutation): the blind replay cannot try
+#: them with a fixed one, so the diagnosis recovers the parameter from the tensors instead.
+SYMMETRIES = ("rms_norm_rotation", "layer_norm_rotation", "rotation_invariance", "slicegpt_route",
+              "permute_heads", "permute_neurons")
 
 
-def weight_identities() -> tuple:
+def weight_identities(*, symmetries: bool = False) -> tuple:
     """The registered identities whose transform rewrites weights (not a computation), each
-    transform once (an identity sharing another's transform is left out)."""
+    transform once (an identity sharing another's transform is left out); the
+    :data:`SYMMETRIES` only with ``symmetries``."""
     seen, out = set(), []
     for identity in _identities.identities():
+        if identity.name in SYMMETRIES and not symmetries:
+            continue
         if identity.compare is None and id(identity.transform) not in seen:
             seen.add(id(identity.transform))
             out.append(identity)
@@ -119,6 +138,12 @@ class _Replay:
                 for name, wrong in identity.wrong_rewrites.items() if wrong.regardless
                 for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), wrong.function, state, cfg)
             ]
+        if identity.name in SYMMETRIES:  # tried only where the symmetry is: not in every search
+            return [
+                candidate
+                for name, wrong in identity.wrong_rewrites.items() if not wrong.regardless
+                for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), wrong.function, state, cfg)
+            ]
         allowed = {identity.name, *records}
         return [
             candidate
@@ -151,6 +176,92 @@ class _Replay:
             return
         yield _Candidate(rewrite, description, dict(result), result_cfg)
 
+    def transform_of(self, identity, state: Mapping, cfg: Config):
+        """The rewrite the replay applies for ``identity``: its transform, except for a symmetry,
+        whose parameter (``Q``, the permutation) is recovered from ``state`` and ``after``."""
+        if identity.name not in SYMMETRIES or not _same_names(state, self.after):
+            return identity.transform
+        if identity.name in ("rotation_invariance", "layer_norm_rotation"):
+            Q = _best_rotation(state, self.after, cfg)
+            if cfg.normalization_type == "LNPre" and _fixes_ones(Q):
+                Q = _fixing_ones_exactly(Q)  # to rounding: the Procrustes fit moves 1 by a little more
+            return lambda sd, c: rotate_residual_stream(sd, c, Q)
+        recover, apply = {
+            "permute_heads": (recover_head_permutation, permute_heads),
+            "permute_neurons": (recover_neuron_permutation, permute_neurons),
+        }.get(identity.name, (None, None))
+        perm = recover(state, self.after, cfg, verify_all=False) if recover else None
+        return identity.transform if perm is None else (lambda sd, c: apply(sd, c, perm))
+
+    def symmetric(self, before: dict, cfg: Config, replayed: tuple[list, dict, Config], residual: list[str]):
+        """Recognise a rotation, then head and neuron permutations, applied after the replayed
+        identities: ``(stages, final, final_cfg, residual)`` when that leaves fewer tensors
+        unexplained than ``residual``, else ``None``.
+
+        The rotation is recovered by orthogonal Procrustes (on ``W_E``, and on every tensor) from
+        the replay's end, or from the model with its norms made ``RMSPre`` (the SliceGPT
+        preparation), to ``after``, where ``W_E`` changed but kept its row norms; ``after`` rotated
+        back is replayed blind, and ``Q`` recovered again from that replay's end, where the exact
+        rotation, or one of its registered wrong rewrites (then named with the tensors it
+        explains), must reproduce ``after``. The starting point itself, rotated, is tried too.
+        """
+        best = None
+        final, final_cfg = replayed[1], replayed[2]
+        starts = [(final, final_cfg)]
+        prepared = _identities.rotation.to_rms_pre
+        try:
+            starts.append(prepared(before, cfg))
+        except PreconditionError:
+            pass
+        for start, start_cfg in starts:
+            if not _same_names(start, self.after) or not self._norms_kept(start):
+                continue  # a rotation keeps the norm of every row of W_E: no rotation from this start
+            routes = []
+            for names in (_anchors(start_cfg), None):  # W_E alone, then every tensor (uncentred readers fix 1's image)
+                Q = procrustes(start, self.after, start_cfg, names)
+                back = dict(self.after) | rotated_tensors(self.after, start_cfg, Q.T)
+                routes.append(_Replay(back, self.thresholds).run(before, cfg, None, search=False))
+            if start is not final:  # the start itself, rotated rightly or by a known wrong rotation
+                routes.append(_Replay(start, self.thresholds).run(before, cfg, None, search=False))
+            for stages, state, state_cfg in routes:
+                found = self._rotation(before, stages, state, state_cfg)
+                if found and len(found[3]) < len(residual) and (best is None or len(found[3]) < len(best[3])):
+                    best = found
+        stages, state, state_cfg = best[:3] if best else replayed
+        for name in ("permute_heads", "permute_neurons"):
+            stage = self.stage(_identities.get_identity(name), state, state_cfg, forced=False, search=False)
+            if stage is not None:
+                stages, state, state_cfg = stages + [stage], stage.state, stage.cfg
+        found = self.residual(state, before)
+        return (stages, state, state_cfg, found) if len(found) < len(residual) else None
+
+    def _norms_kept(self, start: Mapping) -> bool:
+        """Whether ``after``'s ``W_E`` differs from ``start``'s but its rows have the same norms (to
+        the recognition threshold): the cheap test before a rotation from ``start`` is looked for."""
+        if self.same("embed.W_E", start["embed.W_E"], None):
+            return False  # W_E itself unchanged: nothing rotated it
+        ours, theirs = (sd["embed.W_E"].double().norm(dim=-1) for sd in (start, self.after))
+        if ours.shape != theirs.shape or ours.device != theirs.device:
+            return ours.shape == theirs.shape
+        scale = max(float(ours.max()), float(theirs.max()), 1e-30)
+        return float((ours - theirs).abs().max()) <= self.thresholds.recognise * scale
+
+    def _rotation(self, before, stages, state, state_cfg):
+        """``stages`` then the rotation recovered from ``state`` to ``after`` (or a known wrong
+        rotation), after switching an ``LNPre`` model to RMSNorm when ``Q`` moves the all-ones
+        direction: ``(stages, final, final_cfg, residual)``, or ``None`` when it cannot apply."""
+        if state_cfg.normalization_type == "LNPre" and not _fixes_ones(procrustes(state, self.after, state_cfg)):
+            # LNPre rotates only by a Q fixing 1; with centred writes switch to RMSNorm first
+            switch = self.stage(_identities.get_identity("layer_norm_to_rms_norm"), state, state_cfg,
+                                forced=True, search=False)
+            if switch is not None and switch.refusal is None:
+                stages, state, state_cfg = stages + [switch], switch.state, switch.cfg
+        name = "layer_norm_rotation" if state_cfg.normalization_type == "LNPre" else "rotation_invariance"
+        stage = self.stage(_identities.get_identity(name), state, state_cfg, forced=True, search=True)
+        if stage is None or stage.exact is None:
+            return None
+        return stages + [stage], stage.state, stage.cfg, self.residual(stage.state, before)
+
     def stage(self, identity, state: dict, cfg: Config, *, forced: bool, search: bool) -> _Stage | None:
         """Apply ``identity`` to ``state`` the way that best reproduces ``after``.
 
@@ -162,7 +273,7 @@ class _Replay:
         """
         refusal, records = None, ()
         try:
-            exact_state, exact_cfg = identity.transform(state, cfg)
+            exact_state, exact_cfg = self.transform_of(identity, state, cfg)(state, cfg)
             exact = _Candidate("exact", "", dict(exact_state), exact_cfg)
             records = exact_cfg.applied[len(cfg.applied):]
         except AlreadyAppliedError:
@@ -225,6 +336,8 @@ class _Replay:
             ours, theirs = stage.state.get(name), exact.get(name)
             if ours is theirs or ours is not None and theirs is not None and torch.equal(ours, theirs):
                 continue
+            if stage.name in SYMMETRIES and self.same(name, theirs, state.get(name)):
+                continue  # a recovered parameter: the exact rewrite reproduces this tensor too (to rounding)
             candidate = origin.get(name, primary)
             if candidate.rewrite != "exact":
                 self._name(stage, candidate, [name])
@@ -272,6 +385,12 @@ class _Replay:
         residual = self.residual(final, before)
         if not residual:
             return stages, final, final_cfg, residual
+        if plan is None:  # a symmetry applied last: recovered, not replayed blind
+            found = self.symmetric(before, cfg, (stages, final, final_cfg), residual)
+            if found is not None:
+                stages, final, final_cfg, residual = found
+                if not residual:
+                    return stages, final, final_cfg, residual
         searched = self.run(before, cfg, plan, search=True)
         searched_residual = self.residual(searched[1], before)
         if len(searched_residual) <= len(residual):
@@ -321,3 +440,40 @@ class _Replay:
         """The tensors of ``after`` that ``state`` does not reproduce up to rounding."""
         names = set(state) | set(self.after)
         return sorted(n for n in names if not self.same(n, state.get(n), before.get(n), "exact"))
+
+
+def _same_names(state: Mapping, after: Mapping) -> bool:
+    return set(state) == set(after)
+
+
+def _fixes_ones(Q: torch.Tensor) -> bool:
+    """Whether ``Q 1 = 1`` to float64 rounding (``layer_norm_rotation`` may apply)."""
+    ones = torch.ones(Q.shape[0], dtype=Q.dtype)
+    return float((Q @ ones - ones).abs().max()) <= 1e-6
+
+
+def _anchors(cfg: Config) -> list[str]:
+    """The tensors a rotation is recovered from: ``W_E`` (``[d_vocab, d_model]``, which the usual
+    processing before a rotation leaves as it is once the writes are centred; the other tensors
+    then show a wrong rotation), or every writer's weight when ``d_vocab < d_model``."""
+    if cfg.d_vocab >= cfg.d_model:
+        return ["embed.W_E"]
+    return [n for n in residual_writers(cfg) if not n.rsplit(".", 1)[-1].startswith("b_")]
+
+
+def _fixing_ones_exactly(Q: torch.Tensor) -> torch.Tensor:
+    """The orthogonal matrix nearest ``P Q P + u u^T`` (``u = 1 / sqrt(d)``, ``P = I - u u^T``):
+    ``Q`` with the all-ones direction fixed to rounding (``u`` is a singular vector of value 1)."""
+    u = torch.full((Q.shape[0], 1), Q.shape[0] ** -0.5, dtype=Q.dtype)
+    P = torch.eye(Q.shape[0], dtype=Q.dtype) - u @ u.T
+    U, _S, Vh = torch.linalg.svd(P @ Q @ P + u @ u.T)
+    return U @ Vh
+
+
+def _best_rotation(state: Mapping, after: Mapping, cfg: Config) -> torch.Tensor:
+    """The Procrustes ``Q`` from ``W_E`` alone or from every tensor, whichever leaves fewer
+    tensors of ``after`` unexplained: ``W_E`` is robust to a wrong rotation of other tensors,
+    but leaves the image of a direction no writer has (1, once the writes are centred) free,
+    which uncentred readers then fix."""
+    fits = [procrustes(state, after, cfg, names) for names in (_anchors(cfg), None)]
+    return min(fits, key=lambda Q: len(rotation_mismatches(state, after, cfg, Q)))

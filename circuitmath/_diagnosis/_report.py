@@ -49,7 +49,10 @@ class Finding:
 
     @property
     def violated(self) -> bool:
-        return self.status in ("violated", "not recognised")
+        """A failure: the function changed beyond tolerance, or a tensor is a named wrong rewrite's
+        (status ``"violated"`` either way). ``"not recognised"`` alone is no failure when the
+        function is unchanged: an exact processing the registry does not know."""
+        return self.status == "violated"
 
     def as_dict(self) -> dict:
         return {
@@ -84,11 +87,16 @@ class Diagnosis:
     comparison: Comparison | None = None
     replayed: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    #: A check of one identity (:func:`check_identity`): a row ``"not recognised"`` fails it too.
+    recognition_required: bool = False
 
     @property
     def ok(self) -> bool:
-        """No row is violated (or unrecognised) and, when two models were compared, they agree."""
-        return not self.violations and (self.comparison is None or self.comparison.passed)
+        """No row is violated and, when two models were compared, they agree: the function is
+        unchanged and no tensor is a named wrong rewrite's (a check of one identity also needs
+        it recognised)."""
+        unrecognised = self.recognition_required and any(f.status == "not recognised" for f in self.findings)
+        return not self.violations and not unrecognised and (self.comparison is None or self.comparison.passed)
 
     @property
     def violations(self) -> tuple[Finding, ...]:
@@ -206,6 +214,11 @@ def _identity_finding(stage: _Stage, before: Mapping, replay: _Replay, compariso
     rewrite = "exact" if not stage.rewrites and stage.refusal is None else ", ".join(stage.rewrites) or "regardless"
     if not stage.recognised:
         status = "not recognised"
+    elif stage.rewrites:  # a named wrong rewrite fails the check even where the check tokens do not show it
+        status = "violated"
+        if comparison is None or comparison.passed:
+            lines.append("the log-probs on the check tokens do not show it, but these tensors are a known wrong"
+                         " rewrite's, not the identity's: on other inputs (or other weights) the function changes")
     elif comparison is None:
         status = "holds"
     else:

@@ -5,7 +5,8 @@ Every transform validates its input, refuses a model it cannot rewrite exactly (
 the :class:`~circuitmath._errors.Precondition` objects its module defines and its identity
 registers, raised through ``_common.require``; ``_common.refuse_reapplication`` is the one
 already-applied guard), keeps
-every dtype, records itself in ``cfg.applied`` and refuses to run twice. Inputs are never
+every dtype, records itself in ``cfg.applied`` and refuses to run twice (except a rotation or a
+permutation, which composes with itself into another one, exact too). Inputs are never
 mutated; tensors a transform does not change are shared with the input, not copied. One module
 per family of identities.
 """
@@ -24,4 +25,12 @@ from .norms import (
     rescale_residual_stream as rescale_residual_stream,
 )
 from .pipeline import process_weights as process_weights
+from .rotation import (
+    permute_heads as permute_heads,
+    permute_neurons as permute_neurons,
+    recover_head_permutation as recover_head_permutation,
+    recover_neuron_permutation as recover_neuron_permutation,
+    recover_rotation as recover_rotation,
+    rotate_residual_stream as rotate_residual_stream,
+)
 from .shortformer import shortformer_to_tables as shortformer_to_tables

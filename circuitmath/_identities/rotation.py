@@ -1,0 +1,747 @@
+"""Symmetries of a transformer's weights: rotating the residual stream, permuting heads and neurons.
+
+Symbols (row-vector convention; ``n`` positions, ``d`` = d_model, ``e`` = d_head, ``m`` =
+d_mlp, ``v`` = d_vocab, ``c`` = n_ctx; ``k`` the columns of the free test matrices ``T``):
+
+- ``Q`` ``[d, d]`` orthogonal: the facts ``Q Q^T = Q^T Q = I`` (sympy's ``Q.orthogonal``),
+  checked exactly on every sampled instance (rational orthogonal matrices, Cayley transforms);
+- ``x`` ``[1, d]`` one position of the stream, ``X`` ``[n, d]`` all of them;
+  ``RMSPre(X) = D X`` with ``D`` ``[n, n]`` the per-position normalisers
+  ``(|x_i|^2 / d + eps)^(-1/2)``, a function of the squared norms only;
+- several conclusions at once: a claim ``a_1 T_1 + a_2 T_2 + ... = b_1 T_1 + b_2 T_2 + ...`` with
+  free test matrices ``T_i`` is one equality in the normal form, where every term ends in one
+  ``T_i`` and nothing cancels a term ending in ``T_i`` against one ending in ``T_j``; it proves
+  ``a_i = b_i`` for every ``i``. A Gram term ``(X Q)(X Q)^T T = X X^T T`` proves that the
+  rotated stream has the squared norms of the original, so the normaliser ``D`` is the same:
+  the step a square root would otherwise need.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Transpose
+
+from .._processing import (
+    center_writing_weights,
+    fold_layer_norm,
+    fold_rms_norm,
+    layer_norm_to_rms_norm,
+    permute_heads,
+    permute_neurons,
+)
+from .._errors import Precondition
+from .._processing._common import PRE_NORM, require
+from .._processing.layer_norm import IS_LN
+from .._processing.norms import IS_LNPRE
+from .._processing.rotation import (
+    A_HEAD_PERMUTATION,
+    A_NEURON_PERMUTATION,
+    GROUPS_MOVE_TOGETHER,
+    HAS_MLPS,
+    NO_NORM_GAIN,
+    Q_FIXES_ONES,
+    Q_ORTHOGONAL,
+    Q_SQUARE,
+    rotated_tensors,
+    orthogonal_fixing_ones,
+    random_orthogonal,
+    residual_readers,
+    residual_writers,
+    rotate_residual_stream,
+)
+from .._proof import Definition, Fact, Proof, Step, Twin
+from .._reference import forward, normalize
+from .._registry import Identity, register
+from .._state import attention_names, validate_state_dict
+from .._compare import default_tokens
+from ._circuit_checks import compare_values, dim, rational_orthogonal
+from .reparametrise import invertible
+
+n, d, e, m, v, c, k = (dim(s) for s in ("n", "d", "e", "m", "v", "c", "k"))
+ones_n, ones_d, ones_dd = OneMatrix(n, 1), OneMatrix(d, 1), OneMatrix(d, d)
+Q = MatrixSymbol("Q", d, d)
+G = MatrixSymbol("G", d, d)  # invertible, not orthogonal: the twins' "rotation"
+R = MatrixSymbol("R", d, d)  # orthogonal, but not fixing the all-ones direction
+rho = sympy.Symbol(r"\rho", positive=True)
+C = MatrixSymbol("C", d, d)
+CENTRING = Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones_d, ones_d.T)), "the centring matrix")
+ORTHOGONAL = (
+    Fact(MatMul(Q, Q.T), Eye(d), "Q is orthogonal: Q Q^T = I"),
+    Fact(MatMul(Q.T, Q), Eye(d), "Q is orthogonal: Q^T Q = I"),
+)
+
+
+def _orthogonal(rng, shape):
+    return rational_orthogonal(rng, shape[0])
+
+
+def _T(name, rows):
+    return MatrixSymbol(name, rows, k)
+
+
+def _gram(Y):
+    return MatMul(Y, Transpose(Y))
+
+
+# -- RMSPre commutes with rotations -----------------------------------------------------------
+
+x = MatrixSymbol("x", 1, d)
+w = MatrixSymbol("w", d, 1)
+T_1, T_2 = _T("T_1", 1), _T("T_2", d)
+
+
+def _norm_claim(rotation, *, centre=False, gain=False, back=None):
+    """``|norm(x U)|^2 T_1 + norm(x U) back T_2`` for the rotation ``U``: ``norm`` is ``RMSPre``
+    (``LNPre`` when ``centre``; with a gain ``diag(w)`` when ``gain``), ``rho`` its normaliser."""
+    inner = MatMul(x, rotation, C) if centre else MatMul(x, rotation)
+    out = MatMul(rho, inner, DiagMatrix(w)) if gain else MatMul(rho, inner)
+    return MatAdd(MatMul(_gram(inner), T_1), MatMul(out, *([back] if back is not None else []), T_2))
+
+
+def _norm_rotation_proof() -> Proof:
+    RMSPre_x, RMSPre_xQ = MatrixSymbol(r"\mathrm{RMSPre}(x)", 1, d), MatrixSymbol(r"\mathrm{RMSPre}(x Q)", 1, d)
+    lhs = MatAdd(MatMul(_gram(MatMul(x, Q)), T_1), MatMul(RMSPre_xQ, T_2))
+    rhs = MatAdd(MatMul(_gram(x), T_1), MatMul(RMSPre_x, Q, T_2))
+    return Proof(
+        lhs=lhs,
+        rhs=rhs,
+        steps=(
+            Step(MatAdd(MatMul(x, Q, Q.T, x.T, T_1), MatMul(rho, x, Q, T_2)),
+                 r"$(xQ)^\top = Q^\top x^\top$; definition of $\mathrm{RMSPre}(xQ)$"),
+            Step(MatAdd(MatMul(x, x.T, T_1), MatMul(rho, x, Q, T_2)),
+                 r"$Q Q^\top = I$: $|xQ|^2 = |x|^2$, the normaliser $\rho$ is the same"),
+            Step(rhs, r"definition of $\mathrm{RMSPre}(x)$"),
+        ),
+        definitions=(
+            CENTRING,
+            Definition(RMSPre_x, MatMul(rho, x), "rho = (|x|^2/d + eps)^(-1/2), eps kept"),
+            Definition(RMSPre_xQ, MatMul(rho, x, Q),
+                       "rho is the same function of |x Q|^2, which the T_1 term shows is |x|^2"),
+        ),
+        facts=ORTHOGONAL,
+        samplers={Q: _orthogonal, R: _orthogonal, G: invertible},
+        explicit_dims={d: 4, k: 2},
+        assumptions=("Q orthogonal (sympy's Q.orthogonal): the facts Q Q^T = Q^T Q = I",
+                     "the normaliser depends on its input only through the squared norm; eps > 0 allowed"),
+        twins=(
+            Twin("non_orthogonal", "rotate by an invertible G that is not orthogonal: |x G| != |x|",
+                 _norm_claim(G), MatAdd(MatMul(_gram(x), T_1), MatMul(rho, x, G, T_2))),
+            Twin("layer_norm", "rotate the input of LNPre instead: LNPre(x Q) != LNPre(x) Q unless Q 1 = 1",
+                 _norm_claim(Q, centre=True), MatAdd(MatMul(_gram(MatMul(x, C)), T_1), MatMul(rho, x, C, Q, T_2))),
+            Twin("unfolded_gain", "rotate through an RMSNorm whose gain is not folded: diag(w) Q != Q diag(w)",
+                 _norm_claim(Q, gain=True), MatAdd(MatMul(_gram(x), T_1), MatMul(rho, x, DiagMatrix(w), Q, T_2))),
+            Twin("not_transposed", "undo the rotation with Q instead of Q^T: RMSPre(x Q) Q != RMSPre(x)",
+                 _norm_claim(Q, back=Q), MatAdd(MatMul(_gram(x), T_1), MatMul(rho, x, T_2))),
+        ),
+    )
+
+
+# -- LayerNorm: only rotations that fix the all-ones direction ---------------------------------
+
+
+def _fixing_ones(rng, shape):
+    """An exactly orthogonal rational ``Q`` with ``Q 1 = 1``, for any size: a product of
+    Householder reflections ``I - 2 v v^T / (v^T v)`` by integer vectors ``v`` orthogonal to
+    ``1`` (each reflection is rational, orthogonal and fixes ``1``)."""
+    size = shape[0]
+    Q_ = sympy.eye(size)
+    for _ in range(size):
+        while True:
+            r = [rng.randint(-3, 3) for _ in range(size)]
+            v = sympy.Matrix([size * a - sum(r) for a in r])
+            if any(v):
+                break
+        Q_ = Q_ * (sympy.eye(size) - 2 * v * v.T / (v.T * v)[0])
+    return Q_
+
+
+def _layer_norm_rotation_proof() -> Proof:
+    LNPre_x, LNPre_xQ = MatrixSymbol(r"\mathrm{LNPre}(x)", 1, d), MatrixSymbol(r"\mathrm{LNPre}(x Q)", 1, d)
+    lhs = MatAdd(MatMul(_gram(MatMul(x, Q, C)), T_1), MatMul(LNPre_xQ, T_2))
+    rhs = MatAdd(MatMul(_gram(MatMul(x, C)), T_1), MatMul(LNPre_x, Q, T_2))
+    return Proof(
+        lhs=lhs,
+        rhs=rhs,
+        steps=(
+            Step(MatAdd(MatMul(_gram(MatMul(x, C, Q)), T_1), MatMul(rho, x, C, Q, T_2)),
+                 r"$Q C = C Q$: $Q \mathbf{1} = \mathbf{1}$ and $\mathbf{1}^\top Q = \mathbf{1}^\top$; definition of $\mathrm{LNPre}(xQ)$"),
+            Step(MatAdd(MatMul(_gram(MatMul(x, C)), T_1), MatMul(rho, x, C, Q, T_2)),
+                 r"$Q Q^\top = I$: $|xQC|^2 = |xC|^2$, the normaliser $\rho$ is the same"),
+            Step(rhs, r"definition of $\mathrm{LNPre}(x)$"),
+        ),
+        definitions=(
+            CENTRING,
+            Definition(LNPre_x, MatMul(rho, x, C), "rho = (|x C|^2/d + eps)^(-1/2)"),
+            Definition(LNPre_xQ, MatMul(rho, x, Q, C), "rho, the same function of |x Q C|^2 (the T_1 term)"),
+        ),
+        facts=ORTHOGONAL + (
+            Fact(MatMul(Q, ones_dd), ones_dd, "Q fixes the all-ones direction: Q 1 = 1, so Q 1 1^T = 1 1^T"),
+            Fact(MatMul(ones_dd, Q), ones_dd, "1^T Q = (Q^T 1)^T = (Q^T Q 1)^T = 1^T"),
+            Fact(MatMul(Q.T, ones_dd), ones_dd, "Q^T 1 = Q^T Q 1 = 1"),
+            Fact(MatMul(ones_dd, Q.T), ones_dd, "1^T Q^T = (Q 1)^T = 1^T"),
+        ),
+        samplers={Q: _fixing_ones, R: _orthogonal},
+        explicit_dims={d: 4, k: 2},
+        assumptions=("Q orthogonal with Q 1 = 1 (it maps the all-ones direction to itself)",),
+        twins=(
+            Twin("generic_rotation", "rotate an LNPre model by an orthogonal R that moves 1: centring does not commute with R",
+                 MatAdd(MatMul(_gram(MatMul(x, R, C)), T_1), MatMul(rho, x, R, C, T_2)),
+                 MatAdd(MatMul(_gram(MatMul(x, C)), T_1), MatMul(rho, x, C, R, T_2))),
+            Twin("unfolded_gain", "rotate an LN model whose gain is not folded, even with Q 1 = 1: diag(w) Q != Q diag(w)",
+                 MatMul(rho, x, Q, C, DiagMatrix(w), T_2), MatMul(rho, x, C, DiagMatrix(w), Q, T_2)),
+        ),
+    )
+
+
+# -- the whole pre-RMSNorm model --------------------------------------------------------------
+
+Tok, Pos = MatrixSymbol(r"\mathrm{Tok}", n, v), MatrixSymbol(r"\mathrm{Pos}", n, c)
+W_E, W_pos = MatrixSymbol("W_E", v, d), MatrixSymbol(r"W_{pos}", c, d)
+X = MatrixSymbol("X", n, d)
+D, D_2 = MatrixSymbol("D", n, n), MatrixSymbol("D_2", n, n)
+W_Q, W_K, W_V = (MatrixSymbol(f"W_{s}", d, e) for s in "QKV")
+b_Q, b_K, b_V = (MatrixSymbol(f"b_{s}", 1, e) for s in "QKV")
+A = MatrixSymbol("A", n, n)
+W_O, b_O = MatrixSymbol("W_O", e, d), MatrixSymbol("b_O", 1, d)
+W_in, W_gate = MatrixSymbol(r"W_{in}", d, m), MatrixSymbol(r"W_{gate}", d, m)
+b_in = MatrixSymbol(r"b_{in}", 1, m)
+F = MatrixSymbol("F", n, m)
+W_out, b_out = MatrixSymbol(r"W_{out}", m, d), MatrixSymbol(r"b_{out}", 1, d)
+W_U, b_U = MatrixSymbol("W_U", d, v), MatrixSymbol("b_U", 1, v)
+E_, S_, V_, Y_, P_, H_, Z_, L_ = (
+    MatrixSymbol(name, *shape) for name, shape in (
+        ("E", (n, d)), ("S", (n, n)), ("V", (n, e)), ("Y", (n, d)), ("P", (n, m)), ("H", (n, m)), ("Z", (n, d)), ("L", (n, v))
+    )
+)
+TESTS = {name: _T(rf"T_{{{name}}}", rows) for name, rows in (
+    ("E", d), ("X", n), ("S", n), ("V", e), ("Y", d), ("YY", n), ("P", m), ("H", m), ("Z", d), ("L", v)
+)}
+MODEL_DEFINITIONS = (
+    Definition(E_, MatAdd(MatMul(Tok, W_E), MatMul(Pos, W_pos)), "the embeddings: one-hot tokens and positions"),
+    Definition(S_, MatMul(MatAdd(MatMul(D, X, W_Q), MatMul(ones_n, b_Q)), Transpose(MatAdd(MatMul(D, X, W_K), MatMul(ones_n, b_K)))),
+               "a head's scores (times sqrt(e)); A is their masked row softmax"),
+    Definition(V_, MatAdd(MatMul(D, X, W_V), MatMul(ones_n, b_V)), "the head's values"),
+    Definition(Y_, MatAdd(X, MatMul(A, V_, W_O), MatMul(ones_n, b_O)), "the stream after attention"),
+    Definition(P_, MatAdd(MatMul(D_2, Y_, W_in), MatMul(ones_n, b_in)), "the MLP's pre-activations"),
+    Definition(H_, MatMul(D_2, Y_, W_gate), "the gate's pre-activations; F = act(H) * P entrywise (act(P) ungated)"),
+    Definition(Z_, MatAdd(Y_, MatMul(F, W_out), MatMul(ones_n, b_out)), "the stream after the block"),
+    Definition(L_, MatAdd(MatMul(D, X, W_U), MatMul(ones_n, b_U)), "the logits, X the final stream"),
+)
+
+
+def _model_claim(U, reader, *, rotate_pos=True, rotate_bias=True):
+    """The rotated model's quantities, each times its test matrix: writers ``(.) U``, readers
+    ``reader (.)``; ``rotate_pos`` / ``rotate_bias``: whether ``W_pos`` / ``b_O`` are rotated."""
+    stream = MatMul(X, U)
+    values = MatAdd(MatMul(D, stream, reader, W_V), MatMul(ones_n, b_V))
+    after_attention = MatAdd(stream, MatMul(A, values, W_O, U), MatMul(ones_n, b_O, U) if rotate_bias else MatMul(ones_n, b_O))
+    parts = {
+        "E": MatAdd(MatMul(Tok, W_E, U), MatMul(Pos, W_pos, U) if rotate_pos else MatMul(Pos, W_pos)),
+        "X": _gram(stream),
+        "S": MatMul(MatAdd(MatMul(D, stream, reader, W_Q), MatMul(ones_n, b_Q)),
+                    Transpose(MatAdd(MatMul(D, stream, reader, W_K), MatMul(ones_n, b_K)))),
+        "V": values,
+        "Y": after_attention,
+        "YY": _gram(after_attention),
+        "P": MatAdd(MatMul(D_2, after_attention, reader, W_in), MatMul(ones_n, b_in)),
+        "H": MatMul(D_2, after_attention, reader, W_gate),
+        "Z": MatAdd(after_attention, MatMul(F, W_out, U), MatMul(ones_n, b_out, U)),
+        "L": MatAdd(MatMul(D, stream, reader, W_U), MatMul(ones_n, b_U)),
+    }
+    return MatAdd(*(MatMul(part, TESTS[name]) for name, part in parts.items()))
+
+
+def _model_target(U):
+    parts = {"E": MatMul(E_, U), "X": _gram(X), "S": S_, "V": V_, "Y": MatMul(Y_, U), "YY": _gram(Y_),
+             "P": P_, "H": H_, "Z": MatMul(Z_, U), "L": L_}
+    return MatAdd(*(MatMul(part, TESTS[name]) for name, part in parts.items()))
+
+
+def _model_rotation_proof() -> Proof:
+    rhs = _model_target(Q)
+    YQ = MatMul(Y_, Q)
+    middle = {
+        "E": MatMul(E_, Q), "X": _gram(X), "S": S_, "V": V_, "Y": YQ, "YY": _gram(YQ),
+        "P": MatAdd(MatMul(D_2, YQ, Q.T, W_in), MatMul(ones_n, b_in)), "H": MatMul(D_2, YQ, Q.T, W_gate),
+        "Z": MatAdd(YQ, MatMul(F, W_out, Q), MatMul(ones_n, b_out, Q)), "L": L_,
+    }
+    return Proof(
+        lhs=_model_claim(Q, Q.T),
+        rhs=rhs,
+        steps=(
+            Step(MatAdd(*(MatMul(part, TESTS[name]) for name, part in middle.items())),
+                 r"the embedding and attention: $W_E Q$, $W_{pos} Q$, $W_O Q$, $b_O Q$ factor out, so the stream"
+                 r" is $EQ$, then $YQ$; $Q Q^\top = I$ in each reader $Q^\top W$ and in $(XQ)(XQ)^\top = X X^\top$:"
+                 r" the same normalisers $D$, scores, pattern $A$, values and logits"),
+            Step(rhs, r"the MLP: $(YQ)(YQ)^\top = Y Y^\top$, so the same normalisers $D_2$; $Q Q^\top = I$ in"
+                      r" $Q^\top W_{in}$ and $Q^\top W_{gate}$, so the same activations $F$; $W_{out} Q$, $b_{out} Q$ factor out"),
+        ),
+        definitions=MODEL_DEFINITIONS,
+        facts=ORTHOGONAL + (Fact.invertible(G, "G, the twins' non-orthogonal rotation, is invertible"),),
+        samplers={Q: _orthogonal, G: invertible},
+        explicit_dims={n: 3, d: 3, e: 2, m: 2, v: 2, c: 3, k: 1},
+        assumptions=(
+            "pre-norm, every norm RMSPre (fold gains first) or none; D, D_2 the per-position normalisers,"
+            " functions of the squared norms of the rows they normalise",
+            "one block shown: by induction, every block maps the stream X Q to Z Q; X also stands for the"
+            " final stream the unembed reads; a parallel block's MLP reads X like the attention does",
+            "A (the pattern) is a function of the scores S, F of the pre-activations P and H, entry by entry",
+        ),
+        twins=(
+            Twin("non_orthogonal", "rotate by an invertible G that is not orthogonal, readers G^-1 W: the norms change",
+                 _model_claim(G, Inverse(G)), _model_target(G)),
+            Twin("forget_W_pos", "rotate W_E but not W_pos", _model_claim(Q, Q.T, rotate_pos=False), rhs),
+            Twin("forget_writer_bias", "rotate W_O but not the output bias b_O", _model_claim(Q, Q.T, rotate_bias=False), rhs),
+            Twin("readers_not_transposed", "readers Q W instead of Q^T W", _model_claim(Q, Q), rhs),
+        ),
+    )
+
+
+# -- the SliceGPT route -----------------------------------------------------------------------
+
+W_r, b_r, b_ln = MatrixSymbol("W", d, m), MatrixSymbol("b_W", 1, m), MatrixSymbol("b", 1, d)
+T_3 = _T("T_3", m)
+
+
+def _route_claim(stream, normed, reader):
+    """``|stream|^2 T_1 + (normed reader + b_W + b W) T_3``: what the processed model's norm sees
+    and what its reader computes."""
+    return MatAdd(MatMul(_gram(stream), T_1), MatMul(MatAdd(MatMul(normed, reader), b_r, MatMul(b_ln, W_r)), T_3))
+
+
+def _slicegpt_proof() -> Proof:
+    LN = MatrixSymbol(r"\mathrm{LN}(x)", 1, d)
+    RMSPre_xCQ = MatrixSymbol(r"\mathrm{RMSPre}(x C Q)", 1, d)
+    folded = MatMul(Q.T, DiagMatrix(w), W_r)
+    rhs = MatAdd(MatMul(_gram(MatMul(x, C)), T_1), MatMul(MatAdd(MatMul(LN, W_r), b_r), T_3))
+    return Proof(
+        lhs=_route_claim(MatMul(x, C, Q), RMSPre_xCQ, folded),
+        rhs=rhs,
+        steps=(
+            Step(_route_claim(MatMul(x, C), MatMul(rho, x, C, Q), folded),
+                 r"$(xCQ)(xCQ)^\top = xC\,Q Q^\top C^\top x^\top$ and $Q Q^\top = I$: the normaliser is LayerNorm's $\rho$"),
+            Step(_route_claim(MatMul(x, C), MatMul(rho, x, C), MatMul(DiagMatrix(w), W_r)),
+                 r"$Q Q^\top = I$: the rotation undone by the reader $Q^\top (\operatorname{diag}(w) W)$"),
+            Step(rhs, r"the LayerNorm fold: $\mathrm{LN}(x) = \rho\, x C \operatorname{diag}(w) + b$"),
+        ),
+        definitions=(
+            CENTRING,
+            Definition(LN, MatAdd(MatMul(rho, x, C, DiagMatrix(w)), b_ln), "LayerNorm: rho = (|x C|^2/d + eps)^(-1/2)"),
+            Definition(RMSPre_xCQ, MatMul(rho, x, C, Q),
+                       "after centring every write the stream is x C, after rotating x C Q; rho of |x C Q|^2 (the T_1 term)"),
+        ),
+        facts=ORTHOGONAL,
+        samplers={Q: _orthogonal},
+        explicit_dims={d: 4, m: 3, k: 2},
+        assumptions=(
+            "every write to the stream is centred (C) and then rotated (Q), so the stream is x C Q",
+            "the reader W, b_W stands for every reader of the norm: W_Q, W_K, W_V, W_in, W_U",
+        ),
+        twins=(
+            Twin("skip_centring", "fold and rotate without centring the writes: RMSPre then sees |x Q| = |x|, not |x C|",
+                 _route_claim(MatMul(x, Q), MatMul(rho, x, Q), folded), rhs),
+            Twin("keep_layer_norm", "rotate the centred model but keep LNPre instead of switching to RMSPre",
+                 _route_claim(MatMul(x, C, Q, C), MatMul(rho, x, C, Q, C), folded), rhs),
+        ),
+    )
+
+
+# -- permutations -----------------------------------------------------------------------------
+
+Xn = MatrixSymbol(r"\hat{X}", n, d)  # the normed stream every head reads
+HEADS, GROUPS = (1, 2, 3, 4), (1, 2)
+GROUP = {1: 1, 2: 1, 3: 2, 4: 2}  # grouped-query attention: two query heads per key/value head
+HEAD_MOVE = {1: 3, 2: 4, 3: 2, 4: 1}  # slot i holds head HEAD_MOVE[i]
+GROUP_MOVE = {1: 2, 2: 1}  # so slot group j holds key/value head GROUP_MOVE[j]
+PQ = {h: (MatrixSymbol(f"W_{{Q,{h}}}", d, e), MatrixSymbol(f"b_{{Q,{h}}}", 1, e)) for h in HEADS}
+PK = {j: (MatrixSymbol(f"W_{{K,{j}}}", d, e), MatrixSymbol(f"b_{{K,{j}}}", 1, e)) for j in GROUPS}
+PV = {j: (MatrixSymbol(f"W_{{V,{j}}}", d, e), MatrixSymbol(f"b_{{V,{j}}}", 1, e)) for j in GROUPS}
+PO = {h: MatrixSymbol(f"W_{{O,{h}}}", e, d) for h in HEADS}
+PA = {h: MatrixSymbol(f"A_{h}", n, n) for h in HEADS}
+PS = {h: MatrixSymbol(f"S_{h}", n, n) for h in HEADS}
+PT = {h: _T(f"T_{h}", n) for h in HEADS}
+T_out = _T(r"T_{out}", d)
+
+
+def _affine(weight_bias):
+    weight, bias = weight_bias
+    return MatAdd(MatMul(Xn, weight), MatMul(ones_n, bias))
+
+
+def _heads_claim(query_of, key_of, value_of, output_of, pattern_of):
+    """Each slot's scores times its test matrix, plus the layer's output: slot ``i`` uses the
+    queries of head ``query_of(i)``, the keys and values of key/value heads ``key_of(i)``,
+    ``value_of(i)``, the output map of head ``output_of(i)`` and the pattern ``pattern_of(i)``."""
+    scores = [MatMul(_affine(PQ[query_of(i)]), Transpose(_affine(PK[key_of(i)])), PT[i]) for i in HEADS]
+    output = MatAdd(*(MatMul(PA[pattern_of(i)], _affine(PV[value_of(i)]), PO[output_of(i)]) for i in HEADS))
+    return MatAdd(*scores, MatMul(output, T_out))
+
+
+def _heads_proof() -> Proof:
+    moved = lambda i: HEAD_MOVE[i]  # noqa: E731
+    slot_group = lambda i: GROUP_MOVE[GROUP[i]]  # noqa: E731
+    rhs = MatAdd(*(MatMul(PS[HEAD_MOVE[i]], PT[i]) for i in HEADS),
+                 MatMul(MatAdd(*(MatMul(PA[h], _affine(PV[GROUP[h]]), PO[h]) for h in HEADS)), T_out))
+    return Proof(
+        lhs=_heads_claim(moved, slot_group, slot_group, moved, moved),
+        rhs=rhs,
+        steps=(
+            Step(MatAdd(*(MatMul(PS[HEAD_MOVE[i]], PT[i]) for i in HEADS),
+                        MatMul(MatAdd(*(MatMul(PA[HEAD_MOVE[i]], _affine(PV[GROUP[HEAD_MOVE[i]]]), PO[HEAD_MOVE[i]])
+                                        for i in HEADS)), T_out)),
+                 r"slot $i$ holds head $\pi(i)$ and its group's keys and values: $\sigma(g(i)) = g(\pi(i))$, so its"
+                 r" scores are $S_{\pi(i)}$ and its pattern $A_{\pi(i)}$"),
+            Step(rhs, r"a sum does not depend on the order of its terms"),
+        ),
+        definitions=tuple(
+            Definition(PS[h], MatMul(_affine(PQ[h]), Transpose(_affine(PK[GROUP[h]]))),
+                       f"head {h}'s scores; A_{h} is their masked row softmax")
+            for h in HEADS
+        ),
+        explicit_dims={n: 2, d: 2, e: 2, k: 1},
+        assumptions=(
+            "four query heads in two groups ({1, 2} read key/value head 1, {3, 4} head 2); the permutation"
+            " pi = (3, 4, 2, 1) moves whole groups (sigma = (2, 1)) and reorders inside them",
+            "without grouped-query attention every head is its own group; any number of heads works alike",
+        ),
+        twins=(
+            Twin("keys_not_permuted", "move the query heads and W_O, leave the keys in place",
+                 _heads_claim(moved, lambda i: GROUP[i], slot_group, moved, moved), rhs),
+            Twin("output_not_permuted", "move every head's W_Q, W_K, W_V but not its W_O",
+                 _heads_claim(moved, slot_group, slot_group, lambda i: i, moved), rhs),
+            Twin("query_heads_leave_their_group", "grouped-query attention: move query heads across groups, the shared key/value heads stay",
+                 _heads_claim(lambda i: {1: 3, 2: 1, 3: 2, 4: 4}[i], lambda i: GROUP[i], lambda i: GROUP[i],
+                              lambda i: {1: 3, 2: 1, 3: 2, 4: 4}[i], lambda i: {1: 3, 2: 1, 3: 2, 4: 4}[i]),
+                 MatAdd(*(MatMul(PS[{1: 3, 2: 1, 3: 2, 4: 4}[i]], PT[i]) for i in HEADS),
+                        MatMul(MatAdd(*(MatMul(PA[h], _affine(PV[GROUP[h]]), PO[h]) for h in HEADS)), T_out))),
+        ),
+    )
+
+
+Pm = MatrixSymbol("P", m, m)
+Xm = MatrixSymbol(r"\hat{X}", n, d)
+T_in, T_gate, T_mlp = _T(r"T_{in}", m), _T(r"T_{gate}", m), _T(r"T_{out}", d)
+
+
+def _neurons_claim(*, bias=True, gate=True, out=Pm.T):
+    pre = MatAdd(MatMul(Xm, W_in, Pm), MatMul(ones_n, b_in, Pm) if bias else MatMul(ones_n, b_in))
+    gated = MatMul(Xm, W_gate, Pm) if gate else MatMul(Xm, W_gate)
+    return MatAdd(MatMul(pre, T_in), MatMul(gated, T_gate), MatMul(F, Pm, *([out] if out is not None else []), W_out, T_mlp))
+
+
+def _permutation(rng, shape):
+    """A random permutation matrix that is not its own inverse (for ``size >= 3``)."""
+    size = shape[0]
+    order = list(range(size))
+    while True:
+        rng.shuffle(order)
+        if size < 3 or any(order[order[i]] != i for i in range(size)):
+            break
+    return sympy.Matrix(size, size, lambda i, j: 1 if order[j] == i else 0)
+
+
+def _neurons_proof() -> Proof:
+    rhs = MatAdd(MatMul(MatAdd(MatMul(Xm, W_in), MatMul(ones_n, b_in)), Pm, T_in), MatMul(Xm, W_gate, Pm, T_gate),
+                 MatMul(F, W_out, T_mlp))
+    return Proof(
+        lhs=_neurons_claim(),
+        rhs=rhs,
+        steps=(
+            Step(MatAdd(MatMul(MatAdd(MatMul(Xm, W_in), MatMul(ones_n, b_in)), Pm, T_in), MatMul(Xm, W_gate, Pm, T_gate),
+                        MatMul(F, Pm, Pm.T, W_out, T_mlp)),
+                 r"factor $P$ out of the pre-activations: they are permuted, so the activations are $F P$"),
+            Step(rhs, r"$P P^\top = I$"),
+        ),
+        facts=(Fact(MatMul(Pm, Pm.T), Eye(m), "P is a permutation matrix: P P^T = I"),),
+        samplers={Pm: _permutation},
+        explicit_dims={n: 2, d: 2, m: 3, k: 1},
+        assumptions=(
+            "the activation (and the gate's product) acts entry by entry, so act(Y P) = act(Y) P for a"
+            " permutation matrix P: F is the original activations, F P the permuted model's",
+        ),
+        twins=(
+            Twin("bias_not_permuted", "permute W_in's columns but not b_in", _neurons_claim(bias=False), rhs),
+            Twin("gate_not_permuted", "gated MLP: permute W_in but not W_gate", _neurons_claim(gate=False), rhs),
+            Twin("out_not_permuted", "permute W_in but not W_out's rows", _neurons_claim(out=None), rhs),
+            Twin("out_by_P", "permute W_out's rows by P instead of P^T (a 3-cycle is not its own inverse)",
+                 _neurons_claim(out=Pm), rhs),
+        ),
+    )
+
+
+# -- numeric checks ---------------------------------------------------------------------------
+
+#: The seed of the rotations the numeric checks use.
+CHECK_SEED = 0
+
+
+def check_rotation(cfg) -> torch.Tensor:
+    """The orthogonal ``Q`` (float64) the numeric checks rotate by."""
+    return random_orthogonal(cfg.d_model, seed=CHECK_SEED)
+
+
+def _non_orthogonal(cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """``G = Q diag(s)`` with ``s = exp(N(0, 0.3))`` and its inverse: well conditioned, not orthogonal."""
+    scale = torch.exp(0.3 * torch.randn(cfg.d_model, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    Q_ = check_rotation(cfg)
+    return Q_ * scale, (Q_ / scale).T
+
+
+def _by_hand(state_dict, cfg, writer, reader, skip=()):
+    """Writers ``writer(W)``, readers ``reader(W)``, in float64, rounded once; ``skip`` left alone."""
+    out = dict(state_dict)
+    for name in residual_writers(cfg):
+        if name not in skip:
+            out[name] = writer(state_dict[name].double()).to(state_dict[name].dtype)
+    for name in residual_readers(cfg):
+        if name not in skip:
+            out[name] = reader(state_dict[name].double()).to(state_dict[name].dtype)
+    return out
+
+
+def to_rms_pre(state_dict, cfg):
+    """A model whose norms are ``RMSPre``: LayerNorm folded, writes centred, switched to RMSNorm;
+    RMSNorm folded; ``RMSPre`` and no norm as they are."""
+    if cfg.normalization_type == "LN":
+        state_dict, cfg = fold_layer_norm(state_dict, cfg)
+    if cfg.normalization_type == "LNPre":
+        state_dict, cfg = layer_norm_to_rms_norm(*center_writing_weights(state_dict, cfg))
+    if cfg.normalization_type == "RMS":
+        state_dict, cfg = fold_rms_norm(state_dict, cfg)
+    return state_dict, cfg
+
+
+def _rotate(state_dict, cfg):
+    return rotate_residual_stream(state_dict, cfg, check_rotation(cfg))
+
+
+def _rotate_non_orthogonal(state_dict, cfg):
+    G_, G_inv = _non_orthogonal(cfg)
+    _unused, new_cfg = _rotate(state_dict, cfg)
+    return _by_hand(state_dict, cfg, lambda W: W @ G_, lambda W: G_inv @ W), new_cfg
+
+
+def _rotate_forgetting(name_of):
+    """Rotate, then put back the tensors ``name_of(cfg)`` names (a ``ValueError`` if there are none:
+    a model without them cannot make this mistake)."""
+    def corruption(state_dict, cfg):
+        out, new_cfg = _rotate(state_dict, cfg)
+        names = name_of(cfg)
+        if not names:
+            raise ValueError("this model has no such tensor to forget")
+        for name in names:
+            out[name] = state_dict[name]
+        return out, new_cfg
+    return corruption
+
+
+def _readers_not_transposed(state_dict, cfg):
+    Q_ = check_rotation(cfg)
+    _unused, new_cfg = _rotate(state_dict, cfg)
+    return _by_hand(state_dict, cfg, lambda W: W @ Q_, lambda W: Q_ @ W), new_cfg
+
+
+def _norm_compare(state_dict, cfg, tokens, computation):
+    """``computation(x, Q, eps)`` against ``RMSPre(x)`` on the model's final residual stream ``x``."""
+    dtype = validate_state_dict(state_dict, cfg)
+    record: dict = {}
+    forward(state_dict, cfg, default_tokens(cfg) if tokens is None else tokens, record=record)
+    x = record["final_residual"]
+    return compare_values(computation(x, check_rotation(cfg).to(x.dtype), cfg.eps),
+                          normalize(x, "RMSPre", None, None, cfg.eps), dtype, cfg.d_model)
+
+
+def _rotated_norm(x, Q_, eps):
+    """``RMSPre(x Q) Q^T``: the computation ``rms_norm_rotation`` licenses."""
+    return normalize(x @ Q_, "RMSPre", None, None, eps) @ Q_.T
+
+
+def _stretched_norm(x, Q_, eps):
+    """``RMSPre(x G) G^{-1}`` with ``G = Q diag(s)`` not orthogonal: the linear part is undone, the norm is not."""
+    scale = torch.exp(0.3 * torch.randn(len(Q_), generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    G_ = Q_ * scale.to(Q_.dtype)
+    return normalize(x @ G_, "RMSPre", None, None, eps) @ torch.linalg.inv(G_)
+
+
+def _norm_not_transposed(x, Q_, eps):
+    return normalize(x @ Q_, "RMSPre", None, None, eps) @ Q_
+
+
+def _layer_norm_rotation(state_dict, cfg):
+    require(
+        "layer_norm_rotation", IS_LNPRE, cfg.normalization_type == "LNPre",
+        f"normalization_type is {cfg.normalization_type!r}: this identity is about LayerNorm without gain and bias"
+        + (" (fold it first: layer_norm_fold)" if cfg.normalization_type == "LN" else ""),
+    )
+    return rotate_residual_stream(state_dict, cfg, orthogonal_fixing_ones(cfg.d_model, seed=CHECK_SEED))
+
+
+def _layer_norm_generic_rotation(state_dict, cfg):
+    _unused, new_cfg = _layer_norm_rotation(state_dict, cfg)
+    return dict(state_dict) | rotated_tensors(state_dict, cfg, check_rotation(cfg)), new_cfg
+
+
+def _to_lnpre(state_dict, cfg):
+    return fold_layer_norm(state_dict, cfg) if cfg.normalization_type == "LN" else (state_dict, cfg)
+
+
+def slicegpt_route(state_dict, cfg, Q=None):
+    """Fold the LayerNorm, centre every write, switch to RMSNorm, rotate by ``Q`` (default
+    :func:`check_rotation`): SliceGPT's preparation, before it deletes directions."""
+    require(
+        "slicegpt_route", IS_LN, cfg.normalization_type == "LN",
+        f"normalization_type is {cfg.normalization_type!r}: the route starts from a LayerNorm model"
+        + (" (an RMSNorm model needs only fold_rms_norm before rotating)" if cfg.normalization_type == "RMS" else ""),
+    )
+    state_dict, cfg = to_rms_pre(state_dict, cfg)
+    return rotate_residual_stream(state_dict, cfg, check_rotation(cfg) if Q is None else Q)
+
+
+def _route_skipping_centring(state_dict, cfg):
+    _unused, new_cfg = slicegpt_route(state_dict, cfg)
+    folded, _folded_cfg = fold_layer_norm(state_dict, cfg)
+    return dict(folded) | rotated_tensors(folded, cfg, check_rotation(cfg)), new_cfg
+
+
+def _route_keeping_layer_norm(state_dict, cfg):
+    out, new_cfg = slicegpt_route(state_dict, cfg)
+    return out, new_cfg.replace(normalization_type="LNPre")
+
+
+def _reversed(size):
+    return torch.arange(size - 1, -1, -1)
+
+
+def _permute_heads(state_dict, cfg):
+    return permute_heads(state_dict, cfg, _reversed(cfg.n_heads))
+
+
+def _heads_but(kept):
+    """Permute the heads, then put back the tensors ``kept(cfg, layer)`` names."""
+    def corruption(state_dict, cfg):
+        out, new_cfg = _permute_heads(state_dict, cfg)
+        for layer in range(cfg.n_layers):
+            for name in kept(cfg, layer):
+                out[name] = state_dict[name]
+        return out, new_cfg
+    return corruption
+
+
+def _permute_neurons(state_dict, cfg):
+    return permute_neurons(state_dict, cfg, _reversed(cfg.d_mlp or 0))  # attention-only: refused
+
+
+def _neurons_but(leaf):
+    def corruption(state_dict, cfg):
+        out, new_cfg = _permute_neurons(state_dict, cfg)
+        for layer in range(cfg.n_layers):
+            out[f"blocks.{layer}.mlp.{leaf}"] = state_dict[f"blocks.{layer}.mlp.{leaf}"]
+        return out, new_cfg
+    return corruption
+
+
+NO_GAIN_INSIDE = Precondition(
+    "no gain between the normalisation and the rotation", "no gain between the normalisation and the rotation (fold it first)"
+)
+ROUTE_ORDER = Precondition(
+    "fold, centre, switch, rotate in this order", "the steps in this order: the rotation needs RMSPre, the switch needs centred writes"
+)
+ENTRYWISE_ACTIVATION = Precondition("the activation (and the gate) acts entry by entry")
+
+RMS_NORM_ROTATION = register(
+    Identity(
+        name="rms_norm_rotation",
+        title="RMSNorm commutes with rotations",
+        summary="RMSPre(x Q) = RMSPre(x) Q for orthogonal Q, eps included: |x Q| = |x|; not for LNPre"
+        " unless Q 1 = 1, not through an unfolded gain, not for a non-orthogonal Q",
+        preconditions=(Q_ORTHOGONAL, NO_GAIN_INSIDE),
+        build_proof=_norm_rotation_proof,
+        transform=_rotated_norm,
+        corruptions={"non_orthogonal": _stretched_norm, "not_transposed": _norm_not_transposed},
+        compare=_norm_compare,
+    )
+)
+
+LAYER_NORM_ROTATION = register(
+    Identity(
+        name="layer_norm_rotation",
+        title="LayerNorm commutes only with rotations that fix the all-ones direction",
+        summary="LNPre(x Q) = LNPre(x) Q when Q is orthogonal and Q 1 = 1: centring commutes with Q"
+        " exactly then; any other rotation of an LNPre model changes it",
+        preconditions=(IS_LNPRE, Q_ORTHOGONAL, Q_FIXES_ONES, PRE_NORM, NO_NORM_GAIN, Q_SQUARE),
+        build_proof=_layer_norm_rotation_proof,
+        transform=_layer_norm_rotation,
+        corruptions={"generic_rotation": _layer_norm_generic_rotation},
+        prepare=_to_lnpre,
+    )
+)
+
+ROTATION_INVARIANCE = register(
+    Identity(
+        name="rotation_invariance",
+        title="Rotating the residual stream of a pre-RMSNorm model",
+        summary="writers W Q (W_E, W_pos, W_O, b_O, W_out, b_out), readers Q^T W (W_Q, W_K, W_V, W_in,"
+        " W_gate, W_U): the stream becomes x Q and every reader computes what it did",
+        preconditions=(PRE_NORM, NO_NORM_GAIN, Q_SQUARE, Q_ORTHOGONAL),
+        function="rotate_residual_stream",
+        check_note="the rotation Q is recovered from the tensors (orthogonal Procrustes) and verified on every tensor",
+        build_proof=_model_rotation_proof,
+        transform=_rotate,
+        corruptions={
+            "non_orthogonal": _rotate_non_orthogonal,
+            "forget_W_pos": _rotate_forgetting(
+                lambda cfg: ["pos_embed.W_pos"] if cfg.positional_embedding_type in ("standard", "shortformer") else []),
+            "forget_writer_bias": _rotate_forgetting(lambda cfg: [f"blocks.{l}.attn.b_O" for l in range(cfg.n_layers)]),
+            "readers_not_transposed": _readers_not_transposed,
+        },
+        prepare=to_rms_pre,
+    )
+)
+
+SLICEGPT_ROUTE = register(
+    Identity(
+        name="slicegpt_route",
+        title="The SliceGPT route: fold, centre, switch to RMSNorm, rotate",
+        summary="LN(x) W + b_W = RMSPre(x C Q) (Q^T diag(w) W) + b_W + b W: after folding the LayerNorm and"
+        " centring every write, the stream x C Q is seen through RMSNorm with LayerNorm's normaliser",
+        preconditions=(IS_LN, PRE_NORM, Q_ORTHOGONAL, ROUTE_ORDER),
+        build_proof=_slicegpt_proof,
+        transform=slicegpt_route,
+        corruptions={"skip_centring": _route_skipping_centring, "keep_layer_norm": _route_keeping_layer_norm},
+    )
+)
+
+PERMUTE_HEADS = register(
+    Identity(
+        name="permute_heads",
+        title="Permuting the heads of a layer",
+        summary="a layer's output is the sum of its heads: any order gives the same sum, each head moving"
+        " its W_Q, W_K, W_V, W_O and biases together; with grouped-query attention whole groups move",
+        preconditions=(A_HEAD_PERMUTATION, GROUPS_MOVE_TOGETHER),
+        function="permute_heads",
+        check_note="the permutation is recovered from the tensors and verified on every tensor",
+        build_proof=_heads_proof,
+        transform=_permute_heads,
+        corruptions={
+            "keys_not_permuted": _heads_but(
+                lambda cfg, l: [f"blocks.{l}.attn.{n}" for n in attention_names(cfg, "K")[:2]]),
+            "output_not_permuted": _heads_but(lambda cfg, l: [f"blocks.{l}.attn.W_O"]),
+        },
+    )
+)
+
+PERMUTE_NEURONS = register(
+    Identity(
+        name="permute_neurons",
+        title="Permuting the neurons of an MLP",
+        summary="f(x W_in P + b_in P) P^T W_out = f(x W_in + b_in) W_out for a permutation P: the"
+        " activation acts entry by entry; W_gate moves with W_in",
+        preconditions=(HAS_MLPS, A_NEURON_PERMUTATION, ENTRYWISE_ACTIVATION),
+        function="permute_neurons",
+        check_note="the permutation is recovered from the tensors and verified on every tensor",
+        build_proof=_neurons_proof,
+        transform=_permute_neurons,
+        corruptions={"bias_not_permuted": _neurons_but("b_in"), "out_not_permuted": _neurons_but("W_out")},
+    )
+)

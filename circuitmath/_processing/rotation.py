@@ -1,0 +1,510 @@
+"""Symmetries of the residual stream and of the heads and neurons: rotations and permutations.
+
+Three pure transforms and their recognition:
+
+- :func:`rotate_residual_stream`: every writer ``W -> W Q``, every reader ``W -> Q^T W``
+  (``Q`` orthogonal, ``[d_model, d_model]``), the function unchanged when every norm is
+  ``RMSPre`` (or there is none), or ``LNPre`` with ``Q`` fixing the all-ones direction;
+- :func:`permute_heads` and :func:`permute_neurons`: the heads of a layer, the neurons of an MLP,
+  in another order;
+- :func:`recover_rotation`, :func:`recover_head_permutation`, :func:`recover_neuron_permutation`:
+  given a model and a processed model, the ``Q`` or the permutation that maps one onto the other,
+  verified on every tensor, or ``None``.
+
+Rotating or permuting twice is legitimate: two rotations compose into the rotation ``Q_1 Q_2``,
+two permutations into a permutation. So none of these transforms refuses a second application;
+each records itself in ``cfg.applied`` once per application.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .._config import Config
+from .._errors import Precondition, PreconditionError
+from .._state import StateDict, attention_names, validate_state_dict
+from ._common import PRE_NORM, readers, require, rewrite
+from .centring import require_pre_norm, writers
+
+__all__ = [
+    "rotate_residual_stream",
+    "permute_heads",
+    "permute_neurons",
+    "residual_writers",
+    "residual_readers",
+    "orthogonality_error",
+    "rotated_tensors",
+    "rotation_mismatches",
+    "recover_rotation",
+    "recover_head_permutation",
+    "recover_neuron_permutation",
+    "ORTHOGONALITY_SAFETY",
+    "random_orthogonal",
+    "hadamard",
+    "orthogonal_fixing_ones",
+    "procrustes",
+    "NO_NORM_GAIN",
+    "Q_SQUARE",
+    "Q_ORTHOGONAL",
+    "Q_FIXES_ONES",
+    "A_HEAD_PERMUTATION",
+    "GROUPS_MOVE_TOGETHER",
+    "HAS_MLPS",
+    "A_NEURON_PERMUTATION",
+]
+
+NO_NORM_GAIN = Precondition(
+    "no norm gain or bias between the stream and its readers",
+    "every norm is RMSPre, LNPre or none: a gain diag(w) or a bias does not commute with Q (fold it first)",
+)
+Q_SQUARE = Precondition("Q is a floating [d_model, d_model] tensor")
+Q_ORTHOGONAL = Precondition("Q is orthogonal", "Q is orthogonal to the precision of the weights")
+Q_FIXES_ONES = Precondition("Q fixes the all-ones direction (Q 1 = 1)")
+A_HEAD_PERMUTATION = Precondition("a permutation of the heads", "a permutation of 0..n_heads-1, per layer or for all")
+GROUPS_MOVE_TOGETHER = Precondition(
+    "each group of query heads moves with its key/value head",
+    "with grouped-query attention, a query head stays with its key/value head",
+)
+HAS_MLPS = Precondition("the model has MLPs")
+A_NEURON_PERMUTATION = Precondition("a permutation of the neurons", "a permutation of 0..d_mlp-1, per layer or for all")
+
+#: ``Q`` counts as orthogonal for a model in ``dtype`` when ``max |Q^T Q - I|`` is at most
+#: ``ORTHOGONALITY_SAFETY * d_model * eps(dtype)``: what computing an orthogonal matrix in that
+#: precision leaves. ``torch.linalg.qr`` of Gaussian matrices, 3 seeds, float32 and float64:
+#: at most ``1.25 * d * eps`` for ``d = 2``, ``0.25`` at 8, below ``0.1`` from 64 to 1024
+#: (tests/test_rotation.py keeps the measurement).
+ORTHOGONALITY_SAFETY = 4.0
+
+#: Rotated tensors are compared with the tensors a rotation by ``Q`` gives, entry by entry, up to
+#: ``RECOGNITION_SAFETY * d_model * eps(dtype) * M`` with ``M`` the tensor's largest entry.
+RECOGNITION_SAFETY = 32.0
+
+
+def residual_writers(cfg: Config) -> list[str]:
+    """Tensors whose last axis is a vector of the residual stream, written to it or added to
+    the normed stream: :func:`~circuitmath._processing.centring.writers`, and a shortformer
+    ``pos_embed.W_pos`` (added to ``ln1``'s output, which a rotation rotates too)."""
+    extra = ["pos_embed.W_pos"] if cfg.positional_embedding_type == "shortformer" else []
+    return writers(cfg) + extra
+
+
+def residual_readers(cfg: Config) -> list[str]:
+    """Weights that read a norm's output; their second to last axis is ``d_model``."""
+    return [weight for _norm, pairs in readers(cfg) for weight, _bias in pairs]
+
+
+def orthogonality_error(Q: torch.Tensor) -> float:
+    """``max |Q^T Q - I|`` computed in float64."""
+    Q = Q.double()
+    return float((Q.T @ Q - torch.eye(Q.shape[0], dtype=torch.float64, device=Q.device)).abs().max())
+
+
+def random_orthogonal(size: int, *, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A random orthogonal ``[size, size]`` matrix (Haar distributed), computed in float64:
+    the QR factor of a Gaussian matrix, its columns' signs fixed by ``R``'s diagonal."""
+    gaussian = torch.randn(size, size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    Q, R = torch.linalg.qr(gaussian)
+    return (Q * torch.where(R.diagonal() < 0, -1.0, 1.0)).to(dtype)
+
+
+def hadamard(size: int, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The Sylvester Hadamard matrix of order ``size`` (a power of 2) divided by ``sqrt(size)``:
+    orthogonal, symmetric, every entry ``±1/sqrt(size)`` (QuaRot's choice: it spreads every
+    direction, an outlier dimension included, evenly over all dimensions)."""
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power of 2, got {size}")
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < size:
+        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)])
+    return (H / math.sqrt(size)).to(dtype)
+
+
+def orthogonal_fixing_ones(size: int, *, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A random orthogonal ``Q`` with ``Q 1 = 1``: ``H diag(1, R) H`` with ``H`` the Householder
+    reflection that swaps ``e_1`` and ``1 / sqrt(size)``, ``R`` random orthogonal of size
+    ``size - 1``. It rotates the vectors orthogonal to ``1`` and leaves ``1`` alone, so it commutes
+    with centring (``layer_norm_rotation``)."""
+    v = torch.full((size,), 1 / math.sqrt(size), dtype=torch.float64)
+    v[0] -= 1.0
+    norm = float(v.norm())
+    H = torch.eye(size, dtype=torch.float64) - (2 * torch.outer(v, v) / norm**2 if norm > 0 else 0)
+    inner = torch.eye(size, dtype=torch.float64)
+    if size > 1:
+        inner[1:, 1:] = random_orthogonal(size - 1, seed=seed)
+    return (H @ inner @ H).to(dtype)
+
+
+def rotated_tensors(state_dict: StateDict, cfg: Config, Q: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The rotated tensors (writers ``W Q``, readers ``Q^T W``), computed in float64 and rounded
+    once to each tensor's dtype; nothing is checked."""
+    out = {}
+    for name in residual_writers(cfg):
+        W = state_dict[name]
+        out[name] = (W.double() @ Q.to(device=W.device, dtype=torch.float64)).to(W.dtype)
+    for name in residual_readers(cfg):
+        W = state_dict[name]
+        out[name] = (Q.to(device=W.device, dtype=torch.float64).T @ W.double()).to(W.dtype)
+    return out
+
+
+def _as_square(identity: str, Q, d_model: int) -> torch.Tensor:
+    if not isinstance(Q, torch.Tensor) or not Q.is_floating_point():
+        raise PreconditionError(identity, Q_SQUARE,
+                                f"got {type(Q).__name__}" + (f" of dtype {Q.dtype}" if isinstance(Q, torch.Tensor) else ""))
+    if tuple(Q.shape) != (d_model, d_model):
+        raise PreconditionError(identity, Q_SQUARE,
+                                f"Q has shape {tuple(Q.shape)}, d_model is {d_model}")
+    if not bool(torch.isfinite(Q).all()):
+        raise PreconditionError(identity, Q_SQUARE, "Q has NaN or Inf entries")
+    return Q
+
+
+@rewrite("rotation_invariance")
+def rotate_residual_stream(
+    state_dict: StateDict, cfg: Config, Q: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], Config]:
+    """Rotate the basis of the residual stream by the orthogonal ``Q`` (``[d_model, d_model]``).
+
+    Every tensor that writes a vector of the stream is multiplied by ``Q`` on the right
+    (``embed.W_E``, a standard ``pos_embed.W_pos``, ``attn.W_O``, ``attn.b_O``, ``mlp.W_out``,
+    ``mlp.b_out``) and every weight that reads a norm's output by ``Q^T`` on the left
+    (``W_Q``, ``W_K``, ``W_V`` ``[heads, d_model, d_head]``, ``W_in``, ``W_gate``, ``W_U``); the
+    readers' biases are unchanged. The stream ``x`` of the new model is ``x Q`` everywhere, and
+    ``RMSPre(x Q) = RMSPre(x) Q`` because ``|x Q| = |x|``, so every reader computes what it
+    did: ``RMSPre(x Q) Q^T W = RMSPre(x) W``. Identity ``rotation_invariance``.
+
+    Norms: ``RMSPre`` and no norm are rotated for any orthogonal ``Q``. ``LNPre`` only when ``Q``
+    fixes the all-ones direction (``Q 1 = 1``, identity ``layer_norm_rotation``), since
+    ``LNPre`` centres, and centring commutes with ``Q`` exactly then. A norm with a gain
+    (``LN``, ``RMS``) is refused: ``diag(w)`` does not commute with ``Q``; the SliceGPT route is
+    :func:`fold_layer_norm`, :func:`center_writing_weights`, :func:`layer_norm_to_rms_norm`, then
+    this (or :func:`fold_rms_norm`, then this). Post-norm models are refused.
+
+    Architectures: grouped-query keys and values (``attn._W_K``, ``attn._W_V``), the gate of a
+    gated MLP and parallel attention and MLP are rotated like any reader; rotary embeddings and
+    ``"shortformer_tables"`` act inside the heads and are unchanged. A shortformer ``W_pos`` is
+    added to ``ln1``'s output before ``W_Q`` and ``W_K`` read it: it is rotated with that output
+    (``(RMSPre(x) + W_pos) Q Q^T W_Q`` is what the model computed), which is exact.
+
+    ``Q`` must be orthogonal to the precision of the model: ``max |Q^T Q - I| <=``
+    :data:`ORTHOGONALITY_SAFETY` ``* d_model * eps(dtype)`` (a float32 ``Q`` does not rotate a
+    float64 model exactly; orthogonalise it in float64). Computed in float64, rounded once to the
+    model's dtype; every tensor keeps its dtype and device. Tensors that are not rotated are
+    shared with the input.
+
+    Rotating twice is rotating once by ``Q_1 Q_2``, exact too: a second application is not
+    refused, and ``cfg.applied`` records the identity once per rotation.
+
+    >>> import torch
+    >>> from circuitmath import Config, random_state_dict, rotate_residual_stream
+    >>> from circuitmath.testing import assert_equivalent
+    >>> cfg = Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16,
+    ...              normalization_type="RMSPre")
+    >>> sd = random_state_dict(cfg, seed=0, dtype=torch.float64)
+    >>> Q = torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))[0]
+    >>> rotated, rotated_cfg = rotate_residual_stream(sd, cfg, Q)
+    >>> rotated_cfg.applied
+    ('rotation_invariance',)
+    >>> _ = assert_equivalent(sd, rotated, cfg, after_cfg=rotated_cfg)
+    """
+    identity = "rotation_invariance"
+    require_pre_norm(identity, cfg)
+    kind = cfg.normalization_type
+    require(
+        identity, NO_NORM_GAIN, kind not in ("LN", "RMS"),
+        {
+            "LN": "normalization_type is 'LN': its gain diag(w) and bias do not commute with Q; fold it"
+                  " (layer_norm_fold), centre the writes (center_writing_weights) and switch to RMSNorm"
+                  " (layer_norm_to_rms_norm) first: the SliceGPT route",
+            "RMS": "normalization_type is 'RMS': its gain diag(w) does not commute with Q; fold it first (fold_rms_norm)",
+        }.get(kind, ""),
+    )
+    dtype = validate_state_dict(state_dict, cfg)
+    Q = _as_square(identity, Q, cfg.d_model)
+    tolerance = ORTHOGONALITY_SAFETY * cfg.d_model * torch.finfo(dtype).eps
+    error = orthogonality_error(Q)
+    require(
+        identity, Q_ORTHOGONAL, error <= tolerance,
+        f"max |Q^T Q - I| is {error:.3g}, above {tolerance:.3g} for a {str(dtype).removeprefix('torch.')} model with"
+        f" d_model {cfg.d_model}: the norms see |x Q| != |x|"
+        + (" (orthogonalise Q in the model's precision, e.g. torch.linalg.qr in float64)" if error < 1e-3 else ""),
+    )
+    if kind == "LNPre":
+        identity = "layer_norm_rotation"
+        Q64 = Q.double()
+        ones = torch.ones(cfg.d_model, dtype=torch.float64, device=Q.device)
+        moved = float((Q64 @ ones - ones).abs().max())
+        require(
+            identity, Q_FIXES_ONES, moved <= tolerance * math.sqrt(cfg.d_model),
+            f"normalization_type is 'LNPre' and max |Q 1 - 1| is {moved:.3g}: LNPre centres, and centring"
+            " commutes with Q only when Q fixes the all-ones direction. Centre the writes and switch to"
+            " RMSNorm first (center_writing_weights, layer_norm_to_rms_norm)",
+        )
+    out = dict(state_dict)
+    out.update(rotated_tensors(state_dict, cfg, Q))
+    return out, cfg.replace(applied=cfg.applied + (identity,))
+
+
+# -- permutations -----------------------------------------------------------------------------
+
+
+def _per_layer(identity: str, permutation, n_layers: int, size: int, what: str, precondition: Precondition) -> torch.Tensor:
+    """``permutation`` (``[size]`` for every layer, or ``[n_layers, size]``) as ``[n_layers, size]`` longs."""
+    try:
+        perm = torch.as_tensor(permutation)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise PreconditionError(identity, precondition, f"cannot read {permutation!r}: {error}") from None
+    if perm.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        raise PreconditionError(identity, precondition, f"expected integers, got dtype {perm.dtype}")
+    perm = perm.to(device="cpu", dtype=torch.long)
+    if perm.ndim == 1:
+        perm = perm.expand(n_layers, -1)
+    if tuple(perm.shape) != (n_layers, size):
+        raise PreconditionError(
+            identity, precondition,
+            f"expected shape [{size}] or [{n_layers}, {size}], got {list(perm.shape)}",
+        )
+    expected = torch.arange(size)
+    for layer in range(n_layers):
+        if not torch.equal(perm[layer].sort().values, expected):
+            raise PreconditionError(
+                identity, precondition,
+                f"layer {layer}: {perm[layer].tolist()} does not list each of 0..{size - 1} once",
+            )
+    return perm
+
+
+def _take(tensor: torch.Tensor, index: torch.Tensor, axis: int) -> torch.Tensor:
+    return tensor.index_select(axis, index.to(tensor.device))
+
+
+def _key_value_permutation(cfg: Config, perm: torch.Tensor, layer: int) -> torch.Tensor:
+    """The permutation of the key/value heads that ``perm`` (of the query heads) implies, or a
+    :class:`PreconditionError` when it splits a group."""
+    kv_heads = attention_names(cfg, "K")[2]
+    size = cfg.n_heads // kv_heads
+    groups = (perm // size).reshape(kv_heads, size)
+    if not bool((groups == groups[:, :1]).all()):
+        raise PreconditionError(
+            "permute_heads", GROUPS_MOVE_TOGETHER,
+            f"layer {layer}: the permutation {perm.tolist()} mixes query heads of different groups"
+            f" (groups of {size}); a query head must stay with the keys and values it shares",
+        )
+    return groups[:, 0].contiguous()
+
+
+@rewrite("permute_heads", check_output=False)
+def permute_heads(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict[str, torch.Tensor], Config]:
+    """Reorder the heads of every attention layer: new head ``i`` is old head ``permutation[i]``.
+
+    ``permutation`` is ``[n_heads]`` (the same for every layer) or ``[n_layers, n_heads]``. A
+    layer's output is the sum of its heads plus ``b_O``, and a sum does not depend on the order
+    of its terms; each head keeps its own ``W_Q, W_K, W_V, W_O`` and biases (``[heads, ...]``,
+    axis 0) and positional tables (``pos_Q``, ``pos_K``, ``[n_ctx, heads, d_head]``, axis 1), so
+    its pattern moves with it. With grouped-query attention a query head must stay in the group
+    of the key/value head it reads: the permutation must move whole groups (reordering heads
+    inside a group is fine), and the key/value heads follow their groups; any other permutation
+    is refused. Rotary embeddings rotate every head alike and are unaffected.
+
+    Data movement only: every entry is copied exactly; dtype and device are kept. Permuting twice
+    is permuting once by the composition, so a second application is not refused; each records
+    ``"permute_heads"``.
+    """
+    identity = "permute_heads"
+    validate_state_dict(state_dict, cfg)
+    perms = _per_layer(identity, permutation, cfg.n_layers, cfg.n_heads, "heads", A_HEAD_PERMUTATION)
+    out = dict(state_dict)
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}.attn"
+        perm = perms[layer]
+        kv_perm = _key_value_permutation(cfg, perm, layer)
+        for side in "QKV":
+            weight, bias, heads = attention_names(cfg, side)
+            index = perm if heads == cfg.n_heads else kv_perm
+            out[f"{p}.{weight}"] = _take(state_dict[f"{p}.{weight}"], index, 0)
+            out[f"{p}.{bias}"] = _take(state_dict[f"{p}.{bias}"], index, 0)
+            if f"{p}.pos_{side}" in state_dict:
+                out[f"{p}.pos_{side}"] = _take(state_dict[f"{p}.pos_{side}"], index, 1)
+        out[f"{p}.W_O"] = _take(state_dict[f"{p}.W_O"], perm, 0)
+    return out, cfg.replace(applied=cfg.applied + (identity,))
+
+
+@rewrite("permute_neurons", check_output=False)
+def permute_neurons(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict[str, torch.Tensor], Config]:
+    """Reorder the neurons of every MLP: new neuron ``i`` is old neuron ``permutation[i]``.
+
+    ``permutation`` is ``[d_mlp]`` (every layer) or ``[n_layers, d_mlp]``. ``W_in`` and
+    ``W_gate`` (``[d_model, d_mlp]``) have their columns permuted, ``b_in`` (``[d_mlp]``) its
+    entries and ``W_out`` (``[d_mlp, d_model]``) its rows: ``f(x W_in P + b_in P) P^T W_out =
+    f(x W_in + b_in) W_out`` because every activation here (and the gate's product) acts entry by
+    entry, so it commutes with a permutation ``P`` of the entries. Attention-only models have no
+    neurons and are refused. Data movement only; dtype and device are kept. A second application
+    is a permutation too and is not refused; each records ``"permute_neurons"``.
+    """
+    identity = "permute_neurons"
+    require(identity, HAS_MLPS, not cfg.attn_only, "the model is attention-only: there are no neurons to permute")
+    validate_state_dict(state_dict, cfg)
+    perms = _per_layer(identity, permutation, cfg.n_layers, cfg.d_mlp, "neurons", A_NEURON_PERMUTATION)
+    out = dict(state_dict)
+    for layer in range(cfg.n_layers):
+        p, perm = f"blocks.{layer}.mlp", perms[layer]
+        out[f"{p}.W_in"] = _take(state_dict[f"{p}.W_in"], perm, 1)
+        out[f"{p}.b_in"] = _take(state_dict[f"{p}.b_in"], perm, 0)
+        if cfg.gated_mlp:
+            out[f"{p}.W_gate"] = _take(state_dict[f"{p}.W_gate"], perm, 1)
+        out[f"{p}.W_out"] = _take(state_dict[f"{p}.W_out"], perm, 0)
+    return out, cfg.replace(applied=cfg.applied + (identity,))
+
+
+# -- recognition ------------------------------------------------------------------------------
+
+
+def _same_layout(before: StateDict, after: StateDict) -> bool:
+    return before.keys() == after.keys() and all(
+        isinstance(after[k], torch.Tensor) and after[k].shape == before[k].shape and after[k].dtype == before[k].dtype
+        for k in before
+    )
+
+
+def rotation_mismatches(before: StateDict, after: StateDict, cfg: Config, Q: torch.Tensor) -> dict[str, float]:
+    """The tensors of ``after`` that are not those of ``before`` rotated by ``Q``.
+
+    Maps each such name to its largest entrywise difference divided by the allowed one,
+    :data:`RECOGNITION_SAFETY` ``* d_model * eps(dtype) * M`` (``M`` the largest entry of the
+    expected tensor, at least 1). Tensors a rotation leaves alone (biases of readers, norms'
+    parameters, positional tables) must be unchanged to the same tolerance. Empty when ``after``
+    is ``before`` rotated by ``Q`` to rounding.
+    """
+    expected = dict(before)
+    expected.update(rotated_tensors(before, cfg, Q))
+    out = {}
+    for name, want in expected.items():
+        got = after[name]
+        eps = torch.finfo(want.dtype).eps
+        allowed = RECOGNITION_SAFETY * cfg.d_model * eps * max(1.0, float(want.double().abs().max()) if want.numel() else 1.0)
+        diff = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
+        if not diff <= allowed:
+            out[name] = diff / allowed
+    return out
+
+
+def recover_rotation(before: StateDict, after: StateDict, cfg: Config) -> torch.Tensor | None:
+    """The orthogonal ``Q`` (float64, ``[d_model, d_model]``) with ``after`` = ``before`` rotated
+    by ``Q`` (see :func:`rotate_residual_stream`), or ``None`` when there is none.
+
+    Orthogonal Procrustes: ``Q`` minimises ``|A Q - B|`` over orthogonal matrices, with ``A`` the
+    rows of every writer of ``before`` (``W_E`` first; a writer's rows are vectors of the stream)
+    and of every reader's transpose, and ``B`` the same rows of ``after``; ``Q = U V^T`` for
+    ``A^T B = U S V^T``. Then every tensor is verified (:func:`rotation_mismatches`). Whether the
+    rotation is exact for this model's norms is not judged here: ``rotate_residual_stream(before,
+    cfg, Q)`` refuses it when it is not. ``before`` and ``after`` must share names, shapes and
+    dtypes (``None`` otherwise).
+    """
+    if not _same_layout(before, after):
+        return None
+    Q = procrustes(before, after, cfg)
+    return None if rotation_mismatches(before, after, cfg, Q) else Q
+
+
+def procrustes(before: StateDict, after: StateDict, cfg: Config, names: Sequence[str] | None = None) -> torch.Tensor:
+    """The orthogonal ``Q`` (float64, on the CPU) that best maps ``before``'s writer rows and
+    reader columns onto ``after``'s (orthogonal Procrustes, see :func:`recover_rotation`), not
+    verified: :func:`rotation_mismatches` names the tensors it does not explain. ``names``: only
+    these writers (e.g. ``["embed.W_E"]``, which the usual processing before a rotation leaves
+    as it is once the writes are centred), no readers. Directions no tensor has a component along
+    (the all-ones direction of a centred model) are mapped arbitrarily: no tensor depends on them."""
+    rows_before, rows_after = [], []
+    for name in residual_writers(cfg) if names is None else names:
+        rows_before.append(before[name].double().reshape(-1, cfg.d_model).cpu())
+        rows_after.append(after[name].double().reshape(-1, cfg.d_model).cpu())
+    for name in [] if names is not None else residual_readers(cfg):
+        rows_before.append(before[name].double().transpose(-1, -2).reshape(-1, cfg.d_model).cpu())
+        rows_after.append(after[name].double().transpose(-1, -2).reshape(-1, cfg.d_model).cpu())
+    U, _S, Vh = torch.linalg.svd(torch.cat(rows_before).T @ torch.cat(rows_after))
+    return U @ Vh
+
+
+def _signatures(tensors: Sequence[torch.Tensor], axes: Sequence[int], count: int) -> list[bytes]:
+    """For each index ``i < count``: the bytes of every tensor's slice ``i`` along its axis."""
+    slices = [t.movedim(axis, 0).reshape(count, -1).cpu().contiguous() for t, axis in zip(tensors, axes)]
+    return [b"".join(s[i].numpy().tobytes() if s.dtype != torch.bfloat16 else s[i].view(torch.int16).numpy().tobytes()
+                     for s in slices) for i in range(count)]
+
+
+def _match(before: list[bytes], after: list[bytes]) -> torch.Tensor | None:
+    """``perm`` with ``after[i] == before[perm[i]]`` for every ``i``, each index used once, or ``None``."""
+    where: dict[bytes, list[int]] = {}
+    for j, key in enumerate(before):
+        where.setdefault(key, []).append(j)
+    perm = []
+    for key in after:
+        free = where.get(key)
+        if not free:
+            return None
+        perm.append(free.pop(0))
+    return torch.tensor(perm, dtype=torch.long)
+
+
+def _verified(before: StateDict, expected: StateDict, after: StateDict, verify_all: bool) -> bool:
+    """``after`` equals ``expected`` exactly: on every tensor, or (``verify_all=False``) on those
+    the permutation moved (the rest may have been rewritten by another step)."""
+    return all(torch.equal(expected[k], after[k]) for k in before if verify_all or expected[k] is not before[k])
+
+
+def recover_head_permutation(
+    before: StateDict, after: StateDict, cfg: Config, *, verify_all: bool = True
+) -> torch.Tensor | None:
+    """``[n_layers, n_heads]``: the permutation with ``after = permute_heads(before, cfg, perm)``
+    (exactly: a permutation copies entries), or ``None`` when there is none.
+
+    Each head of ``after`` is matched to the head of ``before`` with the same bytes in ``W_Q``,
+    ``b_Q``, ``W_O`` (and ``pos_Q``), then the result is verified on every tensor, keys and
+    values included (``verify_all=False``: only the tensors it moves). The identity permutation
+    is returned when nothing moved.
+    """
+    if not _same_layout(before, after):
+        return None
+    perms = []
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}.attn"
+        names = [(f"{p}.W_Q", 0), (f"{p}.b_Q", 0), (f"{p}.W_O", 0)] + (
+            [(f"{p}.pos_Q", 1)] if f"{p}.pos_Q" in before else [])
+        tensors = lambda sd: [sd[n] for n, _ in names]  # noqa: E731
+        axes = [a for _, a in names]
+        perm = _match(_signatures(tensors(before), axes, cfg.n_heads), _signatures(tensors(after), axes, cfg.n_heads))
+        if perm is None:
+            return None
+        perms.append(perm)
+    perms = torch.stack(perms) if perms else torch.zeros(0, cfg.n_heads, dtype=torch.long)
+    try:
+        expected, _cfg = permute_heads(before, cfg, perms)
+    except PreconditionError:
+        return None
+    return perms if _verified(before, expected, after, verify_all) else None
+
+
+def recover_neuron_permutation(
+    before: StateDict, after: StateDict, cfg: Config, *, verify_all: bool = True
+) -> torch.Tensor | None:
+    """``[n_layers, d_mlp]``: the permutation with ``after = permute_neurons(before, cfg, perm)``,
+    or ``None`` (no MLPs, or no such permutation). Neurons are matched by the bytes of their
+    ``W_in`` column, ``b_in`` entry, ``W_gate`` column and ``W_out`` row; every tensor is then
+    verified (``verify_all=False``: only the tensors it moves)."""
+    if cfg.attn_only or not _same_layout(before, after):
+        return None
+    perms = []
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}.mlp"
+        names = [(f"{p}.W_in", 1), (f"{p}.b_in", 0), (f"{p}.W_out", 0)] + ([(f"{p}.W_gate", 1)] if cfg.gated_mlp else [])
+        tensors = lambda sd: [sd[n] for n, _ in names]  # noqa: E731
+        axes = [a for _, a in names]
+        perm = _match(_signatures(tensors(before), axes, cfg.d_mlp), _signatures(tensors(after), axes, cfg.d_mlp))
+        if perm is None:
+            return None
+        perms.append(perm)
+    perms = torch.stack(perms) if perms else torch.zeros(0, cfg.d_mlp, dtype=torch.long)
+    expected, _cfg = permute_neurons(before, cfg, perms)
+    return perms if _verified(before, expected, after, verify_all) else None

@@ -1,0 +1,473 @@
+"""Rotating the residual stream, permuting heads and neurons, and recognising each from the weights."""
+
+import pytest
+import torch
+from hypothesis import given, reject, strategies as st
+
+import circuitmath as cm
+from circuitmath import zoo
+from circuitmath._identities.rotation import check_rotation, slicegpt_route, to_rms_pre
+from circuitmath._processing.rotation import (
+    ORTHOGONALITY_SAFETY,
+    rotated_tensors,
+    hadamard,
+    orthogonal_fixing_ones,
+    orthogonality_error,
+    random_orthogonal,
+    residual_readers,
+    residual_writers,
+    rotation_mismatches,
+)
+from circuitmath.strategies import models, tokens
+from circuitmath.testing import compare_log_probs
+from support import same, snapshot
+
+NAMES = ("rms_norm_rotation", "layer_norm_rotation", "rotation_invariance", "slicegpt_route", "permute_heads",
+         "permute_neurons")
+WITHOUT_GAINS = dict(normalization_types=("RMS", "RMSPre", None))
+
+
+def _cfg(**changes):
+    base = dict(n_layers=2, d_model=8, n_heads=4, d_head=2, d_vocab=11, n_ctx=5, d_mlp=6)
+    return cm.Config(**(base | changes))
+
+
+def _rms_model(dtype=torch.float64, seed=0, **changes):
+    """A model with RMSPre norms: LayerNorm folded, centred and switched, or (gated MLPs, whose
+    W_gate has no bias to absorb a LayerNorm's) RMSNorm folded."""
+    if changes.get("gated_mlp"):
+        changes.setdefault("normalization_type", "RMS")
+    cfg = _cfg(**changes)
+    return to_rms_pre(cm.random_state_dict(cfg, seed=seed, dtype=dtype), cfg)
+
+
+def _prepared(model):
+    """The model with RMSPre norms (or none), or a hypothesis rejection when it cannot get there."""
+    cfg, sd = model
+    try:
+        return to_rms_pre(sd, cfg)
+    except cm.PreconditionError:
+        reject()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_registered_with_symbolic_proofs_and_every_twin_rejected(name):
+    identity = cm.get_identity(name)
+    assert identity.proof.symbolic_dims
+    report = identity.prove()
+    assert report.ok, report.as_dict()
+
+
+# -- rotate_residual_stream -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@given(data=st.data())
+def test_rotation_preserves_log_probs(dtype, data):
+    sd, cfg = _prepared(data.draw(models(dtype=dtype, **WITHOUT_GAINS)))
+    Q = random_orthogonal(cfg.d_model, seed=data.draw(st.integers(0, 2**16)))
+    rotated, rotated_cfg = cm.rotate_residual_stream(sd, cfg, Q)
+    result = compare_log_probs(sd, cfg, rotated, rotated_cfg, data.draw(tokens(cfg)))
+    assert result.passed, result
+
+
+@given(models(dtype=torch.float32, **WITHOUT_GAINS))
+def test_rotation_is_pure_keeps_dtypes_and_may_be_applied_twice(model):
+    sd, cfg = _prepared(model)
+    before = snapshot(sd)
+    Q1, Q2 = random_orthogonal(cfg.d_model, seed=1), random_orthogonal(cfg.d_model, seed=2)
+    once, once_cfg = cm.rotate_residual_stream(sd, cfg, Q1)
+    assert same(sd, before)
+    assert once_cfg.applied == cfg.applied + ("rotation_invariance",)
+    assert {t.dtype for t in once.values()} <= {torch.float32}
+    cm.validate_state_dict(once, once_cfg)
+    moved = set(residual_writers(cfg)) | set(residual_readers(cfg))
+    assert all(once[k] is sd[k] for k in sd if k not in moved), "unrotated tensors are shared"
+    twice, twice_cfg = cm.rotate_residual_stream(once, once_cfg, Q2)
+    assert twice_cfg.applied.count("rotation_invariance") == 2
+    product, _ = cm.rotate_residual_stream(sd, cfg, Q1 @ Q2)
+    for name in sd:
+        assert torch.allclose(twice[name].double(), product[name].double(), rtol=1e-4, atol=1e-4), name
+
+
+def test_rotation_keeps_bfloat16():
+    sd, cfg = _rms_model(torch.bfloat16, gated_mlp=True, n_key_value_heads=2)
+    out, _ = cm.rotate_residual_stream(sd, cfg, hadamard(cfg.d_model))
+    assert {t.dtype for t in out.values()} == {torch.bfloat16}
+    assert {t.device for t in out.values()} == {torch.device("cpu")}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rotation_and_permutations_keep_the_device():
+    sd, cfg = _rms_model(torch.float32)
+    sd = {k: v.cuda() for k, v in sd.items()}
+    Q = random_orthogonal(cfg.d_model, seed=0)  # on the CPU: moved to the weights' device
+    out, _ = cm.rotate_residual_stream(sd, cfg, Q)
+    assert {t.device.type for t in out.values()} == {"cuda"}
+    assert cm.recover_rotation(sd, out, cfg) is not None
+    heads, _ = cm.permute_heads(sd, cfg, _reversed_heads(cfg))
+    neurons, _ = cm.permute_neurons(sd, cfg, torch.arange(cfg.d_mlp).flip(0))
+    assert {t.device.type for t in (*heads.values(), *neurons.values())} == {"cuda"}
+    assert cm.recover_head_permutation(sd, heads, cfg) is not None
+
+
+def _reversed_heads(cfg):
+    return torch.arange(cfg.n_heads).flip(0)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(gated_mlp=True, normalization_type="RMS", act_fn="silu"),
+    dict(n_key_value_heads=2),
+    dict(parallel_attn_mlp=True),
+    dict(positional_embedding_type="rotary"),
+    dict(d_mlp=None),
+    dict(normalization_type=None),
+], ids=["gated", "grouped_query", "parallel", "rotary", "attn_only", "no_norm"])
+def test_every_architecture_option_rotates_exactly(changes):
+    sd, cfg = _rms_model(**changes)
+    for Q in (random_orthogonal(cfg.d_model, seed=3), hadamard(cfg.d_model)):
+        out, out_cfg = cm.rotate_residual_stream(sd, cfg, Q)
+        result = compare_log_probs(sd, cfg, out, out_cfg)
+        assert result.passed, (changes, result)
+        # and the rotation was not a no-op
+        assert not torch.allclose(out["embed.W_E"], sd["embed.W_E"])
+
+
+def test_shortformer_W_pos_is_rotated_with_the_normed_stream():
+    """W_pos is added to ln1's output, which the rotation rotates: W_pos Q keeps the queries and keys."""
+    cfg = _cfg(positional_embedding_type="shortformer", normalization_type="RMSPre")
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    Q = random_orthogonal(cfg.d_model, seed=0)
+    out, out_cfg = cm.rotate_residual_stream(sd, cfg, Q)
+    assert compare_log_probs(sd, cfg, out, out_cfg).passed
+    forgot = dict(out, **{"pos_embed.W_pos": sd["pos_embed.W_pos"]})
+    wrong = compare_log_probs(sd, cfg, forgot, out_cfg)
+    assert wrong.max_abs_error > 1e6 * wrong.tolerance, wrong
+
+
+@pytest.mark.parametrize("kind, fix", [("LN", "layer_norm_fold"), ("RMS", "fold_rms_norm")])
+def test_norms_with_gains_are_refused_naming_the_fix(kind, fix):
+    cfg = _cfg(normalization_type=kind)
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    before = snapshot(sd)
+    with pytest.raises(cm.PreconditionError, match=fix) as info:
+        cm.rotate_residual_stream(sd, cfg, random_orthogonal(cfg.d_model, seed=0))
+    assert info.value.identity == "rotation_invariance"
+    assert info.value.precondition == "no norm gain or bias between the stream and its readers"
+    assert same(sd, before)
+
+
+def test_refusing_a_gain_is_not_a_formality():
+    """Rotating an RMS model with its gains in place changes it by O(1)."""
+    cfg = _cfg(normalization_type="RMS")
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    wrong = dict(sd) | rotated_tensors(sd, cfg, random_orthogonal(cfg.d_model, seed=0))
+    result = compare_log_probs(sd, cfg, wrong, cfg)
+    assert result.max_abs_error > 1e6 * result.tolerance, result
+
+
+def test_post_norm_is_refused():
+    cfg = _cfg(norm_position="post", normalization_type="RMSPre")
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    with pytest.raises(cm.PreconditionError, match="pre-norm"):
+        cm.rotate_residual_stream(sd, cfg, random_orthogonal(cfg.d_model, seed=0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_orthogonality_tolerance_is_pinned(dtype):
+    """A QR-orthogonal Q passes; the same Q off by a few times the tolerance is refused."""
+    sd, cfg = _rms_model(dtype)
+    Q = torch.linalg.qr(torch.randn(cfg.d_model, cfg.d_model, dtype=dtype, generator=torch.Generator().manual_seed(0)))[0]
+    cm.rotate_residual_stream(sd, cfg, Q)
+    tolerance = ORTHOGONALITY_SAFETY * cfg.d_model * torch.finfo(dtype).eps
+    stretched = Q.double() * (1 + 2 * tolerance)
+    assert orthogonality_error(stretched) > tolerance
+    with pytest.raises(cm.PreconditionError, match="Q is orthogonal") as info:
+        cm.rotate_residual_stream(sd, cfg, stretched)
+    assert info.value.identity == "rotation_invariance"
+
+
+def test_measured_orthogonality_of_qr_is_within_the_safety_factor():
+    """The measurement behind ORTHOGONALITY_SAFETY: QR leaves at most 1.25 d eps, a factor 3 below it."""
+    worst = 0.0
+    for dtype in (torch.float32, torch.float64):
+        for d in (2, 3, 8, 64, 256):
+            for seed in range(3):
+                gaussian = torch.randn(d, d, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+                worst = max(worst, orthogonality_error(torch.linalg.qr(gaussian)[0]) / (d * torch.finfo(dtype).eps))
+    assert worst <= ORTHOGONALITY_SAFETY / 3, worst
+
+
+def test_a_float32_rotation_of_a_float64_model_is_refused():
+    sd, cfg = _rms_model(torch.float64)
+    Q = random_orthogonal(cfg.d_model, seed=0, dtype=torch.float32)
+    with pytest.raises(cm.PreconditionError, match="float64"):
+        cm.rotate_residual_stream(sd, cfg, Q)
+
+
+@pytest.mark.parametrize("Q", [torch.eye(7, dtype=torch.float64), torch.eye(8, dtype=torch.int64), "eye",
+                               torch.full((8, 8), float("nan"), dtype=torch.float64)])
+def test_bad_Q_is_refused(Q):
+    sd, cfg = _rms_model()
+    with pytest.raises(cm.PreconditionError, match="Q is a floating"):
+        cm.rotate_residual_stream(sd, cfg, Q)
+
+
+def test_layer_norm_model_rotates_only_by_a_Q_fixing_the_ones():
+    cfg = _cfg()
+    sd, folded_cfg = cm.fold_layer_norm(cm.random_state_dict(cfg, seed=0, dtype=torch.float64), cfg)
+    fixing = orthogonal_fixing_ones(cfg.d_model, seed=0)
+    out, out_cfg = cm.rotate_residual_stream(sd, folded_cfg, fixing)
+    assert out_cfg.applied[-1] == "layer_norm_rotation"
+    assert compare_log_probs(sd, folded_cfg, out, out_cfg).passed
+    with pytest.raises(cm.PreconditionError, match="all-ones") as info:
+        cm.rotate_residual_stream(sd, folded_cfg, random_orthogonal(cfg.d_model, seed=0))
+    assert info.value.identity == "layer_norm_rotation"
+
+
+def test_slicegpt_route_on_a_zoo_model():
+    sd, cfg = zoo.load("gelu_2l", dtype=torch.float64)
+    out, out_cfg = slicegpt_route(sd, cfg, hadamard(cfg.d_model))
+    assert out_cfg.normalization_type == "RMSPre"
+    assert out_cfg.applied == ("layer_norm_fold", "center_writing_weights", "layer_norm_to_rms_norm", "rotation_invariance")
+    assert compare_log_probs(sd, cfg, out, out_cfg).passed
+
+
+# -- permutations -----------------------------------------------------------------------------
+
+
+@given(models(max_heads=4), st.randoms(use_true_random=False))
+def test_head_permutations_preserve_log_probs(model, rng):
+    cfg, sd = model
+    kv = cfg.n_key_value_heads or cfg.n_heads
+    size = cfg.n_heads // kv
+    groups = list(range(kv))
+    rng.shuffle(groups)
+    perm = []
+    for g in groups:  # whole groups move, and heads are reordered inside each
+        inside = list(range(g * size, (g + 1) * size))
+        rng.shuffle(inside)
+        perm += inside
+    out, out_cfg = cm.permute_heads(sd, cfg, perm)
+    assert out_cfg.applied == ("permute_heads",)
+    assert compare_log_probs(sd, cfg, out, out_cfg).passed
+    recovered = cm.recover_head_permutation(sd, out, cfg)
+    assert recovered is not None
+    again, _ = cm.permute_heads(sd, cfg, recovered)
+    assert same(again, out)
+
+
+@given(models(attn_only=False, max_d_mlp=8), st.randoms(use_true_random=False))
+def test_neuron_permutations_preserve_log_probs(model, rng):
+    cfg, sd = model
+    perms = []
+    for _ in range(cfg.n_layers):
+        order = list(range(cfg.d_mlp))
+        rng.shuffle(order)
+        perms.append(order)
+    perms = torch.tensor(perms, dtype=torch.long).reshape(cfg.n_layers, cfg.d_mlp)
+    before = snapshot(sd)
+    out, out_cfg = cm.permute_neurons(sd, cfg, perms)
+    assert same(sd, before)
+    assert compare_log_probs(sd, cfg, out, out_cfg).passed
+    recovered = cm.recover_neuron_permutation(sd, out, cfg)
+    assert recovered is not None
+    again, _ = cm.permute_neurons(sd, cfg, recovered)
+    assert same(again, out)
+
+
+def test_grouped_query_permutation_that_splits_a_group_is_refused():
+    cfg = _cfg(n_key_value_heads=2)
+    sd = cm.random_state_dict(cfg, seed=0)
+    with pytest.raises(cm.PreconditionError, match="mixes query heads of different groups") as info:
+        cm.permute_heads(sd, cfg, [0, 2, 1, 3])
+    assert info.value.identity == "permute_heads"
+    cm.permute_heads(sd, cfg, [3, 2, 0, 1])  # whole groups: fine
+
+
+def test_splitting_a_group_would_change_the_model():
+    """The refusal is not a formality: moving query heads to another group's keys changes log-probs."""
+    cfg = _cfg(n_key_value_heads=2)
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    wrong = dict(sd)
+    for layer in range(cfg.n_layers):
+        for name in ("W_Q", "b_Q", "W_O"):
+            key = f"blocks.{layer}.attn.{name}"
+            wrong[key] = sd[key][[0, 2, 1, 3]]
+    result = compare_log_probs(sd, cfg, wrong, cfg)
+    assert result.max_abs_error > 1e6 * result.tolerance
+
+
+@pytest.mark.parametrize("perm", [[0, 0, 1, 2], [0, 1, 2], [[0, 1, 2, 3]] * 3, [0.0, 1.0, 2.0, 3.0], "abcd"])
+def test_bad_permutations_are_refused(perm):
+    sd, cfg = _rms_model()
+    with pytest.raises(cm.PreconditionError, match="a permutation of the heads"):
+        cm.permute_heads(sd, cfg, perm)
+
+
+def test_attention_only_models_have_no_neurons_to_permute():
+    cfg = _cfg(d_mlp=None)
+    with pytest.raises(cm.PreconditionError, match="attention-only"):
+        cm.permute_neurons(cm.random_state_dict(cfg, seed=0), cfg, [0])
+
+
+# -- recognition ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["float64", "float32", "bfloat16"])
+def test_recover_rotation_finds_Q(dtype):
+    sd, cfg = _rms_model(dtype, gated_mlp=True, n_key_value_heads=2)
+    Q = random_orthogonal(cfg.d_model, seed=5)
+    out, _ = cm.rotate_residual_stream(sd, cfg, Q)
+    found = cm.recover_rotation(sd, out, cfg)
+    assert found is not None
+    assert float((found - Q).abs().max()) < 1e3 * torch.finfo(dtype).eps
+
+
+def test_recover_rotation_with_fewer_tokens_than_dimensions():
+    """d_vocab < d_model: W_E alone does not fix Q; the other writers and the readers do."""
+    sd, cfg = _rms_model(d_vocab=3)
+    Q = random_orthogonal(cfg.d_model, seed=6)
+    out, _ = cm.rotate_residual_stream(sd, cfg, Q)
+    found = cm.recover_rotation(sd, out, cfg)
+    assert found is not None and torch.allclose(found, Q, atol=1e-10)
+
+
+@pytest.mark.parametrize("corruption", ["non_orthogonal", "forget_W_pos", "forget_writer_bias", "readers_not_transposed"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_wrong_rotations_are_not_recognised_and_the_tensors_are_named(corruption, dtype):
+    identity = cm.get_identity("rotation_invariance")
+    sd, cfg = _rms_model(dtype)
+    wrong, _ = identity.corruptions[corruption](sd, cfg)
+    assert cm.recover_rotation(sd, wrong, cfg) is None
+    mismatches = rotation_mismatches(sd, wrong, cfg, check_rotation(cfg))
+    expected = {
+        "forget_W_pos": {"pos_embed.W_pos"},
+        "forget_writer_bias": {"blocks.0.attn.b_O", "blocks.1.attn.b_O"},
+    }.get(corruption)
+    if expected is not None:
+        assert set(mismatches) == expected
+    else:
+        assert mismatches
+    # and the exact rotation leaves nothing
+    right, _ = identity.transform(sd, cfg)
+    assert rotation_mismatches(sd, right, cfg, check_rotation(cfg)) == {}
+
+
+def test_a_slightly_wrong_rotation_is_not_recognised():
+    """Pins the recognition tolerance: one writer off by 100 rounding errors is caught."""
+    sd, cfg = _rms_model(torch.float32)
+    out, _ = cm.rotate_residual_stream(sd, cfg, random_orthogonal(cfg.d_model, seed=0))
+    off = dict(out)
+    W = out["blocks.1.mlp.b_out"]
+    off["blocks.1.mlp.b_out"] = W + 100 * cfg.d_model * torch.finfo(torch.float32).eps * W.abs().max()
+    assert cm.recover_rotation(sd, off, cfg) is None
+
+
+def test_unrelated_models_are_not_recognised():
+    sd, cfg = _rms_model(seed=0)
+    other, _ = _rms_model(seed=1)
+    assert cm.recover_rotation(sd, other, cfg) is None
+    assert cm.recover_head_permutation(sd, other, cfg) is None
+    assert cm.recover_neuron_permutation(sd, other, cfg) is None
+
+
+def test_wrong_permutations_are_not_recognised():
+    sd, cfg = _rms_model()
+    for name, identity in (("permute_heads", cm.get_identity("permute_heads")),
+                           ("permute_neurons", cm.get_identity("permute_neurons"))):
+        recover = cm.recover_head_permutation if name == "permute_heads" else cm.recover_neuron_permutation
+        right, _ = identity.transform(sd, cfg)
+        assert recover(sd, right, cfg) is not None
+        for corruption, function in identity.corruptions.items():
+            wrong, _ = function(sd, cfg)
+            assert recover(sd, wrong, cfg) is None, (name, corruption)
+
+
+# -- recognition in the diagnosis, and the verdicts ---------------------------------------------
+
+
+def _zoo_rotated(name="attn_only_1l"):
+    """A zoo model, the default processing, LayerNorm switched to RMSNorm, a random rotation."""
+    sd, cfg = zoo.load(name, dtype=torch.float64)
+    processed, processed_cfg = cm.layer_norm_to_rms_norm(*cm.process_weights(sd, cfg))
+    return sd, cfg, cm.rotate_residual_stream(processed, processed_cfg, random_orthogonal(cfg.d_model, seed=3))
+
+
+def test_a_rotated_zoo_model_passes_check_processed_and_is_reported_as_rotated(tmp_path, capsys):
+    from circuitmath import _cli, io
+
+    sd, cfg, (rotated, rotated_cfg) = _zoo_rotated()
+    io.save(tmp_path / "model.safetensors", sd, cfg)
+    io.save(tmp_path / "rotated.safetensors", rotated, rotated_cfg)  # cfg.applied records the rotation
+    status = _cli.main(["check", str(tmp_path / "model.safetensors"), "--processed", str(tmp_path / "rotated.safetensors")])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "rotation_invariance" in out and "violated" not in out
+    # inferred: no config given, the tensors alone; RMSPre is inferred, the rotation recovered
+    found = cm.testing.diagnose(sd, rotated, cfg)
+    assert found.ok, str(found)
+    assert found.replayed[-2:] == ("layer_norm_to_rms_norm", "rotation_invariance"), found.replayed
+
+
+@pytest.mark.parametrize("twin", ["non_orthogonal", "forget_W_pos", "forget_writer_bias", "readers_not_transposed"])
+def test_each_rotation_twin_on_a_zoo_model_fails_naming_the_identity_and_tensors(twin, tmp_path, capsys):
+    from circuitmath import _cli, io
+
+    sd, cfg = zoo.load("attn_only_1l", dtype=torch.float64)
+    wrong, wrong_cfg = cm.get_identity("rotation_invariance").wrong_rewrites[twin](*to_rms_pre(sd, cfg))
+    io.save(tmp_path / "model.safetensors", sd, cfg)
+    io.save(tmp_path / "wrong.safetensors", wrong, wrong_cfg)
+    status = _cli.main(["check", str(tmp_path / "model.safetensors"), "--processed", str(tmp_path / "wrong.safetensors")])
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert f"rotation_invariance.{twin}" in out, out
+    expected = {"forget_W_pos": ["pos_embed.W_pos"], "forget_writer_bias": ["blocks.0.attn.b_O"],
+                "readers_not_transposed": ["blocks.0.attn.W_Q", "unembed.W_U"]}.get(twin, ["embed.W_E"])
+    assert all(name in out for name in expected), out
+    if twin in ("forget_W_pos", "forget_writer_bias"):  # only the tensors responsible are named
+        assert "embed.W_E" not in out.split(f"rotation_invariance.{twin} explains", 1)[1].split("\n")[0]
+
+
+def test_head_and_neuron_permutations_are_recognised():
+    cfg = _cfg(normalization_type="RMSPre")
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    heads, heads_cfg = cm.permute_heads(sd, cfg, [2, 0, 3, 1])
+    both, both_cfg = cm.permute_neurons(heads, heads_cfg, [5, 4, 3, 2, 1, 0])
+    found = cm.testing.diagnose(sd, both, cfg)  # inferred: nothing recorded
+    assert found.ok and found.replayed == ("permute_heads", "permute_neurons"), str(found)
+    recorded = cm.testing.check_permute_neurons(heads, both, heads_cfg, after_cfg=both_cfg)
+    assert recorded.ok, str(recorded)
+    # negative control: a permutation that forgets W_out is no permutation
+    broken = dict(both, **{f"blocks.{l}.mlp.W_out": heads[f"blocks.{l}.mlp.W_out"] for l in range(cfg.n_layers)})
+    assert not cm.testing.diagnose(sd, broken, cfg).ok
+
+
+def test_a_named_wrong_rewrite_fails_even_where_the_tokens_do_not_show_it():
+    cfg = _cfg(normalization_type="LN")
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    for name in sd:  # small LayerNorm biases: dropping them moves the log-probs by less than the tolerance
+        if name.endswith(".b") and ("ln" in name):
+            sd[name] = sd[name] * 1e-14
+    wrong, wrong_cfg = cm.get_identity("layer_norm_fold").wrong_rewrites["drop_bias"](sd, cfg)
+    assert compare_log_probs(sd, cfg, wrong, wrong_cfg).passed  # the tokens do not show it
+    found = cm.testing.diagnose(sd, wrong, cfg, after_cfg=wrong_cfg)
+    assert not found.ok and any(f.rewrite == "layer_norm_fold.drop_bias" for f in found.violations), str(found)
+    with pytest.raises(cm.testing.NotEquivalentError, match="named wrong rewrite"):
+        cm.testing.assert_equivalent(sd, wrong, cfg, after_cfg=wrong_cfg)
+    # negative control: the exact fold passes
+    folded, folded_cfg = cm.fold_layer_norm(sd, cfg)
+    assert cm.testing.diagnose(sd, folded, cfg, after_cfg=folded_cfg).ok
+
+
+def test_an_unrecognised_exact_processing_passes():
+    cfg = _cfg(normalization_type="RMSPre")
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    # a rescaling of one head's OV factors: exact, registered as no rewrite
+    scaled = dict(sd)
+    scaled["blocks.0.attn.W_V"] = sd["blocks.0.attn.W_V"] * 2
+    scaled["blocks.0.attn.b_V"] = sd["blocks.0.attn.b_V"] * 2
+    scaled["blocks.0.attn.W_O"] = sd["blocks.0.attn.W_O"] / 2
+    found = cm.testing.diagnose(sd, scaled, cfg)
+    assert found.ok, str(found)
+    assert any(f.name == "residual" and f.parameters for f in found.findings)  # reported, not hidden
