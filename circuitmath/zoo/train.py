@@ -320,7 +320,7 @@ CONTROLS = {
     "standard_matched": ("attn_only_2l", 0.02 * 0.02),
 }
 CONTROL_STEPS = 2500
-CONTROL_SEEDS = (2, 5, 11)
+CONTROL_SEEDS = STUDY_SEEDS
 
 
 def control_recipe(control: str, seed: int) -> Recipe:
