@@ -166,9 +166,12 @@ def _colour(artist):
 
 
 def _look(artist):
-    """What tells legend entries apart: colour, line style, marker, hatch."""
+    """What tells legend entries apart: colour, line style, marker (a scatter's marker is its
+    path), hatch."""
     style = getattr(artist, "get_linestyle", lambda: None)()
     marker = getattr(artist, "get_marker", lambda: None)()
+    if marker is None and hasattr(artist, "get_paths") and artist.get_paths():
+        marker = artist.get_paths()[0].vertices.round(3).tobytes()
     hatch = getattr(artist, "get_hatch", lambda: None)()
     return (_colour(artist), str(style), str(marker), str(hatch))
 
