@@ -89,31 +89,82 @@ def display_math(latex: str) -> str:
     return f"$$\n{latex}\n$$"
 
 
-def _join(pieces: list[str], budget: int) -> list[str]:
-    lines = [pieces[0]]
-    for piece in pieces[1:]:
-        joined = piece if piece.startswith("-") else f"+ {piece}"
-        if len(lines[-1]) + len(joined) > budget:
-            lines.append(joined)
+def _factors(latex: str) -> list[str]:
+    """The top-level factors of a product written in LaTeX: split at spaces outside braces and
+    outside ``\\left ... \\right`` pairs."""
+    tokens, depth, start, i = [], 0, 0, 0
+    while i < len(latex):
+        if latex.startswith("\\left", i):
+            depth, i = depth + 1, i + 5
+        elif latex.startswith("\\right", i):
+            depth, i = depth - 1, i + 6
         else:
-            lines[-1] += f" {joined}"
+            char = latex[i]
+            depth += (char == "{") - (char == "}")
+            if char == " " and depth == 0 and latex[start:i].strip():
+                tokens.append(latex[start:i].strip())
+                start = i
+            i += 1
+    return tokens + [latex[start:].strip()]
+
+
+def _group(token: str) -> str | None:
+    """The inside of ``\\left( ... \\right)`` when ``token`` is exactly one such group."""
+    opening, closing = "\\left(", "\\right)"
+    if not (token.startswith(opening) and token.endswith(closing)):
+        return None
+    inner = token[len(opening):-len(closing)]
+    depth = 0
+    for i in range(len(inner)):  # the opening bracket must close only at the very end
+        depth += inner.startswith("\\left", i) - inner.startswith("\\right", i)
+        if depth < 0:
+            return None
+    return inner
+
+
+def _pack(pieces: list[list[str]], budget: int) -> list[str]:
+    """Lines from pieces (each a list of lines): a piece's first line joins the line before it
+    when both fit in ``budget``."""
+    lines: list[str] = []
+    for piece in pieces:
+        if lines and len(lines[-1]) + 1 + len(piece[0]) <= budget:
+            lines[-1] += " " + piece[0]
+            lines += piece[1:]
+        else:
+            lines += piece
     return lines
 
 
-def _broken(expr, budget: int) -> list[str]:
-    """LaTeX lines of ``expr``: a sum is cut between its terms, an operator sum applied to a
-    matrix between the operator's terms (inside ``\\Big(`` ... ``\\Big)``)."""
-    if isinstance(expr, MatAdd):
+def _lines(latex: str, budget: int) -> list[str]:
+    """``latex`` cut into balanced lines of about ``budget`` characters: a sum between its terms,
+    a product between its factors, and a parenthesised group too long for one line opened into
+    ``\\Big(`` ... ``\\Big)`` lines. MathJax 3 does not break long formulas itself."""
+    if len(latex) <= budget:
+        return [latex]
+    terms = _split_sum(latex)
+    if len(terms) > 1:
         pieces = []
-        for term in expr.args:
-            pieces += _broken(term, budget) if len(to_latex(term)) > budget else [to_latex(term)]
-        return _join(pieces, budget)
-    if isinstance(expr, Apply) and isinstance(expr.op, MatAdd) and len(to_latex(expr)) > budget:
-        lines = _join([to_latex(term) for term in expr.op.args], budget)
-        lines[0] = r"\Big(" + lines[0]
-        lines[-1] += r"\Big) \cdot " + to_latex(expr.X)
-        return lines
-    return [to_latex(expr)]
+        for k, term in enumerate(terms):
+            sign = "" if k == 0 or term.startswith("-") else "+ "
+            sub = _lines(term, budget - len(sign))
+            pieces.append([sign + sub[0], *sub[1:]])
+        return _pack(pieces, budget)
+    pieces = []
+    for token in _factors(latex):
+        inner = _group(token) if len(token) > budget else None
+        if inner is None:
+            pieces.append([token])
+        else:
+            sub = _lines(inner, budget - 5)
+            sub[0] = "\\Big(" + sub[0]
+            sub[-1] = sub[-1] + "\\Big)"
+            pieces.append(sub)
+    return _pack(pieces, budget)
+
+
+def _broken(expr, budget: int) -> list[str]:
+    """LaTeX lines of the matrix expression ``expr`` (see :func:`_lines`)."""
+    return _lines(to_latex(expr), budget)
 
 
 def _rows(expr, lead: str, budget: int, tag: str = "") -> list[str]:
@@ -161,7 +212,7 @@ def _split_sum(latex: str) -> list[str]:
 def _long_latex(latex: str, budget: int = LINE_BUDGET) -> str:
     """A LaTeX sum already printed, as a display cut into lines; a coefficient 1 is not written."""
     terms = [re.sub(r"^(-\s*)?1 (?=[\\A-Za-z{(])", lambda m: m.group(1) or "", term) for term in _split_sum(latex)]
-    lines = _join(terms, budget)
+    lines = _lines(" + ".join(terms).replace("+ -", "-"), budget)
     return display_math("\\begin{aligned}\n& " + " \\\\\n& \\quad ".join(lines) + "\n\\end{aligned}")
 
 
