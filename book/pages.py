@@ -5,6 +5,7 @@ when a proof or a numeric check does not come out as claimed, tables of numeric 
 from __future__ import annotations
 
 import io
+import warnings
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -209,7 +210,13 @@ def check_figure(fig) -> None:
 
 def show_figure(fig) -> None:
     """:func:`check_figure`, then show ``fig`` as a PNG at its own size and close it."""
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            try:
+                fig.tight_layout()
+            except UserWarning:  # axes tight_layout cannot place (a colorbar beside several axes)
+                fig.set_layout_engine("constrained")
     check_figure(fig)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=fig.dpi)
@@ -221,12 +228,12 @@ def show_numeric_checks(rows) -> None:
     merged: dict = {}
     for name, what, label, dtype, result in rows:
         merged.setdefault((name, what, label, dtype), []).append(result)
-    lines = ["| identity | computation | model | dtype | largest error | smallest tolerance | passed |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| identity | computation | model | dtype | largest error / smallest tolerance | passed |",
+             "|---|---|---|---|---|---|"]
     for (name, what, label, dtype), results in merged.items():
         lines.append(
-            f"| `{name}` | {render.md_text(what)} | {label} | `{str(dtype).removeprefix('torch.')}`"
-            f" | {max(r.max_abs_error for r in results):.3g} | {min(r.tolerance for r in results):.3g}"
+            f"| `{name}` | {render.md_text(what)} | {label} | {str(dtype).removeprefix('torch.')}"
+            f" | {max(r.max_abs_error for r in results):.2g} / {min(r.tolerance for r in results):.2g}"
             f" | {sum(r.passed for r in results)} of {len(results)} |"
         )
     display(Markdown("\n".join(lines)))

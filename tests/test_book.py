@@ -141,7 +141,7 @@ _READ = """() => {
         if (r.width === 0) continue;  // inside a closed dropdown
         if (r.right > right + 1 || r.left < left - 1) wide.push(`${name(el)}: ${Math.round(r.width)} px in ${Math.round(right - left)} px`);
     }
-    for (const el of article.querySelectorAll(".cell_output pre, .pst-scrollable-table-container, .table-wrapper, div.math, mjx-container")) {
+    for (const el of article.querySelectorAll(".cell_output pre, .pst-scrollable-table-container, .table-wrapper, div.math, mjx-container[display='true']")) {
         if (el.scrollWidth > el.clientWidth + 1) wide.push(`${name(el)}: ${el.scrollWidth} px of content in a ${el.clientWidth} px box`);
     }
     const images = [...article.querySelectorAll(".cell_output img")];
