@@ -215,8 +215,8 @@ def show_figure(fig) -> None:
             warnings.simplefilter("error", UserWarning)
             try:
                 fig.tight_layout()
-            except UserWarning:  # axes tight_layout cannot place (a colorbar beside several axes)
-                fig.set_layout_engine("constrained")
+            except UserWarning as warning:
+                raise AssertionError(f"{warning}: draw this figure with layout='constrained'") from None
     check_figure(fig)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=fig.dpi)
