@@ -5,6 +5,7 @@
     python -m circuitmath.zoo.train --out /tmp/zoo       # somewhere else
     python -m circuitmath.zoo.train --check              # retrain, compare with the shipped weights
     python -m circuitmath.zoo.train --study --only attn_only_2l   # the shortformer study (below)
+    python -m circuitmath.zoo.train --study --controls --study-weights DIR  # its controls (CONTROLS)
 
 The model is the reference forward pass itself (:func:`circuitmath.forward`) over a dict of
 leaf tensors, so the weights are in the reference conventions by construction. Everything random
@@ -18,7 +19,9 @@ version has different standard-library text).
 trains the two two-layer attention-only models with each of :data:`STUDY_SEEDS` (the shipped
 seed among them), writes every run's training curve and final scores to ``study_<name>.json``
 and, with ``--study-weights DIR``, each run's weights and card to ``DIR/seed<k>/`` (runs found
-there are reused, so ``--seed K`` can split the study across processes).
+there are reused, so ``--seed K`` can split the study across processes). ``--controls`` runs the
+controls of :data:`CONTROLS` for the positional scale at initialisation, each run cut at
+:data:`CONTROL_STEPS`, into ``study_controls.json`` (``--control NAME --seed K`` trains one run).
 """
 
 from __future__ import annotations
