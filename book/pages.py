@@ -177,6 +177,14 @@ def _look(artist):
     return (_colour(artist), str(style), str(marker), str(hatch))
 
 
+def _parts(artist):
+    """The drawn artists of ``artist``: itself, or every artist of a container (an error bar's
+    line, caps and bars), however nested."""
+    if isinstance(artist, (matplotlib.container.Container, tuple, list)):
+        return [part for child in artist for part in _parts(child)]
+    return [] if artist is None else [artist]
+
+
 def check_figure(fig) -> None:
     """Fail the build unless ``fig`` fits the text column at its own size, every text in it is at
     least :data:`MIN_TEXT_PX` high as shown, and every legend tells its entries apart and shows
@@ -196,9 +204,7 @@ def check_figure(fig) -> None:
         assert len(set(looks)) == len(looks), f"legend entries look alike: {[t for t, _h in entries]}"
         labelled: dict = {}
         for artist in [*ax.lines, *ax.collections, *ax.patches, *ax.containers]:
-            label = artist.get_label()
-            parts = list(artist) if isinstance(artist, matplotlib.container.Container) else [artist]
-            labelled.setdefault(label, []).extend(parts)
+            labelled.setdefault(artist.get_label(), []).extend(_parts(artist))
         for text, handle in entries:
             shown = [_colour(a) for a in labelled.get(text, [])]
             if shown:  # an artist carries this label: all of it must look like the legend says

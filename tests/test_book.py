@@ -150,6 +150,7 @@ _READ = """() => {
         rawTex: ["$$", "\\begin{", "\\end{"].filter((s) => text.includes(s)),
         warnings: [...new Set(text.match(/\\b[A-Za-z]*Warning\\b:?/g) || [])],
         stderr: article.querySelectorAll(".cell_output .stderr, .cell_output .output.stderr").length,
+        tracebacks: article.querySelectorAll(".cell_output .traceback, .cell_output .output.error").length,
         reprs: (text.match(/\\b[A-Z][A-Za-z]+Report\\(/g) || []).length,
         wide,
         tall: [...article.querySelectorAll(".cell_output")].filter((el) => el.getBoundingClientRect().height > %d)
@@ -183,6 +184,8 @@ def _reader_problems(name: str, read: dict) -> list[str]:
         problems.append(f"raw LaTeX in the text: {read['rawTex']}")
     if read["warnings"] or read["stderr"]:
         problems.append(f"a Python warning or stderr output: {read['warnings']}, {read['stderr']} stderr blocks")
+    if read["tracebacks"]:
+        problems.append(f"{read['tracebacks']} cells show an error")
     if read["reprs"]:
         problems.append(f"{read['reprs']} report reprs leaked into the text")
     problems += [f"wider than the {read['column']} px column: {w}" for w in read["wide"]]
@@ -230,11 +233,13 @@ def test_figure_check_passes_a_readable_figure():
     fig, ax = _figure(figsize=(6, 3))
     ax.plot([0, 1], [0, 1], color="tab:blue", label="a")
     ax.bar([0, 1], [1, 2], color="tab:orange", label="b")
+    ax.errorbar([0, 1], [1, 1], yerr=0.2, fmt="o", color="tab:green", label="c")
     ax.legend()
     pages.check_figure(fig)
 
 
-@pytest.mark.parametrize("defect", ["too_wide", "small_labels", "legend_alike", "legend_wrong_colour", "proxy_not_plotted"])
+@pytest.mark.parametrize(
+    "defect", ["too_wide", "small_labels", "legend_alike", "legend_wrong_colour", "proxy_not_plotted", "error_bars"])
 def test_figure_check_fails_on_each_defect_negative_control(defect):
     """Each defect the issue found in the book's figures makes check_figure fail."""
     from matplotlib.patches import Patch
@@ -250,6 +255,8 @@ def test_figure_check_fails_on_each_defect_negative_control(defect):
         ax.bar([0, 1, 2, 3], [1, 2, 3, 4], color=["tab:blue", "tab:orange", "tab:green", "0.6"])
     if defect == "legend_wrong_colour":  # one label over bars of several colours
         ax.bar([0, 1], [1, 2], color=["tab:red", "tab:green"], label="bars")
+    if defect == "error_bars":  # bars of another colour than the legend shows
+        ax.errorbar([0, 1], [0, 1], yerr=0.1, fmt="o", color="tab:green", ecolor="tab:red", label="error bars")
     if defect == "proxy_not_plotted":
         ax.legend(handles=[Patch(color="tab:purple", label="tolerance")])
     else:
