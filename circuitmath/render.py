@@ -11,6 +11,8 @@ object itself, not retyped LaTeX.
 
 from __future__ import annotations
 
+import re
+
 from sympy import MatAdd
 
 from ._algebra import to_latex
@@ -19,12 +21,13 @@ from ._proof import Proof, ProofReport
 from ._registry import Identity
 
 __all__ = [
-    "md_text", "display_math", "equation", "statement", "definitions", "derivation", "steps", "twins",
-    "summary",
+    "md_text", "prose", "display_math", "equation", "statement", "definitions", "derivation", "steps", "twins",
+    "summary", "established",
 ]
 
 #: Characters of LaTeX source per displayed line: MathJax 3 does not break long formulas itself.
 LINE_BUDGET = 110
+QUAD = r"\quad"
 
 
 def md_text(text: str) -> str:
@@ -34,35 +37,144 @@ def md_text(text: str) -> str:
     return text
 
 
+_WORD_SUBSCRIPTS = ("in", "out", "pos", "gate", "writing", "eff")
+#: ASCII fragments of plain-text preconditions and their typeset form.
+_ASCII_MATH = [
+    (re.compile(r"\b(LNPre|LN|RMSPre|RMS)\((\w)\)"), lambda m: rf"\mathrm{{{m.group(1)}}}({m.group(2)})"),
+    (re.compile(r"\beps (==|=|>=|>) 0\b"), lambda m: {"==": "=", ">=": r"\ge"}.get(m.group(1), m.group(1)).join(
+        [r"\varepsilon ", " 0"])),
+    (re.compile(r"\b(scale|s) > 0\b"), lambda m: r"s > 0"),
+    (re.compile(r"\bq = \|\|x C\|\|\^2 > 0"), lambda m: r"q = \lVert x C \rVert^2 > 0"),
+    (re.compile(r"\bx C = x' C\b"), lambda m: r"x C = x' C"),
+    (re.compile(r"\b(\d+) x (\d+)\b"), lambda m: rf"{m.group(1)} \times {m.group(2)}"),
+    (re.compile(r"\bR\^(\d+)"), lambda m: rf"\mathbb{{R}}^{m.group(1)}"),
+    (re.compile(r"\b(rho|eps)\b"), lambda m: {"rho": r"\rho", "eps": r"\varepsilon"}[m.group(1)]),
+    (re.compile(r"(?<![\w`])([A-Za-z])_([A-Za-z]\w*|\d+)(?![\w(])"),
+     lambda m: rf"{m.group(1)}_\mathrm{{{m.group(2)}}}" if m.group(2) in _WORD_SUBSCRIPTS else f"{m.group(1)}_{{{m.group(2)}}}"),
+]
+_CODE_NAME = re.compile(r"(?<![\w`$\\])([a-z][a-z0-9]+(?:_[a-z0-9]+)+)(?![\w`])")
+
+
+def prose(text: str) -> str:
+    """Plain text that names weights and norms in ASCII (``W_Q``, ``LNPre(x)``, ``eps == 0``) as
+    Markdown with those names typeset as math and code identifiers (``normalization_type``) as code."""
+    spans = []
+    for pattern, latex in _ASCII_MATH:
+        spans += [(m.start(), m.end(), f"${latex(m)}$") for m in pattern.finditer(text)]
+    spans += [(m.start(), m.end(), f"`{m.group(1)}`") for m in _CODE_NAME.finditer(text)]
+    out, at = [], 0
+    for start, end, replacement in sorted(spans, key=lambda span: (span[0], -span[1])):
+        if start < at:
+            continue  # inside an earlier match
+        out += [md_text(text[at:start]), replacement]
+        at = end
+    return "".join(out + [md_text(text[at:])])
+
+
+def _fact_lines(facts) -> list[str]:
+    """One line per distinct explanation: the facts it covers, typeset, then the explanation
+    unless it only restates them in ASCII."""
+    grouped: dict[str, list[str]] = {}
+    for fact in facts:
+        grouped.setdefault(fact.text, []).append(f"${fact.latex()}$")
+    lines = []
+    for text, formulas in grouped.items():
+        words = text.split(":")[0] if re.search(r"=|\^T|diag\(", text) else text
+        words = "" if re.search(r"=|\^T|diag\(", words) else words
+        lines.append(f"- {', '.join(formulas)}" + (f": {prose(words)}" if words else ""))
+    return lines
+
+
 def display_math(latex: str) -> str:
     return f"$$\n{latex}\n$$"
 
 
-def _join(pieces: list[str], budget: int) -> list[str]:
-    lines = [pieces[0]]
-    for piece in pieces[1:]:
-        joined = piece if piece.startswith("-") else f"+ {piece}"
-        if len(lines[-1]) + len(joined) > budget:
-            lines.append(joined)
+def _factors(latex: str) -> list[str]:
+    """The top-level factors of a product written in LaTeX: split at spaces outside braces and
+    outside ``\\left ... \\right`` pairs."""
+    tokens, depth, start, i = [], 0, 0, 0
+    while i < len(latex):
+        if latex.startswith("\\left", i):
+            depth, i = depth + 1, i + 5
+        elif latex.startswith("\\right", i):
+            depth, i = depth - 1, i + 6
         else:
-            lines[-1] += f" {joined}"
+            char = latex[i]
+            depth += (char == "{") - (char == "}")
+            if char == " " and depth == 0 and latex[start:i].strip():
+                tokens.append(latex[start:i].strip())
+                start = i
+            i += 1
+    return tokens + [latex[start:].strip()]
+
+
+def _group(token: str) -> str | None:
+    """The inside of ``\\left( ... \\right)`` when ``token`` is exactly one such group."""
+    opening, closing = "\\left(", "\\right)"
+    if not (token.startswith(opening) and token.endswith(closing)):
+        return None
+    inner = token[len(opening):-len(closing)]
+    depth = 0
+    for i in range(len(inner)):  # the opening bracket must close only at the very end
+        depth += inner.startswith("\\left", i) - inner.startswith("\\right", i)
+        if depth < 0:
+            return None
+    return inner
+
+
+def _pack(pieces: list[list[str]], budget: int) -> list[str]:
+    """Lines from pieces (each a list of lines): a piece's first line joins the line before it
+    when both fit in ``budget``."""
+    lines: list[str] = []
+    for piece in pieces:
+        if lines and len(lines[-1]) + 1 + len(piece[0]) <= budget:
+            lines[-1] += " " + piece[0]
+            lines += piece[1:]
+        else:
+            lines += piece
     return lines
 
 
-def _broken(expr, budget: int) -> list[str]:
-    """LaTeX lines of ``expr``: a sum is cut between its terms, an operator sum applied to a
-    matrix between the operator's terms (inside ``\\Big(`` ... ``\\Big)``)."""
-    if isinstance(expr, MatAdd):
+def _lines(latex: str, budget: int) -> list[str]:
+    """``latex`` cut into balanced lines of about ``budget`` characters: a sum between its terms,
+    a product between its factors, and a parenthesised group too long for one line opened into
+    ``\\Big(`` ... ``\\Big)`` lines. MathJax 3 does not break long formulas itself."""
+    if len(latex) <= budget:
+        return [latex]
+    terms = _split_sum(latex)
+    if len(terms) > 1:
         pieces = []
-        for term in expr.args:
-            pieces += _broken(term, budget) if len(to_latex(term)) > budget else [to_latex(term)]
-        return _join(pieces, budget)
-    if isinstance(expr, Apply) and isinstance(expr.op, MatAdd) and len(to_latex(expr)) > budget:
-        lines = _join([to_latex(term) for term in expr.op.args], budget)
-        lines[0] = r"\Big(" + lines[0]
-        lines[-1] += r"\Big) \cdot " + to_latex(expr.X)
-        return lines
-    return [to_latex(expr)]
+        for k, term in enumerate(terms):
+            sign = "" if k == 0 or term.startswith("-") else "+ "
+            sub = _lines(term, budget - len(sign))
+            pieces.append([sign + sub[0], *sub[1:]])
+        return _pack(pieces, budget)
+    pieces = []
+    for token in _factors(latex):
+        inner = _group(token) if len(token) > budget else None
+        if inner is None:
+            pieces.append([token])
+        else:
+            sub = _lines(inner, budget - 5)
+            sub[0] = "\\Big(" + sub[0]
+            sub[-1] = sub[-1] + "\\Big)"
+            pieces.append(sub)
+    return _pack(pieces, budget)
+
+
+def _broken(expr, budget: int) -> list[str]:
+    """LaTeX lines of the matrix expression ``expr`` (see :func:`_lines`)."""
+    return _lines(to_latex(expr), budget)
+
+
+def _rows(expr, lead: str, budget: int, tag: str = "") -> list[str]:
+    """Rows of an ``aligned`` block for ``expr``: ``lead`` before the first, ``tag`` after its last."""
+    rows = []
+    for j, line in enumerate(_broken(expr, budget)):
+        rows.append(f"{lead if j == 0 else QUAD} & {line}")
+    if tag:
+        rows[-1] += f" && {tag}"
+    return rows
 
 
 def equation(*sides, first: str = "", budget: int = LINE_BUDGET) -> str:
@@ -81,9 +193,7 @@ def equation(*sides, first: str = "", budget: int = LINE_BUDGET) -> str:
     """
     rows = []
     for i, side in enumerate(sides):
-        for j, line in enumerate(_broken(side, budget)):
-            lead = (first if i == 0 else "={}") if j == 0 else r"\quad"
-            rows.append(f"{lead} & {line}")
+        rows += _rows(side, first if i == 0 else "={}", budget)
     return display_math("\\begin{aligned}\n" + " \\\\\n".join(rows) + "\n\\end{aligned}")
 
 
@@ -100,8 +210,9 @@ def _split_sum(latex: str) -> list[str]:
 
 
 def _long_latex(latex: str, budget: int = LINE_BUDGET) -> str:
-    """A LaTeX sum already printed, as a display cut into lines."""
-    lines = _join(_split_sum(latex), budget)
+    """A LaTeX sum already printed, as a display cut into lines; a coefficient 1 is not written."""
+    terms = [re.sub(r"^(-\s*)?1 (?=[\\A-Za-z{(])", lambda m: m.group(1) or "", term) for term in _split_sum(latex)]
+    lines = _lines(" + ".join(terms).replace("+ -", "-"), budget)
     return display_math("\\begin{aligned}\n& " + " \\\\\n& \\quad ".join(lines) + "\n\\end{aligned}")
 
 
@@ -115,15 +226,15 @@ def statement(identity: Identity, proof: Proof | None = None) -> str:
     proof = proof or identity.proof
     lines = [f"**Claim** (`{identity.name}`: {md_text(identity.title)}):", "", equation(proof.lhs, proof.rhs)]
     lines += ["", "**Preconditions**:", ""]
-    lines += [f"- {md_text(getattr(p, 'statement', p))}" for p in identity.preconditions]
+    lines += [f"- {prose(getattr(p, 'statement', p))}" for p in identity.preconditions]
     if proof.facts:
         lines += ["", "**Facts** the proof may use (every sampled instance is checked to satisfy them):", ""]
-        lines += [f"- ${f.latex()}$: {md_text(f.text)}" for f in proof.facts]
+        lines += _fact_lines(proof.facts)
     if proof.assumptions:
         lines += ["", "**Assumptions** of the proof:", ""]
-        lines += [f"- {md_text(a)}" for a in proof.assumptions]
+        lines += [f"- {prose(a)}" for a in proof.assumptions]
     if proof.explicit_only:
-        lines += ["", f"**Proved for explicit sizes only**: {md_text(proof.explicit_only)}"]
+        lines += ["", f"**Proved for explicit sizes only**: {prose(proof.explicit_only)}"]
     return "\n".join(lines)
 
 
@@ -143,13 +254,18 @@ def definitions(identity_or_proof) -> str:
     return "\n".join(lines)
 
 
-def derivation(identity_or_proof) -> str:
-    """The checked chain: the left side, then each step after the reason it holds."""
+def derivation(identity_or_proof, *, budget: int = LINE_BUDGET) -> str:
+    """The checked chain as one aligned display: the left side, then each step on lines that
+    begin with ``=`` and end with the step's number on the right; the reasons follow the display,
+    numbered (a reason beside its line would make the display wider than the page).
+    """
     proof = _proof(identity_or_proof)
-    lines = [equation(proof.lhs)]
-    for step in proof.steps:
-        lines += ["", f"{step.reason}:", "", equation(step.expr, first="={}")]
-    return "\n".join(lines)
+    rows = _rows(proof.lhs, "", budget)
+    for i, step in enumerate(proof.steps, 1):
+        rows += _rows(step.expr, "={}", budget, tag=rf"\text{{({i})}}")
+    block = display_math("\\begin{aligned}\n" + " \\\\\n".join(rows) + "\n\\end{aligned}")
+    reasons = [f"{i}. {step.reason}" for i, step in enumerate(proof.steps, 1)]
+    return "\n".join([block, "", "Why each step holds (every line was checked, whatever its reason says):", "", *reasons])
 
 
 def steps(report: ProofReport) -> str:
@@ -167,11 +283,11 @@ def twins(report: ProofReport, identity_or_proof=None) -> str:
     for t in report.twins:
         gap = "none found" if t.counterexample_gap is None else f"{t.counterexample_gap:g}"
         lines.append(f"| `{t.name}` | {md_text(t.description)} | {'yes' if t.rejected else '**NO**'} | {gap} |")
-    lines += ["", "The wrong claims, and what the normal form keeps of each difference (non-zero, so not an identity):"]
     proof_twins = _proof(identity_or_proof).twins if identity_or_proof is not None else [None] * len(report.twins)
     for twin, t in zip(proof_twins, report.twins):
         claim = equation(twin.lhs, twin.rhs) if twin is not None else display_math(t.claim)
-        lines += ["", f"`{t.name}` claims", "", claim, "", "and the difference keeps", "", _long_latex(t.symbolic_residual)]
+        lines += ["", f"**`{t.name}`** claims", "", claim, "", "which leaves the non-zero difference", "",
+                  _long_latex(t.symbolic_residual)]
     return "\n".join(lines)
 
 
@@ -184,3 +300,60 @@ def summary(report: ProofReport) -> str:
         f"  symbolic dimensions: {r['symbolic_dims']}, concrete check: {r['concrete_check']}",
         f"  negative twins rejected: {r['twins_rejected']} of {r['twins_total']}",
     ])
+
+
+def _sizes(proof: Proof) -> list[str]:
+    """The symbolic sizes of the matrices in the claim, as LaTeX, sorted."""
+    from sympy import MatrixSymbol, Symbol
+
+    sizes = {dim for side in (proof.lhs, proof.rhs) for m in side.atoms(MatrixSymbol) for dim in m.shape
+             if isinstance(dim, Symbol)}
+    return sorted(to_latex(dim) for dim in sizes)
+
+
+def _axioms(report: ProofReport) -> list[str] | None:
+    """The axioms the report says its proof rests on, as text; ``None`` when reports do not
+    record them (the key is absent from ``as_dict``)."""
+    axioms = report.as_dict().get("axioms")
+    if axioms is None:
+        return None
+    if isinstance(axioms, dict):
+        axioms = list(axioms)
+    return [str(a.get("name") or a.get("text") or a) if isinstance(a, dict) else str(getattr(a, "name", a))
+            for a in axioms]
+
+
+def established(proved, numbers=()) -> str:
+    """What a chapter established, as Markdown: for each ``(report, identity)`` in ``proved``,
+    what was proved and for which sizes, which wrong versions the proof refuted, which wrong
+    transforms the numeric check rejects and the axioms the proof rests on (when reports record
+    them); then ``numbers``, one Markdown line each, the numeric results the chapter measured.
+    """
+    lines = []
+    for report, identity in proved:
+        proof = identity.proof
+        r = report.as_dict()
+        if proof.explicit_only:
+            sizes = "for explicit sizes only"
+        elif r["symbolic_dims"]:
+            dims = _sizes(proof)
+            sizes = "for every size" + (" (" + ", ".join(f"${d}$" for d in dims) + " symbolic)" if dims else "")
+        else:
+            sizes = "for the explicit sizes of its exact check"
+        verdict = "proved" if r["status"] == "proved" else "**NOT proved**"
+        parts = [f"{verdict} in {r['steps']} checked steps {sizes}"]
+        twins = [f"`{t.name}`" for t in report.twins if t.rejected]
+        if twins:
+            parts.append(f"refutes {len(twins)} wrong version{'s' if len(twins) > 1 else ''} ({', '.join(twins)})"
+                         " with exact counterexamples")
+        if identity.corruptions:
+            names = ", ".join(f"`{c}`" for c in identity.corruptions)
+            parts.append(f"numeric twin{'s' if len(identity.corruptions) > 1 else ''} (wrong transforms): {names}")
+        axioms = _axioms(report)
+        if axioms is not None:
+            parts.append("rests on the axioms " + ", ".join(prose(a) for a in axioms) if axioms
+                         else "rests on no axiom beyond the definitions it unfolds")
+        lines.append(f"- **`{identity.name}`** ({md_text(identity.title)}): " + "; ".join(parts) + ".")
+    if numbers:
+        lines += ["", "Measured when this page was built:", "", *[f"- {n}" for n in numbers]]
+    return "\n".join(lines)

@@ -32,7 +32,7 @@ def _real_tokens(cfg, batch=2):
 def test_the_zoo_is_small_and_complete():
     files = sorted(p.name for p in ZOO.iterdir() if p.suffix in (".safetensors", ".json", ".md"))
     expected = [f"{n}{ext}" for n in zoo.NAMES for ext in (".safetensors", ".json", ".md")]
-    assert files == sorted(expected + [f"study_{n}.json" for n in STUDIED])
+    assert files == sorted(expected + [f"study_{n}.json" for n in STUDIED] + ["study_controls.json"])
     total = sum(p.stat().st_size for p in ZOO.iterdir() if p.suffix in (".safetensors", ".json", ".md"))
     assert total <= 10 * 2**20, f"the zoo takes {total / 2**20:.1f} MB"
     with pytest.raises(KeyError, match="known"):
@@ -120,7 +120,7 @@ def _scores(name):
 def test_two_layer_attention_only_models_have_induction_heads(name):
     scores, sd, cfg = _scores(name)
     prefix = torch.tensor(scores["prefix_matching"])
-    copying = torch.tensor(scores["copying"])
+    copying = torch.tensor(scores["direct_logit_attribution"])
     previous = torch.tensor(scores["previous_token"])
     head = int(prefix[1].argmax())
     assert prefix[1, head] > 0.3, prefix  # attends to what followed the earlier copy

@@ -1,8 +1,10 @@
-"""Induction-head evidence, in plain torch: attention patterns, prefix matching, copying and
-composition scores.
+"""Induction-head evidence, in plain torch: attention patterns, prefix matching, direct logit
+attribution and composition scores.
 
 An induction head in layer 1 attends from a token to the token *after* that token's previous
-occurrence (prefix matching) and raises the logit of the token it attends to (copying). It finds
+occurrence (prefix matching) and raises the logit of the token it attends to (copying, measured
+here by its direct logit attribution: not the eigenvalue copying score of
+:func:`circuitmath.circuits.copying_scores`, which is a property of the weights alone, in [-1, 1]). It finds
 that position through K-composition with a previous-token head in layer 0, whose output tells
 each position which token came before it. Attention patterns and the behavioural scores are
 computed here; composition scores come from :mod:`circuitmath.circuits`.
@@ -30,10 +32,11 @@ __all__ = [
     "run_with_patterns",
     "previous_token_scores",
     "prefix_matching_scores",
-    "copying_scores",
+    "direct_logit_attribution",
     "in_context_losses",
     "composition_scores",
     "induction_summary",
+    "positional_share",
 ]
 
 LETTERS = torch.arange(ord("a"), ord("z") + 1)  # the 26 lowercase ASCII letters
@@ -65,7 +68,7 @@ def run_with_patterns(state_dict: StateDict, cfg: Config, tokens: torch.Tensor):
     ``final_scale [batch, pos, 1]`` the divisor ``ln_final`` applies.
     """
     if cfg.norm_position != "pre":
-        raise InputError("run_with_patterns needs a pre-norm model: its copying scores read the heads through ln_final")
+        raise InputError("run_with_patterns needs a pre-norm model: its direct logit attribution reads the heads through ln_final")
     record: dict = {}
     logits = forward(state_dict, cfg, tokens, record=record)
     x = record["final_residual"]
@@ -86,10 +89,12 @@ def prefix_matching_scores(patterns, length: int) -> torch.Tensor:
     return torch.stack([p[:, :, queries, queries - length + 1].mean(dim=(0, 2)) for p in patterns])
 
 
-def copying_scores(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, head_outputs, final_scale, length: int):
-    """``[n_layers, n_heads]``: on ``[r, r]``, how much each head's own output, read directly by
-    the unembed, raises the logit of the correct next token above the mean logit, averaged over
-    the second half (in nats of logit). An induction head copies: large and positive.
+def direct_logit_attribution(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, head_outputs, final_scale,
+                             length: int):
+    """``[n_layers, n_heads]``: on ``[r, r]``, the direct logit attribution of each head to the
+    correct next token: how much the head's own output, read directly by the unembed, raises that
+    token's logit above the mean logit, averaged over the second half (in logit units, unbounded).
+    An induction head copies: large and positive.
 
     The head's write passes through ``ln_final`` as the model applies it (centring, the actual
     per-position scale, the gain), so the contributions of all heads and the other terms add up
@@ -150,7 +155,7 @@ def induction_summary(state_dict: StateDict, cfg: Config, *, batch: int = 16, le
             "loss_second_half": second,
             "previous_token": previous_token_scores(patterns).tolist(),
             "prefix_matching": prefix_matching_scores(patterns, length).tolist(),
-            "copying": copying_scores(state_dict, cfg, tokens, heads, scale, length).tolist(),
+            "direct_logit_attribution": direct_logit_attribution(state_dict, cfg, tokens, heads, scale, length).tolist(),
         }
         text = repeated_text_tokens(batch, length, seed=seed)
         out["text_loss_first_half"], out["text_loss_second_half"] = in_context_losses(
@@ -159,3 +164,33 @@ def induction_summary(state_dict: StateDict, cfg: Config, *, batch: int = 16, le
             out["composition"] = {kind: m.tolist() for kind, m in composition_scores(state_dict, cfg).items()}
     return out
 
+
+
+def positional_share(state_dict: StateDict, cfg: Config) -> float:
+    """How much of layer 0's query/key input is position: the mean, over every lowercase letter
+    and every position, of ``||positional part|| / ||input||`` for the input ``attn`` reads its
+    queries and keys from (first head's gain and bias of ``ln1`` included).
+
+    Standard positions enter before ``ln1``, which is linear once its scale is fixed: the
+    positional part is ``w * centre(p) / scale(e + p)`` and the input ``LN(e + p)``. Shortformer
+    positions are added after it: ``p`` beside ``LN(e)``.
+    """
+    if cfg.positional_embedding_type not in ("standard", "shortformer") or cfg.normalization_type != "LN":
+        raise InputError("positional_share covers pre-LN models with standard or shortformer positions")
+    with torch.no_grad():
+        e = state_dict["embed.W_E"][LETTERS].double()[:, None, :]
+        p = state_dict["pos_embed.W_pos"].double()[None, :, :]
+        w, b = state_dict["blocks.0.ln1.w"].double(), state_dict["blocks.0.ln1.b"].double()
+
+        def centre(v):
+            return v - v.mean(-1, keepdim=True)
+
+        def scale(v):
+            return torch.sqrt(centre(v).pow(2).mean(-1, keepdim=True) + cfg.eps)
+
+        if cfg.positional_embedding_type == "standard":
+            x = e + p
+            part, whole = w * centre(p) / scale(x), w * centre(x) / scale(x) + b
+        else:
+            part, whole = p.expand(e.shape[0], -1, -1), w * centre(e) / scale(e) + b + p
+        return float((part.norm(dim=-1) / whole.norm(dim=-1)).mean())

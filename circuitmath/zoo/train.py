@@ -5,6 +5,7 @@
     python -m circuitmath.zoo.train --out /tmp/zoo       # somewhere else
     python -m circuitmath.zoo.train --check              # retrain, compare with the shipped weights
     python -m circuitmath.zoo.train --study --only attn_only_2l   # the shortformer study (below)
+    python -m circuitmath.zoo.train --study --controls --study-weights DIR  # its controls (CONTROLS)
 
 The model is the reference forward pass itself (:func:`circuitmath.forward`) over a dict of
 leaf tensors, so the weights are in the reference conventions by construction. Everything random
@@ -18,7 +19,9 @@ version has different standard-library text).
 trains the two two-layer attention-only models with each of :data:`STUDY_SEEDS` (the shipped
 seed among them), writes every run's training curve and final scores to ``study_<name>.json``
 and, with ``--study-weights DIR``, each run's weights and card to ``DIR/seed<k>/`` (runs found
-there are reused, so ``--seed K`` can split the study across processes).
+there are reused, so ``--seed K`` can split the study across processes). ``--controls`` runs the
+controls of :data:`CONTROLS` for the positional scale at initialisation, each run cut at
+:data:`CONTROL_STEPS`, into ``study_controls.json`` (``--control NAME --seed K`` trains one run).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from .._state import expected_shapes
 from ..io import save
 from . import HERE, NAMES
 from ._corpus import corpus_description, corpus_tokens
-from ._induction import induction_summary
+from ._induction import induction_summary, positional_share
 
 __all__ = ["Recipe", "RECIPES", "train", "baseline_losses", "heldout_loss", "main"]
 
@@ -66,6 +69,13 @@ class Recipe:
     eval_every: int = 100
     init_std: float = 0.02
     repeat_fraction: float = 0.5
+    pos_init_std: float | None = None
+    stop_at: int | None = None
+
+    # ``pos_init_std``: the standard deviation of ``W_pos`` at initialisation (``None``: ``init_std``,
+    # like every other matrix). ``stop_at``: end after this many steps while the learning-rate
+    # schedule still runs over ``steps``, so the run is the first ``stop_at`` steps of the full one.
+    # Both are for the study's controls; the zoo's recipes leave them unset.
 
 
 def _cfg(n_layers: int, *, mlp: bool = False, positions: str = "standard") -> Config:
@@ -88,8 +98,9 @@ RECIPES = {
 assert tuple(RECIPES) == NAMES
 
 
-def init_state_dict(cfg: Config, seed: int, std: float) -> dict[str, torch.Tensor]:
-    """Gains 1, biases 0, every matrix N(0, std^2), in float32 from ``seed``."""
+def init_state_dict(cfg: Config, seed: int, std: float, *, pos_std: float | None = None) -> dict[str, torch.Tensor]:
+    """Gains 1, biases 0, every matrix N(0, std^2) (``W_pos`` N(0, pos_std^2) when given), in
+    float32 from ``seed``. ``pos_std`` rescales ``W_pos`` only: every other draw is unchanged."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in expected_shapes(cfg).items():
@@ -99,7 +110,8 @@ def init_state_dict(cfg: Config, seed: int, std: float) -> dict[str, torch.Tenso
         elif leaf.startswith("b"):
             out[name] = torch.zeros(shape)
         else:
-            out[name] = torch.randn(shape, generator=g) * std
+            scale = pos_std if name == "pos_embed.W_pos" and pos_std is not None else std
+            out[name] = torch.randn(shape, generator=g) * scale
     return out
 
 
@@ -158,6 +170,7 @@ def _induction_point(state_dict, cfg: Config, step: int, recent_loss: float) -> 
         "repeated_text_loss_second_half": scores["text_loss_second_half"],
         "max_prefix_matching": max(scores["prefix_matching"][-1]),
         "max_previous_token": max(scores["previous_token"][0]),
+        "positional_share": positional_share(state_dict, cfg),
     }
 
 
@@ -169,12 +182,14 @@ def train(name: str, *, recipe: Recipe | None = None, log=print) -> tuple[dict[s
     torch.set_num_threads(1)
     try:
         data, heldout = corpus_tokens("train"), corpus_tokens("heldout")
-        params = {k: v.requires_grad_() for k, v in init_state_dict(cfg, recipe.seed, recipe.init_std).items()}
+        initial = init_state_dict(cfg, recipe.seed, recipe.init_std, pos_std=recipe.pos_init_std)
+        params = {k: v.requires_grad_() for k, v in initial.items()}
         optimizer = torch.optim.AdamW(params.values(), lr=recipe.lr, betas=(0.9, 0.99), weight_decay=0.0)
         g = torch.Generator().manual_seed(recipe.seed + 1000)
         span = cfg.n_ctx + 1
         history, recent, started = [], [], time.perf_counter()
-        for step in range(recipe.steps):
+        steps = recipe.stop_at or recipe.steps
+        for step in range(steps):
             for group in optimizer.param_groups:
                 group["lr"] = _learning_rate(recipe, step)
             starts = torch.randint(0, len(data) - span, (recipe.batch,), generator=g)
@@ -203,11 +218,12 @@ def train(name: str, *, recipe: Recipe | None = None, log=print) -> tuple[dict[s
             "config": cfg.to_dict(),
             "parameters": sum(v.numel() for v in state_dict.values()),
             "corpus": corpus_description(),
-            "recipe": {k: v for k, v in asdict(recipe).items() if k not in ("cfg", "description")}
+            "recipe": {k: v for k, v in asdict(recipe).items()
+                       if k not in ("cfg", "description") and not (k in ("pos_init_std", "stop_at") and v is None)}
             | {"optimizer": "AdamW(betas=(0.9, 0.99), weight_decay=0)", "schedule": "linear warm-up, cosine decay to 0",
                "init": "gains 1, biases 0, matrices N(0, init_std^2)", "threads": 1},
-            "tokens_seen": recipe.steps * recipe.batch * cfg.n_ctx,
-            "steps": recipe.steps,
+            "tokens_seen": steps * recipe.batch * cfg.n_ctx,
+            "steps": steps,
             "losses": {
                 "final_train": sum(recent) / len(recent),
                 "heldout": heldout_loss(state_dict, cfg, heldout),
@@ -294,27 +310,94 @@ def write(name: str, state_dict, cfg: Config, card: dict, folder: Path) -> None:
 STUDY_SEEDS = (2, 11)
 STUDIED = ("attn_only_2l", "attn_only_2l_shortformer")
 
+# The study's controls for its confound: at initialisation (W_pos ~ N(0, 0.02^2) in both models)
+# the positional part of layer 0's query/key input is about 0.71 of its norm in the standard model
+# (W_E and W_pos are renormalised together by ln1) but 0.02 in the shortformer model (W_pos is
+# added after ln1, beside a unit-scale normalised token). Each control changes that scale alone
+# (``pos_init_std``), runs the first 2,500 of the recipe's 4,000 steps (induction heads form by
+# step 2,000 in every uncontrolled run) and is named after the model it changes.
+CONTROLS = {
+    # shortformer with W_pos ~ N(0, 1): positional share 0.71 at initialisation, as in the standard model
+    "shortformer_matched": ("attn_only_2l_shortformer", 1.0),
+    # standard with W_pos ~ N(0, 0.0004^2): positional share 0.02 at initialisation, as in shortformer
+    "standard_matched": ("attn_only_2l", 0.02 * 0.02),
+}
+CONTROL_STEPS = 2500
+CONTROL_SEEDS = STUDY_SEEDS
 
-def study(name: str, *, seeds=STUDY_SEEDS, weights: Path | None = None, log=print) -> dict:
+
+def control_recipe(control: str, seed: int) -> Recipe:
+    """The recipe of one control run (see :data:`CONTROLS`)."""
+    name, pos_std = CONTROLS[control]
+    base = RECIPES[name]
+    return replace(base, description=f"{base.description}; W_pos initialised N(0, {pos_std:g}^2)", seed=seed,
+                   pos_init_std=pos_std, stop_at=CONTROL_STEPS)
+
+
+def study(name: str, *, seeds=STUDY_SEEDS, weights: Path | None = None, control: str | None = None,
+          stop_at: int | None = None, log=print) -> dict:
     """The shortformer study's runs for ``name``, one per seed: curves and final scores.
 
     With ``weights``, each run's weights and card go to ``weights / f"seed{k}"``, and a run whose
     card is already there is read back instead of retrained (runs can be split across processes).
+    With ``control`` (a key of :data:`CONTROLS`), the runs are that control's, and ``name`` is
+    the model it changes. ``stop_at`` ends uncontrolled runs early, as the controls end.
     """
     runs = []
     for seed in seeds:
-        done = weights / f"seed{seed}" / f"{name}.json" if weights is not None else None
+        recipe = control_recipe(control, seed) if control else replace(RECIPES[name], seed=seed, stop_at=stop_at)
+        label = control or name
+        done = weights / f"seed{seed}" / f"{label}.json" if weights is not None else None
         if done is not None and done.exists():
             card = json.loads(done.read_text())
         else:
-            state_dict, cfg, card = train(name, recipe=replace(RECIPES[name], seed=seed), log=log)
+            state_dict, cfg, card = train(label, recipe=recipe, log=log)
             if weights is not None:
-                write(name, state_dict, cfg, card, weights / f"seed{seed}")
+                write(label, state_dict, cfg, card, weights / f"seed{seed}")
         runs.append({
             "seed": seed, "heldout_loss": card["losses"]["heldout"], "weights_sha256": card["weights_sha256"],
             "history": card["history"], "induction": card["induction"],
         })
-    return {"model": name, "corpus": corpus_description(), "recipe": card["recipe"] | {"seed": "varies"}, "runs": runs}
+    out = {"model": name, "corpus": corpus_description(), "recipe": card["recipe"] | {"seed": "varies"}, "runs": runs}
+    return out | ({"control": control, "description": recipe.description} if control else {})
+
+
+def _truncated(run: dict, steps: int) -> dict:
+    """A full run of the study as its first ``steps`` steps: the history up to them (the run is
+    deterministic, so a run stopped there is this prefix); final scores are the full run's, dropped."""
+    return {"seed": run["seed"], "history": [p for p in run["history"] if p["step"] <= steps],
+            "weights_sha256": None, "truncated_from": run["history"][-1]["step"]}
+
+
+def controls_study(weights: Path, *, log=print) -> dict:
+    """The study's controls: the two models and the two controls of :data:`CONTROLS`, each with
+    every seed of :data:`CONTROL_SEEDS`, for :data:`CONTROL_STEPS` steps.
+
+    Uncontrolled runs with a seed of the main study are read from ``study_<model>.json`` (their
+    first ``CONTROL_STEPS`` steps); every other run is trained, or read back from ``weights``.
+    """
+    out = {"steps": CONTROL_STEPS, "seeds": list(CONTROL_SEEDS), "variants": {}}
+    for variant in (*STUDIED, *CONTROLS):
+        control = variant if variant in CONTROLS else None
+        name = CONTROLS[variant][0] if control else variant
+        recorded = json.loads((HERE / f"study_{name}.json").read_text()) if not control else {"runs": []}
+        runs = []
+        for seed in CONTROL_SEEDS:
+            full = next((r for r in recorded["runs"] if r["seed"] == seed), None)
+            if full is not None:
+                runs.append(_truncated(full, CONTROL_STEPS))
+                continue
+            run = study(name, seeds=(seed,), weights=weights, control=control, stop_at=CONTROL_STEPS, log=log)["runs"][0]
+            runs.append({k: run[k] for k in ("seed", "history", "weights_sha256")})
+        recipe = control_recipe(control, 0) if control else RECIPES[name]
+        out["variants"][variant] = {
+            "model": name, "pos_init_std": recipe.pos_init_std or recipe.init_std,
+            "positional_share_at_init": [positional_share(init_state_dict(recipe.cfg, seed, recipe.init_std,
+                                                                          pos_std=recipe.pos_init_std), recipe.cfg)
+                                         for seed in CONTROL_SEEDS],
+            "runs": runs,
+        }
+    return out
 
 
 def main(argv=None) -> int:
@@ -327,13 +410,33 @@ def main(argv=None) -> int:
     parser.add_argument("--study-weights", type=Path,
                         help="with --study: keep each run's weights and card here, and reuse runs already there")
     parser.add_argument("--seed", type=int, action="append", help="with --study: run only this seed (repeatable)")
+    parser.add_argument("--controls", action="store_true",
+                        help="with --study and --study-weights: write study_controls.json (see controls_study)")
+    parser.add_argument("--stop-at", type=int, help="with --study: end each run after this many steps (schedule unchanged)")
+    parser.add_argument("--control", choices=sorted(CONTROLS),
+                        help="with --study: run this control of the positional scale instead (see CONTROLS)")
     args = parser.parse_args(argv)
     names = args.only or list(NAMES)
+    if args.study and args.controls:
+        if args.study_weights is None:
+            parser.error("--controls needs --study-weights")
+        result = controls_study(args.study_weights, log=lambda line: print(line, flush=True))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "study_controls.json").write_text(json.dumps(result, indent=1) + "\n")
+        return 0
+    if args.study and args.control:
+        name = CONTROLS[args.control][0]
+        result = study(name, seeds=args.seed or STUDY_SEEDS, weights=args.study_weights, control=args.control,
+                       log=lambda line: print(line, flush=True))
+        if not args.seed:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"study_control_{args.control}.json").write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     if args.study:
         for name in names:
             if name not in STUDIED:
                 parser.error(f"the study covers {STUDIED}, not {name}")
-            result = study(name, seeds=args.seed or STUDY_SEEDS, weights=args.study_weights,
+            result = study(name, seeds=args.seed or STUDY_SEEDS, weights=args.study_weights, stop_at=args.stop_at,
                            log=lambda line: print(line, flush=True))
             if args.seed:  # a part of the study: its runs are kept in --study-weights only
                 continue
