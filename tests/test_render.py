@@ -14,7 +14,7 @@ def test_statement_lists_the_claim_and_every_registered_precondition(name):
     text = render.statement(identity)
     assert f"`{identity.name}`" in text and "**Preconditions**" in text
     for precondition in identity.preconditions:
-        assert render.md_text(getattr(precondition, "statement", precondition)) in text
+        assert render.prose(getattr(precondition, "statement", precondition)) in text
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -141,7 +141,8 @@ class Diagnosis:
         parts = []
         if self.comparison is not None and not self.comparison.passed:
             parts.append(f"log-probs differ by {self.comparison.max_abs_error:.3g} > {self.comparison.tolerance:.3g}")
-        for f in self.violations:
+        failing = [f for f in self.findings if f.violated or f.status == "not recognised"]
+        for f in failing:
             names = [p.name for p in f.parameters]
             shown = ", ".join(names[:2]) + (f" +{len(names) - 2} more" if len(names) > 2 else "")
             parts.append(f"{f.name} {f.status}" + (f" ({f.rewrite}: {shown})" if f.rewrite and shown else
