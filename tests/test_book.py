@@ -267,6 +267,28 @@ def test_figure_check_fails_on_each_defect_negative_control(defect):
 
 @pytest.mark.book
 @pytest.mark.xdist_group("book")
+def _settle(page) -> None:
+    """Wait until the page is what a reader sees: MathJax done typesetting (where the page loads
+    it) and every font it asked for loaded. (Playwright's "networkidle" never fired on the
+    rotation chapter although no request was pending: a heuristic, not a state of the page.)"""
+    from playwright.sync_api import Error, TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_load_state("networkidle", timeout=15_000)  # every page but one: nothing in flight
+    except PlaywrightTimeout:
+        pass  # then what a reader waits for: typesetting and fonts, below
+    for _attempt in range(5):  # a page that redirects destroys the context the first wait ran in
+        try:
+            page.wait_for_load_state("load")
+            page.evaluate("() => (window.MathJax && MathJax.startup ? MathJax.startup.promise : Promise.resolve())"
+                          ".then(() => document.fonts.ready).then(() => true)")
+            return
+        except Error as error:
+            if "context was destroyed" not in str(error):
+                raise
+    raise AssertionError(f"{page.url} kept navigating")
+
+
 def test_book_builds_and_renders_offline(tmp_path):
     if not MATHJAX.is_file():
         pytest.fail(f"{MATHJAX.relative_to(ROOT)} is missing: run `make {MATHJAX.relative_to(ROOT)}`")
@@ -323,13 +345,13 @@ def test_book_builds_and_renders_offline(tmp_path):
                     page.goto(base + name, wait_until="load")
                     if 'http-equiv="Refresh"' in (html / name).read_text(encoding="utf-8"):
                         page.wait_for_url(lambda url: not url.endswith("/" + name), wait_until="load")
-                    page.wait_for_load_state("networkidle")
+                    _settle(page)
                     results[name] = page.evaluate(_INSPECT)
                     reading[name] = page.evaluate(_READ)
                 page.set_viewport_size({"width": PHONE, "height": 800})
                 for name in pages:
                     page.goto(base + name, wait_until="load")
-                    page.wait_for_load_state("networkidle")
+                    _settle(page)
                     page.evaluate(_INSPECT)  # typeset first: formulas set the page's width
                     phone[name] = page.evaluate(_PHONE)
             finally:
