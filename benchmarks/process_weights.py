@@ -261,8 +261,17 @@ def main() -> int:
                   " parameters, bfloat16 (the whole 7B model needs 13.5 GB of weights; this machine has"
                   f" {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB)")
             summary = _compare("LLaMA-shaped bfloat16", path, 1, 1, threads[-1])
-            if summary["circuitmath"]["memory"] > TARGET_MEMORY:
-                failures.append(f"LLaMA-shaped bfloat16 memory {summary['circuitmath']['memory']:.2f}x > {TARGET_MEMORY:g}x")
+            # A half-precision model that is not fused is processed a part (the embedding and
+            # unembedding, or one block) at a time: beyond its output, processing holds one part
+            # in float32, the same for 2 or 32 layers. Over the whole 7B model's weights:
+            run = summary["circuitmath"]["run"]
+            transient = run["peak_rss_bytes"] - run["rss_loaded_bytes"] - run["weights_bytes"]
+            whole = 2 * sum(math.prod(shape) for shape in cm.expected_shapes(LLAMA_SHAPED.replace(n_layers=32)).values())
+            at_7b = 1 + transient / whole
+            print(f"  circuitmath beyond its output: {_gb(transient)} (one part in float32); over the 32-layer"
+                  f" model's {_gb(whole)} of weights processing adds {at_7b:.2f}x (target <= {TARGET_MEMORY:g}x)")
+            if at_7b > TARGET_MEMORY:
+                failures.append(f"LLaMA-7B-shaped bfloat16 memory {at_7b:.2f}x > {TARGET_MEMORY:g}x")
         if not args.skip_quality:
             q = _run("--quality", paths[torch.float32], str(threads[0]))
             print(f"\nfloat32 quality, max |Δ log-prob| against the unprocessed model in float64"

@@ -26,7 +26,7 @@ from ._diagnosis import _relative_difference, _Thresholds
 from ._errors import InputError
 from ._processing.pipeline import process_weights
 from ._reference import block, check_tokens, embed, unembed
-from ._streaming import KEYWORD_OF, STEPS, Parts, opened
+from ._streaming import KEYWORD_OF, STEPS, checkpoint_parts, opened
 from ._compare import _unit_roundoff, compute_dtype, logprob_tolerance
 
 __all__ = ["check_processed", "StreamingReport"]
@@ -182,7 +182,7 @@ def _tensor_row(before: Checkpoint, after: Checkpoint, progress, done: int, tota
         return row | {"status": "not compared", "explanation": (
             f"after records {after.cfg.applied}, not {before.cfg.applied} followed by process_weights steps")}
     threshold = _Thresholds.of(after.dtype, before.cfg).recognise
-    parts = Parts(before, after.dtype)
+    parts = checkpoint_parts(before, after.dtype)
     wrong, equal, count, worst = [], 0, 0, 0.0
 
     def transform(state_dict, part_cfg):

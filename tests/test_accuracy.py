@@ -5,9 +5,14 @@ biases through ``W_O``) or to process half precision in float32 is run on inputs
 precision visibly loses: the result must equal the float64 computation rounded once.
 """
 
+import pytest
 import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
-from circuitmath import Config, process_weights, random_state_dict
+from circuitmath import CircuitMathError, Config, OverflowedError, fold_layer_norm, process_weights, random_state_dict
+from circuitmath._processing.pipeline import STEPS
+from circuitmath.strategies import models
 from circuitmath._processing.attention import value_bias_through_output
 from circuitmath._processing.layer_norm import fold_reader
 from circuitmath._processing.norms import uncentered_writers
@@ -112,3 +117,47 @@ def test_refactored_float32_factors_keep_their_products_to_rounding():
         reference = product(sd)
         error = float((product(out) - reference).abs().max()) / float(reference.abs().max())
         assert error <= 1.5 * torch.finfo(torch.float32).eps, (name, error)
+
+
+_STEP_CHOICES = st.sampled_from([
+    {},  # the defaults: fused on a pre-LN model, a part at a time on any other
+    dict.fromkeys(STEPS),  # every step where it applies: the refactor needs the parts
+    {"fold_ln": True, "fold_value_biases": False, "center_writing_weights": False, "center_unembed": False},
+])
+
+
+@settings(max_examples=150, deadline=None)
+@given(models(max_layers=3, min_layers=0, grouped_query=(False, True), norm_positions=("pre", "post"),
+              dtype=torch.float32),
+       st.sampled_from([torch.bfloat16, torch.float16]), _STEP_CHOICES)
+def test_half_precision_equals_float32_processing_rounded_once(model, dtype, keywords):
+    """Without a float32 copy of the model (fused a tensor at a time, or a part at a time), half
+    precision gets exactly the float32 processing of the same weights, rounded once; a refusal
+    is the same refusal."""
+    cfg, sd = model
+    half = {k: v.to(dtype) for k, v in sd.items()}
+    try:
+        expected, expected_cfg = process_weights({k: v.float() for k, v in half.items()}, cfg, **keywords)
+    except CircuitMathError as error:
+        event(f"refused: {type(error).__name__}")
+        with pytest.raises(type(error)) as raised:
+            process_weights(half, cfg, **keywords)
+        assert str(raised.value) == str(error) or isinstance(error, OverflowedError)
+        return
+    got, got_cfg = process_weights(half, cfg, **keywords)
+    event(f"processed, fused={expected_cfg.applied[:1] == ('layer_norm_fold',) and not keywords}")
+    assert got_cfg == expected_cfg
+    assert set(got) == set(expected)
+    for name, tensor in got.items():
+        assert tensor.dtype == dtype, name
+        assert torch.equal(tensor, expected[name].to(dtype)), name
+
+
+def test_half_precision_equality_is_able_to_fail():
+    """Negative control: rounding twice (after each step) is caught by the comparison above."""
+    cfg = Config(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=20, n_ctx=4, d_mlp=32)
+    half = {k: v.to(torch.bfloat16) for k, v in random_state_dict(cfg, seed=3, dtype=torch.float32).items()}
+    once, _ = process_weights({k: v.float() for k, v in half.items()}, cfg)
+    folded, folded_cfg = fold_layer_norm(half, cfg, center_reading_weights=True)  # rounded after the fold...
+    twice, _ = process_weights(folded, folded_cfg)  # ...and again after the rest
+    assert any(not torch.equal(twice[k], once[k].to(torch.bfloat16)) for k in twice)

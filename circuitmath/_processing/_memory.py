@@ -17,7 +17,7 @@ import mmap
 
 import torch
 
-__all__ = ["HUGE_PAGE_MIN_BYTES", "new_tensor"]
+__all__ = ["HUGE_PAGE_MIN_BYTES", "new_tensor", "converted"]
 
 HUGE_PAGE_MIN_BYTES = 4 << 20
 
@@ -37,3 +37,15 @@ def new_tensor(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: 
     except (OSError, ValueError):
         return torch.empty(shape, dtype=dtype, device=device)
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
+
+
+def converted(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype``: itself when it has that dtype already, else a copy in memory from
+    :func:`new_tensor`. A large temporary copy (a half-precision weight cast to float32 while it is
+    processed) is then mapped and unmapped with the tensor, so freeing it returns its memory to
+    the system: from :func:`torch.empty`, the C allocator keeps freed blocks of up to 32 MB in
+    the process's heap, and a model's worth of them stays resident after processing (measured on
+    GPT-2-small in bfloat16: 0.2 GB, 0.6 times the weights)."""
+    if tensor.dtype == dtype:
+        return tensor
+    return new_tensor(tensor.shape, dtype, tensor.device).copy_(tensor)

@@ -88,19 +88,28 @@ def center_writing_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     return out, cfg.replace(applied=cfg.applied + (identity,))
 
 
-def centered_last_axis(W: torch.Tensor, *, block_bytes: int = 1 << 20, sums: list | None = None) -> torch.Tensor:
-    """``W - W.mean(-1, keepdim=True)`` for ``W: [..., n]``, as a new tensor of ``W``'s shape.
+def centered_last_axis(
+    W: torch.Tensor, *, block_bytes: int = 1 << 20, sums: list | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``W - W.mean(-1, keepdim=True)`` for ``W: [..., n]``, as a new tensor of ``W``'s shape in
+    ``dtype`` (default ``W``'s).
 
     Large tensors (an embedding) are centred in blocks of rows of about ``block_bytes``, so each
     block's mean and difference are computed while the block is in cache: one read of ``W`` from
-    memory instead of two. Given ``sums``, each block's sum is appended to it, taken in cache.
+    memory instead of two. A half-precision block is computed in float32 and rounded once to
+    ``dtype``. Given ``sums``, each block's sum is appended to it, taken in cache.
     """
+    dtype = dtype or W.dtype
+    compute = torch.float32 if torch.finfo(W.dtype).bits < 32 else W.dtype
     rows = W.reshape(-1, W.shape[-1]) if W.dim() > 1 else W[None]
     per_block = max(1, block_bytes // (rows.shape[1] * rows.element_size()))
-    out = new_tensor(rows.shape, W.dtype, W.device)
+    out = new_tensor(rows.shape, dtype, W.device)
     for start in range(0, rows.shape[0], per_block):
-        block = rows[start : start + per_block]
-        torch.sub(block, block.mean(dim=-1, keepdim=True), out=out[start : start + per_block])
+        block = rows[start : start + per_block].to(compute)
+        if compute == dtype:
+            torch.sub(block, block.mean(dim=-1, keepdim=True), out=out[start : start + per_block])
+        else:
+            out[start : start + per_block] = block - block.mean(dim=-1, keepdim=True)
         if sums is not None:
             sums.append(out[start : start + per_block].sum())
     return out.view(W.shape)

@@ -24,7 +24,7 @@ import torch
 from .._config import Config
 from .._state import StateDict, attention_names
 from ._common import readers
-from ._memory import new_tensor
+from ._memory import converted, new_tensor
 from .attention import value_bias_through_output
 from .centring import centered_last_axis, writers
 from .layer_norm import fold_reader
@@ -56,33 +56,45 @@ def fusable(cfg: Config) -> bool:
 def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config, bool]:
     """The chain :data:`FUSED_STEPS` applied to a :func:`fusable` model, each tensor written once.
 
-    Same shapes and dtype as the input (float32 or float64); the caller validates the input's
-    structure. Also returns whether every output entry is finite, taken from sums of each block
-    while it is in cache (``False`` may also mean a sum overflowed: then check the entries).
+    Same shapes and dtype as the input; the caller validates the input's structure. A bfloat16 or
+    float16 model is computed in float32 a tensor (or, for the embedding and unembedding, a block
+    of rows) at a time and each output rounded once, as the chain in float32 followed by one
+    rounding would, without a float32 copy of the model. Also returns whether every output entry
+    is finite, taken from sums of each block while it is in cache (``False`` may also mean a sum
+    overflowed: then check the entries).
     """
+    dtype = next(iter(state_dict.values())).dtype
+    compute = torch.float32 if torch.finfo(dtype).bits < 32 else dtype
+
+    def up(tensor: torch.Tensor) -> torch.Tensor:
+        return converted(tensor, compute)  # the tensor itself when it is in the compute dtype already
+
     sums: list[torch.Tensor] = []
     out = dict(state_dict)
     for norm, pairs in readers(cfg):
-        w, b = out.pop(f"{norm}.w"), out.pop(f"{norm}.b")
+        w, b = up(out.pop(f"{norm}.w")), up(out.pop(f"{norm}.b"))
         for weight, bias in pairs:
             if weight == "unembed.W_U":
                 out[weight], out[bias] = _fold_centered_unembed(state_dict[weight], w, b, state_dict[bias], sums=sums)
             else:
-                out[weight], out[bias] = fold_reader(state_dict[weight], w, b, state_dict[bias], center=True)
+                folded, out[bias] = fold_reader(up(state_dict[weight]), w, b, up(state_dict[bias]), center=True)
+                out[weight] = converted(folded, dtype)
                 sums.append(out[weight].sum())  # the folded reader is still in cache
+                del folded
     _weight, b_V_name, _heads = attention_names(cfg, "V")
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}.attn"
-        b_V = out[f"{p}.{b_V_name}"]  # ln1.b @ W_V included by the fold
+        b_V = out[f"{p}.{b_V_name}"]  # ln1.b @ W_V included by the fold, in the compute dtype
         b_O = state_dict[f"{p}.b_O"]
-        out[f"{p}.b_O"] = (b_O.double() + value_bias_through_output(b_V, state_dict[f"{p}.W_O"])).to(b_O.dtype)
+        out[f"{p}.b_O"] = (b_O.double() + value_bias_through_output(b_V, state_dict[f"{p}.W_O"])).to(compute)
         sums.append(b_V.sum())  # the folded b_V, zeroed below, carries any NaN of ln1.b or W_V into b_O too
-        out[f"{p}.{b_V_name}"] = torch.zeros_like(b_V)
+        out[f"{p}.{b_V_name}"] = torch.zeros(b_V.shape, dtype=dtype, device=b_V.device)
     for name in writers(cfg):
-        out[name] = centered_last_axis(out[name], sums=sums)
+        out[name] = centered_last_axis(out[name], sums=sums, dtype=dtype)
     summed = set(writers(cfg)) | {weight for _norm, pairs in readers(cfg) for weight, _bias in pairs}
+    out = {name: tensor.to(dtype) for name, tensor in out.items()}  # the readers' biases
     sums += [tensor.sum() for name, tensor in out.items() if name not in summed]  # the biases: small
-    finite = bool(torch.isfinite(torch.stack(sums).sum(dtype=torch.float64))) if sums else True
+    finite = bool(torch.isfinite(torch.stack([s.double() for s in sums]).sum())) if sums else True
     return out, cfg.replace(normalization_type="LNPre", applied=FUSED_STEPS), finite
 
 
@@ -97,24 +109,31 @@ def _fold_centered_unembed(
     over blocks of ``rows`` rows accumulates ``w W_U`` and ``b W_U`` (blocks summed in float64, as
     :func:`~circuitmath._processing.layer_norm.products_through` does) and the row sums; a
     second writes the result in blocks of ``rows_out`` rows, each finished while in cache (and,
-    given ``sums``, summed there, appended to it).
+    given ``sums``, summed there, appended to it). The arithmetic is in ``w``'s dtype (float32
+    for a half-precision ``W_U``, each block cast as it is read) and each output entry is rounded
+    to ``W_U``'s dtype once.
     """
     d_model, d_vocab = W_U.shape
+    compute = w.dtype
     gain_and_bias = torch.stack([w, b])  # [2, d_model]
     through = torch.zeros(2, d_vocab, dtype=torch.float64, device=W_U.device)
     row_sums = torch.empty(d_model, dtype=torch.float64, device=W_U.device)
     for start in range(0, d_model, rows):
-        block = W_U[start : start + rows]
+        block = W_U[start : start + rows].to(compute)
         through += torch.matmul(gain_and_bias[:, start : start + rows], block)
         row_sums[start : start + rows] = block.sum(dim=-1)
     column_mean = through[0] / d_model
-    minus_row_mean = (column_mean.mean() - w.double() * row_sums / d_vocab).to(W_U.dtype)
-    minus_column_mean = (-column_mean).to(W_U.dtype)
+    minus_row_mean = (column_mean.mean() - w.double() * row_sums / d_vocab).to(compute)
+    minus_column_mean = (-column_mean).to(compute)
     out = new_tensor(W_U.shape, W_U.dtype, W_U.device)
     for start in range(0, d_model, rows_out):
         stop = start + rows_out
-        torch.addcmul(minus_column_mean, W_U[start:stop], w[start:stop, None], out=out[start:stop])
-        out[start:stop].add_(minus_row_mean[start:stop, None])
+        if compute == W_U.dtype:
+            torch.addcmul(minus_column_mean, W_U[start:stop], w[start:stop, None], out=out[start:stop])
+            out[start:stop].add_(minus_row_mean[start:stop, None])
+        else:
+            block = torch.addcmul(minus_column_mean, W_U[start:stop].to(compute), w[start:stop, None])
+            out[start:stop] = block.add_(minus_row_mean[start:stop, None])
         if sums is not None:
             sums.append(out[start:stop].sum())
     bias = b_U.double() + through[1]

@@ -14,12 +14,14 @@ from .attention import fold_value_biases as _fold_value_biases
 from .attention import refactor_factored_attn_matrices as _refactor_factored_attn_matrices
 from .centring import center_unembed as _center_unembed
 from .centring import center_writing_weights as _center_writing_weights
+from ._memory import converted
+from ._parts import InMemory, Parts
 from .fused import fusable, fused_default_steps
 from .layer_norm import fold_layer_norm
 from ._common import refuse_reapplication, rewrite
 from .norms import fold_rms_norm
 
-__all__ = ["process_weights", "PIPELINE_STEPS"]
+__all__ = ["process_weights", "PIPELINE_STEPS", "STEPS", "KEYWORD_OF"]
 
 Transform = Callable[[StateDict, Config], tuple[dict[str, torch.Tensor], Config]]
 
@@ -47,6 +49,17 @@ PIPELINE_STEPS: tuple[tuple[str, Transform], ...] = (
     ("center_unembed", _center_unembed),
     ("refactor_factored_attn_matrices", _refactor_factored_attn_matrices),
 )
+
+#: The keywords of :func:`process_weights`, in the order it applies them.
+STEPS = tuple(keyword for keyword, _step in PIPELINE_STEPS)
+
+#: The keyword of :func:`process_weights` that applies each identity it records.
+KEYWORD_OF = {
+    "shortformer_tables": "fold_ln", "layer_norm_fold": "fold_ln", "center_reading_weights": "fold_ln",
+    "rms_norm_fold": "fold_ln", "fold_value_biases": "fold_value_biases",
+    "center_writing_weights": "center_writing_weights", "center_unembed": "center_unembed",
+    "refactor_factored_attn_matrices": "refactor_factored_attn_matrices",
+}
 
 
 @rewrite("process_weights", check_output=False)  # no autograd; the output is checked below, once
@@ -97,10 +110,11 @@ def process_weights(
        ``W_Q``, ``W_K``, ``W_V`` or ``W_O`` and would undo the balanced factorisation, and
        because with ``b_V = 0`` the value side needs no bias row and ``b_V`` stays exactly zero.
 
-    Shapes are those of :func:`~circuitmath.expected_shapes`; every dtype is kept. Half-precision
-    weights (bfloat16, float16) are processed in float32 and rounded once at the end, which
-    halves their error against rounding after every step; float32 and float64 are processed in
-    their own dtype. Returns the
+    Shapes are those of :func:`~circuitmath.expected_shapes`; every dtype and device is kept.
+    Half-precision weights (bfloat16, float16) are processed in float32 and rounded once at the
+    end, which halves their error against rounding after every step, a part of the model at a
+    time (the embedding and unembedding, then each block), so that no float32 copy of the whole
+    model is made; float32 and float64 are processed in their own dtype. Returns the
     processed state dict and a config whose ``applied`` lists every identity used, in order.
     When steps 1–4 all apply whatever the weights (a pre-LN model without shortformer positions
     or gated MLP, nothing applied yet), they run composed, each weight read and written in one
@@ -136,13 +150,27 @@ def process_weights(
     for keyword, value in requested.items():
         if not any(value is allowed for allowed in (True, False, None)):
             raise ArgumentTypeError(f"{keyword} must be True, False or None (if applicable), got {value!r}")
-    fused = fusable(cfg) and all(requested[keyword] is not False for keyword, _ in PIPELINE_STEPS[:4])
-    given, given_cfg = state_dict, cfg
-    # Fused, every entry of the input reaches the output (below), so only the output's are checked.
+    fused = _fused(cfg, requested)
     with entries_checked_elsewhere() if fused else contextlib.nullcontext():
+        # Fused, every entry of the input reaches the output, so only the output's are checked.
         dtype = validate_state_dict(state_dict, cfg)
-    if torch.finfo(dtype).bits < 32:
-        state_dict = {name: tensor.float() for name, tensor in state_dict.items()}
+    fused_only = fused and all(requested[keyword] is False for keyword, _ in PIPELINE_STEPS[4:])
+    if torch.finfo(dtype).bits < 32 and not fused_only:
+        return _half_by_parts(state_dict, cfg, requested)
+    return _process(state_dict, cfg, requested)
+
+
+def _fused(cfg: Config, requested: dict) -> bool:
+    """Whether the first four steps run fused (``fused.py``): all of them asked for or left to
+    apply where they can, on a model where they all apply whatever its weights."""
+    return fusable(cfg) and all(requested[keyword] is not False for keyword, _ in PIPELINE_STEPS[:4])
+
+
+def _process(state_dict: StateDict, cfg: Config, requested: dict) -> tuple[dict[str, torch.Tensor], Config]:
+    """:func:`process_weights` of a model validated by the caller: float32 or float64, or half
+    precision when only the fused steps run (they compute in float32 a tensor at a time)."""
+    fused = _fused(cfg, requested)
+    given, given_cfg = state_dict, cfg
     steps, checked_in_cache = PIPELINE_STEPS, False
     if fused:
         state_dict, cfg, checked_in_cache = fused_default_steps(state_dict, cfg)
@@ -161,12 +189,51 @@ def process_weights(
                     continue
                 raise
     # The fused steps summed every output block in cache: finite sums prove finite entries,
-    # unless a later step rewrote tensors or rounding to a half dtype may overflow.
-    checked_in_cache = checked_in_cache and cfg.applied[-1] == "center_unembed" and torch.finfo(dtype).bits >= 32
-    out = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
-    if not checked_in_cache:
-        _finite_or_explained(out, cfg, given, given_cfg)
-    return out, cfg
+    # unless a later step rewrote tensors or rounding to a half dtype may have overflowed.
+    half = torch.finfo(next(iter(state_dict.values())).dtype).bits < 32
+    if not (checked_in_cache and cfg.applied[-1] == "center_unembed" and not half):
+        _finite_or_explained(state_dict, cfg, given, given_cfg)
+    return state_dict, cfg
+
+
+def _half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple[dict[str, torch.Tensor], Config]:
+    """:func:`process_weights` of a bfloat16 or float16 model, a part at a time.
+
+    Each part (``_parts.Parts``: the embedding and unembedding, then each block) is cast to
+    float32 on the model's device, processed there and rounded once to the model's dtype, so the
+    memory added beyond the output is one part in float32, never the whole model. The parts'
+    outputs are the whole model's, bit for bit. Where a step left to apply if it can (``None``)
+    applies to some parts and not to others, it is left out of all of them, as the whole model's
+    refusal would leave it out, and the parts are processed again.
+    """
+    dtype = next(iter(state_dict.values())).dtype
+    device = next(iter(state_dict.values())).device
+    parts = Parts(InMemory(state_dict), cfg, torch.float32, device)
+    requested = dict(requested)
+    while True:
+        out, applied = {}, {}
+        for layer in parts.names():
+            part, part_cfg = parts.run(layer, lambda sd, c: _process(sd, c, requested))
+            applied[layer] = part_cfg.applied
+            for name in list(part):
+                rounded = out[name] = converted(part.pop(name), dtype)
+                if count := not_finite(rounded):
+                    raise OverflowedError(
+                        f"process_weights: rounding the processed weights to {dtype} overflowed: the input is"
+                        f" finite but {name} has {count} NaN or Inf entries (process in float32)"
+                    )
+            if layer is None:
+                out_cfg = part_cfg
+            elif part_cfg.applied != out_cfg.applied:
+                break
+        else:
+            return out, out_cfg
+        # A step that applies to some parts only: the whole model refuses it (asked with None).
+        some = {KEYWORD_OF[name] for name in set(applied[None]) ^ set(applied[layer])}
+        if not any(requested[keyword] is None for keyword in some):  # cannot happen: a True step raises
+            raise RuntimeError(f"process_weights: parts disagree on {applied[None]} and {applied[layer]}")
+        for keyword in some:
+            requested[keyword] = False
 
 
 def _finite_or_explained(state_dict: StateDict, cfg: Config, given: StateDict, given_cfg: Config) -> None:
