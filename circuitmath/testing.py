@@ -51,6 +51,8 @@ from ._compare import (
     rounding_sensitivity as rounding_sensitivity,
 )
 from . import _diagnosis  # after _compare: an identity family may import testing's comparison names
+from ._diagnosis._logprobs import _coarser
+from ._diagnosis._tensors import CERTIFICATE_ULPS
 from ._state import validated_once
 from ._diagnosis import Diagnosis as Diagnosis, Finding as Finding, ParameterMismatch as ParameterMismatch
 
@@ -98,9 +100,18 @@ def assert_equivalent(
     diagnose: bool = True,
 ) -> Comparison:
     """Raise :class:`NotEquivalentError` (an ``AssertionError``) unless ``after`` computes the
-    same log-probs as ``before`` and (with ``diagnose=True``) no tensor of ``after`` is a named
-    wrong rewrite's (see the README's verdicts: such a rewrite fails even where the tokens do not
-    show it); return the :class:`Comparison` otherwise.
+    same log-probs as ``before`` and (with ``diagnose=True``) its tensors pass their certificates;
+    return the :class:`Comparison` otherwise.
+
+    The certificates (with ``diagnose=True``): the registered identities are replayed on
+    ``before`` (in float32 for half precision); no tensor of ``after`` may be a named wrong
+    rewrite's (such a rewrite fails even where the tokens do not show it). In half precision,
+    when the replay reproduces most of ``after``'s tensors, every entry of every tensor must also
+    lie within ``CERTIFICATE_ULPS`` (1) unit in the last place of the dtype of the replayed
+    rewrite (plus its own rounding in float32, a few units of float32 in the tensor's largest
+    entry): the log-prob tolerance of a bfloat16 model is wide (about a nat: rounding a whole
+    model to 8 bits moves its log-probs that much), and the certificate catches a 1 % change of
+    any tensor and names it. In float32 and float64 the log-prob comparison decides.
 
     ``before`` and ``after`` are state dicts or safetensors paths; ``cfg`` is ``before``'s
     :class:`~circuitmath.Config` or Hugging Face config (``None`` for a file that carries its
@@ -123,16 +134,19 @@ def assert_equivalent(
         tolerance = result.tolerance if atol is None else atol
         plan = _diagnosis._recorded_plan(first.cfg, second.cfg, notes) if diagnose else None
         agree = result.max_abs_error <= tolerance
-        if agree and not (diagnose and _diagnosis.named_wrong_rewrites(first, second, plan)):
+        named, off = _diagnosis.tensor_verdict(first, second, plan) if diagnose and agree else (False, [])
+        if agree and not named and not off:
             return result
         b, p, t = result.where
-        message = (
-            f"models differ: max |Δ log-prob| = {result.max_abs_error:.3g} > tolerance {tolerance:.3g}"
-            f" (batch {b}, position {p}, token {t})"
-        ) if not agree else (
-            f"the log-probs agree (max |Δ log-prob| = {result.max_abs_error:.3g} <= tolerance {tolerance:.3g}),"
-            " but a tensor is rewritten by a named wrong rewrite"
-        )
+        if not agree:
+            message = (f"models differ: max |Δ log-prob| = {result.max_abs_error:.3g} > tolerance {tolerance:.3g}"
+                       f" (batch {b}, position {p}, token {t})")
+        else:
+            message = (f"the log-probs agree (max |Δ log-prob| = {result.max_abs_error:.3g} <= tolerance"
+                       f" {tolerance:.3g}), but " + ("a tensor is rewritten by a named wrong rewrite" if named else
+                       f"{', '.join(off)} {'is' if len(off) == 1 else 'are'} not the exact rewrite of the"
+                       f" original: an entry is more than {CERTIFICATE_ULPS} unit in the last place of"
+                       f" {_coarser(first.dtype, second.dtype)} (and the rewrite's own rounding) off it"))
         found = None
         if diagnose and not _shrinking():
             # the two forward passes just made are handed to the diagnosis, not made again

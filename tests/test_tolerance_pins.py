@@ -4,6 +4,8 @@
 - It is tight: on models processed exactly, the worst measured rounding error is within
   ``LOOSENESS`` of the tolerance (so a tolerance scaled up tenfold fails this test), and a wrong
   transform whose error is just above the tolerance is rejected while one just below passes.
+- In half precision, where the tolerance is wide, the tensor certificate catches what it cannot:
+  a 1 % change of any single tensor.
 - The measured sensitivity it adds is what it says: the forward pass's own rounding plus the
   effect of rounding the weights once more, the latter compared with an independent nudge.
 """
@@ -13,9 +15,12 @@ import math
 import pytest
 import torch
 
+import circuitmath as cm
 from circuitmath import Config, process_weights, random_state_dict
 from circuitmath._reference import log_probs
-from circuitmath.testing import compare_log_probs, default_tokens, logprob_tolerance, rounding_sensitivity
+from circuitmath.testing import (
+    NotEquivalentError, assert_equivalent, compare_log_probs, default_tokens, logprob_tolerance, rounding_sensitivity,
+)
 
 CONFIGS = [
     Config(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=40, n_ctx=8, d_mlp=64),
@@ -101,3 +106,28 @@ def test_sensitivity_measures_the_forward_pass_and_the_weights():
     # float64 weights: no forward-pass term, the weights term at float64's roundoff.
     sensitivity64 = rounding_sensitivity(exact, cfg, tokens, torch.float64)
     assert 0 < sensitivity64 <= 1e-12
+
+
+@pytest.mark.parametrize("zoo_name", ["attn_only_1l", "gelu_2l"])
+def test_a_one_percent_change_of_any_bfloat16_tensor_fails_and_is_named(zoo_name):
+    """In bfloat16 the log-prob tolerance is about a nat; the tensor certificate (1 unit in the
+    last place of the replayed rewrite) still catches a 1 % change of each single tensor of a
+    zoo model, and the diagnosis names that tensor and nothing else. The correct processing
+    passes: the certificate is not stricter than processing in float32 and rounding once."""
+    from circuitmath import zoo
+
+    state_dict, cfg = zoo.load(zoo_name)
+    half = {k: v.to(torch.bfloat16) for k, v in state_dict.items()}
+    out, out_cfg = cm.process_weights(half, cfg)
+    comparison = assert_equivalent(half, out, cfg, after_cfg=out_cfg)
+    checked = 0
+    for name, tensor in out.items():
+        changed = (tensor.float() * 1.01).to(torch.bfloat16)
+        if torch.equal(changed, tensor):
+            continue  # all zero (a folded b_V): a 1 % change is no change
+        checked += 1
+        with pytest.raises(NotEquivalentError) as failed:
+            assert_equivalent(half, dict(out, **{name: changed}), cfg, after_cfg=out_cfg)
+        assert {p.name for p in failed.value.diagnosis.culprits()} == {name}
+        assert "not the exact rewrite" in str(failed.value)
+    assert checked >= len(out) - cfg.n_layers and comparison.tolerance > 0.3  # wide: the log-probs alone would pass

@@ -36,7 +36,7 @@ from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
 from ._logprobs import _coarser, _LogProbs
 from ._replay import _Replay, weight_identities
 from ._report import Diagnosis, Finding, _config_differences, _identity_finding, _residual_finding
-from ._tensors import ParameterMismatch, _relative_difference, _Thresholds
+from ._tensors import ParameterMismatch, _relative_difference, _Thresholds, compute_dtype_of
 
 __all__ = [
     "ParameterMismatch",
@@ -49,7 +49,8 @@ __all__ = [
     "check_model",
     "replay_and_explain",
     "weight_identities",
-    "named_wrong_rewrites",
+    "tensor_verdict",
+    "uncertified",
 ]
 
 Progress = Callable[[int, int, str], None]
@@ -67,7 +68,7 @@ def replay_and_explain(first: Model, second: Model, tokens, plan, notes, progres
     report = progress or (lambda done, total, what: None)
     total = 5
     report(0, total, "replaying identities")
-    stages, final, final_cfg, residual = replay.explain(before, before_cfg, plan)
+    stages, final, final_cfg, residual = replay.explain(_in_compute_dtype(before, dtype), before_cfg, plan)
     lp = _LogProbs(tokens, dtype)
     for state, computed_log_probs in computed:
         lp.seed(state, computed_log_probs)
@@ -100,7 +101,8 @@ def replay_and_explain(first: Model, second: Model, tokens, plan, notes, progres
         findings.append(_identity_finding(stage, before, replay, comparison, max(mine, default=0.0)))
     if residual or measure:
         findings.append(_residual_finding(residual, final, final_cfg, before, after, after_cfg, replay, last_writer,
-                                          lp if measure else None, dtype, config_differences))
+                                          lp if measure else None, dtype, config_differences,
+                                          uncertified(residual, after, thresholds)))
     findings.append(Finding(
         name="before -> after",
         kind="equivalence",
@@ -173,12 +175,44 @@ def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens
         return dataclasses.replace(found, recognition_required=True)
 
 
-def named_wrong_rewrites(first: Model, second: Model, plan) -> bool:
-    """Whether the replay of ``second`` on ``first`` (resolved; ``plan`` as for
-    :func:`replay_and_explain`) reproduces a tensor by a named wrong rewrite: no forward pass."""
-    replay = _Replay(second.state_dict, _Thresholds.of(_coarser(first.dtype, second.dtype), first.cfg))
-    stages = replay.explain(first.state_dict, first.cfg, plan)[0]
-    return any(stage.rewrites and stage.recognised for stage in stages)
+def tensor_verdict(first: Model, second: Model, plan) -> tuple[bool, list[str]]:
+    """The replay of ``second`` on ``first`` (resolved; ``plan`` as for :func:`replay_and_explain`),
+    tensor by tensor, without a forward pass: whether a tensor is reproduced by a named wrong
+    rewrite, and the tensors that fail their certificate (:func:`uncertified`)."""
+    dtype = _coarser(first.dtype, second.dtype)
+    thresholds = _Thresholds.of(dtype, first.cfg)
+    replay = _Replay(second.state_dict, thresholds)
+    stages, final, final_cfg, residual = replay.explain(_in_compute_dtype(first.state_dict, dtype), first.cfg, plan)
+    named = any(stage.rewrites and stage.recognised for stage in stages)
+    return named, uncertified(residual, second.state_dict, thresholds)
+
+
+def uncertified(residual: list[str], after, thresholds: _Thresholds) -> list[str]:
+    """The tensors of ``residual`` (those the replay does not reproduce) that fail their
+    certificate and so fail the check whatever the log-probs say.
+
+    In half precision, where the log-prob tolerance is wide (a bfloat16 model's is about a nat)
+    and cannot tell a 1 % error from rounding, all of them, when the replay reproduces most of
+    ``after``'s tensors (a recognised processing with some tensors wrong; a processing no
+    registered identity explains, with most tensors off the replay, is judged by its log-probs
+    alone). Such a check cannot tell another exact rewrite of a few tensors (a rescaling of one
+    head's OV factors) from an error either: it fails there too, by design. In float32 and
+    float64 none: the log-prob comparison is sharp enough to decide, and a processing the
+    registry does not know but that keeps the function passes.
+    """
+    if torch.finfo(thresholds.dtype).bits >= 32 or 2 * len(residual) > len(after):
+        return []
+    return list(residual)
+
+
+def _in_compute_dtype(state_dict, dtype: torch.dtype):
+    """``state_dict`` as the replay takes it: a half-precision model is replayed in float32 (as
+    :func:`~circuitmath.process_weights` processes it), so that each replayed tensor is rounded
+    once, by the comparison, not after every identity."""
+    compute = compute_dtype_of(dtype)
+    if all(t.dtype == compute or t.dtype == torch.float64 for t in state_dict.values()):
+        return state_dict
+    return {name: tensor.to(compute) for name, tensor in state_dict.items()}
 
 
 @torch.no_grad()  # weights that require grad are compared as plain tensors

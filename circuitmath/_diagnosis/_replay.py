@@ -27,7 +27,7 @@ from .._processing.rotation import (
     rotated_tensors,
     rotation_mismatches,
 )
-from ._tensors import _largest_entry, _natural_order, _relative_difference, _Thresholds
+from ._tensors import _certificate, _largest_entry, _natural_order, _relative_difference, _Thresholds
 
 __all__ = ["weight_identities", "SYMMETRIES"]
 
@@ -99,7 +99,11 @@ class _Replay:
         hit = self._verdicts.get(key)
         if hit is None or hit[0] is not tensor or hit[1] is not reference:
             relative = _relative_difference(theirs, tensor, reference, self.largest)[1]
-            hit = (tensor, reference, relative <= getattr(self.thresholds, level))
+            verdict = relative <= getattr(self.thresholds, level)
+            if level == "exact" and relative <= self.thresholds.recognise:  # entry by entry
+                scale = max(self.largest(t) for t in (theirs, tensor) + ((reference,) if reference is not None else ()))
+                verdict = relative == 0 or _certificate(theirs, tensor, scale, self.thresholds) <= 1
+            hit = (tensor, reference, verdict)
             self._verdicts[key] = hit
         return hit[2]
 
@@ -393,7 +397,7 @@ class _Replay:
                     return stages, final, final_cfg, residual
         searched = self.run(before, cfg, plan, search=True)
         searched_residual = self.residual(searched[1], before)
-        if len(searched_residual) <= len(residual):
+        if len(searched_residual) < len(residual):  # on a tie the exact replay explains as much
             (stages, final, final_cfg), residual = searched, searched_residual
         improved = True
         while residual and improved:

@@ -13,7 +13,7 @@ import torch
 
 from .._compare import Comparison
 from .._config import Config
-from ._tensors import ParameterMismatch, _json_number, _mismatch, _relative_difference
+from ._tensors import CERTIFICATE_ULPS, ParameterMismatch, _json_number, _mismatch, _relative_difference
 
 __all__ = ["Finding", "Diagnosis", "TABLE_COLUMNS"]
 
@@ -247,8 +247,10 @@ def _config_differences(replayed: Config, processed: Config) -> list[str]:
 
 
 def _residual_finding(residual, final, final_cfg, before, after, after_cfg, replay, last_writer, lp, dtype,
-                      config_differences) -> Finding:
-    """What the replayed identities leave unexplained: tensors, and config fields."""
+                      config_differences, off=()) -> Finding:
+    """What the replayed identities leave unexplained: tensors, and config fields. ``off``: the
+    tensors that fail their certificate (``uncertified``): they make the row violated whatever
+    the log-probs say."""
     parameters = tuple(
         _mismatch(n, after.get(n), final.get(n), before.get(n), replay.thresholds.exact, last_writer.get(n), "the replay")
         for n in residual
@@ -276,7 +278,14 @@ def _residual_finding(residual, final, final_cfg, before, after, after_cfg, repl
         status = "holds"
     else:
         status = "holds" if comparison.passed else "violated"
-    if residual and comparison is not None and comparison.passed:
+    if off:
+        status = "violated"
+        lines.append(
+            f"not the exact rewrite: {', '.join(off)} {'has' if len(off) == 1 else 'have'} entries more than"
+            f" {CERTIFICATE_ULPS} unit in the last place of {replay.thresholds.dtype} from the replayed rewrite"
+            " (the tensor certificate), while the replay reproduces the model's other tensors"
+        )
+    elif residual and comparison is not None and comparison.passed:
         lines.append("the differences do not change the log-probs beyond rounding")
     return Finding(
         name="residual",

@@ -65,18 +65,44 @@ def _json_number(value: float | None):
     return None if value is None or not math.isfinite(value) else value
 
 
+#: Bits of the significand stored by each dtype (the unit in the last place of ``x`` is
+#: ``2**(floor(log2|x|) - bits)``).
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
+
+#: The certificate's bound, in units in the last place of the model's dtype (see :class:`_Thresholds`).
+CERTIFICATE_ULPS = 1
+
+
+def compute_dtype_of(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a model of ``dtype`` is processed and replayed in: float32 for half precision."""
+    return torch.float32 if torch.finfo(dtype).bits < 32 else dtype
+
+
 @dataclass(frozen=True)
 class _Thresholds:
     """When two tensors count as the same.
 
     ``recognise``: the same rewrite (used to tell which rewrite was applied; wrong rewrites miss
     it by orders of magnitude, while rewrites computed another way, in float32 or with another
-    summation order, stay well inside). ``exact``: equal up to rounding in the model's dtype.
+    summation order, stay well inside). ``exact``: equal up to rounding in the model's dtype, as a
+    fraction of a tensor's largest entry (a coarse summary, used to say which heads differ).
+
+    The **certificate** decides whether a processed tensor is the exact rewrite, entry by entry
+    (:func:`_certificate`): each entry of the processed tensor must lie within
+    :data:`CERTIFICATE_ULPS` units in the last place of ``dtype`` of the rewrite computed in
+    ``compute_dtype_of(dtype)`` (float32 for half precision), plus ``floor`` times the tensor's
+    largest entry: the error of computing the rewrite in the compute dtype (its entries made by
+    cancellation, a centred weight's, carry the rounding of the terms, not of the result). A
+    processing rounded once to bfloat16 is within half a unit; a 1 % change of a bfloat16 tensor
+    moves its entries by 1.3 to 2.6 units, so some entry of any tensor of more than a few entries
+    leaves the bound.
     """
 
     recognise: float
     exact: float
     float32_rounding: float
+    dtype: torch.dtype = torch.float64
+    floor: float = 0.0
 
     @classmethod
     def of(cls, dtype: torch.dtype, cfg: Config) -> "_Thresholds":
@@ -86,7 +112,28 @@ class _Thresholds:
             recognise=recognise,
             exact=min(recognise, 8 * torch.finfo(dtype).eps * root_k),
             float32_rounding=8 * torch.finfo(torch.float32).eps * root_k,
+            dtype=dtype,
+            floor=8 * torch.finfo(compute_dtype_of(dtype)).eps * root_k,
         )
+
+
+def _certificate(got: torch.Tensor, expected: torch.Tensor, scale: float, thresholds: _Thresholds,
+                 chunk: int = 1 << 20) -> float:
+    """The largest ``|got - expected|`` over its bound (see :class:`_Thresholds`): at most 1 when
+    ``got`` is certified as ``expected`` rounded to ``thresholds.dtype``. ``scale``: the largest
+    |entry| of the tensors compared. Computed in float64, ``chunk`` entries at a time."""
+    bits = _MANTISSA_BITS.get(thresholds.dtype, 52)
+    floor = thresholds.floor * scale
+    worst = 0.0
+    a, b = got.reshape(-1), expected.reshape(-1)
+    for start in range(0, a.numel(), chunk):
+        x, e = a[start:start + chunk].double(), b[start:start + chunk].double()
+        _mantissa, exponent = torch.frexp(e)  # |e| = m 2**exponent, 0.5 <= m < 1
+        unit = torch.ldexp(torch.ones_like(e), exponent - 1 - bits)
+        bound = CERTIFICATE_ULPS * torch.where(e == 0, 0.0, unit) + floor
+        ratio = (x - e).abs() / bound.clamp_min(torch.finfo(torch.float64).tiny)
+        worst = max(worst, float(ratio.max())) if ratio.numel() else worst
+    return worst
 
 
 def _largest_entry(tensor: torch.Tensor) -> float:
