@@ -10,6 +10,8 @@ from hypothesis import given, settings
 
 import circuitmath as cm
 from circuitmath.strategies import models
+
+from support import wide
 from circuitmath.testing import NotEquivalentError, assert_equivalent, diagnose
 
 F64 = torch.float64
@@ -171,8 +173,8 @@ def test_diagnosis_as_json_rows():
 
 
 @settings(max_examples=10, deadline=None)
-@given(models(normalization_types=("LN", "RMS"), positional_embedding_types=("standard", "shortformer", "rotary"),
-              min_layers=1))
+@given(models(**wide(normalization_types=("LN", "RMS"), positional_embedding_types=("standard", "shortformer", "rotary"),
+              min_layers=1)))
 def test_process_weights_output_is_recognised_exactly(model):
     cfg, before = model
     after, after_cfg = cm.process_weights(before, cfg, **dict.fromkeys(
