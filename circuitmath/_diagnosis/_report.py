@@ -103,8 +103,13 @@ class Diagnosis:
         return tuple(f for f in self.findings if f.violated)
 
     def culprits(self) -> tuple[ParameterMismatch, ...]:
-        """Every parameter named by a violated row."""
-        return tuple(p for f in self.violations for p in f.parameters)
+        """Every parameter named by a violated row, once (as the first such row names it: an
+        identity's row and the residual row name the tensors it rewrote that nothing explains)."""
+        named: dict[str, ParameterMismatch] = {}
+        for f in self.violations:
+            for p in f.parameters:
+                named.setdefault(p.name, p)
+        return tuple(named.values())
 
     def as_dicts(self) -> list[dict]:
         return [f.as_dict() for f in self.findings]
@@ -186,8 +191,14 @@ def _shorten(text: str, width: int) -> str:
 
 
 def _identity_finding(stage: _Stage, before: Mapping, replay: _Replay, comparison: Comparison | None,
-                      parameter_error: float | None) -> Finding:
-    """The row of one replayed identity."""
+                      parameter_error: float | None, unexplained: tuple[ParameterMismatch, ...] | list = (),
+                      effect: Comparison | None = None) -> Finding:
+    """The row of one replayed identity.
+
+    ``unexplained`` are the tensors this identity rewrote last in the replay that ``after`` holds
+    otherwise, and no known rewrite explains; ``effect`` how much they alone move the log-probs.
+    The row then names them and does not say ``"exact"`` (its rewrite is ``"unknown"``), and is
+    violated when they change the function (or when their effect cannot be measured)."""
     lines, parameters = [], []
     reference = stage.exact
     for rewrite, names in stage.rewrites.items():
@@ -213,8 +224,18 @@ def _identity_finding(stage: _Stage, before: Mapping, replay: _Replay, compariso
                 for n in sorted(stage.touched)
             ]
     rewrite = "exact" if not stage.rewrites and stage.refusal is None else ", ".join(stage.rewrites) or "regardless"
+    if unexplained:
+        names = [p.name for p in unexplained]
+        shown = effect is not None and f"; alone, {'they move' if len(names) > 1 else 'it moves'} the log-probs by" \
+            f" {effect.max_abs_error:.3g} (tolerance {effect.tolerance:.3g})"
+        lines.append(f"no known rewrite reproduces {', '.join(names)}, which this identity rewrote last in the replay:"
+                     f" {'they differ' if len(names) > 1 else 'it differs'} from its rewrite{shown or ''}")
+        parameters += list(unexplained)
+        rewrite = "unknown" if rewrite == "exact" else f"{rewrite}, unknown"
     if not stage.recognised:
         status = "not recognised"
+    elif unexplained and (effect is None or not effect.passed):
+        status = "violated"
     elif stage.rewrites:  # a named wrong rewrite fails the check even where the check tokens do not show it
         status = "violated"
         if comparison is None or comparison.passed:
@@ -246,13 +267,11 @@ def _config_differences(replayed: Config, processed: Config) -> list[str]:
     return [f"{k}: {theirs[k]!r} (the replay gives {ours[k]!r})" for k in ours if k != "applied" and ours[k] != theirs[k]]
 
 
-def _residual_finding(residual, final, final_cfg, before, after, after_cfg, replay, last_writer, lp, dtype,
+def _residual_finding(parameters, final, final_cfg, after, after_cfg, replay, lp, dtype,
                       config_differences) -> Finding:
-    """What the replayed identities leave unexplained: tensors, and config fields."""
-    parameters = tuple(
-        _mismatch(n, after.get(n), final.get(n), before.get(n), replay.thresholds.exact, last_writer.get(n), "the replay")
-        for n in residual
-    )
+    """What the replayed identities leave unexplained: tensors (``parameters``, against the
+    replay's end), and config fields."""
+    residual = [p.name for p in parameters]
     comparison = None
     if lp is not None:
         comparison = lp.compare(final, final_cfg, after, after_cfg)
