@@ -27,8 +27,9 @@ StateDict = dict[str, torch.Tensor]
 Processing = Callable[[StateDict, Config], tuple[StateDict, Config]]
 
 #: Tensors whose buggy and correct versions differ by more than this, relative to their largest
-#: entry, are touched by the bug (float64 processings that agree differ by rounding, ~1e-16).
-TOUCHED = 1e-9
+#: entry, are touched by the bug: processings that agree differ by rounding (float64 ~1e-16,
+#: float32 ~1e-7 over another summation order), every planted bug by 1e-2 or more.
+TOUCHED = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,10 @@ class PlantedBug:
     seed: int
     correct: Processing
     buggy: Processing
+    dtype: torch.dtype = torch.float64
 
     def before(self) -> StateDict:
-        return cm.random_state_dict(self.cfg, seed=self.seed, dtype=torch.float64)
+        return cm.random_state_dict(self.cfg, seed=self.seed, dtype=self.dtype)
 
     def outputs(self) -> tuple[StateDict, StateDict, Config]:
         """``(before, after, after_cfg)``: the model and the user's buggy processing of it."""
@@ -56,12 +58,13 @@ class PlantedBug:
 
 
 def differ(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether ``a`` and ``b`` (``None``: absent) differ beyond the rounding of their dtype."""
     if a is None or b is None or a.shape != b.shape:
         return a is not b
     if not a.numel():
         return False
     scale = max(float(a.abs().max()), float(b.abs().max()), 1e-30)
-    return float((a - b).abs().max()) > TOUCHED * scale
+    return float((a.double() - b.double()).abs().max()) > TOUCHED[a.dtype] * scale
 
 
 # -- building blocks of the users' processings -------------------------------------------------
@@ -213,6 +216,28 @@ def w_O_centred_over_d_head(out, before, cfg):
         out[name] = folded[name] - folded[name].mean(-2, keepdim=True)
 
 
+def value_biases_hidden_under_centring(sd, cfg):
+    """The fold, value biases folded without W_O, then the writers centred (b_O centred again)."""
+    out, out_cfg = value_biases_without_W_O(*fold_ln(sd, cfg))
+    return cm.center_writing_weights(out, out_cfg)
+
+
+def swap_rows(name, i, j):
+    def edit(out, before, cfg):
+        t = out[name].clone()
+        t[[i, j]] = t[[j, i]]
+        out[name] = t
+    return edit
+
+
+def add_one_hot(name, index):
+    def edit(out, before, cfg):
+        t = out[name].clone()
+        t[index] += 1.0
+        out[name] = t
+    return edit
+
+
 def keep_original(sd, cfg):
     return dict(sd), cfg
 
@@ -220,7 +245,7 @@ def keep_original(sd, cfg):
 # -- a user's own library, written from scratch for TransformerLens-format LayerNorm models -----
 
 
-def user_fold(sd, cfg, *, bias_through_gain=False, attn_centre_axis=1, fold_final=True):
+def user_fold(sd, cfg, *, bias_through_gain=False, attn_centre_axis=1, fold_final=True, last_axis=False):
     """Fold every LayerNorm into its readers and centre them (over d_model, axis 1 of W_Q/K/V),
     computed the user's way (another summation order than circuitmath's). The knobs plant bugs."""
     sd = dict(sd)
@@ -236,7 +261,7 @@ def user_fold(sd, cfg, *, bias_through_gain=False, attn_centre_axis=1, fold_fina
             shift = b * w if bias_through_gain else b
             sd[bias] = sd[bias] + (W * shift.reshape(shape)).sum(axis)
             W = W * w.reshape(shape)
-            sd[weight] = W - W.mean(centre_axis, keepdim=True)
+            sd[weight] = W - W.mean(-1 if last_axis else centre_axis, keepdim=True)
 
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}"
@@ -271,6 +296,7 @@ GQA = GPT2.replace(n_heads=4, d_head=2, n_key_value_heads=2)
 ROTARY = GPT2.replace(positional_embedding_type="rotary")
 PARALLEL = GPT2.replace(parallel_attn_mlp=True, positional_embedding_type="rotary")
 SHORTFORMER = GPT2.replace(positional_embedding_type="shortformer")
+POST_NORM = GPT2.replace(norm_position="post")
 NO_NORM = GPT2.replace(normalization_type=None)
 
 _ATTN_READERS = ("ln1.w", "attn.W_Q", "attn.W_K", "attn.W_V", "attn.b_Q", "attn.b_K", "attn.b_V")
@@ -345,5 +371,35 @@ def corpus() -> list[PlantedBug]:
                    functools.partial(user_fold_value_biases, through_W_O=False)),
         PlantedBug("user library: grouped-query value biases not repeated over the group", GQA, 30,
                    user_fold_value_biases, functools.partial(user_fold_value_biases, repeat_groups=False)),
+        PlantedBug("user library: every reader centred over its last axis", GPT2, 31, user_fold,
+                   functools.partial(user_fold, last_axis=True)),
+        # float32 weights, processed by the user's library in float32 (other rounding than circuitmath's)
+        PlantedBug("float32 user library: bias pushed through the gain", GPT2, 32, user_fold,
+                   functools.partial(user_fold, bias_through_gain=True), torch.float32),
+        PlantedBug("float32 user library: forgotten ln_final", GPT2, 33, user_fold,
+                   functools.partial(user_fold, fold_final=False), torch.float32),
+        PlantedBug("float32 user library: value biases folded without W_O", GPT2, 34, user_fold_value_biases,
+                   functools.partial(user_fold_value_biases, through_W_O=False), torch.float32),
+        # mistakes under later rewrites and after the whole pipeline
+        PlantedBug("value biases folded without W_O, then the writers centred", GPT2, 35,
+                   pipeline(fold_ln, cm.fold_value_biases, cm.center_writing_weights), value_biases_hidden_under_centring),
+        PlantedBug("process_weights (LLaMA), then W_gate * 1.1", LLAMA, 36, cm.process_weights,
+                   then(cm.process_weights, scale("blocks.0.mlp.W_gate", 1.1))),
+        PlantedBug("process_weights (grouped-query), value biases of one layer left", GQA, 37, cm.process_weights,
+                   then(cm.process_weights, restore("blocks.1.attn._b_V"))),
+        PlantedBug("process_weights (parallel), b_O of a layer dropped", PARALLEL, 38, cm.process_weights,
+                   then(cm.process_weights, lambda out, before, cfg: zero("blocks.0.attn.b_O")(out))),
+        PlantedBug("process_weights (attention only), two rows of W_E swapped", ATTN_ONLY, 39, cm.process_weights,
+                   then(cm.process_weights, swap_rows("embed.W_E", 0, 1))),
+        PlantedBug("post-norm: unembed centred, W_E * 1.1", POST_NORM, 40, cm.center_unembed,
+                   then(cm.center_unembed, scale("embed.W_E", 1.1))),
+        PlantedBug("shortformer: tables and fold, pos_K * 1.1", SHORTFORMER, 41, pipeline(cm.shortformer_to_tables, fold_ln),
+                   then(pipeline(cm.shortformer_to_tables, fold_ln), scale("blocks.1.attn.pos_K", 1.1))),
+        PlantedBug("RMS fold, then one entry of b_U + 1", LLAMA, 42, cm.fold_rms_norm,
+                   then(cm.fold_rms_norm, add_one_hot("unembed.b_U", 0))),
+        PlantedBug("fold: ln_final's gain taken from ln1", GPT2, 43, fold_ln,
+                   on_input(lambda sd, cfg: sd.update({"ln_final.w": sd["blocks.0.ln1.w"]}), fold_ln)),
+        PlantedBug("grouped-query value biases folded, then a head's W_O flipped", GQA, 44, cm.fold_value_biases,
+                   then(cm.fold_value_biases, scale("blocks.0.attn.W_O", -1.0, head=3))),
     ]
     return bugs
