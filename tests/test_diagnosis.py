@@ -187,3 +187,19 @@ def test_process_weights_output_is_recognised_exactly(model):
     report = diagnose(before, after, cfg, after_cfg=after_cfg)
     assert report.ok, report
     assert all(f.rewrite == "exact" for f in report.findings if f.kind == "identity")
+
+
+def test_an_exact_unknown_processing_split_across_identities_passes_without_claiming_exact():
+    """One head's OV factors rescaled (``W_V * 2``, ``W_O / 2``) after process_weights: ``W_V`` is
+    last rewritten by one identity and ``W_O`` by another, so each alone changes the function but
+    together they do not. The report passes; the two rows say their rewrite is unknown, not exact."""
+    cfg, before = _model()
+    after, after_cfg = cm.process_weights(before, cfg)
+    for name, factor in (("blocks.0.attn.W_V", 2.0), ("blocks.0.attn.W_O", 0.5)):
+        after[name] = after[name].clone()
+        after[name][0] *= factor
+    report = diagnose(before, after, cfg, after_cfg=after_cfg)
+    assert report.ok, report
+    unknown = {f.name: [p.name for p in f.parameters] for f in report.findings if f.rewrite == "unknown"}
+    assert unknown == {"center_reading_weights": ["blocks.0.attn.W_V"], "center_writing_weights": ["blocks.0.attn.W_O"]}
+    assert all(f.status == "holds" for f in report.findings)

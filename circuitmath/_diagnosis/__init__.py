@@ -93,19 +93,23 @@ def replay_and_explain(first: Model, second: Model, tokens, plan, notes, progres
     findings = []
     states = [(before, before_cfg)] + [(s.state, s.cfg) for s in stages]
     unexplained = _unexplained(residual, final, before, after, replay, last_writer)
+    residual_comparison = lp.compare(final, final_cfg, after, after_cfg) if measure else None
     for i, stage in enumerate(stages):
         if measure:
             report(4, total, f"log-probs after {stage.name}")
         comparison = lp.compare(*states[i], *states[i + 1]) if measure else None
         mine = [residual_error[n] for n, writer in last_writer.items() if writer == stage.name and n in residual_error]
-        # the tensors this identity wrote last that no rewrite reproduces (beyond precision loss): not exact
-        wrong = [p for p in unexplained if p.written_by == stage.name
-                 and not (dtype == torch.float64 and p.relative_error <= thresholds.float32_rounding)]
-        effect = _effect_of(wrong, final, final_cfg, after, lp) if wrong and measure else None
-        findings.append(_identity_finding(stage, before, replay, comparison, max(mine, default=0.0), wrong, effect))
+        # the tensors this identity wrote last that no rewrite reproduces (beyond precision loss): not exact;
+        # wrong when, all such tensors together changing the function, these alone change it too
+        unknown = [p for p in unexplained if p.written_by == stage.name
+                   and not (dtype == torch.float64 and p.relative_error <= thresholds.float32_rounding)]
+        effect = None
+        if unknown and residual_comparison is not None and not residual_comparison.passed:
+            effect = _effect_of(unknown, final, final_cfg, after, lp)
+        findings.append(_identity_finding(stage, before, replay, comparison, max(mine, default=0.0), unknown,
+                                          effect, function_kept=residual_comparison is None or residual_comparison.passed))
     if residual or measure:
-        findings.append(_residual_finding(unexplained, final, final_cfg, after, after_cfg, replay,
-                                          lp if measure else None, dtype, config_differences))
+        findings.append(_residual_finding(unexplained, residual_comparison, replay, dtype, config_differences))
     findings.append(Finding(
         name="before -> after",
         kind="equivalence",

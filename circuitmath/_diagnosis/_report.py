@@ -192,13 +192,15 @@ def _shorten(text: str, width: int) -> str:
 
 def _identity_finding(stage: _Stage, before: Mapping, replay: _Replay, comparison: Comparison | None,
                       parameter_error: float | None, unexplained: tuple[ParameterMismatch, ...] | list = (),
-                      effect: Comparison | None = None) -> Finding:
+                      effect: Comparison | None = None, function_kept: bool = True) -> Finding:
     """The row of one replayed identity.
 
     ``unexplained`` are the tensors this identity rewrote last in the replay that ``after`` holds
-    otherwise, and no known rewrite explains; ``effect`` how much they alone move the log-probs.
-    The row then names them and does not say ``"exact"`` (its rewrite is ``"unknown"``), and is
-    violated when they change the function (or when their effect cannot be measured)."""
+    otherwise, and no known rewrite explains; ``function_kept`` whether all unexplained tensors
+    together leave the log-probs unchanged (an exact processing the registry does not know), and
+    otherwise ``effect`` how much these alone move them (``None``: one is missing or misshapen).
+    The row then names them and does not say ``"exact"`` (its rewrite is ``"unknown"``); it is
+    violated when the function changes and these tensors alone change it (or cannot be measured)."""
     lines, parameters = [], []
     reference = stage.exact
     for rewrite, names in stage.rewrites.items():
@@ -226,15 +228,20 @@ def _identity_finding(stage: _Stage, before: Mapping, replay: _Replay, compariso
     rewrite = "exact" if not stage.rewrites and stage.refusal is None else ", ".join(stage.rewrites) or "regardless"
     if unexplained:
         names = [p.name for p in unexplained]
-        shown = effect is not None and f"; alone, {'they move' if len(names) > 1 else 'it moves'} the log-probs by" \
-            f" {effect.max_abs_error:.3g} (tolerance {effect.tolerance:.3g})"
+        if function_kept:
+            shown = "; with the residual's other tensors the log-probs do not change beyond rounding"
+        elif effect is not None:
+            shown = (f"; alone, {'they move' if len(names) > 1 else 'it moves'} the log-probs by"
+                     f" {effect.max_abs_error:.3g} (tolerance {effect.tolerance:.3g})")
+        else:
+            shown = ""
         lines.append(f"no known rewrite reproduces {', '.join(names)}, which this identity rewrote last in the replay:"
-                     f" {'they differ' if len(names) > 1 else 'it differs'} from its rewrite{shown or ''}")
+                     f" {'they differ' if len(names) > 1 else 'it differs'} from its rewrite{shown}")
         parameters += list(unexplained)
         rewrite = "unknown" if rewrite == "exact" else f"{rewrite}, unknown"
     if not stage.recognised:
         status = "not recognised"
-    elif unexplained and (effect is None or not effect.passed):
+    elif unexplained and not function_kept and (effect is None or not effect.passed):
         status = "violated"
     elif stage.rewrites:  # a named wrong rewrite fails the check even where the check tokens do not show it
         status = "violated"
@@ -267,14 +274,11 @@ def _config_differences(replayed: Config, processed: Config) -> list[str]:
     return [f"{k}: {theirs[k]!r} (the replay gives {ours[k]!r})" for k in ours if k != "applied" and ours[k] != theirs[k]]
 
 
-def _residual_finding(parameters, final, final_cfg, after, after_cfg, replay, lp, dtype,
-                      config_differences) -> Finding:
+def _residual_finding(parameters, comparison: Comparison | None, replay, dtype, config_differences) -> Finding:
     """What the replayed identities leave unexplained: tensors (``parameters``, against the
-    replay's end), and config fields."""
+    replay's end), and config fields; ``comparison`` is the replay's end against ``after``
+    (``None``: not measured)."""
     residual = [p.name for p in parameters]
-    comparison = None
-    if lp is not None:
-        comparison = lp.compare(final, final_cfg, after, after_cfg)
     lines = []
     if residual:
         relative = [p.relative_error for p in parameters]
