@@ -167,6 +167,19 @@ def test_float64_weights_processed_in_float32_are_explained_as_precision_loss():
     assert all(f.status == "holds" for f in report.findings if f.kind == "identity")
 
 
+def test_a_mistake_beside_float32_precision_loss_is_named_alone():
+    """float64 weights processed in float32, and one tensor scaled: only that tensor is blamed; the
+    tensors that differ within float32 rounding are counted in the explanation, not named."""
+    cfg, before = _model()
+    processed, processed_cfg = cm.process_weights({k: v.float() for k, v in before.items()}, cfg)
+    after = {k: v.double() for k, v in processed.items()}
+    after["blocks.1.mlp.W_out"] = after["blocks.1.mlp.W_out"] * 1.1
+    report = diagnose(before, after, cfg, after_cfg=processed_cfg)
+    assert [p.name for p in report.culprits()] == ["blocks.1.mlp.W_out"]
+    residual = next(f for f in report.findings if f.name == "residual")
+    assert "more tensors differ within float32 rounding" in residual.explanation
+
+
 def test_diagnosis_as_json_rows():
     cfg, before = _model()
     after = dict(before, **{"unembed.W_U": before["unembed.W_U"] - before["unembed.W_U"].mean(0)})
