@@ -38,13 +38,16 @@ def main() -> int:
         diagnosis = diagnose(before, after, bug.cfg, after_cfg=after_cfg)
         seconds.append(time.perf_counter() - start)
         blamed = {p.name for p in diagnosis.culprits()}
-        right, wrong, missed = right + len(blamed & touched), wrong + len(blamed - touched), missed + len(touched - blamed)
+        right += len(blamed & touched)
+        wrong += len(blamed - touched)
+        missed += len(touched - blamed)
         if blamed != touched:
-            print(f"{bug.name}: blamed but correct {sorted(blamed - touched)}, touched but not blamed {sorted(touched - blamed)}")
+            print(f"{bug.name}: blamed but correct {sorted(blamed - touched)},"
+                  f" touched but not blamed {sorted(touched - blamed)}")
     precision = right / max(right + wrong, 1)
     recall = right / max(right + missed, 1)
-    print(f"{len(bugs)} planted bugs: precision {precision:.1%} ({right}/{right + wrong}), recall {recall:.1%}"
-          f" ({right}/{right + missed}); diagnosis {sum(seconds) / len(seconds):.2f} s per bug (median"
+    print(f"{len(bugs)} planted bugs: precision {precision:.1%} ({right}/{right + wrong}),"
+          f" recall {recall:.1%} ({right}/{right + missed}); diagnosis {sum(seconds) / len(seconds):.2f} s per bug (median"
           f" {sorted(seconds)[len(seconds) // 2]:.2f} s)")
     return 0 if precision >= TARGET and recall >= TARGET else 1
 

@@ -102,7 +102,7 @@ fold_and_centre = functools.partial(cm.fold_layer_norm, center_reading_weights=T
 
 
 def _norms(sd, cfg):
-    return [n[: -len(".w")] for n in sd if n.endswith(".w") and (n.startswith("blocks.") or n.startswith("ln_final"))]
+    return [n[: -len(".w")] for n in sd if n.endswith(".w") and n.startswith(("blocks.", "ln_final"))]
 
 
 def bias_through_gain(sd, cfg):
@@ -280,7 +280,8 @@ def user_fold_value_biases(sd, cfg, *, through_W_O=True, repeat_groups=True):
         p = f"blocks.{layer}.attn"
         b_V, W_O = sd[f"{p}.{name}"], sd[f"{p}.W_O"]
         per_head = b_V.repeat_interleave(cfg.n_heads // b_V.shape[0], 0) if repeat_groups else b_V
-        folded = (per_head[:, :, None] * W_O[: per_head.shape[0]]).sum((0, 1)) if through_W_O else b_V.reshape(-1)
+        through = (per_head[:, :, None] * W_O[: per_head.shape[0]]).sum((0, 1))
+        folded = through if through_W_O else b_V.reshape(-1)
         sd[f"{p}.b_O"] = sd[f"{p}.b_O"] + folded
         sd[f"{p}.{name}"] = torch.zeros_like(b_V)
     return sd, cfg
@@ -291,7 +292,8 @@ def user_fold_value_biases(sd, cfg, *, through_W_O=True, repeat_groups=True):
 GPT2 = Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=12)
 ATTN_ONLY = GPT2.replace(d_mlp=None)
 SQUARE_HEADS = GPT2.replace(n_heads=2, d_head=8)
-LLAMA = GPT2.replace(normalization_type="RMS", positional_embedding_type="rotary", gated_mlp=True, act_fn="silu")
+LLAMA = GPT2.replace(normalization_type="RMS", positional_embedding_type="rotary", gated_mlp=True,
+                     act_fn="silu")
 GQA = GPT2.replace(n_heads=4, d_head=2, n_key_value_heads=2)
 ROTARY = GPT2.replace(positional_embedding_type="rotary")
 PARALLEL = GPT2.replace(parallel_attn_mlp=True, positional_embedding_type="rotary")
@@ -299,7 +301,7 @@ SHORTFORMER = GPT2.replace(positional_embedding_type="shortformer")
 POST_NORM = GPT2.replace(norm_position="post")
 NO_NORM = GPT2.replace(normalization_type=None)
 
-_ATTN_READERS = ("ln1.w", "attn.W_Q", "attn.W_K", "attn.W_V", "attn.b_Q", "attn.b_K", "attn.b_V")
+_ATTN_READERS = ("attn.W_Q", "attn.W_K", "attn.W_V", "attn.b_Q", "attn.b_K", "attn.b_V")
 _MLP_READERS = ("mlp.W_in", "mlp.b_in")
 
 
@@ -307,15 +309,18 @@ def corpus() -> list[PlantedBug]:
     bugs = [
         # LayerNorm fold
         PlantedBug("bias pushed through the gain", GPT2, 0, fold_ln, on_input(bias_through_gain, fold_ln)),
-        PlantedBug("forgotten ln_final", GPT2, 1, fold_ln, then(fold_ln, restore("unembed.W_U", "unembed.b_U"))),
+        PlantedBug("forgotten ln_final", GPT2, 1,
+                   fold_ln, then(fold_ln, restore("unembed.W_U", "unembed.b_U"))),
         PlantedBug("one layer not folded", GPT2, 2, fold_ln,
-                   then(fold_ln, restore_layer(1, [s for s in _ATTN_READERS + _MLP_READERS if s != "ln1.w"]))),
+                   then(fold_ln, restore_layer(1, _ATTN_READERS + _MLP_READERS))),
         PlantedBug("b_Q not folded (rotary)", ROTARY, 3, fold_ln,
                    then(fold_ln, restore("blocks.0.attn.b_Q", "blocks.1.attn.b_Q"))),
         PlantedBug("grouped-query _W_K, _b_K not folded", GQA, 4, fold_ln,
                    then(fold_ln, restore("blocks.0.attn._W_K", "blocks.0.attn._b_K"))),
-        PlantedBug("ln1 folded into the MLP (parallel)", PARALLEL, 5, fold_ln, on_input(swap_norms("ln1", "ln2"), fold_ln)),
-        PlantedBug("W_in * 1.05 after the fold", GPT2, 6, fold_ln, then(fold_ln, scale("blocks.0.mlp.W_in", 1.05))),
+        PlantedBug("ln1 folded into the MLP (parallel)", PARALLEL, 5,
+                   fold_ln, on_input(swap_norms("ln1", "ln2"), fold_ln)),
+        PlantedBug("W_in * 1.05 after the fold", GPT2, 6,
+                   fold_ln, then(fold_ln, scale("blocks.0.mlp.W_in", 1.05))),
         PlantedBug("a transposed head after the fold", SQUARE_HEADS, 7, fold_ln,
                    then(fold_ln, transpose_head("blocks.1.attn.W_Q", 0))),
         # centring the readers
@@ -332,19 +337,22 @@ def corpus() -> list[PlantedBug]:
         PlantedBug("W_O centred over d_head", ATTN_ONLY, 12, pipeline(fold_ln, cm.center_writing_weights),
                    then(pipeline(fold_ln, cm.center_writing_weights), w_O_centred_over_d_head)),
         # centring the unembed
-        PlantedBug("b_U * 1.1 after centring", GPT2, 13, cm.center_unembed, then(cm.center_unembed, scale("unembed.b_U", 1.1))),
+        PlantedBug("b_U * 1.1 after centring", GPT2, 13,
+                   cm.center_unembed, then(cm.center_unembed, scale("unembed.b_U", 1.1))),
         PlantedBug("unembed centred over d_model", NO_NORM, 14, cm.center_unembed,
                    then(cm.center_unembed, lambda out, before, cfg: out.update(
                        {"unembed.W_U": before["unembed.W_U"] - before["unembed.W_U"].mean(0, keepdim=True)}))),
         # value biases
-        PlantedBug("value biases folded without W_O", GPT2, 15, cm.fold_value_biases, value_biases_without_W_O),
+        PlantedBug("value biases folded without W_O", GPT2, 15,
+                   cm.fold_value_biases, value_biases_without_W_O),
         PlantedBug("value biases of head 0 only", GPT2, 16, cm.fold_value_biases, value_biases_one_head),
         PlantedBug("grouped-query value biases through one head per group", GQA, 17, cm.fold_value_biases,
                    value_biases_first_head_of_each_group),
         # RMSNorm fold
         PlantedBug("RMS fold forgets W_gate", LLAMA, 18, cm.fold_rms_norm,
                    then(cm.fold_rms_norm, restore("blocks.0.mlp.W_gate", "blocks.1.mlp.W_gate"))),
-        PlantedBug("RMS fold forgets ln_final", LLAMA, 19, cm.fold_rms_norm, then(cm.fold_rms_norm, restore("unembed.W_U"))),
+        PlantedBug("RMS fold forgets ln_final", LLAMA, 19,
+                   cm.fold_rms_norm, then(cm.fold_rms_norm, restore("unembed.W_U"))),
         PlantedBug("W_in * 1.05 after the RMS fold", LLAMA, 20, cm.fold_rms_norm,
                    then(cm.fold_rms_norm, scale("blocks.1.mlp.W_in", 1.05))),
         # key biases
@@ -366,7 +374,8 @@ def corpus() -> list[PlantedBug]:
                    functools.partial(user_fold, bias_through_gain=True)),
         PlantedBug("user library: readers centred over d_head", GPT2, 27, user_fold,
                    functools.partial(user_fold, attn_centre_axis=2)),
-        PlantedBug("user library: forgotten ln_final", GPT2, 28, user_fold, functools.partial(user_fold, fold_final=False)),
+        PlantedBug("user library: forgotten ln_final", GPT2, 28,
+                   user_fold, functools.partial(user_fold, fold_final=False)),
         PlantedBug("user library: value biases folded without W_O", GPT2, 29, user_fold_value_biases,
                    functools.partial(user_fold_value_biases, through_W_O=False)),
         PlantedBug("user library: grouped-query value biases not repeated over the group", GQA, 30,
@@ -382,24 +391,29 @@ def corpus() -> list[PlantedBug]:
                    functools.partial(user_fold_value_biases, through_W_O=False), torch.float32),
         # mistakes under later rewrites and after the whole pipeline
         PlantedBug("value biases folded without W_O, then the writers centred", GPT2, 35,
-                   pipeline(fold_ln, cm.fold_value_biases, cm.center_writing_weights), value_biases_hidden_under_centring),
+                   pipeline(fold_ln, cm.fold_value_biases, cm.center_writing_weights),
+                   value_biases_hidden_under_centring),
         PlantedBug("process_weights (LLaMA), then W_gate * 1.1", LLAMA, 36, cm.process_weights,
                    then(cm.process_weights, scale("blocks.0.mlp.W_gate", 1.1))),
-        PlantedBug("process_weights (grouped-query), value biases of one layer left", GQA, 37, cm.process_weights,
+        PlantedBug("process_weights (grouped-query), value biases of one layer left", GQA, 37,
+                   cm.process_weights,
                    then(cm.process_weights, restore("blocks.1.attn._b_V"))),
         PlantedBug("process_weights (parallel), b_O of a layer dropped", PARALLEL, 38, cm.process_weights,
                    then(cm.process_weights, lambda out, before, cfg: zero("blocks.0.attn.b_O")(out))),
-        PlantedBug("process_weights (attention only), two rows of W_E swapped", ATTN_ONLY, 39, cm.process_weights,
+        PlantedBug("process_weights (attention only), two rows of W_E swapped", ATTN_ONLY, 39,
+                   cm.process_weights,
                    then(cm.process_weights, swap_rows("embed.W_E", 0, 1))),
         PlantedBug("post-norm: unembed centred, W_E * 1.1", POST_NORM, 40, cm.center_unembed,
                    then(cm.center_unembed, scale("embed.W_E", 1.1))),
-        PlantedBug("shortformer: tables and fold, pos_K * 1.1", SHORTFORMER, 41, pipeline(cm.shortformer_to_tables, fold_ln),
+        PlantedBug("shortformer: tables and fold, pos_K * 1.1", SHORTFORMER, 41,
+                   pipeline(cm.shortformer_to_tables, fold_ln),
                    then(pipeline(cm.shortformer_to_tables, fold_ln), scale("blocks.1.attn.pos_K", 1.1))),
         PlantedBug("RMS fold, then one entry of b_U + 1", LLAMA, 42, cm.fold_rms_norm,
                    then(cm.fold_rms_norm, add_one_hot("unembed.b_U", 0))),
         PlantedBug("fold: ln_final's gain taken from ln1", GPT2, 43, fold_ln,
                    on_input(lambda sd, cfg: sd.update({"ln_final.w": sd["blocks.0.ln1.w"]}), fold_ln)),
-        PlantedBug("grouped-query value biases folded, then a head's W_O flipped", GQA, 44, cm.fold_value_biases,
+        PlantedBug("grouped-query value biases folded, then a head's W_O flipped", GQA, 44,
+                   cm.fold_value_biases,
                    then(cm.fold_value_biases, scale("blocks.0.attn.W_O", -1.0, head=3))),
     ]
     return bugs

@@ -32,7 +32,8 @@ def _diagnosed() -> tuple:
     out = []
     for bug in corpus():
         before, after, after_cfg = bug.outputs()
-        out.append((bug, frozenset(bug.touched()), before, after, diagnose(before, after, bug.cfg, after_cfg=after_cfg)))
+        diagnosis = diagnose(before, after, bug.cfg, after_cfg=after_cfg)
+        out.append((bug, frozenset(bug.touched()), before, after, diagnosis))
     return tuple(out)
 
 
@@ -55,8 +56,8 @@ def precision_recall(results, blame=blamed) -> tuple[float, float, str]:
                          f" {sorted(touched - named)}")
     precision = right / (right + wrong) if right + wrong else 0.0
     recall = right / (right + missed) if right + missed else 0.0
-    head = (f"blame over {len(results)} planted bugs: precision {precision:.1%} ({right} of {right + wrong} blamed"
-            f" tensors touched), recall {recall:.1%} ({right} of {right + missed} touched tensors blamed)")
+    head = (f"blame over {len(results)} planted bugs: precision {precision:.1%}"
+            f" ({right} of {right + wrong} blamed tensors touched), recall {recall:.1%} ({right} of {right + missed} touched tensors blamed)")
     return precision, recall, "\n".join([head] + lines)
 
 
@@ -70,7 +71,7 @@ def test_the_corpus_spans_identities_and_architectures_and_every_bug_changes_the
     assert any(c.n_key_value_heads for c in cfgs) and any(c.attn_only for c in cfgs)
     for bug, touched, _before, _after, diagnosis in results:
         assert touched, f"{bug.name}: the buggy processing equals the correct one"
-        assert not diagnosis.comparison.passed, f"{bug.name}: the bug does not change the log-probs\n{diagnosis}"
+        assert not diagnosis.comparison.passed, f"{bug.name}: the log-probs do not change\n{diagnosis}"
         assert not diagnosis.ok
 
 

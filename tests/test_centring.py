@@ -8,7 +8,7 @@ import circuitmath as cm
 from circuitmath._processing import writers
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens, logprob_tolerance
-from support import assume_discriminates, same, snapshot, VISIBLE, wide
+from support import VISIBLE, assume_discriminates, same, snapshot, wide
 
 WRITING = cm.get_identity("center_writing_weights")
 UNEMBED = cm.get_identity("center_unembed")

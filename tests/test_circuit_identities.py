@@ -14,7 +14,7 @@ from hypothesis import given, strategies as st
 import circuitmath as cm
 from circuitmath.strategies import configs, models, state_dicts, tokens
 from circuitmath.testing import default_tokens
-from support import assume_discriminates, VISIBLE, wide
+from support import VISIBLE, assume_discriminates, wide
 
 POSITIONS = ("standard", "rotary", "shortformer", "shortformer_tables")
 ROUTE = dict(attn_only=True, positional_embedding_types=POSITIONS, max_layers=2)

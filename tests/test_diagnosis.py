@@ -125,7 +125,8 @@ def test_a_change_no_identity_makes_is_named_with_the_identity_that_last_wrote_i
     rows = {f.name: f for f in report.findings if f.kind == "identity"}
     writer = rows.pop("center_reading_weights")
     assert writer.status == "violated" and writer.rewrite == "unknown"
-    assert [p.name for p in writer.parameters] == ["blocks.0.mlp.W_in"] and "no known rewrite" in writer.explanation
+    assert [p.name for p in writer.parameters] == ["blocks.0.mlp.W_in"]
+    assert "no known rewrite" in writer.explanation
     assert all(f.status == "holds" and f.rewrite == "exact" for f in rows.values())
 
 
@@ -214,5 +215,6 @@ def test_an_exact_unknown_processing_split_across_identities_passes_without_clai
     report = diagnose(before, after, cfg, after_cfg=after_cfg)
     assert report.ok, report
     unknown = {f.name: [p.name for p in f.parameters] for f in report.findings if f.rewrite == "unknown"}
-    assert unknown == {"center_reading_weights": ["blocks.0.attn.W_V"], "center_writing_weights": ["blocks.0.attn.W_O"]}
+    assert unknown == {"center_reading_weights": ["blocks.0.attn.W_V"],
+                       "center_writing_weights": ["blocks.0.attn.W_O"]}
     assert all(f.status == "holds" for f in report.findings)

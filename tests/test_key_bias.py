@@ -8,7 +8,7 @@ import circuitmath as cm
 from circuitmath._identities.attention_biases import key_bias_scores_proof
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
-from support import assume_discriminates, DISCRIMINATING_WEIGHTS, discrimination, same, snapshot, VISIBLE, wide
+from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, discrimination, same, snapshot, wide
 
 REMOVE = cm.get_identity("remove_key_biases")
 UNROTATED = dict(norm_positions=("pre", "post"), positional_embedding_types=("standard", "shortformer"))

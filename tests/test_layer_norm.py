@@ -8,7 +8,7 @@ from hypothesis.errors import InvalidArgument
 import circuitmath as cm
 from circuitmath.strategies import configs, models, state_dicts, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
-from support import assume_discriminates, same, snapshot, VISIBLE, wide
+from support import VISIBLE, assume_discriminates, same, snapshot, wide
 
 FOLDABLE = dict(normalization_types=("LN",), gated_mlp=(False,))
 LN_FOLD = cm.get_identity("layer_norm_fold")

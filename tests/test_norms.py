@@ -9,7 +9,7 @@ from circuitmath._identities.norms import with_explicit_eps
 from circuitmath._processing import writers
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
-from support import assume_discriminates, same, snapshot, VISIBLE, wide
+from support import VISIBLE, assume_discriminates, same, snapshot, wide
 
 RMS_FOLD = cm.get_identity("rms_norm_fold")
 LN_TO_RMS = cm.get_identity("layer_norm_to_rms_norm")

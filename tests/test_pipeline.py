@@ -10,7 +10,7 @@ from circuitmath._processing.fused import FUSED_STEPS, fusable
 from circuitmath._processing.pipeline import PIPELINE_STEPS
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
-from support import assume_above, assume_discriminates, same, snapshot, VISIBLE, wide
+from support import VISIBLE, assume_above, assume_discriminates, same, snapshot, wide
 
 PIPELINE = cm.get_identity("process_weights")
 EVERY_ARCHITECTURE = dict(

@@ -71,7 +71,8 @@ def user_fold_layer_norm(state_dict, cfg):
 
     for layer in range(cfg.n_layers):
         block = f"blocks.{layer}"
-        fold(f"{block}.ln1", [f"{block}.attn.W_{x}" for x in "QKV"], [f"{block}.attn.b_{x}" for x in "QKV"], 1)
+        attn = f"{block}.attn"
+        fold(f"{block}.ln1", [f"{attn}.W_{x}" for x in "QKV"], [f"{attn}.b_{x}" for x in "QKV"], 1)
         if f"{block}.ln2.w" in sd:
             fold(f"{block}.ln2", [f"{block}.mlp.W_in"], [f"{block}.mlp.b_in"], 0)
     fold("ln_final", ["unembed.W_U"], ["unembed.b_U"], 0)

@@ -10,7 +10,7 @@ from circuitmath._algebra import IllTyped, is_zero, normal_form
 from circuitmath._identities.reparametrise import change_bases
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
-from support import assume_discriminates, DISCRIMINATING_WEIGHTS, same, snapshot, VISIBLE, wide
+from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, same, snapshot, wide
 
 REFACTOR = cm.get_identity("refactor_factored_attn_matrices")
 UNROTATED = dict(norm_positions=("pre", "post"), positional_embedding_types=("standard", "shortformer"))

@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 import circuitmath as cm
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
-from support import assume_discriminates, VISIBLE, wide
+from support import VISIBLE, assume_discriminates, wide
 
 SHORTFORMER = dict(positional_embedding_types=("shortformer",), gated_mlp=(False,))
 IDENTITY = cm.get_identity("shortformer_tables")

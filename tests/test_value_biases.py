@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 import circuitmath as cm
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import default_tokens
-from support import assume_discriminates, DISCRIMINATING_WEIGHTS, discrimination, same, snapshot, VISIBLE, wide
+from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, discrimination, same, snapshot, wide
 
 FOLD = cm.get_identity("fold_value_biases")
 # Values never see positions and b_O sits inside the attention layer, so the fold is exact

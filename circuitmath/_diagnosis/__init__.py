@@ -106,10 +106,12 @@ def replay_and_explain(first: Model, second: Model, tokens, plan, notes, progres
         effect = None
         if unknown and residual_comparison is not None and not residual_comparison.passed:
             effect = _effect_of(unknown, final, final_cfg, after, lp)
+        kept = residual_comparison is None or residual_comparison.passed
         findings.append(_identity_finding(stage, before, replay, comparison, max(mine, default=0.0), unknown,
-                                          effect, function_kept=residual_comparison is None or residual_comparison.passed))
+                                          effect, function_kept=kept))
     if residual or measure:
-        findings.append(_residual_finding(unexplained, residual_comparison, replay, dtype, config_differences))
+        findings.append(_residual_finding(unexplained, residual_comparison, replay, dtype,
+                                          config_differences))
     findings.append(Finding(
         name="before -> after",
         kind="equivalence",
@@ -126,7 +128,8 @@ def _unexplained(residual, final, before, after, replay, last_writer) -> tuple[P
     """The residual tensors of ``after`` against the replay's end, each naming the identity that
     last rewrote it (``written_by``)."""
     return tuple(
-        _mismatch(n, after.get(n), final.get(n), before.get(n), replay.thresholds.exact, last_writer.get(n), "the replay")
+        _mismatch(n, after.get(n), final.get(n), before.get(n), replay.thresholds.exact, last_writer.get(n),
+                  "the replay")
         for n in residual
     )
 

@@ -235,8 +235,8 @@ def _identity_finding(stage: _Stage, before: Mapping, replay: _Replay, compariso
                      f" {effect.max_abs_error:.3g} (tolerance {effect.tolerance:.3g})")
         else:
             shown = ""
-        lines.append(f"no known rewrite reproduces {', '.join(names)}, which this identity rewrote last in the replay:"
-                     f" {'they differ' if len(names) > 1 else 'it differs'} from its rewrite{shown}")
+        lines.append(f"no known rewrite reproduces {', '.join(names)}, which this identity rewrote last in the"
+                     f" replay: {'they differ' if len(names) > 1 else 'it differs'} from its rewrite{shown}")
         parameters += list(unexplained)
         rewrite = "unknown" if rewrite == "exact" else f"{rewrite}, unknown"
     if not stage.recognised:
@@ -274,7 +274,8 @@ def _config_differences(replayed: Config, processed: Config) -> list[str]:
     return [f"{k}: {theirs[k]!r} (the replay gives {ours[k]!r})" for k in ours if k != "applied" and ours[k] != theirs[k]]
 
 
-def _residual_finding(parameters, comparison: Comparison | None, replay, dtype, config_differences) -> Finding:
+def _residual_finding(parameters, comparison: Comparison | None, replay, dtype,
+                      config_differences) -> Finding:
     """What the replayed identities leave unexplained: tensors (``parameters``, against the
     replay's end), and config fields; ``comparison`` is the replay's end against ``after``
     (``None``: not measured)."""
@@ -292,8 +293,8 @@ def _residual_finding(parameters, comparison: Comparison | None, replay, dtype, 
         elif rounded:  # precision loss beside real differences: name only the real ones
             largest = max(p.relative_error for p in rounded)
             lines.append(
-                f"{len(rounded)} more tensors differ within float32 rounding (largest {largest:.2g} of a tensor's"
-                " largest entry): the float64 weights were processed in float32 or lower precision"
+                f"{len(rounded)} more tensors differ within float32 rounding (largest {largest:.2g} of a"
+                " tensor's largest entry): the float64 weights were processed in float32 or lower precision"
             )
             parameters = tuple(p for p in parameters if p not in rounded)
         writers_ = sorted({p.written_by for p in parameters if p.written_by})
