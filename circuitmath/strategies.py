@@ -54,7 +54,7 @@ def _check_choices(name: str, values, allowed) -> tuple:
 
 def configs(
     *,
-    min_layers: int = 0,
+    min_layers: int = 1,
     max_layers: int = 2,
     min_d_model: int = 2,
     max_d_model: int = 12,
@@ -71,16 +71,28 @@ def configs(
     attn_only: bool | None = None,
     gated_mlp=(False, True),
     parallel_attn_mlp=(False, True),
-    grouped_query=(False, True),
+    grouped_query=(False,),
 ) -> st.SearchStrategy[Config]:
     """Strategy for :class:`~circuitmath.Config`\\ s no larger than the ``max_*`` sizes.
 
     ``attn_only=None`` draws both attention-only models and models with MLPs. ``gated_mlp``,
     ``parallel_attn_mlp`` and ``grouped_query`` are the choices drawn from for those
     architecture options (grouped-query draws ``n_key_value_heads`` among ``n_heads``'s
-    divisors). ``d_model`` is at
-    least 2 (a LayerNorm over one dimension is identically zero) and ``rotary`` models get an
-    even ``d_head``.
+    divisors). ``d_model`` is at least 2 (a LayerNorm over one dimension is identically zero)
+    and ``rotary`` models get an even ``d_head``.
+
+    The defaults draw what a library written for TransformerLens-format state dicts of the
+    common case expects to index: at least one block (``min_layers=1``), per-head ``W_K`` and
+    ``W_V`` (``grouped_query=(False,)``: grouped-query models name them ``_W_K``, ``_W_V``) and
+    pre-norm blocks (``norm_positions=("pre",)``: post-norm models have no ``ln_final``). Widen
+    them to test a library that handles more: ``min_layers=0`` adds embedding-unembedding-only
+    models, ``grouped_query=(False, True)`` grouped-query models, ``norm_positions=("pre",
+    "post")`` post-norm models. Gated MLPs and parallel attention and MLP stay drawn by default:
+    their state dicts have every key of the common case (a gated MLP adds ``mlp.W_gate``), so a
+    library that ignores them runs and computes another function, which is what a property test
+    is there to find; pass ``gated_mlp=(False,)`` or ``parallel_attn_mlp=(False,)`` for a
+    library that does not handle them. The normalization and positional-embedding types are
+    all drawn unless narrowed: a test names the ones its library processes.
 
     >>> from hypothesis import given, settings
     >>> @settings(max_examples=10, deadline=None)

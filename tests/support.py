@@ -15,6 +15,18 @@ from circuitmath._identities._circuit_checks import compare_logits
 DISCRIMINATING_WEIGHTS = dict(min_bias_scale=0.5, max_gain_spread=0.3, max_outlier_scale=3.0)
 
 
+#: What :mod:`circuitmath.strategies` drew by default before its defaults were narrowed to what a
+#: TransformerLens-format library of the common case expects (issue 16): 0-layer and
+#: grouped-query models too. The suite's property tests draw them as before.
+EVERY_SHAPE = dict(min_layers=0, grouped_query=(False, True))
+
+
+def wide(**options):
+    """``options`` for ``models`` or ``configs``, drawing 0-layer and grouped-query models too
+    unless ``options`` set ``min_layers`` or ``grouped_query`` themselves."""
+    return {**EVERY_SHAPE, **options}
+
+
 def snapshot(state_dict):
     """A copy of every tensor, to show later that a transform left its input alone."""
     return {k: v.clone() for k, v in state_dict.items()}

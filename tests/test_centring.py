@@ -8,7 +8,7 @@ import circuitmath as cm
 from circuitmath._processing import writers
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens, logprob_tolerance
-from support import VISIBLE, assume_discriminates, same, snapshot
+from support import VISIBLE, assume_discriminates, same, snapshot, wide
 
 WRITING = cm.get_identity("center_writing_weights")
 UNEMBED = cm.get_identity("center_unembed")
@@ -34,7 +34,7 @@ def _mean_is_zero(tensor, dim):
 @DTYPES
 @given(data=st.data())
 def test_centring_writing_weights_preserves_log_probs(dtype, data):
-    cfg, sd = data.draw(models(dtype=dtype, **CENTRING_NORMS))
+    cfg, sd = data.draw(models(**wide(dtype=dtype, **CENTRING_NORMS)))
     result = WRITING.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
     centred, centred_cfg = cm.center_writing_weights(sd, cfg)
@@ -46,7 +46,7 @@ def test_centring_writing_weights_preserves_log_probs(dtype, data):
         assert "pos_embed.W_pos" not in names and centred["pos_embed.W_pos"] is sd["pos_embed.W_pos"]
 
 
-@given(models(weights=DISCRIMINATING, min_layers=1, **CENTRING_NORMS))
+@given(models(**wide(weights=DISCRIMINATING, min_layers=1, **CENTRING_NORMS)))
 def test_negative_control_W_O_centred_over_d_head_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
@@ -64,7 +64,7 @@ UNSATURATED = dict(min_gain_spread=0.3, max_gain_spread=0.5, min_bias_scale=0.5,
 
 
 @given(
-    models(weights=UNSATURATED, min_layers=1, positional_embedding_types=("shortformer",), **CENTRING_NORMS)
+    models(**wide(weights=UNSATURATED, min_layers=1, positional_embedding_types=("shortformer",), **CENTRING_NORMS))
     .filter(lambda model: model[0].n_ctx >= 2 and model[0].d_model >= 3)
 )
 def test_negative_control_centring_shortformer_W_pos_is_caught(model):
@@ -84,7 +84,7 @@ WRITING_REFUSALS = [
 @pytest.mark.parametrize("options, precondition", WRITING_REFUSALS, ids=["not-centring-norm", "post-norm"])
 @given(data=st.data())
 def test_centring_writing_weights_refuses_what_it_cannot_rewrite_exactly(options, precondition, data):
-    cfg, sd = data.draw(models(**options))
+    cfg, sd = data.draw(models(**wide(**options)))
     before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.center_writing_weights(sd, cfg)
@@ -111,7 +111,7 @@ def test_refusal_is_not_a_formality(normalization):
 @DTYPES
 @given(data=st.data())
 def test_centring_unembed_preserves_log_probs_in_every_architecture(dtype, data):
-    cfg, sd = data.draw(models(dtype=dtype, norm_positions=("pre", "post")))
+    cfg, sd = data.draw(models(**wide(dtype=dtype, norm_positions=("pre", "post"))))
     result = UNEMBED.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
     centred, centred_cfg = cm.center_unembed(sd, cfg)
@@ -131,7 +131,7 @@ def _shift_spread(before, before_cfg, after, after_cfg, toks):
 @DTYPES
 @given(data=st.data())
 def test_raw_logits_shift_by_minus_their_mean_at_each_position(dtype, data):
-    cfg, sd = data.draw(models(dtype=dtype, norm_positions=("pre", "post")))
+    cfg, sd = data.draw(models(**wide(dtype=dtype, norm_positions=("pre", "post"))))
     toks = data.draw(tokens(cfg))
     centred, centred_cfg = cm.center_unembed(sd, cfg)
     error, tolerance = _shift_spread(sd, cfg, centred, centred_cfg, toks)
@@ -143,7 +143,7 @@ def test_raw_logits_shift_by_minus_their_mean_at_each_position(dtype, data):
 NOT_CENTRED_OUTPUT = dict(normalization_types=("LN", "RMS", "RMSPre", None), norm_positions=("pre", "post"))
 
 
-@given(models(weights=DISCRIMINATING, **NOT_CENTRED_OUTPUT))
+@given(models(**wide(weights=DISCRIMINATING, **NOT_CENTRED_OUTPUT)))
 def test_negative_control_unembed_centred_over_d_model_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)

@@ -14,7 +14,7 @@ from hypothesis import given, strategies as st
 import circuitmath as cm
 from circuitmath.strategies import configs, models, state_dicts, tokens
 from circuitmath.testing import default_tokens
-from support import VISIBLE, assume_discriminates
+from support import VISIBLE, assume_discriminates, wide
 
 POSITIONS = ("standard", "rotary", "shortformer", "shortformer_tables")
 ROUTE = dict(attn_only=True, positional_embedding_types=POSITIONS, max_layers=2)
@@ -75,7 +75,7 @@ def test_every_circuits_identity_is_checked_here():
 @given(data=st.data())
 def test_check_passes_in_float64(name, data):
     identity = cm.get_identity(name)
-    cfg, sd = data.draw(models(dtype=torch.float64, **CHECKS[name]))
+    cfg, sd = data.draw(models(**wide(dtype=torch.float64, **CHECKS[name])))
     result = identity.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, (name, result)
 
@@ -84,7 +84,7 @@ def test_check_passes_in_float64(name, data):
 @given(data=st.data())
 def test_check_passes_in_float32(name, data):
     identity = cm.get_identity(name)
-    cfg, sd = data.draw(models(dtype=torch.float32, **CHECKS[name]))
+    cfg, sd = data.draw(models(**wide(dtype=torch.float32, **CHECKS[name])))
     result = identity.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, (name, result)
 
@@ -94,7 +94,7 @@ def test_check_passes_in_float32(name, data):
 def test_negative_controls_are_caught(name, data):
     identity = cm.get_identity(name)
     extra, applies = DISCRIMINATING.get(name, ({}, lambda cfg: True))
-    cfg = data.draw(configs(**{**CHECKS[name], **extra}).filter(lambda cfg: GENERIC(cfg) and applies(cfg)))
+    cfg = data.draw(configs(**wide(**{**CHECKS[name], **extra})).filter(lambda cfg: GENERIC(cfg) and applies(cfg)))
     sd = data.draw(state_dicts(cfg, dtype=torch.float64, **TAME))
     toks = default_tokens(cfg)
     for corruption in identity.wrong_rewrites_for(cfg):

@@ -11,6 +11,8 @@ from circuitmath import circuits
 from circuitmath.circuits import FactoredMatrix, Path
 from circuitmath.strategies import models, tokens
 
+from support import wide
+
 PATH_MODELS = dict(attn_only=True, positional_embedding_types=("standard", "rotary", "shortformer", "shortformer_tables"),
                    max_layers=2)
 FLOAT64 = torch.float64
@@ -87,7 +89,7 @@ def test_factored_matrix_products_and_indexing():
 # -- circuits of a model ----------------------------------------------------------------------
 
 
-@given(models(dtype=FLOAT64, min_layers=1, positional_embedding_types=("standard", "shortformer")))
+@given(models(**wide(dtype=FLOAT64, min_layers=1, positional_embedding_types=("standard", "shortformer"))))
 def test_circuits_match_their_definitions(model):
     cfg, sd = model
     ov, qk, full = circuits.ov_circuits(sd, cfg), circuits.qk_circuits(sd, cfg), circuits.full_ov_circuits(sd, cfg)
@@ -130,7 +132,7 @@ def test_virtual_weights_meet_every_writer_with_every_reader():
 # -- composition and copying scores -----------------------------------------------------------
 
 
-@given(models(dtype=FLOAT64, min_layers=2, max_layers=3, positional_embedding_types=("standard",)),
+@given(models(**wide(dtype=FLOAT64, min_layers=2, max_layers=3, positional_embedding_types=("standard",))),
        st.floats(0.1, 10.0), st.floats(0.1, 10.0))
 def test_composition_scores_lie_in_the_unit_interval_and_ignore_positive_and_negative_rescaling(model, a, b):
     cfg, sd = model
@@ -149,7 +151,7 @@ def test_composition_scores_lie_in_the_unit_interval_and_ignore_positive_and_neg
         torch.testing.assert_close(rescaled[kind], values, equal_nan=True)
 
 
-@given(models(dtype=FLOAT64, min_layers=1, positional_embedding_types=("standard", "rotary")), st.floats(0.1, 10.0))
+@given(models(**wide(dtype=FLOAT64, min_layers=1, positional_embedding_types=("standard", "rotary"))), st.floats(0.1, 10.0))
 def test_copying_scores_lie_in_minus_one_one_and_follow_the_sign_of_a_rescaling(model, factor):
     cfg, sd = model
     scores = circuits.copying_scores(sd, cfg)
@@ -178,7 +180,7 @@ def test_copying_score_of_a_copying_head_is_one():
 
 @given(st.data())
 def test_patterns_are_causal_and_row_stochastic(data):
-    cfg, sd = data.draw(models(dtype=FLOAT64, min_layers=1, **PATH_MODELS))
+    cfg, sd = data.draw(models(**wide(dtype=FLOAT64, min_layers=1, **PATH_MODELS)))
     toks = data.draw(tokens(cfg))
     patterns = circuits.attention_patterns(sd, cfg, toks)
     assert patterns.shape == (cfg.n_layers, toks.shape[0], cfg.n_heads, toks.shape[1], toks.shape[1])
@@ -188,7 +190,7 @@ def test_patterns_are_causal_and_row_stochastic(data):
 
 @given(st.data())
 def test_path_terms_sum_to_the_logits_and_are_named_by_their_heads(data):
-    cfg, sd = data.draw(models(dtype=FLOAT64, **PATH_MODELS))
+    cfg, sd = data.draw(models(**wide(dtype=FLOAT64, **PATH_MODELS)))
     toks = data.draw(tokens(cfg))
     terms = circuits.path_terms(sd, cfg, toks)
     total = sum(terms.values())
@@ -201,7 +203,7 @@ def test_path_terms_sum_to_the_logits_and_are_named_by_their_heads(data):
 
 @given(st.data())
 def test_score_terms_rebuild_every_layers_pattern(data):
-    cfg, sd = data.draw(models(dtype=FLOAT64, min_layers=1, **PATH_MODELS))
+    cfg, sd = data.draw(models(**wide(dtype=FLOAT64, min_layers=1, **PATH_MODELS)))
     toks = data.draw(tokens(cfg))
     patterns = circuits.attention_patterns(sd, cfg, toks)
     for layer in range(cfg.n_layers):

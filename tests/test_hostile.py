@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 import circuitmath as cm
 from circuitmath import _cli, io
 from circuitmath.strategies import configs
-from support import snapshot
+from support import snapshot, wide
 
 CFG = cm.Config(n_layers=1, d_model=6, n_heads=2, d_head=3, d_vocab=7, n_ctx=4, d_mlp=8)
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -130,7 +130,7 @@ def test_the_reported_config_round_trips(tmp_path):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-@given(cfg=configs(max_layers=2, max_d_model=12, max_heads=3, max_d_head=4, max_vocab=40),
+@given(cfg=configs(**wide(max_layers=2, max_d_model=12, max_heads=3, max_d_head=4, max_vocab=40)),
        dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16]),
        pad=st.integers(0, 300))
 def test_save_then_load_round_trips_for_every_drawn_config(tmp_path_factory, cfg, dtype, pad):

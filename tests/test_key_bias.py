@@ -8,7 +8,7 @@ import circuitmath as cm
 from circuitmath._identities.attention_biases import key_bias_scores_proof
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
-from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, discrimination, same, snapshot
+from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, discrimination, same, snapshot, wide
 
 REMOVE = cm.get_identity("remove_key_biases")
 UNROTATED = dict(norm_positions=("pre", "post"), positional_embedding_types=("standard", "shortformer"))
@@ -20,12 +20,12 @@ def _key_bias(cfg):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @given(data=st.data())
 def test_removal_preserves_log_probs(dtype, data):
-    cfg, sd = data.draw(models(dtype=dtype, **UNROTATED))
+    cfg, sd = data.draw(models(**wide(dtype=dtype, **UNROTATED)))
     result = REMOVE.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
 
 
-@given(models(dtype=torch.float32, **UNROTATED))
+@given(models(**wide(dtype=torch.float32, **UNROTATED)))
 def test_removal_zeroes_key_biases_only_and_is_pure(model):
     cfg, sd = model
     before = snapshot(sd)
@@ -52,7 +52,7 @@ def test_removal_is_exact_with_bidirectional_attention(seed):
     assert not REMOVE.check_wrong_rewrite("drop_query_biases", sd, cfg, toks).passed
 
 
-@given(models(positional_embedding_types=("rotary",)))
+@given(models(**wide(positional_embedding_types=("rotary",))))
 def test_rotary_models_are_refused(model):
     cfg, sd = model
     before = snapshot(sd)
@@ -82,7 +82,7 @@ def test_rotary_refusal_is_not_a_formality(n_key_value_heads):
 # pattern is not saturated: a model without a norm can have a one-hot softmax (an off-diagonal
 # weight of 7e-26) that no change of scores moves. So the draw must first show that the wrong
 # rewrite moves some attention weight.
-@given(models(min_layers=1, weights=DISCRIMINATING_WEIGHTS, **UNROTATED).filter(
+@given(models(**wide(min_layers=1, weights=DISCRIMINATING_WEIGHTS, **UNROTATED)).filter(
     lambda model: model[0].d_model >= 3 and model[0].n_ctx >= 2))
 def test_negative_control_dropping_query_biases_is_caught(model):
     cfg, sd = model

@@ -8,7 +8,7 @@ from hypothesis.errors import InvalidArgument
 import circuitmath as cm
 from circuitmath.strategies import configs, models, state_dicts, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
-from support import VISIBLE, assume_discriminates, same, snapshot
+from support import VISIBLE, assume_discriminates, same, snapshot, wide
 
 FOLDABLE = dict(normalization_types=("LN",), gated_mlp=(False,))
 LN_FOLD = cm.get_identity("layer_norm_fold")
@@ -18,7 +18,7 @@ CENTER = cm.get_identity("center_reading_weights")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @given(data=st.data())
 def test_fold_preserves_log_probs(dtype, data):
-    cfg, sd = data.draw(models(dtype=dtype, **FOLDABLE))
+    cfg, sd = data.draw(models(**wide(dtype=dtype, **FOLDABLE)))
     toks = data.draw(tokens(cfg))
     result = LN_FOLD.check(sd, cfg, toks)
     assert result.passed, result
@@ -27,7 +27,7 @@ def test_fold_preserves_log_probs(dtype, data):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @given(data=st.data())
 def test_centring_reading_weights_preserves_log_probs(dtype, data):
-    cfg, sd = data.draw(models(dtype=dtype, **FOLDABLE))
+    cfg, sd = data.draw(models(**wide(dtype=dtype, **FOLDABLE)))
     toks = data.draw(tokens(cfg))
     result = CENTER.check(sd, cfg, toks)
     assert result.passed, result
@@ -41,7 +41,7 @@ def test_centring_reading_weights_preserves_log_probs(dtype, data):
 DISCRIMINATING = dict(min_gain_spread=0.3, min_bias_scale=0.5)
 
 
-@given(models(weights=DISCRIMINATING, **FOLDABLE), st.sampled_from(list(LN_FOLD.corruptions)))
+@given(models(**wide(weights=DISCRIMINATING, **FOLDABLE)), st.sampled_from(list(LN_FOLD.corruptions)))
 def test_negative_control_wrong_fold_is_caught(model, corruption):
     cfg, sd = model
     toks = default_tokens(cfg)
@@ -52,7 +52,7 @@ def test_negative_control_wrong_fold_is_caught(model, corruption):
 
 # Centring W_U over the vocabulary is harmless (softmax is shift invariant), so the wrong-axis
 # centring only shows in a model with at least one layer.
-@given(models(weights=DISCRIMINATING, min_layers=1, **FOLDABLE), st.sampled_from(list(CENTER.corruptions)))
+@given(models(**wide(weights=DISCRIMINATING, min_layers=1, **FOLDABLE)), st.sampled_from(list(CENTER.corruptions)))
 def test_negative_control_wrong_centring_is_caught(model, corruption):
     cfg, sd = model
     toks = default_tokens(cfg)
@@ -61,7 +61,7 @@ def test_negative_control_wrong_centring_is_caught(model, corruption):
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 
-@given(models(dtype=torch.float32, **FOLDABLE), st.booleans())
+@given(models(**wide(dtype=torch.float32, **FOLDABLE)), st.booleans())
 def test_fold_is_pure_and_keeps_dtypes(model, centre):
     cfg, sd = model
     before = snapshot(sd)
@@ -81,7 +81,7 @@ def test_fold_keeps_float64_and_bfloat16(dtype):
     assert {t.dtype for t in folded.values()} == {dtype}
 
 
-@given(models(**FOLDABLE))
+@given(models(**wide(**FOLDABLE)))
 def test_double_application_is_refused(model):
     cfg, sd = model
     folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=True)
@@ -102,7 +102,7 @@ REFUSALS = [
 @pytest.mark.parametrize("options, identity, precondition", REFUSALS, ids=["post-norm", "not-LN"])
 @given(data=st.data())
 def test_fold_refuses_what_it_cannot_rewrite_exactly(options, identity, precondition, data):
-    cfg, sd = data.draw(models(**options))
+    cfg, sd = data.draw(models(**wide(**options)))
     before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.fold_layer_norm(sd, cfg)
@@ -111,7 +111,7 @@ def test_fold_refuses_what_it_cannot_rewrite_exactly(options, identity, precondi
     assert same(sd, before)
 
 
-@given(models(normalization_types=("LN", "RMS", "RMSPre", None), positional_embedding_types=("standard", "rotary", "shortformer_tables")))
+@given(models(**wide(normalization_types=("LN", "RMS", "RMSPre", None), positional_embedding_types=("standard", "rotary", "shortformer_tables"))))
 def test_centring_refuses_readers_whose_input_is_not_centred(model):
     cfg, sd = model
     with pytest.raises(cm.PreconditionError) as info:
@@ -121,8 +121,8 @@ def test_centring_refuses_readers_whose_input_is_not_centred(model):
         assert "fold the LayerNorm first" in info.value.detail
 
 
-@given(models(normalization_types=("LN",), positional_embedding_types=("standard",), gated_mlp=(True,),
-              attn_only=False, min_layers=1))
+@given(models(**wide(normalization_types=("LN",), positional_embedding_types=("standard",), gated_mlp=(True,),
+              attn_only=False, min_layers=1)))
 def test_gated_mlp_fold_is_exact_without_ln2_bias_and_refused_with_it(model):
     cfg, sd = model
     with pytest.raises(cm.PreconditionError, match="W_gate has no bias"):
@@ -148,7 +148,7 @@ def test_shortformer_naive_fold_changes_the_model_and_ours_does_not():
 
 @given(data=st.data())
 def test_state_dicts_honour_the_structure_options(data):
-    cfg = data.draw(configs(normalization_types=("LN",), min_layers=1))
+    cfg = data.draw(configs(**wide(normalization_types=("LN",), min_layers=1)))
     sd = data.draw(state_dicts(cfg, min_gain_spread=0.5, min_bias_scale=1.0))
     gains = torch.cat([v for k, v in sd.items() if k.endswith(".w")])
     assert not torch.all(gains == 1)

@@ -9,7 +9,7 @@ from circuitmath._identities.norms import with_explicit_eps
 from circuitmath._processing import writers
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
-from support import VISIBLE, assume_discriminates, same, snapshot
+from support import VISIBLE, assume_discriminates, same, snapshot, wide
 
 RMS_FOLD = cm.get_identity("rms_norm_fold")
 LN_TO_RMS = cm.get_identity("layer_norm_to_rms_norm")
@@ -30,7 +30,7 @@ LAYER_NORM_MODELS = dict(
 
 
 def _layer_norm_models(**options):
-    return st.one_of(*(models(**kind, **options) for kind in LAYER_NORM_MODELS.values()))
+    return st.one_of(*(models(**wide(**kind, **options)) for kind in LAYER_NORM_MODELS.values()))
 
 
 def _eps_free(model):
@@ -44,7 +44,7 @@ def _eps_free(model):
 @DTYPES
 @given(data=st.data())
 def test_rms_fold_preserves_log_probs(dtype, data):
-    cfg, sd = data.draw(models(dtype=dtype, **RMS_FOLDABLE))
+    cfg, sd = data.draw(models(**wide(dtype=dtype, **RMS_FOLDABLE)))
     result = RMS_FOLD.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
     folded, folded_cfg = cm.fold_rms_norm(sd, cfg)
@@ -55,8 +55,8 @@ def test_rms_fold_preserves_log_probs(dtype, data):
 
 # A forgotten gain in W_gate shows where the gate is active: relu gates can all be shut (zero in
 # both models), gelu gates never are.
-@given(models(gated_mlp=(True,), attn_only=False, min_layers=1, act_fns=("gelu", "gelu_new"), weights=DISCRIMINATING,
-              **RMS_FOLDABLE))
+@given(models(**wide(gated_mlp=(True,), attn_only=False, min_layers=1, act_fns=("gelu", "gelu_new"), weights=DISCRIMINATING,
+              **RMS_FOLDABLE)))
 def test_rms_fold_reaches_W_gate(model):
     cfg, sd = model
     toks = default_tokens(cfg)
@@ -66,7 +66,7 @@ def test_rms_fold_reaches_W_gate(model):
     assert not result.passed, f"a fold that forgets W_gate went unnoticed: {result}"
 
 
-@given(models(weights=DISCRIMINATING, **RMS_FOLDABLE))
+@given(models(**wide(weights=DISCRIMINATING, **RMS_FOLDABLE)))
 def test_negative_control_centring_behind_rms_norm_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
@@ -88,7 +88,7 @@ RMS_FOLD_REFUSALS = [
 @pytest.mark.parametrize("options, precondition", RMS_FOLD_REFUSALS, ids=["not-RMS", "post-norm", "shortformer"])
 @given(data=st.data())
 def test_rms_fold_refuses_what_it_cannot_rewrite_exactly(options, precondition, data):
-    cfg, sd = data.draw(models(**options))
+    cfg, sd = data.draw(models(**wide(**options)))
     before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.fold_rms_norm(sd, cfg)
@@ -123,7 +123,7 @@ def test_negative_control_rms_norm_with_another_eps_is_caught(model):
     assert not result.passed, f"switching eps went unnoticed: {result}"
 
 
-@given(models(normalization_types=("LNPre",), weights=dict(max_outlier_dims=0)))
+@given(models(**wide(normalization_types=("LNPre",), weights=dict(max_outlier_dims=0))))
 def test_layer_norm_to_rms_norm_refuses_uncentred_writes(model):
     cfg, sd = model
     before = snapshot(sd)
@@ -164,7 +164,7 @@ def test_layer_norm_to_rms_norm_refuses_post_norm():
 # -- the centring projection -------------------------------------------------------------------
 
 
-@given(models(weights=DISCRIMINATING, normalization_types=("LN", "LNPre")))
+@given(models(**wide(weights=DISCRIMINATING, normalization_types=("LN", "LNPre"))))
 def test_projection_licenses_centring_writes_and_the_notes_slip_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
@@ -182,7 +182,7 @@ SCALABLE = dict(normalization_types=("LN", "LNPre", "RMS", "RMSPre"))
 @DTYPES
 @given(data=st.data(), scale=st.floats(1e-3, 1e3))
 def test_rescaling_the_stream_preserves_log_probs_when_eps_is_zero(dtype, data, scale):
-    cfg, sd = data.draw(models(dtype=dtype, **SCALABLE).map(_eps_free))
+    cfg, sd = data.draw(models(**wide(dtype=dtype, **SCALABLE)).map(_eps_free))
     toks = data.draw(tokens(cfg))
     assert SCALE.check(sd, cfg, toks).passed
     scaled, scaled_cfg = cm.rescale_residual_stream(sd, cfg, scale=scale)
@@ -194,7 +194,7 @@ def test_rescaling_the_stream_preserves_log_probs_when_eps_is_zero(dtype, data, 
 
 # Over two dimensions LNPre keeps only a sign, so a flipped stream can end on the same side; from
 # three dimensions on the flip shows.
-@given(models(**SCALABLE).map(_eps_free).filter(lambda model: model[0].d_model >= 3))
+@given(models(**wide(**SCALABLE)).map(_eps_free).filter(lambda model: model[0].d_model >= 3))
 def test_negative_control_negative_scale_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
@@ -204,7 +204,7 @@ def test_negative_control_negative_scale_is_caught(model):
     assert not result.passed, f"a sign flip of the stream went unnoticed: {result}"
 
 
-@given(models(**SCALABLE), st.floats(1e-6, 1e-2))
+@given(models(**wide(**SCALABLE)), st.floats(1e-6, 1e-2))
 def test_rescaling_refuses_eps_above_zero(model, eps):
     cfg, sd = model
     with pytest.raises(cm.PreconditionError) as info:

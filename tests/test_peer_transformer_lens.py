@@ -16,6 +16,8 @@ from hypothesis import given, strategies as st
 import circuitmath as cm
 from circuitmath.peers import transformer_lens_config, transformer_lens_process_weights
 from circuitmath.strategies import models, tokens
+
+from support import wide
 from circuitmath.testing import compare_log_probs
 from transformer_lens.weight_processing import ProcessWeights
 
@@ -42,7 +44,7 @@ def test_the_peer_is_the_version_these_divergences_were_measured_on():
 
 @given(data=st.data())
 def test_we_agree_with_transformer_lens_where_both_are_valid(data):
-    cfg, sd = data.draw(models(dtype=torch.float32, **BOTH_VALID).filter(_both_valid))
+    cfg, sd = data.draw(models(**wide(dtype=torch.float32, **BOTH_VALID)).filter(_both_valid))
     toks = data.draw(tokens(cfg))
     ours, ours_cfg = cm.process_weights(sd, cfg, **dict.fromkeys(
         ["fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases"]))
@@ -55,7 +57,7 @@ def test_we_agree_with_transformer_lens_where_both_are_valid(data):
         assert result.passed, result
 
 
-@given(models(dtype=torch.float32, normalization_types=("LN",), gated_mlp=(False,), **BOTH_VALID)
+@given(models(**wide(dtype=torch.float32, normalization_types=("LN",), gated_mlp=(False,), **BOTH_VALID))
        .filter(_both_valid))
 def test_on_layer_norm_models_both_reach_the_same_weights(model):
     """Same steps, same canonical form: every tensor agrees to float32 rounding."""

@@ -10,7 +10,7 @@ from circuitmath._processing.fused import FUSED_STEPS, fusable
 from circuitmath._processing.pipeline import PIPELINE_STEPS
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
-from support import VISIBLE, assume_above, assume_discriminates, same, snapshot
+from support import VISIBLE, assume_above, assume_discriminates, same, snapshot, wide
 
 PIPELINE = cm.get_identity("process_weights")
 EVERY_ARCHITECTURE = dict(
@@ -32,7 +32,7 @@ RECORDS = {
 @DTYPES
 @given(data=st.data())
 def test_everything_applicable_preserves_log_probs(dtype, data):
-    cfg, sd = data.draw(models(dtype=dtype, **EVERY_ARCHITECTURE))
+    cfg, sd = data.draw(models(**wide(dtype=dtype, **EVERY_ARCHITECTURE)))
     before = snapshot(sd)
     result = PIPELINE.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
@@ -43,7 +43,7 @@ def test_everything_applicable_preserves_log_probs(dtype, data):
     assert processed_cfg.applied[: len(cfg.applied)] == cfg.applied
 
 
-@given(models(**EVERY_ARCHITECTURE))
+@given(models(**wide(**EVERY_ARCHITECTURE)))
 def test_a_step_is_left_out_only_where_asking_for_it_is_refused(model):
     """With None a step that does not apply is left out; asked for with True, it raises."""
     cfg, sd = model
@@ -57,7 +57,7 @@ def test_a_step_is_left_out_only_where_asking_for_it_is_refused(model):
                 cm.process_weights(sd, cfg, **alone)
 
 
-@given(models(**EVERY_ARCHITECTURE))
+@given(models(**wide(**EVERY_ARCHITECTURE)))
 def test_steps_run_in_the_documented_order_and_everything_twice_is_everything_once(model):
     cfg, sd = model
     processed, processed_cfg = cm.process_weights(sd, cfg, **EVERYTHING_APPLICABLE)
@@ -68,8 +68,8 @@ def test_steps_run_in_the_documented_order_and_everything_twice_is_everything_on
     assert again_cfg == processed_cfg and same(again, processed)
 
 
-@given(models(dtype=torch.float32, normalization_types=("LN",), gated_mlp=(False,),
-              positional_embedding_types=("standard", "shortformer", "rotary")))
+@given(models(**wide(dtype=torch.float32, normalization_types=("LN",), gated_mlp=(False,),
+              positional_embedding_types=("standard", "shortformer", "rotary"))))
 def test_defaults_on_a_layer_norm_model_give_the_canonical_form(model):
     """Readers and writers centred over d_model, value biases zero, unembed centred over the vocabulary."""
     cfg, sd = model
@@ -117,7 +117,7 @@ FUSABLE = dict(normalization_types=("LN",), gated_mlp=(False,), positional_embed
 @DTYPES
 @given(data=st.data())
 def test_the_fused_default_steps_give_the_chains_weights(dtype, data):
-    cfg, sd = data.draw(models(dtype=dtype, **FUSABLE))
+    cfg, sd = data.draw(models(**wide(dtype=dtype, **FUSABLE)))
     assert fusable(cfg)
     before = snapshot(sd)
     fused, fused_cfg = cm.process_weights(sd, cfg)
@@ -128,7 +128,7 @@ def test_the_fused_default_steps_give_the_chains_weights(dtype, data):
     assert same(sd, before), "the input state dict was modified"
 
 
-@given(models(dtype=torch.float64, **FUSABLE))
+@given(models(**wide(dtype=torch.float64, **FUSABLE)))
 def test_negative_control_a_chain_without_the_unembed_centring_is_told_apart(model):
     cfg, sd = model
     fused, _ = cm.process_weights(sd, cfg)
@@ -140,7 +140,7 @@ def test_negative_control_a_chain_without_the_unembed_centring_is_told_apart(mod
     assert _largest_gap(fused, chained) > _rounding_allowance(cfg, torch.float64)
 
 
-@given(models(**EVERY_ARCHITECTURE))
+@given(models(**wide(**EVERY_ARCHITECTURE)))
 def test_the_fused_pass_is_taken_exactly_when_every_default_step_applies_whatever_the_weights(model):
     cfg, sd = model
     if fusable(cfg):
@@ -170,7 +170,7 @@ REFUSALS = [
 def test_a_requested_step_that_cannot_apply_exactly_raises_its_own_error_and_the_default_leaves_it_out(
     options, flags, keyword, identity, precondition, data
 ):
-    cfg, sd = data.draw(models(**options))
+    cfg, sd = data.draw(models(**wide(**options)))
     before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.process_weights(sd, cfg, **(flags | {keyword: True}))
@@ -182,7 +182,7 @@ def test_a_requested_step_that_cannot_apply_exactly_raises_its_own_error_and_the
         assert not RECORDS[keyword] & set(processed_cfg.applied)
 
 
-@given(models(normalization_types=("LN", "RMS"), positional_embedding_types=("standard", "rotary"), gated_mlp=(False,)))
+@given(models(**wide(normalization_types=("LN", "RMS"), positional_embedding_types=("standard", "rotary"), gated_mlp=(False,))))
 def test_a_step_already_applied_is_refused_when_asked_for_and_left_out_otherwise(model):
     cfg, sd = model
     processed, processed_cfg = cm.process_weights(sd, cfg, center_writing_weights=None)
@@ -241,8 +241,8 @@ def test_every_numeric_twin_has_a_discriminating_strategy():
 @given(data=st.data())
 def test_negative_control_wrong_pipeline_is_caught(corruption, data):
     cfg, sd = data.draw(
-        models(weights=DISCRIMINATING_WEIGHTS, positional_embedding_types=("standard", "rotary"),
-               **DISCRIMINATING[corruption]).filter(lambda model: model[0].d_model >= 3)
+        models(**wide(weights=DISCRIMINATING_WEIGHTS, positional_embedding_types=("standard", "rotary"),
+               **DISCRIMINATING[corruption])).filter(lambda model: model[0].d_model >= 3)
     )
     toks = default_tokens(cfg)
     assume_discriminates(PIPELINE, corruption, sd, cfg, toks, weights=VISIBLE)
@@ -250,7 +250,7 @@ def test_negative_control_wrong_pipeline_is_caught(corruption, data):
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 
-@given(models(dtype=torch.float32, **FUSABLE), st.data())
+@given(models(**wide(dtype=torch.float32, **FUSABLE)), st.data())
 def test_a_nan_or_inf_anywhere_in_the_input_is_named_when_the_steps_run_fused(model, data):
     """The fused steps check only their output's entries: every input entry must reach one."""
     cfg, sd = model

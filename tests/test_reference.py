@@ -10,6 +10,8 @@ import circuitmath as cm
 from circuitmath._reference import normalize
 from circuitmath.strategies import models
 
+from support import wide
+
 TINY = dict(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=6)
 
 
@@ -60,7 +62,7 @@ def test_attention_matches_a_loop_over_heads_and_positions():
     assert torch.allclose(cm.forward(sd, cfg, tokens)[0], expected, atol=1e-10)
 
 
-@given(models(min_layers=1), st.data())
+@given(models(**wide(min_layers=1)), st.data())
 def test_causal_models_do_not_see_the_future(model, data):
     cfg, sd = model
     if cfg.n_ctx < 2:

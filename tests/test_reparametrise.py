@@ -10,7 +10,7 @@ from circuitmath._algebra import IllTyped, is_zero, normal_form
 from circuitmath._identities.reparametrise import change_bases
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
-from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, same, snapshot
+from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, same, snapshot, wide
 
 REFACTOR = cm.get_identity("refactor_factored_attn_matrices")
 UNROTATED = dict(norm_positions=("pre", "post"), positional_embedding_types=("standard", "shortformer"))
@@ -35,12 +35,12 @@ def _extended(sd, cfg, p, side, head):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @given(data=st.data())
 def test_refactor_preserves_log_probs(dtype, data):
-    cfg, sd = data.draw(models(dtype=dtype, **UNROTATED))
+    cfg, sd = data.draw(models(**wide(dtype=dtype, **UNROTATED)))
     result = REFACTOR.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
 
 
-@given(models(**UNROTATED))
+@given(models(**wide(**UNROTATED)))
 def test_refactor_keeps_every_product_and_balances_the_factors(model):
     cfg, sd = model
     out, _ = cm.refactor_factored_attn_matrices(sd, cfg)
@@ -70,7 +70,7 @@ def test_refactor_keeps_every_product_and_balances_the_factors(model):
             assert torch.allclose(gram_v, torch.diag(gram_v.diagonal()), **close)
 
 
-@given(models(dtype=torch.float32, **UNROTATED))
+@given(models(**wide(dtype=torch.float32, **UNROTATED)))
 def test_refactor_is_pure_keeps_dtypes_and_refuses_a_second_application(model):
     cfg, sd = model
     before = snapshot(sd)
@@ -91,7 +91,7 @@ def test_refactor_keeps_bfloat16():
     assert {t.dtype for t in out.values()} == {torch.bfloat16}
 
 
-@given(models(**UNROTATED))
+@given(models(**wide(**UNROTATED)))
 def test_zero_biases_stay_exactly_zero(model):
     cfg, sd = model
     folded, folded_cfg = cm.remove_key_biases(*cm.fold_value_biases(sd, cfg))
@@ -109,7 +109,7 @@ def _random_basis(generator, size):
     return left @ torch.diag(scales) @ right
 
 
-@given(models(**UNROTATED), st.integers(0, 2**32 - 1))
+@given(models(**wide(**UNROTATED)), st.integers(0, 2**32 - 1))
 def test_any_change_of_basis_preserves_log_probs(model, seed):
     """The identity itself, beyond the SVD choice: W_Q N, W_K N^-T, W_V M, M^-1 W_O, biases alike."""
     cfg, sd = model
@@ -125,7 +125,7 @@ def test_any_change_of_basis_preserves_log_probs(model, seed):
     assert result.max_abs_error <= conditioning * result.tolerance, (result, conditioning)
 
 
-@given(models(positional_embedding_types=("rotary",)))
+@given(models(**wide(positional_embedding_types=("rotary",))))
 def test_rotary_models_are_refused(model):
     cfg, sd = model
     before = snapshot(sd)

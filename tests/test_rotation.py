@@ -20,7 +20,7 @@ from circuitmath._processing.rotation import (
 )
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs
-from support import same, snapshot
+from support import same, snapshot, wide
 
 NAMES = ("rms_norm_rotation", "layer_norm_rotation", "rotation_invariance", "slicegpt_route", "permute_heads",
          "permute_neurons")
@@ -64,14 +64,14 @@ def test_registered_with_symbolic_proofs_and_every_twin_rejected(name):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @given(data=st.data())
 def test_rotation_preserves_log_probs(dtype, data):
-    sd, cfg = _prepared(data.draw(models(dtype=dtype, **WITHOUT_GAINS)))
+    sd, cfg = _prepared(data.draw(models(**wide(dtype=dtype, **WITHOUT_GAINS))))
     Q = random_orthogonal(cfg.d_model, seed=data.draw(st.integers(0, 2**16)))
     rotated, rotated_cfg = cm.rotate_residual_stream(sd, cfg, Q)
     result = compare_log_probs(sd, cfg, rotated, rotated_cfg, data.draw(tokens(cfg)))
     assert result.passed, result
 
 
-@given(models(dtype=torch.float32, **WITHOUT_GAINS))
+@given(models(**wide(dtype=torch.float32, **WITHOUT_GAINS)))
 def test_rotation_is_pure_keeps_dtypes_and_may_be_applied_twice(model):
     sd, cfg = _prepared(model)
     before = snapshot(sd)
@@ -236,7 +236,7 @@ def test_slicegpt_route_on_a_zoo_model():
 # -- permutations -----------------------------------------------------------------------------
 
 
-@given(models(max_heads=4), st.randoms(use_true_random=False))
+@given(models(**wide(max_heads=4)), st.randoms(use_true_random=False))
 def test_head_permutations_preserve_log_probs(model, rng):
     cfg, sd = model
     kv = cfg.n_key_value_heads or cfg.n_heads
@@ -257,7 +257,7 @@ def test_head_permutations_preserve_log_probs(model, rng):
     assert same(again, out)
 
 
-@given(models(attn_only=False, max_d_mlp=8), st.randoms(use_true_random=False))
+@given(models(**wide(attn_only=False, max_d_mlp=8)), st.randoms(use_true_random=False))
 def test_neuron_permutations_preserve_log_probs(model, rng):
     cfg, sd = model
     perms = []

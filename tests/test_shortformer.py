@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 import circuitmath as cm
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
-from support import VISIBLE, assume_discriminates
+from support import VISIBLE, assume_discriminates, wide
 
 SHORTFORMER = dict(positional_embedding_types=("shortformer",), gated_mlp=(False,))
 IDENTITY = cm.get_identity("shortformer_tables")
@@ -16,12 +16,12 @@ IDENTITY = cm.get_identity("shortformer_tables")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @given(data=st.data())
 def test_tables_preserve_log_probs(dtype, data):
-    cfg, sd = data.draw(models(dtype=dtype, **SHORTFORMER))
+    cfg, sd = data.draw(models(**wide(dtype=dtype, **SHORTFORMER)))
     result = IDENTITY.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
 
 
-@given(models(normalization_types=("LN",), **SHORTFORMER), st.booleans())
+@given(models(**wide(normalization_types=("LN",), **SHORTFORMER)), st.booleans())
 def test_layer_norm_folds_exactly_in_shortformer_models(model, centre):
     cfg, sd = model
     before = {k: v.clone() for k, v in sd.items()}
@@ -38,7 +38,7 @@ DISCRIMINATING = dict(min_layers=1, min_ctx=2, min_d_model=4, normalization_type
                       weights=dict(min_gain_spread=0.3, max_outlier_scale=3.0))
 
 
-@given(models(**DISCRIMINATING, **SHORTFORMER),
+@given(models(**wide(**DISCRIMINATING, **SHORTFORMER)),
        st.sampled_from(sorted(IDENTITY.corruptions)))
 def test_negative_control_naive_fold_and_older_reading_are_caught(model, corruption):
     cfg, sd = model
@@ -71,7 +71,7 @@ def test_grouped_query_key_tables_have_key_value_heads():
     assert compare_log_probs(sd, cfg, tables, tables_cfg).passed
 
 
-@given(models(positional_embedding_types=("standard", "rotary", "shortformer_tables")))
+@given(models(**wide(positional_embedding_types=("standard", "rotary", "shortformer_tables"))))
 def test_only_shortformer_models_are_converted(model):
     cfg, sd = model
     with pytest.raises(cm.PreconditionError, match="shortformer_tables: precondition 'positional_embedding_type is shortformer'"):

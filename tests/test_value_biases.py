@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 import circuitmath as cm
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import default_tokens
-from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, discrimination, same, snapshot
+from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, discrimination, same, snapshot, wide
 
 FOLD = cm.get_identity("fold_value_biases")
 # Values never see positions and b_O sits inside the attention layer, so the fold is exact
@@ -19,12 +19,12 @@ EVERY_ARCHITECTURE = dict(norm_positions=("pre", "post"), positional_embedding_t
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @given(data=st.data())
 def test_fold_preserves_log_probs(dtype, data):
-    cfg, sd = data.draw(models(dtype=dtype, **EVERY_ARCHITECTURE))
+    cfg, sd = data.draw(models(**wide(dtype=dtype, **EVERY_ARCHITECTURE)))
     result = FOLD.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
 
 
-@given(models(dtype=torch.float32, **EVERY_ARCHITECTURE))
+@given(models(**wide(dtype=torch.float32, **EVERY_ARCHITECTURE)))
 def test_fold_moves_each_value_bias_through_every_query_head_that_reads_it(model):
     cfg, sd = model
     before = snapshot(sd)
@@ -76,7 +76,7 @@ def test_negative_control_wrong_fold_is_caught(corruption, data):
     assert not result.passed, f"{corruption} went unnoticed: {result}"
 
 
-@given(models(**EVERY_ARCHITECTURE))
+@given(models(**wide(**EVERY_ARCHITECTURE)))
 def test_double_application_is_refused(model):
     cfg, sd = model
     folded, folded_cfg = cm.fold_value_biases(sd, cfg)

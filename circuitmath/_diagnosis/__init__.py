@@ -36,7 +36,7 @@ from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
 from ._logprobs import _coarser, _LogProbs
 from ._replay import _Replay, weight_identities
 from ._report import Diagnosis, Finding, _config_differences, _identity_finding, _residual_finding
-from ._tensors import ParameterMismatch, _relative_difference, _Thresholds, compute_dtype_of
+from ._tensors import ParameterMismatch, _mismatch, _relative_difference, _Thresholds, compute_dtype_of
 
 __all__ = [
     "ParameterMismatch",
@@ -93,16 +93,26 @@ def replay_and_explain(first: Model, second: Model, tokens, plan, notes, progres
             residual_error[name] = _relative_difference(after[name], final[name], before.get(name), replay.largest)[1]
     findings = []
     states = [(before, before_cfg)] + [(s.state, s.cfg) for s in stages]
+    unexplained = _unexplained(residual, final, before, after, replay, last_writer)
+    residual_comparison = lp.compare(final, final_cfg, after, after_cfg) if measure else None
     for i, stage in enumerate(stages):
         if measure:
             report(4, total, f"log-probs after {stage.name}")
         comparison = lp.compare(*states[i], *states[i + 1]) if measure else None
         mine = [residual_error[n] for n, writer in last_writer.items() if writer == stage.name and n in residual_error]
-        findings.append(_identity_finding(stage, before, replay, comparison, max(mine, default=0.0)))
+        # the tensors this identity wrote last that no rewrite reproduces (beyond precision loss): not exact;
+        # wrong when, all such tensors together changing the function, these alone change it too
+        unknown = [p for p in unexplained if p.written_by == stage.name
+                   and not (dtype == torch.float64 and p.relative_error <= thresholds.float32_rounding)]
+        effect = None
+        if unknown and residual_comparison is not None and not residual_comparison.passed:
+            effect = _effect_of(unknown, final, final_cfg, after, lp)
+        kept = residual_comparison is None or residual_comparison.passed
+        findings.append(_identity_finding(stage, before, replay, comparison, max(mine, default=0.0), unknown,
+                                          effect, function_kept=kept))
     if residual or measure:
-        findings.append(_residual_finding(residual, final, final_cfg, before, after, after_cfg, replay, last_writer,
-                                          lp if measure else None, dtype, config_differences,
-                                          uncertified(residual, after, thresholds)))
+        findings.append(_residual_finding(unexplained, residual_comparison, replay, dtype,
+                                          config_differences, uncertified(residual, after, thresholds)))
     findings.append(Finding(
         name="before -> after",
         kind="equivalence",
@@ -113,6 +123,25 @@ def replay_and_explain(first: Model, second: Model, tokens, plan, notes, progres
     ))
     report(total, total, "done")
     return Diagnosis(tuple(findings), overall, tuple(s.name for s in stages), tuple(notes))
+
+
+def _unexplained(residual, final, before, after, replay, last_writer) -> tuple[ParameterMismatch, ...]:
+    """The residual tensors of ``after`` against the replay's end, each naming the identity that
+    last rewrote it (``written_by``)."""
+    return tuple(
+        _mismatch(n, after.get(n), final.get(n), before.get(n), replay.thresholds.exact, last_writer.get(n),
+                  "the replay")
+        for n in residual
+    )
+
+
+def _effect_of(wrong, final, final_cfg, after, lp):
+    """The change in log-probs that ``wrong``'s tensors alone make: the replay's end against it
+    with those tensors taken from ``after`` (``None`` when one is missing or of another shape)."""
+    if any(p.problem for p in wrong):
+        return None
+    patched = dict(final, **{p.name: after[p.name] for p in wrong})
+    return lp.compare(final, final_cfg, patched, final_cfg)
 
 
 def _recorded_plan(before_cfg: Config, after_cfg: Config, notes: list[str]):

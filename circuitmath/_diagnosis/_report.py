@@ -103,8 +103,13 @@ class Diagnosis:
         return tuple(f for f in self.findings if f.violated)
 
     def culprits(self) -> tuple[ParameterMismatch, ...]:
-        """Every parameter named by a violated row."""
-        return tuple(p for f in self.violations for p in f.parameters)
+        """Every parameter named by a violated row, once (as the first such row names it: an
+        identity's row and the residual row name the tensors it rewrote that nothing explains)."""
+        named: dict[str, ParameterMismatch] = {}
+        for f in self.violations:
+            for p in f.parameters:
+                named.setdefault(p.name, p)
+        return tuple(named.values())
 
     def as_dicts(self) -> list[dict]:
         return [f.as_dict() for f in self.findings]
@@ -186,8 +191,16 @@ def _shorten(text: str, width: int) -> str:
 
 
 def _identity_finding(stage: _Stage, before: Mapping, replay: _Replay, comparison: Comparison | None,
-                      parameter_error: float | None) -> Finding:
-    """The row of one replayed identity."""
+                      parameter_error: float | None, unexplained: tuple[ParameterMismatch, ...] | list = (),
+                      effect: Comparison | None = None, function_kept: bool = True) -> Finding:
+    """The row of one replayed identity.
+
+    ``unexplained`` are the tensors this identity rewrote last in the replay that ``after`` holds
+    otherwise, and no known rewrite explains; ``function_kept`` whether all unexplained tensors
+    together leave the log-probs unchanged (an exact processing the registry does not know), and
+    otherwise ``effect`` how much these alone move them (``None``: one is missing or misshapen).
+    The row then names them and does not say ``"exact"`` (its rewrite is ``"unknown"``); it is
+    violated when the function changes and these tensors alone change it (or cannot be measured)."""
     lines, parameters = [], []
     reference = stage.exact
     for rewrite, names in stage.rewrites.items():
@@ -213,8 +226,23 @@ def _identity_finding(stage: _Stage, before: Mapping, replay: _Replay, compariso
                 for n in sorted(stage.touched)
             ]
     rewrite = "exact" if not stage.rewrites and stage.refusal is None else ", ".join(stage.rewrites) or "regardless"
+    if unexplained:
+        names = [p.name for p in unexplained]
+        if function_kept:
+            shown = "; with the residual's other tensors the log-probs do not change beyond rounding"
+        elif effect is not None:
+            shown = (f"; alone, {'they move' if len(names) > 1 else 'it moves'} the log-probs by"
+                     f" {effect.max_abs_error:.3g} (tolerance {effect.tolerance:.3g})")
+        else:
+            shown = ""
+        lines.append(f"no known rewrite reproduces {', '.join(names)}, which this identity rewrote last in the"
+                     f" replay: {'they differ' if len(names) > 1 else 'it differs'} from its rewrite{shown}")
+        parameters += list(unexplained)
+        rewrite = "unknown" if rewrite == "exact" else f"{rewrite}, unknown"
     if not stage.recognised:
         status = "not recognised"
+    elif unexplained and not function_kept and (effect is None or not effect.passed):
+        status = "violated"
     elif stage.rewrites:  # a named wrong rewrite fails the check even where the check tokens do not show it
         status = "violated"
         if comparison is None or comparison.passed:
@@ -246,26 +274,30 @@ def _config_differences(replayed: Config, processed: Config) -> list[str]:
     return [f"{k}: {theirs[k]!r} (the replay gives {ours[k]!r})" for k in ours if k != "applied" and ours[k] != theirs[k]]
 
 
-def _residual_finding(residual, final, final_cfg, before, after, after_cfg, replay, last_writer, lp, dtype,
+def _residual_finding(parameters, comparison: Comparison | None, replay, dtype,
                       config_differences, off=()) -> Finding:
-    """What the replayed identities leave unexplained: tensors, and config fields. ``off``: the
-    tensors that fail their certificate (``uncertified``): they make the row violated whatever
-    the log-probs say."""
-    parameters = tuple(
-        _mismatch(n, after.get(n), final.get(n), before.get(n), replay.thresholds.exact, last_writer.get(n), "the replay")
-        for n in residual
-    )
-    comparison = None
-    if lp is not None:
-        comparison = lp.compare(final, final_cfg, after, after_cfg)
+    """What the replayed identities leave unexplained: tensors (``parameters``, against the
+    replay's end), and config fields; ``comparison`` is the replay's end against ``after``
+    (``None``: not measured). ``off``: the tensors that fail their certificate (``uncertified``):
+    they make the row violated whatever the log-probs say."""
+    residual = [p.name for p in parameters]
     lines = []
     if residual:
         relative = [p.relative_error for p in parameters]
-        if dtype == torch.float64 and max(relative) <= replay.thresholds.float32_rounding:
+        rounded = [p for p in parameters
+                   if dtype == torch.float64 and p.relative_error <= replay.thresholds.float32_rounding]
+        if len(rounded) == len(parameters):
             lines.append(
                 f"every difference is within float32 rounding (largest {max(relative):.2g} of a tensor's largest"
                 " entry): the float64 weights were processed in float32 or lower precision"
             )
+        elif rounded:  # precision loss beside real differences: name only the real ones
+            largest = max(p.relative_error for p in rounded)
+            lines.append(
+                f"{len(rounded)} more tensors differ within float32 rounding (largest {largest:.2g} of a"
+                " tensor's largest entry): the float64 weights were processed in float32 or lower precision"
+            )
+            parameters = tuple(p for p in parameters if p not in rounded)
         writers_ = sorted({p.written_by for p in parameters if p.written_by})
         if writers_:
             lines.append("these tensors differ from the exact rewrite of " + ", ".join(writers_)

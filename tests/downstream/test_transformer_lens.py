@@ -61,6 +61,7 @@ def _unambiguous(model_):
 
 @settings(max_examples=40, deadline=None)
 @given(models(dtype=torch.float32, normalization_types=("LN", "RMS"), positional_embedding_types=("standard", "rotary"),
+              min_layers=0, grouped_query=(False, True),
               min_d_model=3).filter(_unambiguous))
 def test_process_weights_keeps_the_function(model_):
     cfg, state_dict = model_
