@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 import torch
 
-from ._config import Config
+from ._config import FORMER_NAMES, Config
 from ._proof import Proof, ProofReport
 from ._state import StateDict
 from ._compare import Comparison, compare_log_probs
@@ -76,7 +76,10 @@ class Identity:
     (the forward pass, or the same quantity computed naively) as a
     :class:`~circuitmath.testing.Comparison`.
 
-    ``corruptions=`` (the former name of ``wrong_rewrites``) is still accepted when constructing.
+    ``aliases`` are the identity's former names: :func:`circuitmath.get_identity` still finds
+    it by them (with a :class:`DeprecationWarning`) and a :class:`~circuitmath.Config` whose
+    ``applied`` records one reads it as ``name``. ``corruptions=`` (the former name of
+    ``wrong_rewrites``) is still accepted when constructing.
     """
 
     name: str
@@ -90,6 +93,7 @@ class Identity:
     compare: Compare | None = field(default=None, repr=False)
     function: str | None = None
     check_note: str | None = field(default=None, repr=False)
+    aliases: tuple[str, ...] = ()
     corruptions: InitVar[Mapping[str, Transform] | None] = None  # deprecated: wrong_rewrites
 
     def __post_init__(self, corruptions) -> None:
@@ -171,9 +175,11 @@ _REGISTRY: dict[str, Identity] = {}
 
 def register(identity: Identity) -> Identity:
     """Add ``identity`` to the registry; a second identity of the same name is an error."""
-    if identity.name in _REGISTRY:
-        raise ValueError(f"identity {identity.name!r} is registered twice")
+    for name in (identity.name, *identity.aliases):
+        if name in _REGISTRY or name in FORMER_NAMES:
+            raise ValueError(f"identity {name!r} is registered twice")
     _REGISTRY[identity.name] = identity
+    FORMER_NAMES.update(dict.fromkeys(identity.aliases, identity.name))
     return identity
 
 

@@ -31,8 +31,8 @@ STEPS = tuple(keyword for keyword, _step in PIPELINE_STEPS)
 
 #: The keyword of :func:`~circuitmath.process_weights` that applies each identity it records.
 KEYWORD_OF = {
-    "shortformer_tables": "fold_ln", "layer_norm_fold": "fold_ln", "center_reading_weights": "fold_ln",
-    "rms_norm_fold": "fold_ln", "fold_value_biases": "fold_value_biases",
+    "shortformer_to_tables": "fold_ln", "fold_layer_norm": "fold_ln", "center_reading_weights": "fold_ln",
+    "fold_rms_norm": "fold_ln", "fold_value_biases": "fold_value_biases",
     "center_writing_weights": "center_writing_weights", "center_unembed": "center_unembed",
     "refactor_factored_attn_matrices": "refactor_factored_attn_matrices",
 }

@@ -5,8 +5,8 @@ object itself, not retyped LaTeX.
 
 >>> import circuitmath as cm
 >>> from circuitmath.render import statement
->>> print(statement(cm.get_identity("layer_norm_fold")).splitlines()[0])
-**Claim** (`layer_norm_fold`: Folding LayerNorm into its readers):
+>>> print(statement(cm.get_identity("fold_layer_norm")).splitlines()[0])
+**Claim** (`fold_layer_norm`: Folding LayerNorm into its readers):
 """
 
 from __future__ import annotations

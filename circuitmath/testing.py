@@ -30,7 +30,7 @@ over the diagnosis (``circuitmath._diagnosis``).
 >>> report.ok, [(p.name, p.heads) for p in report.culprits()]
 (False, [('blocks.0.attn.b_V', (0, 1))])
 >>> print(report.violations[0].explanation)  # doctest: +ELLIPSIS
-the wrong rewrite layer_norm_fold.drop_bias explains blocks.0.attn.b_V: forget the LayerNorm bias term b W
+the wrong rewrite fold_layer_norm.drop_bias explains blocks.0.attn.b_V: forget the LayerNorm bias term b W
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def check_model(model, cfg=None, *, tokens=None, progress=None) -> "Diagnosis":
     >>> from circuitmath import Config, random_state_dict
     >>> cfg = Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
     >>> rows = {f.name: f.status for f in check_model(random_state_dict(cfg, seed=0), cfg).findings}
-    >>> rows["layer_norm_fold"], rows["rms_norm_fold"]
+    >>> rows["fold_layer_norm"], rows["fold_rms_norm"]
     ('holds', 'not applicable')
     """
     return _diagnosis.check_model(model, cfg, tokens=tokens, progress=progress)

@@ -38,7 +38,7 @@ def test_layer_norm_gain_folded_along_the_wrong_axis():
     after, after_cfg = cm.fold_layer_norm(before, cfg)
     after["blocks.0.attn.W_Q"] = before["blocks.0.attn.W_Q"] * before["blocks.0.ln1.w"]
     row = _only_violated_identity(diagnose(before, after, cfg, after_cfg=after_cfg))
-    assert row.name == "layer_norm_fold" and row.rewrite == "layer_norm_fold.scale_columns"
+    assert row.name == "fold_layer_norm" and row.rewrite == "fold_layer_norm.scale_columns"
     assert [(p.name, p.layer, p.heads) for p in row.parameters] == [("blocks.0.attn.W_Q", 0, (0, 1))]
     assert "columns, not its rows" in row.explanation
     assert row.parameters[0].relative_error > 0.1
@@ -73,7 +73,7 @@ def test_shortformer_model_folded_naively():
     after, _ = cm.fold_layer_norm(before, cfg.replace(positional_embedding_type="standard"))
     report = diagnose(before, after, cfg)
     row = _only_violated_identity(report)
-    assert row.name == "layer_norm_fold" and row.rewrite == "shortformer_tables.naive_fold"
+    assert row.name == "fold_layer_norm" and row.rewrite == "shortformer_to_tables.naive_fold"
     assert "positions get scaled by w" in row.explanation
     named = {p.name for p in row.parameters}
     assert "pos_embed.W_pos" in named and {"blocks.0.attn.pos_Q", "blocks.1.attn.pos_K"} <= named

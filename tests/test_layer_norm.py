@@ -11,7 +11,7 @@ from circuitmath.testing import compare_log_probs, default_tokens
 from support import VISIBLE, assume_discriminates, same, snapshot
 
 FOLDABLE = dict(normalization_types=("LN",), gated_mlp=(False,))
-LN_FOLD = cm.get_identity("layer_norm_fold")
+LN_FOLD = cm.get_identity("fold_layer_norm")
 CENTER = cm.get_identity("center_reading_weights")
 
 
@@ -34,7 +34,7 @@ def test_centring_reading_weights_preserves_log_probs(dtype, data):
     folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=True)
     for name in ("unembed.W_U",):
         assert folded[name].mean(dim=0).abs().max() <= 64 * torch.finfo(dtype).eps * folded[name].abs().max()
-    assert folded_cfg.applied[-2:] == ("layer_norm_fold", "center_reading_weights")
+    assert folded_cfg.applied[-2:] == ("fold_layer_norm", "center_reading_weights")
 
 
 # The wrong folds differ from the right one only where gains are not all 1 and biases not 0.
@@ -85,7 +85,7 @@ def test_fold_keeps_float64_and_bfloat16(dtype):
 def test_double_application_is_refused(model):
     cfg, sd = model
     folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=True)
-    with pytest.raises(cm.AlreadyAppliedError, match="layer_norm_fold"):
+    with pytest.raises(cm.AlreadyAppliedError, match="fold_layer_norm"):
         cm.fold_layer_norm(folded, folded_cfg.replace(normalization_type="LN"))
     with pytest.raises(cm.AlreadyAppliedError, match="center_reading_weights"):
         cm.center_reading_weights(folded, folded_cfg)
@@ -93,9 +93,9 @@ def test_double_application_is_refused(model):
 
 REFUSALS = [
     (dict(normalization_types=("LN",), norm_positions=("post",), positional_embedding_types=("standard", "rotary")),
-     "layer_norm_fold", "pre-norm"),
+     "fold_layer_norm", "pre-norm"),
     (dict(normalization_types=("RMS", "RMSPre", "LNPre", None), positional_embedding_types=("standard", "rotary")),
-     "layer_norm_fold", "normalization_type is LN"),
+     "fold_layer_norm", "normalization_type is LN"),
 ]
 
 
@@ -142,7 +142,7 @@ def test_shortformer_naive_fold_changes_the_model_and_ours_does_not():
     result = compare_log_probs(sd, cfg, naive, naive_cfg)
     assert result.max_abs_error > 1e3 * result.tolerance
     folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=True)
-    assert folded_cfg.applied == ("shortformer_tables", "layer_norm_fold", "center_reading_weights")
+    assert folded_cfg.applied == ("shortformer_to_tables", "fold_layer_norm", "center_reading_weights")
     assert compare_log_probs(sd, cfg, folded, folded_cfg).passed
 
 

@@ -11,14 +11,14 @@ from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
 from support import VISIBLE, assume_discriminates, same, snapshot
 
-RMS_FOLD = cm.get_identity("rms_norm_fold")
+RMS_FOLD = cm.get_identity("fold_rms_norm")
 LN_TO_RMS = cm.get_identity("layer_norm_to_rms_norm")
-PROJECTION = cm.get_identity("centring_projection")
-SCALE = cm.get_identity("scale_invariance")
+PROJECTION = cm.get_identity("centering_projection")
+SCALE = cm.get_identity("rescale_residual_stream")
 RMS_FOLDABLE = dict(normalization_types=("RMS",), positional_embedding_types=("standard", "rotary"))
 DISCRIMINATING = dict(min_gain_spread=0.3, min_bias_scale=0.5)
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-OUR_IDENTITIES = ("centring_projection", "scale_invariance", "layer_norm_to_rms_norm", "rms_norm_fold")
+OUR_IDENTITIES = ("centering_projection", "rescale_residual_stream", "layer_norm_to_rms_norm", "fold_rms_norm")
 
 
 # A LayerNorm model must be foldable to reach LNPre: no gated MLP (W_gate has no bias to absorb
@@ -48,7 +48,7 @@ def test_rms_fold_preserves_log_probs(dtype, data):
     result = RMS_FOLD.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
     folded, folded_cfg = cm.fold_rms_norm(sd, cfg)
-    assert folded_cfg.normalization_type == "RMSPre" and folded_cfg.applied == ("rms_norm_fold",)
+    assert folded_cfg.normalization_type == "RMSPre" and folded_cfg.applied == ("fold_rms_norm",)
     assert not any(".ln" in k or k.startswith("ln_final") for k in folded)
     cm.validate_state_dict(folded, folded_cfg)
 
@@ -92,7 +92,7 @@ def test_rms_fold_refuses_what_it_cannot_rewrite_exactly(options, precondition, 
     before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.fold_rms_norm(sd, cfg)
-    assert info.value.identity == "rms_norm_fold" and info.value.precondition == precondition
+    assert info.value.identity == "fold_rms_norm" and info.value.precondition == precondition
     assert same(sd, before)
 
 
@@ -151,7 +151,7 @@ def test_layer_norm_to_rms_norm_needs_lnpre(normalization, precondition):
     with pytest.raises(cm.PreconditionError) as info:
         cm.layer_norm_to_rms_norm(cm.random_state_dict(cfg, seed=0), cfg)
     assert info.value.precondition == precondition
-    assert ("layer_norm_fold" in info.value.detail) == (normalization == "LN")
+    assert ("fold_layer_norm" in info.value.detail) == (normalization == "LN")
 
 
 def test_layer_norm_to_rms_norm_refuses_post_norm():
@@ -188,7 +188,7 @@ def test_rescaling_the_stream_preserves_log_probs_when_eps_is_zero(dtype, data, 
     scaled, scaled_cfg = cm.rescale_residual_stream(sd, cfg, scale=scale)
     result = compare_log_probs(sd, cfg, scaled, scaled_cfg, toks)
     assert result.passed, result
-    assert scaled_cfg.applied == ("scale_invariance",)
+    assert scaled_cfg.applied == ("rescale_residual_stream",)
     assert all(scaled[k] is sd[k] for k in sd if k not in writers(cfg))
 
 
@@ -209,7 +209,7 @@ def test_rescaling_refuses_eps_above_zero(model, eps):
     cfg, sd = model
     with pytest.raises(cm.PreconditionError) as info:
         cm.rescale_residual_stream(sd, cfg.replace(eps=eps), scale=2.0)
-    assert info.value.identity == "scale_invariance" and info.value.precondition == "eps == 0"
+    assert info.value.identity == "rescale_residual_stream" and info.value.precondition == "eps == 0"
 
 
 def test_eps_above_zero_really_breaks_scale_invariance():
@@ -243,7 +243,7 @@ def test_rescaling_refuses_readers_without_a_norm(options, precondition):
 # -- symbolic ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["layer_norm_fold", "rms_norm_fold"])
+@pytest.mark.parametrize("name", ["fold_layer_norm", "fold_rms_norm"])
 def test_folds_stay_exact_with_eps_written_out(name):
     """The folds hold for any normaliser, so also for (q/d + eps)^(-1/2) with eps > 0."""
     proof = with_explicit_eps(cm.get_identity(name).proof)

@@ -165,7 +165,7 @@ def test_layer_norm_bias_in_front_of_W_gate_becomes_a_new_gate_bias():
     assert all(theirs[name].abs().max() > 0.1 for name in added)
     with pytest.raises(cm.PreconditionError, match="W_gate has no bias"):
         cm.process_weights(sd, cfg, fold_ln=True)
-    assert "layer_norm_fold" not in cm.process_weights(sd, cfg)[1].applied  # by default: what is exact
+    assert "fold_layer_norm" not in cm.process_weights(sd, cfg)[1].applied  # by default: what is exact
 
 
 def test_refactoring_a_grouped_query_model_is_an_error():

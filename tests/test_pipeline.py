@@ -21,7 +21,7 @@ KEYWORDS = [keyword for keyword, _step in PIPELINE_STEPS]
 # What each keyword records in cfg.applied when it applies (the fold of a LayerNorm records three:
 # the shortformer tables when there are some, the fold, and the centring of its readers).
 RECORDS = {
-    "fold_ln": {"layer_norm_fold", "rms_norm_fold"},
+    "fold_ln": {"fold_layer_norm", "fold_rms_norm"},
     "fold_value_biases": {"fold_value_biases"},
     "center_writing_weights": {"center_writing_weights"},
     "center_unembed": {"center_unembed"},
@@ -75,7 +75,7 @@ def test_defaults_on_a_layer_norm_model_give_the_canonical_form(model):
     cfg, sd = model
     processed, processed_cfg = cm.process_weights(sd, cfg)
     assert processed_cfg.normalization_type == "LNPre"
-    assert set(processed_cfg.applied) >= {"layer_norm_fold", "center_reading_weights", "fold_value_biases",
+    assert set(processed_cfg.applied) >= {"fold_layer_norm", "center_reading_weights", "fold_value_biases",
                                           "center_writing_weights", "center_unembed"}
     scale = max(float(t.abs().max()) for t in processed.values())
     small = 64 * torch.finfo(torch.float32).eps * scale * cfg.d_model
@@ -154,13 +154,13 @@ REFUSALS = [
     (dict(normalization_types=("RMS",), positional_embedding_types=("standard", "rotary")),
      dict(), "center_writing_weights", "center_writing_weights", "every reader sits behind a centring norm"),
     (dict(normalization_types=("LN",), norm_positions=("post",), positional_embedding_types=("standard", "rotary")),
-     dict(center_writing_weights=False), "fold_ln", "layer_norm_fold", "pre-norm"),
+     dict(center_writing_weights=False), "fold_ln", "fold_layer_norm", "pre-norm"),
     (dict(normalization_types=("LN", "LNPre", "RMS"), positional_embedding_types=("rotary",), gated_mlp=(False,)),
      dict(fold_ln=False, center_writing_weights=False, refactor_factored_attn_matrices=True),
      "refactor_factored_attn_matrices", "refactor_factored_attn_matrices", "keys and queries are not rotated by position"),
     (dict(normalization_types=("LN",), gated_mlp=(True,), attn_only=False, min_layers=1,
           positional_embedding_types=("standard",)),
-     dict(), "fold_ln", "layer_norm_fold", "every reader has a bias to absorb b @ W"),
+     dict(), "fold_ln", "fold_layer_norm", "every reader has a bias to absorb b @ W"),
 ]
 
 

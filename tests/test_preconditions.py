@@ -47,7 +47,7 @@ def _unregistered(error: cm.PreconditionError) -> str | None:
 def test_the_check_catches_a_string_or_an_unregistered_object():
     for precondition in ("pre-norm", Precondition("made up")):
         with pytest.raises(cm.PreconditionError) as caught:
-            require("layer_norm_fold", precondition, False, "detail")
+            require("fold_layer_norm", precondition, False, "detail")
         assert _unregistered(caught.value)  # the sweep below can fail
 
 
@@ -74,10 +74,10 @@ def test_every_raised_precondition_is_registered():
                         problems.append(why)
     assert not problems, sorted(set(problems))
     # the sweep reaches every raisable precondition of the folds, the centrings and the norms
-    for name, precondition in [("layer_norm_fold", "normalization_type is LN"), ("layer_norm_fold", "pre-norm"),
+    for name, precondition in [("fold_layer_norm", "normalization_type is LN"), ("fold_layer_norm", "pre-norm"),
                                ("center_reading_weights", "readers see LNPre(x), which is orthogonal to 1"),
                                ("center_writing_weights", "every reader sits behind a centring norm"),
-                               ("rms_norm_fold", "normalization_type is RMS"), ("scale_invariance", "eps == 0"),
+                               ("fold_rms_norm", "normalization_type is RMS"), ("rescale_residual_stream", "eps == 0"),
                                ("remove_key_biases", "keys and queries are not rotated by position"),
                                ("shortformer_tables", "positional_embedding_type is shortformer"),
                                ("fold_value_biases", "not already applied")]:

@@ -10,7 +10,7 @@ from circuitmath.testing import compare_log_probs, default_tokens
 from support import VISIBLE, assume_discriminates
 
 SHORTFORMER = dict(positional_embedding_types=("shortformer",), gated_mlp=(False,))
-IDENTITY = cm.get_identity("shortformer_tables")
+IDENTITY = cm.get_identity("shortformer_to_tables")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
@@ -27,7 +27,7 @@ def test_layer_norm_folds_exactly_in_shortformer_models(model, centre):
     before = {k: v.clone() for k, v in sd.items()}
     folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=centre)
     assert folded_cfg.positional_embedding_type == "shortformer_tables"
-    assert folded_cfg.applied[:2] == ("shortformer_tables", "layer_norm_fold")
+    assert folded_cfg.applied[:2] == ("shortformer_to_tables", "fold_layer_norm")
     assert compare_log_probs(sd, cfg, folded, folded_cfg).passed
     assert all(torch.equal(sd[k], before[k]) for k in sd)
 

@@ -76,13 +76,13 @@ def test_the_transform_is_pure_keeps_the_dtype_records_itself_and_runs_once(iden
 
 #: Symmetries whose transform composes with itself (two rotations are a rotation; two
 #: permutations a permutation): applying them twice is exact and is not refused.
-COMPOSING = {"layer_norm_rotation", "rms_norm_rotation", "rotation_invariance", "permute_heads", "permute_neurons"}
+COMPOSING = {"layer_norm_rotation", "rms_norm_rotation", "rotate_residual_stream", "permute_heads", "permute_neurons"}
 
 
-#: Known gap: checking rotation_invariance alone replays its preparation (fold, centring, LN->RMS)
+#: Known gap: checking rotate_residual_stream alone replays its preparation (fold, centring, LN->RMS)
 #: and then reports the centring and the switch "not recognised", because the rotation rewrote
 #: the very tensors they are recognised by; the whole-model diagnosis recovers the chain.
-CHECKER_GAPS = {"rotation_invariance"}
+CHECKER_GAPS = {"rotate_residual_stream"}
 
 
 @pytest.mark.parametrize("identity", [

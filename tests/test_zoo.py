@@ -97,7 +97,7 @@ def test_every_identity_holds_or_refuses_on_every_zoo_model(model):
         assert r.passed, (name, r)
         assert r.applicable or r.reason
     applicable = {r.identity for r in results if r.applicable}
-    assert {"layer_norm_fold", "center_reading_weights"} <= applicable
+    assert {"fold_layer_norm", "center_reading_weights"} <= applicable
 
 
 def test_run_with_patterns_is_the_reference_forward_pass(model):

@@ -33,7 +33,7 @@ __all__ = ["weight_identities", "SYMMETRIES"]
 
 #: Identities with a free parameter (a rotation ``Q``, a permutation): the blind replay cannot try
 #: them with a fixed one, so the diagnosis recovers the parameter from the tensors instead.
-SYMMETRIES = ("rms_norm_rotation", "layer_norm_rotation", "rotation_invariance", "slicegpt_route",
+SYMMETRIES = ("rms_norm_rotation", "layer_norm_rotation", "rotate_residual_stream", "slicegpt_route",
               "permute_heads", "permute_neurons")
 
 
@@ -181,7 +181,7 @@ class _Replay:
         whose parameter (``Q``, the permutation) is recovered from ``state`` and ``after``."""
         if identity.name not in SYMMETRIES or not _same_names(state, self.after):
             return identity.transform
-        if identity.name in ("rotation_invariance", "layer_norm_rotation"):
+        if identity.name in ("rotate_residual_stream", "layer_norm_rotation"):
             Q = _best_rotation(state, self.after, cfg)
             if cfg.normalization_type == "LNPre" and _fixes_ones(Q):
                 Q = _fixing_ones_exactly(Q)  # to rounding: the Procrustes fit moves 1 by a little more
@@ -256,7 +256,7 @@ class _Replay:
                                 forced=True, search=False)
             if switch is not None and switch.refusal is None:
                 stages, state, state_cfg = stages + [switch], switch.state, switch.cfg
-        name = "layer_norm_rotation" if state_cfg.normalization_type == "LNPre" else "rotation_invariance"
+        name = "layer_norm_rotation" if state_cfg.normalization_type == "LNPre" else "rotate_residual_stream"
         stage = self.stage(_identities.get_identity(name), state, state_cfg, forced=True, search=True)
         if stage is None or stage.exact is None:
             return None

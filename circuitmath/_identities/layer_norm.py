@@ -204,7 +204,8 @@ REGARDLESS = "the rewrite, applied although the identity refuses this model"
 
 LAYER_NORM_FOLD = register(
     Identity(
-        name="layer_norm_fold",
+        name="fold_layer_norm",
+        aliases=("layer_norm_fold",),
         title="Folding LayerNorm into its readers",
         summary="LN(x) W + b_W = LNPre(x) (diag(w) W) + (b_W + b W), with eps kept inside LNPre",
         preconditions=(PRE_NORM, IS_LN, NORM_READ_LINEARLY, READER_HAS_BIAS, NOT_APPLIED),

@@ -284,7 +284,8 @@ CHECK_SCALE = 3.7
 
 CENTRING_PROJECTION = register(
     Identity(
-        name="centring_projection",
+        name="centering_projection",
+        aliases=("centring_projection",),
         title="Centring is the orthogonal projection C = I - 1 1^T / d",
         summary="(x + a 1^T) C^T C = x C for all x and a: C is symmetric, idempotent and kills 1,"
         " so the 1 direction of the residual stream is invisible to LayerNorm",
@@ -300,7 +301,8 @@ CENTRING_PROJECTION = register(
 
 SCALE_INVARIANCE = register(
     Identity(
-        name="scale_invariance",
+        name="rescale_residual_stream",
+        aliases=("scale_invariance",),
         title="LayerNorm is invariant to positive scaling exactly when eps = 0",
         summary="LNPre(s x) = LNPre(x) for s > 0 when eps = 0; with eps > 0 it is not, while the"
         " LayerNorm fold, which holds for any normaliser, stays exact",
@@ -327,7 +329,8 @@ LAYER_NORM_TO_RMS_NORM = register(
 
 RMS_NORM_FOLD = register(
     Identity(
-        name="rms_norm_fold",
+        name="fold_rms_norm",
+        aliases=("rms_norm_fold",),
         title="Folding RMSNorm into its readers, W_gate included",
         summary="RMS(x) W + b_W = RMSPre(x) (diag(w) W) + b_W for every reader, W_gate of a gated MLP"
         " included; nothing is centred",

@@ -16,7 +16,7 @@ The claim: after the pipeline (fold the LayerNorm and centre its readers, fold t
 centre the writers), the layer writes ``out C``, where ``out`` is what it wrote before. Every
 reader of the stream sees it through ``LNPre``, which depends on its input only through
 ``(.) C`` (proved by ``center_writing_weights``), so the model is unchanged. The queries and keys
-and the MLP's input are readers like ``W_V`` (``layer_norm_fold``, ``center_reading_weights``);
+and the MLP's input are readers like ``W_V`` (``fold_layer_norm``, ``center_reading_weights``);
 the MLP's output and the embeddings are writers like ``W_O`` (``center_writing_weights``); the
 unembed is centred by ``center_unembed``. ``refactor_factored_attn_matrices`` runs last, on the
 result, and is proved on its own.

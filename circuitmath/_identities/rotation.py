@@ -572,7 +572,7 @@ def _layer_norm_rotation(state_dict, cfg):
     require(
         "layer_norm_rotation", IS_LNPRE, cfg.normalization_type == "LNPre",
         f"normalization_type is {cfg.normalization_type!r}: this identity is about LayerNorm without gain and bias"
-        + (" (fold it first: layer_norm_fold)" if cfg.normalization_type == "LN" else ""),
+        + (" (fold it first: fold_layer_norm)" if cfg.normalization_type == "LN" else ""),
     )
     return rotate_residual_stream(state_dict, cfg, orthogonal_fixing_ones(cfg.d_model, seed=CHECK_SEED))
 
@@ -679,7 +679,8 @@ LAYER_NORM_ROTATION = register(
 
 ROTATION_INVARIANCE = register(
     Identity(
-        name="rotation_invariance",
+        name="rotate_residual_stream",
+        aliases=("rotation_invariance",),
         title="Rotating the residual stream of a pre-RMSNorm model",
         summary="writers W Q (W_E, W_pos, W_O, b_O, W_out, b_out), readers Q^T W (W_Q, W_K, W_V, W_in,"
         " W_gate, W_U): the stream becomes x Q and every reader computes what it did",

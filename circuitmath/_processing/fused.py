@@ -1,7 +1,7 @@
 """The default processing of a pre-LayerNorm model, each weight read and written in one go.
 
 :func:`~circuitmath.process_weights` with its default steps on a pre-LN model is the composition
-(registered as the identity ``process_weights``) of ``layer_norm_fold``,
+(registered as the identity ``process_weights``) of ``fold_layer_norm``,
 ``center_reading_weights``, ``fold_value_biases``, ``center_writing_weights`` and
 ``center_unembed``. Composed, each output tensor is a function of a few inputs:
 
@@ -33,7 +33,7 @@ __all__ = ["FUSED_STEPS", "fusable", "fused_default_steps"]
 
 #: What :func:`fused_default_steps` records in ``cfg.applied``: the chain's identities, in its order.
 FUSED_STEPS = (
-    "layer_norm_fold", "center_reading_weights", "fold_value_biases", "center_writing_weights", "center_unembed"
+    "fold_layer_norm", "center_reading_weights", "fold_value_biases", "center_writing_weights", "center_unembed"
 )
 
 

@@ -26,7 +26,7 @@ BEHIND_A_NORM = Precondition("every reader sits behind a norm", "every reader be
 EPS_ZERO = Precondition("eps == 0")
 
 
-@rewrite("rms_norm_fold")
+@rewrite("fold_rms_norm")
 def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
     """Fold every RMSNorm gain ``w`` into the linear maps that read it: ``W -> w[:, None] * W``.
 
@@ -35,7 +35,7 @@ def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.T
     d_mlp]``), and ``W_U`` (``[d_model, d_vocab]``). An RMSNorm has no bias, so no reader's bias
     changes and ``W_gate`` needs none; nothing is centred (``RMSPre(x)`` is not orthogonal to the
     all-ones vector). ``eps`` stays inside ``RMSPre``. Returns ``normalization_type="RMSPre"``
-    and records ``"rms_norm_fold"``.
+    and records ``"fold_rms_norm"``.
 
     >>> import torch
     >>> from circuitmath import Config, fold_rms_norm, random_state_dict
@@ -48,12 +48,12 @@ def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.T
     ('RMSPre', False)
     >>> _ = assert_equivalent(sd, folded, cfg, after_cfg=folded_cfg)
     """
-    identity = "rms_norm_fold"
+    identity = "fold_rms_norm"
     common_preconditions(identity, cfg)
     require(
         identity, IS_RMS, cfg.normalization_type == "RMS",
         f"normalization_type is {cfg.normalization_type!r}; there is no RMSNorm gain to fold"
-        + (" (LayerNorm folds by layer_norm_fold)" if cfg.normalization_type == "LN" else ""),
+        + (" (LayerNorm folds by fold_layer_norm)" if cfg.normalization_type == "LN" else ""),
     )
     validate_state_dict(state_dict, cfg)
     out = dict(state_dict)
@@ -105,7 +105,7 @@ def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     require(
         identity, IS_LNPRE, cfg.normalization_type == "LNPre",
         f"normalization_type is {cfg.normalization_type!r}"
-        + ("; fold the LayerNorm's gain and bias first (layer_norm_fold)" if cfg.normalization_type == "LN" else
+        + ("; fold the LayerNorm's gain and bias first (fold_layer_norm)" if cfg.normalization_type == "LN" else
            ": there is no LayerNorm to replace"),
     )
     validate_state_dict(state_dict, cfg)
@@ -119,7 +119,7 @@ def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     return dict(state_dict), cfg.replace(normalization_type="RMSPre", applied=cfg.applied + (identity,))
 
 
-@rewrite("scale_invariance")
+@rewrite("rescale_residual_stream")
 def rescale_residual_stream(
     state_dict: StateDict, cfg: Config, *, scale: float
 ) -> tuple[dict[str, torch.Tensor], Config]:
@@ -129,9 +129,9 @@ def rescale_residual_stream(
     divides by the root mean square of its (centred) input, which is invariant to a positive
     scale exactly when ``eps = 0``: with ``eps > 0``, ``LNPre(s x) != LNPre(x)``, so such models
     are refused. The writers are those of :func:`~circuitmath.center_writing_weights`. Needs a
-    pre-norm model with a norm. Records ``"scale_invariance"``.
+    pre-norm model with a norm. Records ``"rescale_residual_stream"``.
     """
-    identity = "scale_invariance"
+    identity = "rescale_residual_stream"
     refuse_reapplication(identity, cfg)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise InputError(f"scale must be a finite number, got {scale!r}")

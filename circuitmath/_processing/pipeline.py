@@ -32,7 +32,7 @@ def _fold_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tens
     :func:`~circuitmath.fold_rms_norm`, and no centring (``RMSPre(x)`` is not orthogonal to 1).
     Any other norm has no parameters to fold: refused like :func:`~circuitmath.fold_layer_norm`.
     """
-    for done in ("layer_norm_fold", "rms_norm_fold"):
+    for done in ("fold_layer_norm", "fold_rms_norm"):
         refuse_reapplication(done, cfg)
     if cfg.normalization_type == "RMS":
         return fold_rms_norm(state_dict, cfg)
@@ -113,18 +113,18 @@ def process_weights(
     >>> sd = random_state_dict(cfg, seed=0, dtype=torch.float64)
     >>> processed, processed_cfg = process_weights(sd, cfg)
     >>> processed_cfg.applied  # doctest: +NORMALIZE_WHITESPACE
-    ('layer_norm_fold', 'center_reading_weights', 'fold_value_biases', 'center_writing_weights',
+    ('fold_layer_norm', 'center_reading_weights', 'fold_value_biases', 'center_writing_weights',
      'center_unembed')
     >>> _ = assert_equivalent(sd, processed, cfg, after_cfg=processed_cfg)
     >>> rms = cfg.replace(normalization_type="RMS")
     >>> process_weights(random_state_dict(rms, seed=0), rms)[1].applied
-    ('rms_norm_fold', 'fold_value_biases', 'center_unembed')
+    ('fold_rms_norm', 'fold_value_biases', 'center_unembed')
     >>> process_weights(random_state_dict(rms, seed=0), rms, center_writing_weights=True)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     circuitmath._errors.PreconditionError: center_writing_weights: precondition 'every reader sits behind a centring norm' does not hold: ...
     >>> process_weights(random_state_dict(rms, seed=0), rms, refactor_factored_attn_matrices=None)[1].applied
-    ('rms_norm_fold', 'fold_value_biases', 'center_unembed', 'refactor_factored_attn_matrices')
+    ('fold_rms_norm', 'fold_value_biases', 'center_unembed', 'refactor_factored_attn_matrices')
     """
     requested = {
         "fold_ln": fold_ln,

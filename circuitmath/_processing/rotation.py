@@ -162,7 +162,7 @@ def _as_square(identity: str, Q, d_model: int) -> torch.Tensor:
     return Q
 
 
-@rewrite("rotation_invariance")
+@rewrite("rotate_residual_stream")
 def rotate_residual_stream(
     state_dict: StateDict, cfg: Config, Q: torch.Tensor
 ) -> tuple[dict[str, torch.Tensor], Config]:
@@ -174,7 +174,7 @@ def rotate_residual_stream(
     (``W_Q``, ``W_K``, ``W_V`` ``[heads, d_model, d_head]``, ``W_in``, ``W_gate``, ``W_U``); the
     readers' biases are unchanged. The stream ``x`` of the new model is ``x Q`` everywhere, and
     ``RMSPre(x Q) = RMSPre(x) Q`` because ``|x Q| = |x|``, so every reader computes what it
-    did: ``RMSPre(x Q) Q^T W = RMSPre(x) W``. Identity ``rotation_invariance``.
+    did: ``RMSPre(x Q) Q^T W = RMSPre(x) W``. Identity ``rotate_residual_stream``.
 
     Norms: ``RMSPre`` and no norm are rotated for any orthogonal ``Q``. ``LNPre`` only when ``Q``
     fixes the all-ones direction (``Q 1 = 1``, identity ``layer_norm_rotation``), since
@@ -207,17 +207,17 @@ def rotate_residual_stream(
     >>> Q = torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))[0]
     >>> rotated, rotated_cfg = rotate_residual_stream(sd, cfg, Q)
     >>> rotated_cfg.applied
-    ('rotation_invariance',)
+    ('rotate_residual_stream',)
     >>> _ = assert_equivalent(sd, rotated, cfg, after_cfg=rotated_cfg)
     """
-    identity = "rotation_invariance"
+    identity = "rotate_residual_stream"
     require_pre_norm(identity, cfg)
     kind = cfg.normalization_type
     require(
         identity, NO_NORM_GAIN, kind not in ("LN", "RMS"),
         {
             "LN": "normalization_type is 'LN': its gain diag(w) and bias do not commute with Q; fold it"
-                  " (layer_norm_fold), centre the writes (center_writing_weights) and switch to RMSNorm"
+                  " (fold_layer_norm), centre the writes (center_writing_weights) and switch to RMSNorm"
                   " (layer_norm_to_rms_norm) first: the SliceGPT route",
             "RMS": "normalization_type is 'RMS': its gain diag(w) does not commute with Q; fold it first (fold_rms_norm)",
         }.get(kind, ""),
