@@ -30,7 +30,7 @@ class Config:
     """A transformer in TransformerLens conventions (row vectors, ``x @ W``).
 
     ``normalization_type`` is the norm before every reader (``ln1``, ``ln2``, ``ln_final``):
-    ``"LN"`` (centre, normalise, gain ``w``, bias ``b``), ``"LNPre"`` (centre and normalise only),
+    ``"LN"`` (center, normalise, gain ``w``, bias ``b``), ``"LNPre"`` (center and normalise only),
     ``"RMS"`` (normalise, gain), ``"RMSPre"`` (normalise only) or ``None``. ``norm_position`` is
     ``"pre"`` (GPT-2: the norm feeds each reader) or ``"post"`` (BERT: the norm is applied to the
     residual stream after each sub-layer's sum, so it feeds the stream itself).

@@ -61,7 +61,7 @@ class Identity:
     raising one of them (:func:`circuitmath._processing._common.require` takes the very object,
     a :class:`~circuitmath._errors.Precondition`, so the error and the registry agree).
     ``prepare`` brings a model into the form the transform needs (e.g. folds the LayerNorm
-    before reading weights are centred); the numeric check compares the prepared model with its
+    before reading weights are centered); the numeric check compares the prepared model with its
     transform, so it tests this identity alone. ``wrong_rewrites`` is the one catalogue of the
     identity's wrong variants (:class:`WrongRewrite`, or a bare transform): the numeric checks
     must reject each where it differs, the diagnosis names the one a processed model shows, the
@@ -159,15 +159,21 @@ class Identity:
         return compare_log_probs(before, before_cfg, after, after_cfg, tokens)
 
 
-def _corruptions(self: Identity) -> dict[str, Transform]:
-    """Deprecated name: the wrong rewrites that differ on every model the identity applies to
-    (no ``differs_on``, not ``regardless``), as plain transforms."""
+def _wrong_everywhere(self: Identity) -> dict[str, WrongRewrite]:
+    """The wrong rewrites that differ on every model the identity applies to (no ``differs_on``,
+    not ``regardless``): those a numeric check must reject on any model."""
     return {
-        name: wrong.function for name, wrong in self.wrong_rewrites.items()
+        name: wrong for name, wrong in self.wrong_rewrites.items()
         if wrong.differs_on is None and not wrong.regardless
     }
 
 
+def _corruptions(self: Identity) -> dict[str, Transform]:
+    """Deprecated name: :attr:`Identity.wrong_everywhere`, as plain transforms."""
+    return {name: wrong.function for name, wrong in _wrong_everywhere(self).items()}
+
+
+Identity.wrong_everywhere = property(_wrong_everywhere)
 Identity.corruptions = property(_corruptions)  # after the dataclass took ``corruptions=`` as its init argument
 
 _REGISTRY: dict[str, Identity] = {}

@@ -2,7 +2,7 @@
 
 Like :func:`torch.testing.assert_close`, but for whole models: both state dicts run through the
 reference forward pass and their log-probabilities are compared. Log-probabilities, not logits:
-centring the unembed legitimately shifts every logit of a position by the same constant.
+centering the unembed legitimately shifts every logit of a position by the same constant.
 
 Models are accepted as state dicts in TransformerLens format (with a :class:`~circuitmath.Config`)
 or Hugging Face format (with the Hugging Face config, converted by :func:`circuitmath.io.from_hf`),
@@ -203,7 +203,7 @@ def check_model(model, cfg=None, *, tokens=None, progress=None) -> "Diagnosis":
 def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
     """Check that ``after`` is the registered identity ``name`` applied to ``before``.
 
-    The replay is this identity alone, after its own preparation (centring the reading weights
+    The replay is this identity alone, after its own preparation (centering the reading weights
     of a LayerNorm model includes the fold). Its row is ``"not recognised"`` when none of the
     tensors the identity rewrites matches its rewrite, ``"violated"`` when the log-probs change;
     a wrong rewrite that reproduces ``after`` is named. Arguments as for :func:`assert_equivalent`.

@@ -20,7 +20,7 @@ JSON_KEYS = {"name", "kind", "applicable", "reason", "rewrite", "max_abs_error",
 
 @pytest.fixture
 def files(tmp_path):
-    """A model, a correct processing of it and a wrong one (unembed centred over d_model)."""
+    """A model, a correct processing of it and a wrong one (unembed centered over d_model)."""
     model = cm.random_state_dict(CFG, seed=0, dtype=F64)
     good, good_cfg = cm.process_weights(model, CFG)
     wrong = dict(model, **{"unembed.W_U": model["unembed.W_U"] - model["unembed.W_U"].mean(0, keepdim=True)})

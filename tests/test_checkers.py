@@ -34,7 +34,7 @@ F64 = torch.float64
 BASE = dict(n_layers=2, d_model=6, n_heads=2, d_head=3, d_vocab=9, n_ctx=5, d_mlp=12)
 
 #: Each named checker, its identity, and a model it applies to (on which most of the identity's
-#: registered corruptions differ from the exact rewrite).
+#: registered wrong rewrites differ from the exact rewrite).
 CHECKERS = {
     "fold_layer_norm": (check_fold_layer_norm, {}),
     "center_reading_weights": (check_center_reading_weights, {}),
@@ -88,31 +88,31 @@ def test_the_checkers_come_from_the_registry():
 
 
 @pytest.mark.parametrize("name", sorted(CHECKERS))
-def test_checker_rejects_every_registered_corruption(name):
+def test_checker_rejects_every_registered_wrong_rewrite(name):
     checker, changes = CHECKERS[name]
     identity = cm.get_identity(name)
     cfg, before = _model(**changes)
     prepared, prepared_cfg = _prepared(identity, before, cfg)
     exact, exact_cfg = identity.transform(prepared, prepared_cfg)
-    for corruption, wrong in identity.corruptions.items():
+    for wrong_name, wrong in identity.wrong_everywhere.items():
         after, after_cfg = wrong(prepared, prepared_cfg)
         if after_cfg == exact_cfg and after.keys() == exact.keys() and all(torch.equal(after[k], exact[k]) for k in after):
-            continue  # not wrong on this model (e.g. centring a shortformer W_pos in a standard model)
+            continue  # not wrong on this model (e.g. centering a shortformer W_pos in a standard model)
         report = checker(before, after, cfg, after_cfg=after_cfg)
-        assert not report.ok, f"{name}.{corruption} went unnoticed:\n{report}"
+        assert not report.ok, f"{name}.{wrong_name} went unnoticed:\n{report}"
         changed_tensors = any(after.get(k) is not prepared.get(k) for k in set(after) | set(prepared))
-        if changed_tensors and any(f.rewrite == f"{name}.{corruption}" for f in report.findings):
+        if changed_tensors and any(f.rewrite == f"{name}.{wrong_name}" for f in report.findings):
             continue
         # not named: then what differs is listed (tensors, or config fields)
-        assert report.culprits() or "config differs" in str(report), f"{name}.{corruption}:\n{report}"
+        assert report.culprits() or "config differs" in str(report), f"{name}.{wrong_name}:\n{report}"
 
 
 def test_the_wrong_rewrites_are_named_for_the_folds():
     cfg, before = _model()
-    for corruption in ("drop_bias", "bias_through_gain"):
-        after, after_cfg = cm.get_identity("fold_layer_norm").corruptions[corruption](before, cfg)
+    for wrong_name in ("drop_bias", "bias_through_gain"):
+        after, after_cfg = cm.get_identity("fold_layer_norm").wrong_everywhere[wrong_name](before, cfg)
         report = check_fold_layer_norm(before, after, cfg, after_cfg=after_cfg)
-        assert [f.rewrite for f in report.violations if f.kind == "identity"] == [f"fold_layer_norm.{corruption}"]
+        assert [f.rewrite for f in report.violations if f.kind == "identity"] == [f"fold_layer_norm.{wrong_name}"]
 
 
 def test_an_unprocessed_model_is_not_recognised_as_processed():

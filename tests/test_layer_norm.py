@@ -1,4 +1,4 @@
-"""LayerNorm folding and reading-weight centring on random weights with realistic structure."""
+"""LayerNorm folding and reading-weight centering on random weights with realistic structure."""
 
 import pytest
 import torch
@@ -26,7 +26,7 @@ def test_fold_preserves_log_probs(dtype, data):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @given(data=st.data())
-def test_centring_reading_weights_preserves_log_probs(dtype, data):
+def test_centering_reading_weights_preserves_log_probs(dtype, data):
     cfg, sd = data.draw(models(dtype=dtype, **FOLDABLE))
     toks = data.draw(tokens(cfg))
     result = CENTER.check(sd, cfg, toks)
@@ -41,31 +41,31 @@ def test_centring_reading_weights_preserves_log_probs(dtype, data):
 DISCRIMINATING = dict(min_gain_spread=0.3, min_bias_scale=0.5)
 
 
-@given(models(weights=DISCRIMINATING, **FOLDABLE), st.sampled_from(list(LN_FOLD.corruptions)))
-def test_negative_control_wrong_fold_is_caught(model, corruption):
+@given(models(weights=DISCRIMINATING, **FOLDABLE), st.sampled_from(list(LN_FOLD.wrong_everywhere)))
+def test_negative_control_wrong_fold_is_caught(model, wrong_name):
     cfg, sd = model
     toks = default_tokens(cfg)
-    assume_discriminates(LN_FOLD, corruption, sd, cfg, toks, weights=VISIBLE)
-    result = LN_FOLD.check_wrong_rewrite(corruption, sd, cfg, toks)
-    assert not result.passed, f"{corruption} went unnoticed: {result}"
+    assume_discriminates(LN_FOLD, wrong_name, sd, cfg, toks, weights=VISIBLE)
+    result = LN_FOLD.check_wrong_rewrite(wrong_name, sd, cfg, toks)
+    assert not result.passed, f"{wrong_name} went unnoticed: {result}"
 
 
-# Centring W_U over the vocabulary is harmless (softmax is shift invariant), so the wrong-axis
-# centring only shows in a model with at least one layer.
-@given(models(weights=DISCRIMINATING, min_layers=1, **FOLDABLE), st.sampled_from(list(CENTER.corruptions)))
-def test_negative_control_wrong_centring_is_caught(model, corruption):
+# Centering W_U over the vocabulary is harmless (softmax is shift invariant), so the wrong-axis
+# centering only shows in a model with at least one layer.
+@given(models(weights=DISCRIMINATING, min_layers=1, **FOLDABLE), st.sampled_from(list(CENTER.wrong_everywhere)))
+def test_negative_control_wrong_centering_is_caught(model, wrong_name):
     cfg, sd = model
     toks = default_tokens(cfg)
-    assume_discriminates(CENTER, corruption, sd, cfg, toks, weights=VISIBLE)
-    result = CENTER.check_wrong_rewrite(corruption, sd, cfg, toks)
-    assert not result.passed, f"{corruption} went unnoticed: {result}"
+    assume_discriminates(CENTER, wrong_name, sd, cfg, toks, weights=VISIBLE)
+    result = CENTER.check_wrong_rewrite(wrong_name, sd, cfg, toks)
+    assert not result.passed, f"{wrong_name} went unnoticed: {result}"
 
 
 @given(models(dtype=torch.float32, **FOLDABLE), st.booleans())
-def test_fold_is_pure_and_keeps_dtypes(model, centre):
+def test_fold_is_pure_and_keeps_dtypes(model, center):
     cfg, sd = model
     before = snapshot(sd)
-    folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=centre)
+    folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=center)
     assert same(sd, before), "the input state dict was modified"
     assert cfg.normalization_type == "LN" and cfg.applied == ()
     assert {t.dtype for t in folded.values()} == {torch.float32}
@@ -112,7 +112,7 @@ def test_fold_refuses_what_it_cannot_rewrite_exactly(options, identity, precondi
 
 
 @given(models(normalization_types=("LN", "RMS", "RMSPre", None), positional_embedding_types=("standard", "rotary", "shortformer_tables")))
-def test_centring_refuses_readers_whose_input_is_not_centred(model):
+def test_centering_refuses_readers_whose_input_is_not_centered(model):
     cfg, sd = model
     with pytest.raises(cm.PreconditionError) as info:
         cm.center_reading_weights(sd, cfg)

@@ -1,4 +1,4 @@
-"""RMSNorm folding, LayerNorm to RMSNorm, the centring projection and scale invariance."""
+"""RMSNorm folding, LayerNorm to RMSNorm, the centering projection and scale invariance."""
 
 import pytest
 import torch
@@ -67,12 +67,12 @@ def test_rms_fold_reaches_W_gate(model):
 
 
 @given(models(weights=DISCRIMINATING, **RMS_FOLDABLE))
-def test_negative_control_centring_behind_rms_norm_is_caught(model):
+def test_negative_control_centering_behind_rms_norm_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
-    assume_discriminates(RMS_FOLD, "centre_reading_weights", sd, cfg, toks, weights=VISIBLE)
-    result = RMS_FOLD.check_wrong_rewrite("centre_reading_weights", sd, cfg, toks)
-    assert not result.passed, f"centring readers behind RMSNorm went unnoticed: {result}"
+    assume_discriminates(RMS_FOLD, "center_reading_weights", sd, cfg, toks, weights=VISIBLE)
+    result = RMS_FOLD.check_wrong_rewrite("center_reading_weights", sd, cfg, toks)
+    assert not result.passed, f"centering readers behind RMSNorm went unnoticed: {result}"
 
 
 RMS_FOLD_REFUSALS = [
@@ -101,15 +101,15 @@ def test_rms_fold_refuses_what_it_cannot_rewrite_exactly(options, precondition, 
 
 @DTYPES
 @given(data=st.data())
-def test_layer_norm_to_rms_norm_preserves_log_probs_once_writes_are_centred(dtype, data):
+def test_layer_norm_to_rms_norm_preserves_log_probs_once_writes_are_centered(dtype, data):
     cfg, sd = data.draw(_layer_norm_models(dtype=dtype))
     result = LN_TO_RMS.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
-    centred, centred_cfg = LN_TO_RMS.prepare(sd, cfg)
-    switched, switched_cfg = cm.layer_norm_to_rms_norm(centred, centred_cfg)
+    centered, centered_cfg = LN_TO_RMS.prepare(sd, cfg)
+    switched, switched_cfg = cm.layer_norm_to_rms_norm(centered, centered_cfg)
     assert switched_cfg.normalization_type == "RMSPre" and switched_cfg.eps == cfg.eps
     assert switched_cfg.applied[-1] == "layer_norm_to_rms_norm"
-    assert all(switched[k] is centred[k] for k in centred), "the weights must not change"
+    assert all(switched[k] is centered[k] for k in centered), "the weights must not change"
 
 
 @given(_layer_norm_models())
@@ -124,18 +124,18 @@ def test_negative_control_rms_norm_with_another_eps_is_caught(model):
 
 
 @given(models(normalization_types=("LNPre",), weights=dict(max_outlier_dims=0)))
-def test_layer_norm_to_rms_norm_refuses_uncentred_writes(model):
+def test_layer_norm_to_rms_norm_refuses_uncentered_writes(model):
     cfg, sd = model
     before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.layer_norm_to_rms_norm(sd, cfg)
-    assert info.value.precondition == "every write to the residual stream is centred"
+    assert info.value.precondition == "every write to the residual stream is centered"
     assert "center_writing_weights" in info.value.detail
     assert same(sd, before)
 
 
-def test_switching_uncentred_writes_is_not_a_formality():
-    """Switching LNPre to RMSPre without centring the writes really does change the model."""
+def test_switching_uncentered_writes_is_not_a_formality():
+    """Switching LNPre to RMSPre without centering the writes really does change the model."""
     cfg = cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=6, d_mlp=16, normalization_type="LNPre")
     sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
     result = compare_log_probs(sd, cfg, sd, cfg.replace(normalization_type="RMSPre"))
@@ -161,11 +161,11 @@ def test_layer_norm_to_rms_norm_refuses_post_norm():
         cm.layer_norm_to_rms_norm(cm.random_state_dict(cfg, seed=0), cfg)
 
 
-# -- the centring projection -------------------------------------------------------------------
+# -- the centering projection -------------------------------------------------------------------
 
 
 @given(models(weights=DISCRIMINATING, normalization_types=("LN", "LNPre")))
-def test_projection_licenses_centring_writes_and_the_notes_slip_is_caught(model):
+def test_projection_licenses_centering_writes_and_the_notes_slip_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
     assert PROJECTION.check(sd, cfg, toks).passed

@@ -73,12 +73,12 @@ def test_every_raised_precondition_is_registered():
                     if (why := _unregistered(error)) is not None:
                         problems.append(why)
     assert not problems, sorted(set(problems))
-    # the sweep reaches every raisable precondition of the folds, the centrings and the norms
+    # the sweep reaches every raisable precondition of the folds, the centerings and the norms
     for name, precondition in [("fold_layer_norm", "normalization_type is LN"), ("fold_layer_norm", "pre-norm"),
                                ("center_reading_weights", "readers see LNPre(x), which is orthogonal to 1"),
-                               ("center_writing_weights", "every reader sits behind a centring norm"),
+                               ("center_writing_weights", "every reader sits behind a centering norm"),
                                ("fold_rms_norm", "normalization_type is RMS"), ("rescale_residual_stream", "eps == 0"),
                                ("remove_key_biases", "keys and queries are not rotated by position"),
-                               ("shortformer_tables", "positional_embedding_type is shortformer"),
+                               ("shortformer_to_tables", "positional_embedding_type is shortformer"),
                                ("fold_value_biases", "not already applied")]:
         assert (name, precondition) in raised, (name, precondition)

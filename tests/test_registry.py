@@ -132,3 +132,8 @@ def test_a_former_name_still_finds_its_identity_with_a_warning_and_is_normalised
     cfg = cm.Config.from_json(cm.Config(**BASE_FIELDS, applied=["layer_norm_fold", "center_reading_weights"]).to_json())
     assert cfg.applied == ("fold_layer_norm", "center_reading_weights")
     assert cm.Config(**BASE_FIELDS, applied=("rms_norm_fold",)).applied == ("fold_rms_norm",)
+
+
+def test_the_former_word_corruptions_still_lists_the_wrong_rewrites_on_every_model():
+    fold = cm.get_identity("fold_layer_norm")
+    assert set(fold.corruptions) == set(fold.wrong_everywhere) and fold.check_corruption == fold.check_wrong_rewrite

@@ -33,7 +33,7 @@ def _cfg(**changes):
 
 
 def _rms_model(dtype=torch.float64, seed=0, **changes):
-    """A model with RMSPre norms: LayerNorm folded, centred and switched, or (gated MLPs, whose
+    """A model with RMSPre norms: LayerNorm folded, centered and switched, or (gated MLPs, whose
     W_gate has no bias to absorb a LayerNorm's) RMSNorm folded."""
     if changes.get("gated_mlp"):
         changes.setdefault("normalization_type", "RMS")
@@ -333,18 +333,18 @@ def test_recover_rotation_with_fewer_tokens_than_dimensions():
     assert found is not None and torch.allclose(found, Q, atol=1e-10)
 
 
-@pytest.mark.parametrize("corruption", ["non_orthogonal", "forget_W_pos", "forget_writer_bias", "readers_not_transposed"])
+@pytest.mark.parametrize("wrong_name", ["non_orthogonal", "forget_W_pos", "forget_writer_bias", "readers_not_transposed"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-def test_wrong_rotations_are_not_recognised_and_the_tensors_are_named(corruption, dtype):
+def test_wrong_rotations_are_not_recognised_and_the_tensors_are_named(wrong_name, dtype):
     identity = cm.get_identity("rotate_residual_stream")
     sd, cfg = _rms_model(dtype)
-    wrong, _ = identity.corruptions[corruption](sd, cfg)
+    wrong, _ = identity.wrong_everywhere[wrong_name](sd, cfg)
     assert cm.recover_rotation(sd, wrong, cfg) is None
     mismatches = rotation_mismatches(sd, wrong, cfg, check_rotation(cfg))
     expected = {
         "forget_W_pos": {"pos_embed.W_pos"},
         "forget_writer_bias": {"blocks.0.attn.b_O", "blocks.1.attn.b_O"},
-    }.get(corruption)
+    }.get(wrong_name)
     if expected is not None:
         assert set(mismatches) == expected
     else:
@@ -379,9 +379,9 @@ def test_wrong_permutations_are_not_recognised():
         recover = cm.recover_head_permutation if name == "permute_heads" else cm.recover_neuron_permutation
         right, _ = identity.transform(sd, cfg)
         assert recover(sd, right, cfg) is not None
-        for corruption, function in identity.corruptions.items():
+        for wrong_name, function in identity.wrong_everywhere.items():
             wrong, _ = function(sd, cfg)
-            assert recover(sd, wrong, cfg) is None, (name, corruption)
+            assert recover(sd, wrong, cfg) is None, (name, wrong_name)
 
 
 # -- recognition in the diagnosis, and the verdicts ---------------------------------------------

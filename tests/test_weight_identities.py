@@ -79,8 +79,8 @@ def test_the_transform_is_pure_keeps_the_dtype_records_itself_and_runs_once(iden
 COMPOSING = {"layer_norm_rotation", "rms_norm_rotation", "rotate_residual_stream", "permute_heads", "permute_neurons"}
 
 
-#: Known gap: checking rotate_residual_stream alone replays its preparation (fold, centring, LN->RMS)
-#: and then reports the centring and the switch "not recognised", because the rotation rewrote
+#: Known gap: checking rotate_residual_stream alone replays its preparation (fold, centering, LN->RMS)
+#: and then reports the centering and the switch "not recognised", because the rotation rewrote
 #: the very tensors they are recognised by; the whole-model diagnosis recovers the chain.
 CHECKER_GAPS = {"rotate_residual_stream"}
 

@@ -217,7 +217,7 @@ class _Replay:
             if not _same_names(start, self.after) or not self._norms_kept(start):
                 continue  # a rotation keeps the norm of every row of W_E: no rotation from this start
             routes = []
-            for names in (_anchors(start_cfg), None):  # W_E alone, then every tensor (uncentred readers fix 1's image)
+            for names in (_anchors(start_cfg), None):  # W_E alone, then every tensor (uncentered readers fix 1's image)
                 Q = procrustes(start, self.after, start_cfg, names)
                 back = dict(self.after) | rotated_tensors(self.after, start_cfg, Q.T)
                 routes.append(_Replay(back, self.thresholds).run(before, cfg, None, search=False))
@@ -251,7 +251,7 @@ class _Replay:
         rotation), after switching an ``LNPre`` model to RMSNorm when ``Q`` moves the all-ones
         direction: ``(stages, final, final_cfg, residual)``, or ``None`` when it cannot apply."""
         if state_cfg.normalization_type == "LNPre" and not _fixes_ones(procrustes(state, self.after, state_cfg)):
-            # LNPre rotates only by a Q fixing 1; with centred writes switch to RMSNorm first
+            # LNPre rotates only by a Q fixing 1; with centered writes switch to RMSNorm first
             switch = self.stage(_identities.get_identity("layer_norm_to_rms_norm"), state, state_cfg,
                                 forced=True, search=False)
             if switch is not None and switch.refusal is None:
@@ -379,7 +379,7 @@ class _Replay:
         First exact rewrites only; if anything is left, the known wrong rewrites compared with
         ``after`` where they are applied; if still anything is left, each wrong rewrite followed
         by the rest of the replay (it may be hidden under later rewrites of the same tensors,
-        e.g. a wrongly folded unembed that is centred afterwards).
+        e.g. a wrongly folded unembed that is centered afterwards).
         """
         stages, final, final_cfg = self.run(before, cfg, plan, search=False)
         residual = self.residual(final, before)
@@ -454,7 +454,7 @@ def _fixes_ones(Q: torch.Tensor) -> bool:
 
 def _anchors(cfg: Config) -> list[str]:
     """The tensors a rotation is recovered from: ``W_E`` (``[d_vocab, d_model]``, which the usual
-    processing before a rotation leaves as it is once the writes are centred; the other tensors
+    processing before a rotation leaves as it is once the writes are centered; the other tensors
     then show a wrong rotation), or every writer's weight when ``d_vocab < d_model``."""
     if cfg.d_vocab >= cfg.d_model:
         return ["embed.W_E"]
@@ -473,7 +473,7 @@ def _fixing_ones_exactly(Q: torch.Tensor) -> torch.Tensor:
 def _best_rotation(state: Mapping, after: Mapping, cfg: Config) -> torch.Tensor:
     """The Procrustes ``Q`` from ``W_E`` alone or from every tensor, whichever leaves fewer
     tensors of ``after`` unexplained: ``W_E`` is robust to a wrong rotation of other tensors,
-    but leaves the image of a direction no writer has (1, once the writes are centred) free,
-    which uncentred readers then fix."""
+    but leaves the image of a direction no writer has (1, once the writes are centered) free,
+    which uncentered readers then fix."""
     fits = [procrustes(state, after, cfg, names) for names in (_anchors(cfg), None)]
     return min(fits, key=lambda Q: len(rotation_mismatches(state, after, cfg, Q)))

@@ -218,8 +218,8 @@ def _row_by_row_route(mix_positions: bool):
         kind = cfg.normalization_type
         if kind is None:
             return x
-        centred = flat - flat.mean(dim=-1, keepdim=True) if kind in ("LN", "LNPre") else flat
-        scaled = (centred / torch.sqrt(centred.pow(2).mean(dim=-1, keepdim=True) + cfg.eps)).reshape(x.shape)
+        centered = flat - flat.mean(dim=-1, keepdim=True) if kind in ("LN", "LNPre") else flat
+        scaled = (centered / torch.sqrt(centered.pow(2).mean(dim=-1, keepdim=True) + cfg.eps)).reshape(x.shape)
         scaled = scaled * w if kind in ("LN", "RMS") else scaled
         return scaled + b if kind == "LN" else scaled
 

@@ -133,7 +133,7 @@ def _bigram_route(transposed: bool):
     """Logits of a zero-layer model read off a table: ``s * (table[t] + positions) + constant``.
 
     Without a norm the table is :func:`bigram_table` and ``s = 1``; with one, the norm's
-    linear part (centring, gain) sits between ``W_E`` and ``W_U`` and its frozen scale ``s``
+    linear part (centering, gain) sits between ``W_E`` and ``W_U`` and its frozen scale ``s``
     multiplies each position.
     """
 

@@ -1,4 +1,4 @@
-"""LayerNorm folding and centring of reading weights."""
+"""LayerNorm folding and centering of reading weights."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def fold_reader(
     """One reader ``W: [..., d_model, m]`` with bias ``b_W: [..., m]`` (or ``None``) folded with
     the gain ``w`` and bias ``b`` (``[d_model]``): ``(w[:, None] * W, b_W + b @ W)``.
 
-    With ``center=True`` the weight is also centred over ``d_model``
+    With ``center=True`` the weight is also centered over ``d_model``
     (:func:`center_reading_weights`): ``w_i W_ij - mean_i(w_i W_ij)``, the mean taken from the
     same pass over ``W`` as ``b @ W``, so the result is written once.
     """
@@ -144,7 +144,7 @@ def center_reading_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
             " fold the LayerNorm first (fold_layer_norm)",
         }.get(
             cfg.normalization_type,
-            f"normalization_type is {cfg.normalization_type!r}: the readers' input is not centred",
+            f"normalization_type is {cfg.normalization_type!r}: the readers' input is not centered",
         ),
     )
     validate_state_dict(state_dict, cfg)

@@ -126,7 +126,7 @@ def orthogonal_fixing_ones(size: int, *, seed: int, dtype: torch.dtype = torch.f
     """A random orthogonal ``Q`` with ``Q 1 = 1``: ``H diag(1, R) H`` with ``H`` the Householder
     reflection that swaps ``e_1`` and ``1 / sqrt(size)``, ``R`` random orthogonal of size
     ``size - 1``. It rotates the vectors orthogonal to ``1`` and leaves ``1`` alone, so it commutes
-    with centring (``layer_norm_rotation``)."""
+    with centering (``layer_norm_rotation``)."""
     v = torch.full((size,), 1 / math.sqrt(size), dtype=torch.float64)
     v[0] -= 1.0
     norm = float(v.norm())
@@ -178,7 +178,7 @@ def rotate_residual_stream(
 
     Norms: ``RMSPre`` and no norm are rotated for any orthogonal ``Q``. ``LNPre`` only when ``Q``
     fixes the all-ones direction (``Q 1 = 1``, identity ``layer_norm_rotation``), since
-    ``LNPre`` centres, and centring commutes with ``Q`` exactly then. A norm with a gain
+    ``LNPre`` centers, and centering commutes with ``Q`` exactly then. A norm with a gain
     (``LN``, ``RMS``) is refused: ``diag(w)`` does not commute with ``Q``; the SliceGPT route is
     :func:`fold_layer_norm`, :func:`center_writing_weights`, :func:`layer_norm_to_rms_norm`, then
     this (or :func:`fold_rms_norm`, then this). Post-norm models are refused.
@@ -217,7 +217,7 @@ def rotate_residual_stream(
         identity, NO_NORM_GAIN, kind not in ("LN", "RMS"),
         {
             "LN": "normalization_type is 'LN': its gain diag(w) and bias do not commute with Q; fold it"
-                  " (fold_layer_norm), centre the writes (center_writing_weights) and switch to RMSNorm"
+                  " (fold_layer_norm), center the writes (center_writing_weights) and switch to RMSNorm"
                   " (layer_norm_to_rms_norm) first: the SliceGPT route",
             "RMS": "normalization_type is 'RMS': its gain diag(w) does not commute with Q; fold it first (fold_rms_norm)",
         }.get(kind, ""),
@@ -239,8 +239,8 @@ def rotate_residual_stream(
         moved = float((Q64 @ ones - ones).abs().max())
         require(
             identity, Q_FIXES_ONES, moved <= tolerance * math.sqrt(cfg.d_model),
-            f"normalization_type is 'LNPre' and max |Q 1 - 1| is {moved:.3g}: LNPre centres, and centring"
-            " commutes with Q only when Q fixes the all-ones direction. Centre the writes and switch to"
+            f"normalization_type is 'LNPre' and max |Q 1 - 1| is {moved:.3g}: LNPre centers, and centering"
+            " commutes with Q only when Q fixes the all-ones direction. Center the writes and switch to"
             " RMSNorm first (center_writing_weights, layer_norm_to_rms_norm)",
         )
     out = dict(state_dict)
@@ -414,8 +414,8 @@ def procrustes(before: StateDict, after: StateDict, cfg: Config, names: Sequence
     reader columns onto ``after``'s (orthogonal Procrustes, see :func:`recover_rotation`), not
     verified: :func:`rotation_mismatches` names the tensors it does not explain. ``names``: only
     these writers (e.g. ``["embed.W_E"]``, which the usual processing before a rotation leaves
-    as it is once the writes are centred), no readers. Directions no tensor has a component along
-    (the all-ones direction of a centred model) are mapped arbitrarily: no tensor depends on them."""
+    as it is once the writes are centered), no readers. Directions no tensor has a component along
+    (the all-ones direction of a centered model) are mapped arbitrarily: no tensor depends on them."""
     rows_before, rows_after = [], []
     for name in residual_writers(cfg) if names is None else names:
         rows_before.append(before[name].double().reshape(-1, cfg.d_model).cpu())

@@ -41,7 +41,7 @@ def _require_path_model(cfg: Config, identity: str) -> None:
 
 @dataclass(frozen=True)
 class _Norm:
-    """A norm with its scale frozen: ``N(x) = s * (x P) * w + b`` with ``P`` centring or not."""
+    """A norm with its scale frozen: ``N(x) = s * (x P) * w + b`` with ``P`` centering or not."""
 
     kind: str | None
     scale: torch.Tensor | None  # [batch, pos, 1]
@@ -53,8 +53,8 @@ class _Norm:
         kind = cfg.normalization_type
         if kind is None:
             return cls(None, None, None, None)
-        centred = x - x.mean(dim=-1, keepdim=True) if kind in ("LN", "LNPre") else x
-        scale = 1 / torch.sqrt(centred.pow(2).mean(dim=-1, keepdim=True) + cfg.eps)
+        centered = x - x.mean(dim=-1, keepdim=True) if kind in ("LN", "LNPre") else x
+        scale = 1 / torch.sqrt(centered.pow(2).mean(dim=-1, keepdim=True) + cfg.eps)
         return cls(kind, scale, state_dict.get(f"{prefix}.w"), state_dict.get(f"{prefix}.b"))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:

@@ -113,11 +113,11 @@ def test_shortformer_divergence_is_caught():
     fold = rows["fold_layer_norm"]
     assert fold.status == "violated" and fold.rewrite == "shortformer_to_tables.naive_fold"
     assert fold.max_abs_error > 0.1
-    # and the readers are centred although W_pos, added after ln1, is not centred by LNPre
-    centring = rows["center_reading_weights"]
-    assert centring.status == "violated" and not centring.applicable
-    assert centring.precondition == "norm output read only by linear maps"
-    assert {"blocks.0.attn.W_Q", "blocks.1.attn.W_K"} <= {p.name for p in centring.parameters}
+    # and the readers are centered although W_pos, added after ln1, is not centered by LNPre
+    centering = rows["center_reading_weights"]
+    assert centering.status == "violated" and not centering.applicable
+    assert centering.precondition == "norm output read only by linear maps"
+    assert {"blocks.0.attn.W_Q", "blocks.1.attn.W_K"} <= {p.name for p in centering.parameters}
     assert found.comparison.max_abs_error > 0.5
 
 
