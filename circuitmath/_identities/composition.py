@@ -25,12 +25,13 @@ import sympy
 import torch
 from sympy import DiagMatrix, Identity as Eye, MatMul, MatrixSymbol, Symbol, Transpose
 
-from .._errors import PreconditionError
+from .._errors import Precondition, PreconditionError
 from .._proof import Definition, Fact, Nonzero, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names, validate_state_dict
 from ..circuits import FactoredMatrix, composition_scores, copying_scores, full_ov_circuits, ov_circuits
 from ..circuits._bases import _change_bases
+from ..circuits._heads import HAS_ATTENTION, ONE_QK_PER_HEAD
 from .._compare import Comparison
 from .._compare import SAFETY, SENSITIVITY_SAFETY
 from ._circuit_checks import (
@@ -49,7 +50,9 @@ from ._circuit_checks import (
 )
 
 n, d, e, m, k, V = dim("n"), dim("d"), dim("e"), dim("m"), dim("k"), dim("V")
-ANY_ATTENTION = ("the model has attention layers (any architecture the reference runs)",)
+ANY_ATTENTION = (HAS_ATTENTION,)
+#: Checking eigenvalues_ab_ba compares with the dense spectrum of every head's circuit.
+CIRCUITS_FIT = Precondition("the materialised [d_vocab, d_vocab] circuits fit in memory")
 
 
 def _inverse_pair(name: str, size):
@@ -341,7 +344,7 @@ def _compare_eigenvalues(state_dict, cfg, tokens, route) -> Comparison:
     circuit_bytes = cfg.n_layers * cfg.n_heads * cfg.d_vocab**2 * 8
     if circuit_bytes > MATERIALISED_CIRCUIT_LIMIT_BYTES:
         raise PreconditionError(
-            "eigenvalues_ab_ba", "the materialised [d_vocab, d_vocab] circuits fit in memory",
+            "eigenvalues_ab_ba", CIRCUITS_FIT,
             f"checking the identity compares with the dense spectrum of every head's"
             f" {cfg.d_vocab:,} x {cfg.d_vocab:,} circuit: {cfg.n_layers * cfg.n_heads} heads,"
             f" {circuit_bytes / 2**30:,.0f} GiB in float64, over the limit of"
@@ -369,7 +372,7 @@ EIGENVALUES_AB_BA = register(
         name="eigenvalues_ab_ba",
         title="The nonzero eigenvalues of AB and BA agree",
         summary="A B v = λ v with λ ≠ 0 implies B A (B v) = λ (B v): spectra of big circuits from d_head x d_head matrices",
-        preconditions=ANY_ATTENTION,
+        preconditions=(*ANY_ATTENTION, CIRCUITS_FIT),
         build_proof=_eigen_proof,
         transform=_eigenvalues_route(),
         wrong_rewrites={"ov_without_embeddings": _eigenvalues_route(wrong=True)},
@@ -461,7 +464,7 @@ COMPOSITION_SCORES_FROM_FACTORS = register(
         name="composition_scores_from_factors",
         title="Composition scores from the factors",
         summary="M^T M = Q_K N^T N Q_K^T with N = R_V W_O W_Q R_K^T, so |W_OV W_QK|_F = |N|_F (d_head x d_head)",
-        preconditions=ANY_ATTENTION + ("Q- and K-composition: no rotary embedding",),
+        preconditions=(HAS_ATTENTION, ONE_QK_PER_HEAD),
         build_proof=_scores_proof,
         transform=_scores_route(),
         wrong_rewrites={"k_composition_untransposed": _scores_route(k_untransposed=True)},
@@ -531,7 +534,7 @@ COMPOSITION_SCORE_INVARIANCE = register(
         name="composition_score_invariance",
         title="Composition scores do not depend on the parametrisation",
         summary="(W_V G)(G^{-1} W_O)(W_Q P)(W_K P^{-T})^T = W_V W_O W_Q W_K^T; positive rescaling cancels in the ratio",
-        preconditions=ANY_ATTENTION + ("Q/K reparametrisation: no rotary embedding",),
+        preconditions=(HAS_ATTENTION, ONE_QK_PER_HEAD),
         build_proof=_score_invariance_proof,
         transform=_reparametrised_scores(),
         wrong_rewrites={"key_times_M": _reparametrised_scores(wrong="key_times_M")},
