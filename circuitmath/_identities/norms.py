@@ -264,7 +264,7 @@ def _fold_and_center_readers(state_dict, cfg):
     return out, new_cfg
 
 
-def _centered_layer_norm_model(state_dict, cfg):
+def centered_layer_norm_model(state_dict, cfg):
     """Fold an ``LN`` model's gain and bias, then center every write: what the LN to RMS switch needs."""
     if cfg.normalization_type == "LN":
         state_dict, cfg = fold_layer_norm(state_dict, cfg)
@@ -322,7 +322,7 @@ LAYER_NORM_TO_RMS_NORM = register(
         build_proof=_layer_norm_to_rms_proof,
         transform=layer_norm_to_rms_norm,
         wrong_rewrites={"other_eps": _switch_with_other_eps},
-        prepare=_centered_layer_norm_model,
+        prepare=centered_layer_norm_model,
         check_note="folded and with its writing weights centered first, as the identity needs",
     )
 )

@@ -23,7 +23,6 @@ import torch
 from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Transpose
 
 from .._processing import (
-    center_writing_weights,
     fold_layer_norm,
     fold_rms_norm,
     layer_norm_to_rms_norm,
@@ -56,6 +55,7 @@ from .._registry import Identity, register
 from .._state import attention_names, validate_state_dict
 from .._compare import default_tokens
 from ._circuit_checks import compare_values, dim, rational_orthogonal
+from .norms import centered_layer_norm_model
 from .reparametrise import invertible
 
 n, d, e, m, v, c, k = (dim(s) for s in ("n", "d", "e", "m", "v", "c", "k"))
@@ -503,10 +503,8 @@ def _by_hand(state_dict, cfg, writer, reader, skip=()):
 def to_rms_pre(state_dict, cfg):
     """A model whose norms are ``RMSPre``: LayerNorm folded, writes centered, switched to RMSNorm;
     RMSNorm folded; ``RMSPre`` and no norm as they are."""
-    if cfg.normalization_type == "LN":
-        state_dict, cfg = fold_layer_norm(state_dict, cfg)
-    if cfg.normalization_type == "LNPre":
-        state_dict, cfg = layer_norm_to_rms_norm(*center_writing_weights(state_dict, cfg))
+    if cfg.normalization_type in ("LN", "LNPre"):
+        state_dict, cfg = layer_norm_to_rms_norm(*centered_layer_norm_model(state_dict, cfg))
     if cfg.normalization_type == "RMS":
         state_dict, cfg = fold_rms_norm(state_dict, cfg)
     return state_dict, cfg
@@ -522,12 +520,12 @@ def _rotate_non_orthogonal(state_dict, cfg):
     return _by_hand(state_dict, cfg, lambda W: W @ G_, lambda W: G_inv @ W), new_cfg
 
 
-def _rotate_forgetting(name_of):
-    """Rotate, then put back the tensors ``name_of(cfg)`` names (a ``ValueError`` if there are none:
-    a model without them cannot make this mistake)."""
+def _forgetting(transform, names_of):
+    """A wrong rewrite: ``transform``, then the tensors ``names_of(cfg)`` names put back as they
+    were (a ``ValueError`` if there are none: a model without them cannot make this mistake)."""
     def wrong(state_dict, cfg):
-        out, new_cfg = _rotate(state_dict, cfg)
-        names = name_of(cfg)
+        out, new_cfg = transform(state_dict, cfg)
+        names = names_of(cfg)
         if not names:
             raise ValueError("this model has no such tensor to forget")
         for name in names:
@@ -619,13 +617,7 @@ def _permute_heads(state_dict, cfg):
 
 def _heads_but(kept):
     """Permute the heads, then put back the tensors ``kept(cfg, layer)`` names."""
-    def wrong(state_dict, cfg):
-        out, new_cfg = _permute_heads(state_dict, cfg)
-        for layer in range(cfg.n_layers):
-            for name in kept(cfg, layer):
-                out[name] = state_dict[name]
-        return out, new_cfg
-    return wrong
+    return _forgetting(_permute_heads, lambda cfg: [name for layer in range(cfg.n_layers) for name in kept(cfg, layer)])
 
 
 def _permute_neurons(state_dict, cfg):
@@ -633,12 +625,8 @@ def _permute_neurons(state_dict, cfg):
 
 
 def _neurons_but(leaf):
-    def wrong(state_dict, cfg):
-        out, new_cfg = _permute_neurons(state_dict, cfg)
-        for layer in range(cfg.n_layers):
-            out[f"blocks.{layer}.mlp.{leaf}"] = state_dict[f"blocks.{layer}.mlp.{leaf}"]
-        return out, new_cfg
-    return wrong
+    """Permute the neurons, then put back every layer's ``mlp.<leaf>``."""
+    return _forgetting(_permute_neurons, lambda cfg: [f"blocks.{layer}.mlp.{leaf}" for layer in range(cfg.n_layers)])
 
 
 NO_GAIN_INSIDE = Precondition(
@@ -691,9 +679,9 @@ ROTATION_INVARIANCE = register(
         transform=_rotate,
         wrong_rewrites={
             "non_orthogonal": _rotate_non_orthogonal,
-            "forget_W_pos": _rotate_forgetting(
-                lambda cfg: ["pos_embed.W_pos"] if cfg.positional_embedding_type in ("standard", "shortformer") else []),
-            "forget_writer_bias": _rotate_forgetting(lambda cfg: [f"blocks.{l}.attn.b_O" for l in range(cfg.n_layers)]),
+            "forget_W_pos": _forgetting(
+                _rotate, lambda cfg: ["pos_embed.W_pos"] if cfg.positional_embedding_type in ("standard", "shortformer") else []),
+            "forget_writer_bias": _forgetting(_rotate, lambda cfg: [f"blocks.{l}.attn.b_O" for l in range(cfg.n_layers)]),
             "readers_not_transposed": _readers_not_transposed,
         },
         prepare=to_rms_pre,

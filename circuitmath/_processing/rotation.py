@@ -467,23 +467,12 @@ def recover_head_permutation(
     """
     if not _same_layout(before, after):
         return None
-    perms = []
-    for layer in range(cfg.n_layers):
+
+    def matched(layer):
         p = f"blocks.{layer}.attn"
-        names = [(f"{p}.W_Q", 0), (f"{p}.b_Q", 0), (f"{p}.W_O", 0)] + (
-            [(f"{p}.pos_Q", 1)] if f"{p}.pos_Q" in before else [])
-        tensors = lambda sd: [sd[n] for n, _ in names]  # noqa: E731
-        axes = [a for _, a in names]
-        perm = _match(_signatures(tensors(before), axes, cfg.n_heads), _signatures(tensors(after), axes, cfg.n_heads))
-        if perm is None:
-            return None
-        perms.append(perm)
-    perms = torch.stack(perms) if perms else torch.zeros(0, cfg.n_heads, dtype=torch.long)
-    try:
-        expected, _cfg = permute_heads(before, cfg, perms)
-    except PreconditionError:
-        return None
-    return perms if _verified(before, expected, after, verify_all) else None
+        return [(f"{p}.W_Q", 0), (f"{p}.b_Q", 0), (f"{p}.W_O", 0)] + ([(f"{p}.pos_Q", 1)] if f"{p}.pos_Q" in before else [])
+
+    return _recover_permutation(before, after, cfg, cfg.n_heads, matched, permute_heads, verify_all)
 
 
 def recover_neuron_permutation(
@@ -495,16 +484,30 @@ def recover_neuron_permutation(
     verified (``verify_all=False``: only the tensors it moves)."""
     if cfg.attn_only or not _same_layout(before, after):
         return None
+
+    def matched(layer):
+        p = f"blocks.{layer}.mlp"
+        return [(f"{p}.W_in", 1), (f"{p}.b_in", 0), (f"{p}.W_out", 0)] + ([(f"{p}.W_gate", 1)] if cfg.gated_mlp else [])
+
+    return _recover_permutation(before, after, cfg, cfg.d_mlp, matched, permute_neurons, verify_all)
+
+
+def _recover_permutation(before, after, cfg, size, matched, permute, verify_all) -> torch.Tensor | None:
+    """Per layer, the permutation of ``size`` units that maps the units of ``before`` to those of
+    ``after`` with the same bytes in the tensors ``matched(layer)`` lists (``(name, unit axis)``),
+    verified by applying ``permute``; ``None`` when there is none."""
     perms = []
     for layer in range(cfg.n_layers):
-        p = f"blocks.{layer}.mlp"
-        names = [(f"{p}.W_in", 1), (f"{p}.b_in", 0), (f"{p}.W_out", 0)] + ([(f"{p}.W_gate", 1)] if cfg.gated_mlp else [])
-        tensors = lambda sd: [sd[n] for n, _ in names]  # noqa: E731
-        axes = [a for _, a in names]
-        perm = _match(_signatures(tensors(before), axes, cfg.d_mlp), _signatures(tensors(after), axes, cfg.d_mlp))
+        names = matched(layer)
+        axes = [axis for _name, axis in names]
+        signatures = [_signatures([sd[name] for name, _axis in names], axes, size) for sd in (before, after)]
+        perm = _match(*signatures)
         if perm is None:
             return None
         perms.append(perm)
-    perms = torch.stack(perms) if perms else torch.zeros(0, cfg.d_mlp, dtype=torch.long)
-    expected, _cfg = permute_neurons(before, cfg, perms)
+    perms = torch.stack(perms) if perms else torch.zeros(0, size, dtype=torch.long)
+    try:
+        expected, _cfg = permute(before, cfg, perms)
+    except PreconditionError:
+        return None
     return perms if _verified(before, expected, after, verify_all) else None
