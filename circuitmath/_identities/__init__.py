@@ -9,7 +9,7 @@ import warnings
 from .._config import FORMER_NAMES
 from .._registry import Identity, registered
 from . import layer_norm  # noqa: F401
-from . import centring  # noqa: F401
+from . import centering  # noqa: F401
 from . import norms  # noqa: F401
 from . import shortformer  # noqa: F401
 from . import attention_biases  # noqa: F401

@@ -26,7 +26,7 @@ from .._state import StateDict, attention_names
 from ._common import readers
 from ._memory import new_tensor
 from .attention import value_bias_through_output
-from .centring import centered_last_axis, writers
+from .centering import centered_last_axis, writers
 from .layer_norm import fold_reader
 
 __all__ = ["FUSED_STEPS", "fusable", "fused_default_steps"]

@@ -10,7 +10,7 @@ from .._config import Config
 from .._errors import InputError, Precondition
 from .._state import StateDict, validate_state_dict
 from ._common import common_preconditions, readers, refuse_reapplication, require, rewrite
-from .centring import require_pre_norm, writers
+from .centering import require_pre_norm, writers
 
 __all__ = ["fold_rms_norm", "layer_norm_to_rms_norm", "rescale_residual_stream", "uncentered_writers", "IS_RMS",
            "IS_LNPRE", "WRITES_CENTERED", "SCALE_POSITIVE", "BEHIND_A_NORM", "EPS_ZERO"]
@@ -65,7 +65,7 @@ def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.T
 
 
 def uncentered_writers(state_dict: StateDict, cfg: Config) -> dict[str, float]:
-    """The writers (see :func:`~circuitmath._processing.centring.writers`) whose mean over ``d_model`` is not zero.
+    """The writers (see :func:`~circuitmath._processing.centering.writers`) whose mean over ``d_model`` is not zero.
 
     Maps each such tensor's name to its largest ``|mean over d_model|``. A mean counts as zero
     when it is at most ``d_model * eps(dtype) * M``, with ``M`` the largest ``|entry|`` of any

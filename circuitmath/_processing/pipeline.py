@@ -12,8 +12,8 @@ from .._errors import ArgumentTypeError, OverflowedError, PreconditionError
 from .._state import StateDict, entries_checked_elsewhere, not_finite, validate_state_dict
 from .attention import fold_value_biases as _fold_value_biases
 from .attention import refactor_factored_attn_matrices as _refactor_factored_attn_matrices
-from .centring import center_unembed as _center_unembed
-from .centring import center_writing_weights as _center_writing_weights
+from .centering import center_unembed as _center_unembed
+from .centering import center_writing_weights as _center_writing_weights
 from .fused import fusable, fused_default_steps
 from .layer_norm import fold_layer_norm
 from ._common import refuse_reapplication, rewrite

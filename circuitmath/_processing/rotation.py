@@ -27,7 +27,7 @@ from .._config import Config
 from .._errors import Precondition, PreconditionError
 from .._state import StateDict, attention_names, validate_state_dict
 from ._common import PRE_NORM, readers, require, rewrite
-from .centring import require_pre_norm, writers
+from .centering import require_pre_norm, writers
 
 __all__ = [
     "rotate_residual_stream",
@@ -85,7 +85,7 @@ RECOGNITION_SAFETY = 32.0
 
 def residual_writers(cfg: Config) -> list[str]:
     """Tensors whose last axis is a vector of the residual stream, written to it or added to
-    the normed stream: :func:`~circuitmath._processing.centring.writers`, and a shortformer
+    the normed stream: :func:`~circuitmath._processing.centering.writers`, and a shortformer
     ``pos_embed.W_pos`` (added to ``ln1``'s output, which a rotation rotates too)."""
     extra = ["pos_embed.W_pos"] if cfg.positional_embedding_type == "shortformer" else []
     return writers(cfg) + extra

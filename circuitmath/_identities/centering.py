@@ -24,7 +24,7 @@ from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, OneMatrix, Rati
 
 from .._processing import center_unembed, center_writing_weights, writers
 from .._processing._common import NOT_APPLIED, PRE_NORM
-from .._processing.centring import CENTERING_NORM
+from .._processing.centering import CENTERING_NORM
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, WrongRewrite, register
 from .layer_norm import REGARDLESS
