@@ -137,3 +137,20 @@ def test_a_former_name_still_finds_its_identity_with_a_warning_and_is_normalised
 def test_the_former_word_corruptions_still_lists_the_wrong_rewrites_on_every_model():
     fold = cm.get_identity("fold_layer_norm")
     assert set(fold.corruptions) == set(fold.wrong_everywhere) and fold.check_corruption == fold.check_wrong_rewrite
+
+
+def test_a_file_saved_with_former_names_loads_with_the_new_ones(tmp_path):
+    """A safetensors file whose stored config records ``layer_norm_fold`` (saved before the rename)."""
+    from safetensors.torch import save_file
+
+    from circuitmath import io
+
+    cfg = cm.Config(**BASE_FIELDS, normalization_type="LNPre")
+    old = {**cfg.to_dict(), "applied": ["layer_norm_fold", "center_reading_weights"]}
+    path = tmp_path / "old.safetensors"
+    save_file(cm.random_state_dict(cfg, seed=0), str(path), metadata={io.CONFIG_KEY: json.dumps(old)})
+    _state_dict, loaded = io.load(path)
+    assert loaded.applied == ("fold_layer_norm", "center_reading_weights")
+    unfolded = loaded.replace(normalization_type="LN")
+    with pytest.raises(cm.AlreadyAppliedError):  # the old record still guards against a second fold
+        cm.fold_layer_norm(cm.random_state_dict(unfolded, seed=0), unfolded)
