@@ -23,7 +23,7 @@ def minilm():
 
 @pytest.fixture(scope="module")
 def hf_bert():
-    return transformers.BertModel.from_pretrained(str(zoo._minilm_directory()), attn_implementation="eager").eval()
+    return transformers.BertModel.from_pretrained(str(zoo.minilm_directory()), attn_implementation="eager").eval()
 
 
 def test_conversion_is_the_architecture_we_expect(minilm):
