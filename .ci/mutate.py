@@ -40,7 +40,7 @@ PROCESSING_TESTS = ["tests/test_processing_pins.py", "tests/test_accuracy.py"]
 #: Target file (or ``file::name,name`` for some top-level names only) -> the tests that cover it.
 TARGETS = {
     "circuitmath/_processing/layer_norm.py": [*PROCESSING_TESTS, "tests/test_layer_norm.py"],
-    "circuitmath/_processing/centring.py": [*PROCESSING_TESTS, "tests/test_centring.py"],
+    "circuitmath/_processing/centering.py": [*PROCESSING_TESTS, "tests/test_centering.py"],
     "circuitmath/_processing/norms.py": [*PROCESSING_TESTS, "tests/test_norms.py"],
     "circuitmath/_processing/attention.py": [
         *PROCESSING_TESTS, "tests/test_value_biases.py", "tests/test_key_bias.py", "tests/test_reparametrise.py",

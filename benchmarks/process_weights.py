@@ -1,7 +1,7 @@
 """Full weight processing of GPT-2-small-shaped weights: circuitmath against TransformerLens.
 
-Both run the default processing (fold the LayerNorms and centre their readers, fold the value
-biases, centre the writing weights, centre the unembed) on the same random weights, with the
+Both run the default processing (fold the LayerNorms and center their readers, fold the value
+biases, center the writing weights, center the unembed) on the same random weights, with the
 structure of :func:`circuitmath.random_state_dict` (LayerNorm gains ``exp(N(0, 0.5))`` with
 sign flips, biases ``N(0, 1)``, outlier residual dimensions): 12 layers, d_model 768, 12 heads
 of 64, d_mlp 3072, vocabulary 50257, n_ctx 1024, 163M parameters with an untied unembed.

@@ -11,7 +11,7 @@ Two measurements.
 
    - ``cp -r`` of the folder (the yardstick: reading and writing the checkpoint once);
    - ``python -m circuitmath process IN OUT --steps applicable`` (for LLaMA: fold the RMSNorm
-     gains, fold the value biases, centre the unembed);
+     gains, fold the value biases, center the unembed);
    - ``python -m circuitmath check IN --processed OUT`` on ``--batch`` x ``--seq-len`` tokens.
 
    Outputs are removed afterwards; the input stays cached. Needs about 40 GB of free disk.

@@ -90,7 +90,7 @@ def prove(identity):
 
 
 def numeric_checks(identities, models, seeds=range(2)) -> list[tuple]:
-    """Each identity's check and corruptions on each model and seed; asserts the verdicts.
+    """Each identity's check and wrong rewrites on each model and seed; asserts the verdicts.
 
     ``models`` maps a label to ``(cfg, dtype)``. Returns rows ``(identity, what, label, dtype,
     max error, tolerance, passed)`` for :func:`show_numeric_checks`.
@@ -105,10 +105,10 @@ def numeric_checks(identities, models, seeds=range(2)) -> list[tuple]:
                 result = identity.check(state_dict, cfg)
                 assert result.passed, (identity.name, label, seed, result)
                 rows.append((identity.name, "the identity's computation", label, dtype, result))
-                for corruption in identity.corruptions:
-                    wrong = identity.check_corruption(corruption, state_dict, cfg)
-                    assert not wrong.passed, (identity.name, corruption, label, seed, wrong)
-                    rows.append((identity.name, corruption, label, dtype, wrong))
+                for wrong_name in identity.wrong_everywhere:
+                    wrong = identity.check_wrong_rewrite(wrong_name, state_dict, cfg)
+                    assert not wrong.passed, (identity.name, wrong_name, label, seed, wrong)
+                    rows.append((identity.name, wrong_name, label, dtype, wrong))
     NUMERIC.extend(rows)
     return rows
 

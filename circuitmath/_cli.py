@@ -19,6 +19,7 @@ from ._checkpoint import INDEX
 from ._config import Config
 from ._errors import CircuitMathError, InputError
 from ._identities import get_identity, identities
+from ._processing.pipeline import PIPELINE_STEPS
 
 COLUMNS = ("identity", "symbolic dims", "steps", "seconds", "twins rejected", "status")
 
@@ -207,8 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     process.add_argument("input", metavar="IN", help="the checkpoint: a folder or a .safetensors file")
     process.add_argument("output", metavar="OUT", help="the folder to write (must not exist)")
     process.add_argument("--steps", default="default", help="'default' (process_weights' defaults), 'applicable' (every"
-                         " step that applies) or a comma-separated list of fold_ln, fold_value_biases,"
-                         " center_writing_weights, center_unembed, refactor_factored_attn_matrices")
+                         " step that applies) or a comma-separated list of " + ", ".join(k for k, _ in PIPELINE_STEPS))
     process.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="cast the weights before processing (default: keep)")
     process.add_argument("--device", default=None, help="where each layer is processed (default cpu)")
     process.set_defaults(run=_process)

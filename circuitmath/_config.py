@@ -19,6 +19,10 @@ NORMALIZATIONS = ("LN", "LNPre", "RMS", "RMSPre", None)
 POSITIONAL = ("standard", "shortformer", "shortformer_tables", "rotary")
 ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu")
 NORM_POSITIONS = ("pre", "post")
+#: An identity's former name -> its name now (filled by :func:`circuitmath._registry.register`
+#: from each identity's ``aliases``): ``Config.applied`` reads a former name as the current one,
+#: so a config saved before a rename still says what was applied.
+FORMER_NAMES: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,7 @@ class Config:
     """A transformer in TransformerLens conventions (row vectors, ``x @ W``).
 
     ``normalization_type`` is the norm before every reader (``ln1``, ``ln2``, ``ln_final``):
-    ``"LN"`` (centre, normalise, gain ``w``, bias ``b``), ``"LNPre"`` (centre and normalise only),
+    ``"LN"`` (center, normalise, gain ``w``, bias ``b``), ``"LNPre"`` (center and normalise only),
     ``"RMS"`` (normalise, gain), ``"RMSPre"`` (normalise only) or ``None``. ``norm_position`` is
     ``"pre"`` (GPT-2: the norm feeds each reader) or ``"post"`` (BERT: the norm is applied to the
     residual stream after each sub-layer's sum, so it feeds the stream itself).
@@ -47,7 +51,9 @@ class Config:
     ``embedding_norm``: the embeddings pass through a norm (``embed.ln``, of
     ``normalization_type``) before the first block (BERT); only post-norm models have it here.
 
-    ``applied`` records, in order, the weight transforms that produced the state dict.
+    ``applied`` records, in order, the weight transforms that produced the state dict. A former
+    name of an identity (a config saved before the rename, see :data:`FORMER_NAMES`) is read as
+    the current one.
     """
 
     n_layers: int
@@ -77,7 +83,7 @@ class Config:
             problems = _relation_problems(self)
         if problems:
             raise ConfigError("invalid Config: " + "; ".join(problems))
-        object.__setattr__(self, "applied", tuple(self.applied))
+        object.__setattr__(self, "applied", tuple(FORMER_NAMES.get(name, name) for name in self.applied))
         object.__setattr__(self, "rotary_base", float(self.rotary_base))
         object.__setattr__(self, "eps", float(self.eps))
 

@@ -91,7 +91,7 @@ class AlreadyAppliedError(PreconditionError):
     """The transform is already recorded in ``cfg.applied``, so it is not run again.
 
     For a fold a second application would fold the weights into themselves and change the
-    model; for the centrings, the value-bias fold, the key-bias removal and the refactor it
+    model; for the centerings, the value-bias fold, the key-bias removal and the refactor it
     would change nothing. Either way asking twice is a mistake in the caller's pipeline.
     """
 

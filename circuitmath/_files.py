@@ -25,24 +25,7 @@ from ._config import MAX_JSON_BYTES, Config, parse_json
 from ._errors import ConfigError, InputError, StateDictError
 from ._state import StateDict, attention_names, validate_state_dict
 
-__all__ = [
-    "UnsafeFormatError",
-    "UnsupportedArchitectureError",
-    "save",
-    "load",
-    "load_tensors",
-    "read_header",
-    "read_config",
-    "read_json",
-    "stored_config",
-    "from_hf",
-    "from_hf_gpt2",
-    "from_hf_gpt_neox",
-    "from_hf_llama",
-    "from_hf_bert",
-    "hf_layout",
-    "Layout",
-]
+# No __all__: circuitmath.io lists the public names (one list), and the package imports the rest by name.
 
 CONFIG_KEY = "circuitmath.config"
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")

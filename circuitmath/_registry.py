@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 import torch
 
-from ._config import Config
+from ._config import FORMER_NAMES, Config
 from ._proof import Proof, ProofReport
 from ._state import StateDict
 from ._compare import Comparison, compare_log_probs
@@ -61,7 +61,7 @@ class Identity:
     raising one of them (:func:`circuitmath._processing._common.require` takes the very object,
     a :class:`~circuitmath._errors.Precondition`, so the error and the registry agree).
     ``prepare`` brings a model into the form the transform needs (e.g. folds the LayerNorm
-    before reading weights are centred); the numeric check compares the prepared model with its
+    before reading weights are centered); the numeric check compares the prepared model with its
     transform, so it tests this identity alone. ``wrong_rewrites`` is the one catalogue of the
     identity's wrong variants (:class:`WrongRewrite`, or a bare transform): the numeric checks
     must reject each where it differs, the diagnosis names the one a processed model shows, the
@@ -76,7 +76,10 @@ class Identity:
     (the forward pass, or the same quantity computed naively) as a
     :class:`~circuitmath.testing.Comparison`.
 
-    ``corruptions=`` (the former name of ``wrong_rewrites``) is still accepted when constructing.
+    ``aliases`` are the identity's former names: :func:`circuitmath.get_identity` still finds
+    it by them (with a :class:`DeprecationWarning`) and a :class:`~circuitmath.Config` whose
+    ``applied`` records one reads it as ``name``. ``corruptions=`` (the former name of
+    ``wrong_rewrites``) is still accepted when constructing.
     """
 
     name: str
@@ -90,6 +93,7 @@ class Identity:
     compare: Compare | None = field(default=None, repr=False)
     function: str | None = None
     check_note: str | None = field(default=None, repr=False)
+    aliases: tuple[str, ...] = ()
     corruptions: InitVar[Mapping[str, Transform] | None] = None  # deprecated: wrong_rewrites
 
     def __post_init__(self, corruptions) -> None:
@@ -155,15 +159,21 @@ class Identity:
         return compare_log_probs(before, before_cfg, after, after_cfg, tokens)
 
 
-def _corruptions(self: Identity) -> dict[str, Transform]:
-    """Deprecated name: the wrong rewrites that differ on every model the identity applies to
-    (no ``differs_on``, not ``regardless``), as plain transforms."""
+def _wrong_everywhere(self: Identity) -> dict[str, WrongRewrite]:
+    """The wrong rewrites that differ on every model the identity applies to (no ``differs_on``,
+    not ``regardless``): those a numeric check must reject on any model."""
     return {
-        name: wrong.function for name, wrong in self.wrong_rewrites.items()
+        name: wrong for name, wrong in self.wrong_rewrites.items()
         if wrong.differs_on is None and not wrong.regardless
     }
 
 
+def _corruptions(self: Identity) -> dict[str, Transform]:
+    """Deprecated name: :attr:`Identity.wrong_everywhere`, as plain transforms."""
+    return {name: wrong.function for name, wrong in _wrong_everywhere(self).items()}
+
+
+Identity.wrong_everywhere = property(_wrong_everywhere)
 Identity.corruptions = property(_corruptions)  # after the dataclass took ``corruptions=`` as its init argument
 
 _REGISTRY: dict[str, Identity] = {}
@@ -171,9 +181,11 @@ _REGISTRY: dict[str, Identity] = {}
 
 def register(identity: Identity) -> Identity:
     """Add ``identity`` to the registry; a second identity of the same name is an error."""
-    if identity.name in _REGISTRY:
-        raise ValueError(f"identity {identity.name!r} is registered twice")
+    for name in (identity.name, *identity.aliases):
+        if name in _REGISTRY or name in FORMER_NAMES:
+            raise ValueError(f"identity {name!r} is registered twice")
     _REGISTRY[identity.name] = identity
+    FORMER_NAMES.update(dict.fromkeys(identity.aliases, identity.name))
     return identity
 
 

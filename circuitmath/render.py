@@ -5,8 +5,8 @@ object itself, not retyped LaTeX.
 
 >>> import circuitmath as cm
 >>> from circuitmath.render import statement
->>> print(statement(cm.get_identity("layer_norm_fold")).splitlines()[0])
-**Claim** (`layer_norm_fold`: Folding LayerNorm into its readers):
+>>> print(statement(cm.get_identity("fold_layer_norm")).splitlines()[0])
+**Claim** (`fold_layer_norm`: Folding LayerNorm into its readers):
 """
 
 from __future__ import annotations
@@ -346,9 +346,9 @@ def established(proved, numbers=()) -> str:
         if twins:
             parts.append(f"refutes {len(twins)} wrong version{'s' if len(twins) > 1 else ''} ({', '.join(twins)})"
                          " with exact counterexamples")
-        if identity.corruptions:
-            names = ", ".join(f"`{c}`" for c in identity.corruptions)
-            parts.append(f"numeric twin{'s' if len(identity.corruptions) > 1 else ''} (wrong transforms): {names}")
+        if identity.wrong_everywhere:
+            names = ", ".join(f"`{c}`" for c in identity.wrong_everywhere)
+            parts.append(f"wrong rewrite{'s' if len(identity.wrong_everywhere) > 1 else ''}: {names}")
         axioms = _axioms(report)
         if axioms is not None:
             parts.append("rests on the axioms " + ", ".join(prose(a) for a in axioms) if axioms

@@ -226,8 +226,8 @@ def models(
     ... @given(models(max_layers=1, weights={"min_bias_scale": 0.5}))
     ... def test_center_unembed(model):
     ...     cfg, state_dict = model
-    ...     centred, centred_cfg = center_unembed(state_dict, cfg)
-    ...     assert_equivalent(state_dict, centred, cfg, after_cfg=centred_cfg)
+    ...     centered, centered_cfg = center_unembed(state_dict, cfg)
+    ...     assert_equivalent(state_dict, centered, cfg, after_cfg=centered_cfg)
     >>> test_center_unembed()
     """
     weights = dict(weights or {})

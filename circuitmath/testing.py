@@ -2,7 +2,7 @@
 
 Like :func:`torch.testing.assert_close`, but for whole models: both state dicts run through the
 reference forward pass and their log-probabilities are compared. Log-probabilities, not logits:
-centring the unembed legitimately shifts every logit of a position by the same constant.
+centering the unembed legitimately shifts every logit of a position by the same constant.
 
 Models are accepted as state dicts in TransformerLens format (with a :class:`~circuitmath.Config`)
 or Hugging Face format (with the Hugging Face config, converted by :func:`circuitmath.io.from_hf`),
@@ -30,7 +30,7 @@ over the diagnosis (``circuitmath._diagnosis``).
 >>> report.ok, [(p.name, p.heads) for p in report.culprits()]
 (False, [('blocks.0.attn.b_V', (0, 1))])
 >>> print(report.violations[0].explanation)  # doctest: +ELLIPSIS
-the wrong rewrite layer_norm_fold.drop_bias explains blocks.0.attn.b_V: forget the LayerNorm bias term b W
+the wrong rewrite fold_layer_norm.drop_bias explains blocks.0.attn.b_V: forget the LayerNorm bias term b W
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def check_model(model, cfg=None, *, tokens=None, progress=None) -> "Diagnosis":
     >>> from circuitmath import Config, random_state_dict
     >>> cfg = Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
     >>> rows = {f.name: f.status for f in check_model(random_state_dict(cfg, seed=0), cfg).findings}
-    >>> rows["layer_norm_fold"], rows["rms_norm_fold"]
+    >>> rows["fold_layer_norm"], rows["fold_rms_norm"]
     ('holds', 'not applicable')
     """
     return _diagnosis.check_model(model, cfg, tokens=tokens, progress=progress)
@@ -217,7 +217,7 @@ def check_model(model, cfg=None, *, tokens=None, progress=None) -> "Diagnosis":
 def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
     """Check that ``after`` is the registered identity ``name`` applied to ``before``.
 
-    The replay is this identity alone, after its own preparation (centring the reading weights
+    The replay is this identity alone, after its own preparation (centering the reading weights
     of a LayerNorm model includes the fold). Its row is ``"not recognised"`` when none of the
     tensors the identity rewrites matches its rewrite, ``"violated"`` when the log-probs change;
     a wrong rewrite that reproduces ``after`` is named. Arguments as for :func:`assert_equivalent`.

@@ -121,18 +121,18 @@ def _headroom(patterns, causal: bool) -> float:
     return room
 
 
-def discrimination(identity, corruption: str, state_dict, cfg, tokens: torch.Tensor) -> Discrimination:
-    """Measure, on ``tokens``, what tells ``identity``'s wrong rewrite ``corruption`` from its
+def discrimination(identity, wrong_name: str, state_dict, cfg, tokens: torch.Tensor) -> Discrimination:
+    """Measure, on ``tokens``, what tells ``identity``'s wrong rewrite ``wrong_name`` from its
     exact one on this model (both applied to the prepared model, as the check does)."""
     before, before_cfg = identity.prepare(state_dict, cfg) if identity.prepare else (state_dict, cfg)
     if identity.compare is not None:
         exact = identity.transform(before, before_cfg, tokens)
-        wrong = identity.wrong_rewrites[corruption](before, before_cfg, tokens)
+        wrong = identity.wrong_rewrites[wrong_name](before, before_cfg, tokens)
         if identity.compare is compare_logits:
             return Discrimination(result=_logit_spread(exact, wrong))
         return Discrimination(result=_relative_change(exact, wrong))
     exact, exact_cfg = identity.transform(before, before_cfg)
-    wrong, wrong_cfg = identity.wrong_rewrites[corruption](before, before_cfg)
+    wrong, wrong_cfg = identity.wrong_rewrites[wrong_name](before, before_cfg)
     shared = sorted(exact.keys() & wrong.keys())
     weights = math.inf if exact.keys() != wrong.keys() else _relative_change(
         [exact[k] for k in shared], [wrong[k] for k in shared])
@@ -164,12 +164,12 @@ def assume_above(label: str, measured: float, floor: float) -> None:
         assume(False)
 
 
-def assume_discriminates(identity, corruption: str, state_dict, cfg, tokens: torch.Tensor, **minimum: float):
+def assume_discriminates(identity, wrong_name: str, state_dict, cfg, tokens: torch.Tensor, **minimum: float):
     """A registry-driven negative control's first step: measure :func:`discrimination` on the
     tokens the check will run on, note it, and go on only with draws on which each named quantity
     exceeds its ``minimum`` (``pattern=VISIBLE``, say). Returns the measurement."""
-    found = discrimination(identity, corruption, state_dict, cfg, tokens)
-    note(f"{identity.name}.{corruption} on this draw: {found}")
+    found = discrimination(identity, wrong_name, state_dict, cfg, tokens)
+    note(f"{identity.name}.{wrong_name} on this draw: {found}")
     for name, floor in minimum.items():
-        assume_above(f"{identity.name}.{corruption}: {name}", getattr(found, name), floor)
+        assume_above(f"{identity.name}.{wrong_name}: {name}", getattr(found, name), floor)
     return found

@@ -37,7 +37,7 @@ def test_folded_bias_sums_the_blocks_in_float64():
     assert bias.dtype == torch.float32 and float(bias) == 8.0  # ...the fold does not
 
 
-def test_folded_and_centred_reader_uses_the_float64_mean():
+def test_folded_and_centered_reader_uses_the_float64_mean():
     W = _cancelling_column(16)
     ones = torch.ones(W.shape[0])
     folded, _bias = fold_reader(W, ones, ones, None, center=True)
@@ -77,11 +77,11 @@ def test_float32_processing_stays_close_to_float64():
     scale = max(float(v.abs().max()) for v in exact.values())
     worst = max(float((got[k].double() - exact[k]).abs().max()) for k in got) / scale
     # Every output is a short float64 accumulation rounded to float32, or a float32 difference
-    # of two float32 values (centring): a few units of float32 roundoff relative to the weights.
+    # of two float32 values (centering): a few units of float32 roundoff relative to the weights.
     assert worst <= 8 * torch.finfo(torch.float32).eps, worst
 
 
-def test_uncentred_writers_reports_each_mean_over_d_model():
+def test_uncentered_writers_reports_each_mean_over_d_model():
     cfg = Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
     sd = random_state_dict(cfg, seed=0, dtype=torch.float64)
     sd = {k: v - v.mean(dim=-1, keepdim=True) if v.shape[-1] == cfg.d_model else v for k, v in sd.items()}
@@ -145,7 +145,7 @@ def test_half_precision_equals_float32_processing_rounded_once(model, dtype, key
         assert str(raised.value) == str(error) or isinstance(error, OverflowedError)
         return
     got, got_cfg = process_weights(half, cfg, **keywords)
-    event(f"processed, fused={expected_cfg.applied[:1] == ('layer_norm_fold',) and not keywords}")
+    event(f"processed, fused={expected_cfg.applied[:1] == ('fold_layer_norm',) and not keywords}")
     assert got_cfg == expected_cfg
     assert set(got) == set(expected)
     for name, tensor in got.items():

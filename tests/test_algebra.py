@@ -12,7 +12,7 @@ A, B, C = MatrixSymbol("A", n, n), MatrixSymbol("B", n, n), MatrixSymbol("C", n,
 v = MatrixSymbol("v", n, 1)
 ones = OneMatrix(n, 1)
 P = MatrixSymbol("P", n, n)
-CENTRING = {P: MatAdd(Identity(n), MatMul(-1 / n, ones, ones.T))}
+CENTERING = {P: MatAdd(Identity(n), MatMul(-1 / n, ones, ones.T))}
 
 
 def test_distributivity_and_powers():
@@ -33,11 +33,11 @@ def test_transpose_of_product_reverses():
         is_zero(Transpose(MatMul(A, C)) - MatMul(Transpose(A), Transpose(C)))
 
 
-def test_centring_matrix_is_idempotent_symmetric_and_kills_ones():
-    assert is_zero(MatMul(P, P) - P, CENTRING)
-    assert is_zero(Transpose(P) - P, CENTRING)
-    assert is_zero(MatMul(P, ones), CENTRING)
-    assert not is_zero(MatMul(P, v), CENTRING)
+def test_centering_matrix_is_idempotent_symmetric_and_kills_ones():
+    assert is_zero(MatMul(P, P) - P, CENTERING)
+    assert is_zero(Transpose(P) - P, CENTERING)
+    assert is_zero(MatMul(P, ones), CENTERING)
+    assert not is_zero(MatMul(P, v), CENTERING)
 
 
 def test_ones_products_count_the_inner_dimension():
@@ -132,7 +132,7 @@ W = MatrixSymbol("W", n, k)
         (lambda: normal_form(A, {A: W}), IllTyped, "definition of A"),
         (lambda: normal_form(MatMul(A, v), facts=[(MatMul(A, v), MatrixSymbol("w", k, 1))]), IllTyped, "the fact"),
         (lambda: normal_form(MatMul(A, v), facts=[(MatAdd(A, B), A)]), ValueError, "plain product"),
-        (lambda: normal_form(MatMul(P, sympy.Inverse(P)), CENTRING, invertible=[P]), IllTyped, "inverse of a defined"),
+        (lambda: normal_form(MatMul(P, sympy.Inverse(P)), CENTERING, invertible=[P]), IllTyped, "inverse of a defined"),
         (
             lambda: normal_form(MatMul(A, B), facts=[(MatMul(A, B), MatMul(B, A)), (MatMul(B, A), MatMul(A, B))]),
             ValueError,

@@ -411,12 +411,12 @@ def test_established_shows_axioms_only_when_the_report_records_them():
     import circuitmath as cm
     from circuitmath import render
 
-    identity = cm.get_identity("layer_norm_fold")
+    identity = cm.get_identity("fold_layer_norm")
     report = identity.prove()
     stripped = type("Report", (), {"__getattr__": lambda self, name: getattr(report, name),
                                     "as_dict": lambda self: {k: v for k, v in report.as_dict().items() if k != "axioms"}})()
     without = render.established([(stripped, identity)], ["a number"])
-    assert "`layer_norm_fold`" in without and "axiom" not in without and "- a number" in without
+    assert "`fold_layer_norm`" in without and "axiom" not in without and "- a number" in without
     assert "for every size ($d$, $m$ symbolic)" in without
 
     class WithAxioms:

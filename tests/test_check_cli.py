@@ -20,7 +20,7 @@ JSON_KEYS = {"name", "kind", "applicable", "reason", "rewrite", "max_abs_error",
 
 @pytest.fixture
 def files(tmp_path):
-    """A model, a correct processing of it and a wrong one (unembed centred over d_model)."""
+    """A model, a correct processing of it and a wrong one (unembed centered over d_model)."""
     model = cm.random_state_dict(CFG, seed=0, dtype=F64)
     good, good_cfg = cm.process_weights(model, CFG)
     wrong = dict(model, **{"unembed.W_U": model["unembed.W_U"] - model["unembed.W_U"].mean(0, keepdim=True)})
@@ -43,8 +43,8 @@ def test_one_model_every_identity_applies_or_says_why_not(files, capsys):
     header = out.splitlines()[0].split()
     assert header[:2] == ["identity", "applicable"] and "tolerance" in header and header[-1] == "status"
     rows = {line.split()[0]: line for line in out.splitlines()[2:] if line.strip()}
-    assert "holds" in rows["layer_norm_fold"] and "not applicable" in rows["rms_norm_fold"]
-    assert "no: needs normalization_type is RMS" in rows["rms_norm_fold"]  # what it needs, not what the model is
+    assert "holds" in rows["fold_layer_norm"] and "not applicable" in rows["fold_rms_norm"]
+    assert "no: needs normalization_type is RMS" in rows["fold_rms_norm"]  # what it needs, not what the model is
 
 
 def test_one_model_as_json(files, capsys):
@@ -52,9 +52,9 @@ def test_one_model_as_json(files, capsys):
     rows = json.loads(out)
     assert status == 0 and rows and all(JSON_KEYS <= row.keys() for row in rows)
     by_name = {row["name"]: row for row in rows}
-    fold = by_name["layer_norm_fold"]
+    fold = by_name["fold_layer_norm"]
     assert fold["applicable"] is True and fold["status"] == "holds" and 0 <= fold["max_abs_error"] <= fold["tolerance"]
-    assert by_name["scale_invariance"]["applicable"] is False and "eps" in by_name["scale_invariance"]["reason"]
+    assert by_name["rescale_residual_stream"]["applicable"] is False and "eps" in by_name["rescale_residual_stream"]["reason"]
 
 
 def test_a_valid_processing_exits_0(files, capsys):
@@ -129,7 +129,7 @@ def test_config_json_for_a_plain_safetensors_file(tmp_path, capsys):
     (tmp_path / "cfg.json").write_text(CFG.to_json())
     status, out, _ = _run(capsys, tmp_path / "plain.safetensors", "--config", tmp_path / "cfg.json", "--batch", "2",
                           "--seq-len", "3")
-    assert status == 0 and "layer_norm_fold" in out
+    assert status == 0 and "fold_layer_norm" in out
 
 
 def test_hugging_face_config_and_weights(tmp_path, capsys):
@@ -142,7 +142,7 @@ def test_hugging_face_config_and_weights(tmp_path, capsys):
     (tmp_path / "config.json").write_text(config.to_json_string())
     status, out, err = _run(capsys, tmp_path / "gpt2.safetensors", "--config", tmp_path / "config.json", "--json")
     assert status == 0, err
-    assert {row["name"] for row in json.loads(out)} >= {"layer_norm_fold", "center_unembed"}
+    assert {row["name"] for row in json.loads(out)} >= {"fold_layer_norm", "center_unembed"}
 
 
 def test_progress_line_on_a_terminal_only(files, capsys, monkeypatch):

@@ -34,20 +34,20 @@ F64 = torch.float64
 BASE = dict(n_layers=2, d_model=6, n_heads=2, d_head=3, d_vocab=9, n_ctx=5, d_mlp=12)
 
 #: Each named checker, its identity, and a model it applies to (on which most of the identity's
-#: registered corruptions differ from the exact rewrite).
+#: registered wrong rewrites differ from the exact rewrite).
 CHECKERS = {
-    "layer_norm_fold": (check_fold_layer_norm, {}),
+    "fold_layer_norm": (check_fold_layer_norm, {}),
     "center_reading_weights": (check_center_reading_weights, {}),
     "center_writing_weights": (check_center_writing_weights, {}),
     "center_unembed": (check_center_unembed, {}),
     "fold_value_biases": (check_fold_value_biases, {"n_heads": 4, "n_key_value_heads": 2}),
     "remove_key_biases": (check_remove_key_biases, {}),
     "refactor_factored_attn_matrices": (check_refactor_factored_attn_matrices, {"n_heads": 4, "n_key_value_heads": 2}),
-    "rms_norm_fold": (check_fold_rms_norm, {"normalization_type": "RMS", "gated_mlp": True}),
+    "fold_rms_norm": (check_fold_rms_norm, {"normalization_type": "RMS", "gated_mlp": True}),
     "layer_norm_to_rms_norm": (check_layer_norm_to_rms_norm, {}),
-    "shortformer_tables": (check_shortformer_to_tables, {"positional_embedding_type": "shortformer"}),
+    "shortformer_to_tables": (check_shortformer_to_tables, {"positional_embedding_type": "shortformer"}),
     # symmetries: the checker recovers the rotation or permutation from the tensors
-    "rotation_invariance": (testing.check_rotate_residual_stream, {"normalization_type": "RMSPre"}),
+    "rotate_residual_stream": (testing.check_rotate_residual_stream, {"normalization_type": "RMSPre"}),
     "permute_heads": (testing.check_permute_heads, {}),
     "permute_neurons": (testing.check_permute_neurons, {}),
 }
@@ -79,7 +79,7 @@ def test_checker_recognises_the_exact_rewrite(name):
 def test_the_checkers_come_from_the_registry():
     """One checker per weight identity whose transform is public, named after that function."""
     expected = {i.name for i in cm.identities() if i.compare is None and i.function}
-    assert set(testing.CHECKERS) == set(CHECKERS) == expected - {"centring_projection"}  # it shares center_writing_weights'
+    assert set(testing.CHECKERS) == set(CHECKERS) == expected - {"centering_projection"}  # it shares center_writing_weights'
     for name, checker in testing.CHECKERS.items():
         identity = cm.get_identity(name)
         # a symmetry's public transform takes its parameter (Q, the permutation); the registry's fixes one
@@ -88,31 +88,31 @@ def test_the_checkers_come_from_the_registry():
 
 
 @pytest.mark.parametrize("name", sorted(CHECKERS))
-def test_checker_rejects_every_registered_corruption(name):
+def test_checker_rejects_every_registered_wrong_rewrite(name):
     checker, changes = CHECKERS[name]
     identity = cm.get_identity(name)
     cfg, before = _model(**changes)
     prepared, prepared_cfg = _prepared(identity, before, cfg)
     exact, exact_cfg = identity.transform(prepared, prepared_cfg)
-    for corruption, wrong in identity.corruptions.items():
+    for wrong_name, wrong in identity.wrong_everywhere.items():
         after, after_cfg = wrong(prepared, prepared_cfg)
         if after_cfg == exact_cfg and after.keys() == exact.keys() and all(torch.equal(after[k], exact[k]) for k in after):
-            continue  # not wrong on this model (e.g. centring a shortformer W_pos in a standard model)
+            continue  # not wrong on this model (e.g. centering a shortformer W_pos in a standard model)
         report = checker(before, after, cfg, after_cfg=after_cfg)
-        assert not report.ok, f"{name}.{corruption} went unnoticed:\n{report}"
+        assert not report.ok, f"{name}.{wrong_name} went unnoticed:\n{report}"
         changed_tensors = any(after.get(k) is not prepared.get(k) for k in set(after) | set(prepared))
-        if changed_tensors and any(f.rewrite == f"{name}.{corruption}" for f in report.findings):
+        if changed_tensors and any(f.rewrite == f"{name}.{wrong_name}" for f in report.findings):
             continue
         # not named: then what differs is listed (tensors, or config fields)
-        assert report.culprits() or "config differs" in str(report), f"{name}.{corruption}:\n{report}"
+        assert report.culprits() or "config differs" in str(report), f"{name}.{wrong_name}:\n{report}"
 
 
 def test_the_wrong_rewrites_are_named_for_the_folds():
     cfg, before = _model()
-    for corruption in ("drop_bias", "bias_through_gain"):
-        after, after_cfg = cm.get_identity("layer_norm_fold").corruptions[corruption](before, cfg)
+    for wrong_name in ("drop_bias", "bias_through_gain"):
+        after, after_cfg = cm.get_identity("fold_layer_norm").wrong_everywhere[wrong_name](before, cfg)
         report = check_fold_layer_norm(before, after, cfg, after_cfg=after_cfg)
-        assert [f.rewrite for f in report.violations if f.kind == "identity"] == [f"layer_norm_fold.{corruption}"]
+        assert [f.rewrite for f in report.violations if f.kind == "identity"] == [f"fold_layer_norm.{wrong_name}"]
 
 
 def test_an_unprocessed_model_is_not_recognised_as_processed():
@@ -157,9 +157,9 @@ def test_check_model_rows_and_reasons():
     report = check_model(before, cfg)
     rows = {f.name: f for f in report.findings}
     assert report.ok
-    assert rows["rms_norm_fold"].status == "holds" and rows["rms_norm_fold"].max_abs_error <= rows["rms_norm_fold"].tolerance
-    assert rows["layer_norm_fold"].status == "not applicable" and rows["layer_norm_fold"].precondition == "normalization_type is LN"
-    assert "centring_projection" not in rows  # the same transform as center_writing_weights, checked once
+    assert rows["fold_rms_norm"].status == "holds" and rows["fold_rms_norm"].max_abs_error <= rows["fold_rms_norm"].tolerance
+    assert rows["fold_layer_norm"].status == "not applicable" and rows["fold_layer_norm"].precondition == "normalization_type is LN"
+    assert "centering_projection" not in rows  # the same transform as center_writing_weights, checked once
 
 
 # -- input forms ---------------------------------------------------------------------------------

@@ -41,8 +41,8 @@ CHECKS = {
     "copying_score_invariance": dict(min_layers=1),
 }
 
-# identity -> (extra model options, a test on the drawn config) where its corruptions differ, on
-# top of GENERIC: in a residual stream of two dimensions behind a LayerNorm (one after centring),
+# identity -> (extra model options, a test on the drawn config) where its wrong rewrites differ, on
+# top of GENERIC: in a residual stream of two dimensions behind a LayerNorm (one after centering),
 # with one position or a width-one head, wrong variants can coincide with right ones; and with
 # huge outliers and biases the patterns saturate to permutations, which commute, and small score
 # terms stop moving them (TAME weights).
@@ -97,11 +97,11 @@ def test_negative_controls_are_caught(name, data):
     cfg = data.draw(configs(**wide(**{**CHECKS[name], **extra})).filter(lambda cfg: GENERIC(cfg) and applies(cfg)))
     sd = data.draw(state_dicts(cfg, dtype=torch.float64, **TAME))
     toks = default_tokens(cfg)
-    for corruption in identity.wrong_rewrites_for(cfg):
-        assume_discriminates(identity, corruption, sd, cfg, toks, result=VISIBLE)
-    for corruption in identity.wrong_rewrites_for(cfg):
-        result = identity.check_wrong_rewrite(corruption, sd, cfg, toks)
-        assert not result.passed, f"{name}: {corruption} went unnoticed: {result} on {cfg}"
+    for wrong_name in identity.wrong_rewrites_for(cfg):
+        assume_discriminates(identity, wrong_name, sd, cfg, toks, result=VISIBLE)
+    for wrong_name in identity.wrong_rewrites_for(cfg):
+        result = identity.check_wrong_rewrite(wrong_name, sd, cfg, toks)
+        assert not result.passed, f"{name}: {wrong_name} went unnoticed: {result} on {cfg}"
 
 
 def test_float64_path_expansion_of_a_real_forward_pass_and_its_negative_control():
@@ -114,8 +114,8 @@ def test_float64_path_expansion_of_a_real_forward_pass_and_its_negative_control(
     assert (sum(terms.values()) - logits).abs().max() < 1e-10 * logits.abs().max()
     for dropped in (cm.circuits.Path("embed"), cm.circuits.Path("embed", ((0, 1),)), cm.circuits.Path("embed", ((0, 1), (1, 2)))):
         partial = sum(v for p, v in terms.items() if p != dropped)
-        centred = lambda x: x - x.mean(dim=-1, keepdim=True)  # noqa: E731 (log-probs ignore shifts)
-        assert (centred(partial) - centred(logits)).abs().max() > 1e-3, dropped
+        centered = lambda x: x - x.mean(dim=-1, keepdim=True)  # noqa: E731 (log-probs ignore shifts)
+        assert (centered(partial) - centered(logits)).abs().max() > 1e-3, dropped
 
 
 @pytest.mark.parametrize("name", ["zero_layer_bigram", "one_layer_path_expansion", "two_layer_path_expansion", "qk_composition_terms"])

@@ -21,13 +21,13 @@ def test_prove_json_lists_every_identity_as_proved():
         assert KEYS <= row.keys()
         assert row["status"] == "proved" and row["twins_rejected"] == row["twins_total"] >= 1
         assert isinstance(row["seconds"], float) and isinstance(row["steps"], int) and row["steps"] >= 1
-    assert {r["name"]: r["symbolic_dims"] for r in rows}["layer_norm_fold"] is True
+    assert {r["name"]: r["symbolic_dims"] for r in rows}["fold_layer_norm"] is True
 
 
 def test_prove_table_names_and_filters(capsys):
-    assert _cli.main(["prove", "layer_norm_fold"]) == 0
+    assert _cli.main(["prove", "fold_layer_norm"]) == 0
     out = capsys.readouterr().out
-    assert "layer_norm_fold" in out and "center_reading_weights" not in out and "5/5" in out
+    assert "fold_layer_norm" in out and "center_reading_weights" not in out and "5/5" in out
 
 
 def test_unknown_identity_exits_2(capsys):
@@ -37,11 +37,11 @@ def test_unknown_identity_exits_2(capsys):
 
 def test_an_accepted_twin_makes_prove_exit_1(monkeypatch, capsys):
     """A proof whose 'wrong' variant is actually true must fail the run."""
-    identity = cm.get_identity("layer_norm_fold")
+    identity = cm.get_identity("fold_layer_norm")
     proof = identity.proof
     true_twin = Twin("not_wrong", "a restatement of the claim itself", proof.lhs, proof.rhs)
     broken = type(proof)(**{**proof.__dict__, "twins": proof.twins + (true_twin,)})
     monkeypatch.setitem(identity.__dict__, "proof", broken)
-    assert _cli.main(["prove", "layer_norm_fold", "--json"]) == 1
+    assert _cli.main(["prove", "fold_layer_norm", "--json"]) == 1
     row = json.loads(capsys.readouterr().out)[0]
     assert row["status"] == "failed" and row["accepted_twins"] == ["not_wrong"]

@@ -9,7 +9,7 @@ BASE = dict(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=9, n_ctx=5, d_ml
 
 
 def test_json_round_trip_keeps_every_field():
-    cfg = Config(**BASE).replace(normalization_type="RMS", applied=("rms_norm_fold",))
+    cfg = Config(**BASE).replace(normalization_type="RMS", applied=("fold_rms_norm",))
     assert Config.from_json(cfg.to_json()) == cfg
     assert Config.from_dict(cfg.to_dict()) == cfg
 

@@ -40,13 +40,13 @@ def test_layer_norm_gain_folded_along_the_wrong_axis():
     after, after_cfg = cm.fold_layer_norm(before, cfg)
     after["blocks.0.attn.W_Q"] = before["blocks.0.attn.W_Q"] * before["blocks.0.ln1.w"]
     row = _only_violated_identity(diagnose(before, after, cfg, after_cfg=after_cfg))
-    assert row.name == "layer_norm_fold" and row.rewrite == "layer_norm_fold.scale_columns"
+    assert row.name == "fold_layer_norm" and row.rewrite == "fold_layer_norm.scale_columns"
     assert [(p.name, p.layer, p.heads) for p in row.parameters] == [("blocks.0.attn.W_Q", 0, (0, 1))]
     assert "columns, not its rows" in row.explanation
     assert row.parameters[0].relative_error > 0.1
 
 
-def test_unembed_centred_over_d_model():
+def test_unembed_centered_over_d_model():
     cfg, before = _model()
     after = dict(before)
     after["unembed.W_U"] = before["unembed.W_U"] - before["unembed.W_U"].mean(dim=0, keepdim=True)
@@ -75,14 +75,14 @@ def test_shortformer_model_folded_naively():
     after, _ = cm.fold_layer_norm(before, cfg.replace(positional_embedding_type="standard"))
     report = diagnose(before, after, cfg)
     row = _only_violated_identity(report)
-    assert row.name == "layer_norm_fold" and row.rewrite == "shortformer_tables.naive_fold"
+    assert row.name == "fold_layer_norm" and row.rewrite == "shortformer_to_tables.naive_fold"
     assert "positions get scaled by w" in row.explanation
     named = {p.name for p in row.parameters}
     assert "pos_embed.W_pos" in named and {"blocks.0.attn.pos_Q", "blocks.1.attn.pos_K"} <= named
     assert "note: every" not in str(report)  # the folded norms were dropped, not kept as unit gains
 
 
-def test_writing_weights_centred_in_an_rms_norm_model():
+def test_writing_weights_centered_in_an_rms_norm_model():
     cfg, before = _model(normalization_type="RMS")
     after = dict(before)
     for name in ["embed.W_E", "pos_embed.W_pos"] + [
@@ -91,8 +91,8 @@ def test_writing_weights_centred_in_an_rms_norm_model():
         after[name] = before[name] - before[name].mean(dim=-1, keepdim=True)
     row = _only_violated_identity(diagnose(before, after, cfg))
     assert row.name == "center_writing_weights" and not row.applicable
-    assert row.precondition == "every reader sits behind a centring norm"
-    assert "RMSNorm does not centre" in row.reason
+    assert row.precondition == "every reader sits behind a centering norm"
+    assert "RMSNorm does not center" in row.reason
     assert {p.name for p in row.parameters} == {n for n in after if after[n] is not before[n]}
     heads = {p.name: p.heads for p in row.parameters}
     assert heads["blocks.1.attn.W_O"] == (0, 1)

@@ -39,7 +39,7 @@ def test_the_diagnosis_runs_once_on_the_final_example(monkeypatch):
 
     with pytest.raises(NotEquivalentError) as error:
         property_test()
-    assert "diagnosis:" in str(error.value) and "layer_norm_fold" in str(error.value)
+    assert "diagnosis:" in str(error.value) and "fold_layer_norm" in str(error.value)
     assert len(calls) == 1 < len(runs), (len(calls), len(runs))
 
 
@@ -63,7 +63,7 @@ def test_a_failed_report_reads_well_under_pytest():
     report = check_fold_layer_norm(sd, processed, cfg, after_cfg=processed_cfg)
     assert not report.ok
     text = repr(report)
-    assert len(text) <= 240 and text.startswith("<Diagnosis FAILED") and "layer_norm_fold" in text, text
+    assert len(text) <= 240 and text.startswith("<Diagnosis FAILED") and "fold_layer_norm" in text, text
     assert "unembed.b_U" in text
     with pytest.raises(NotEquivalentError) as error:
         assert_fold_layer_norm(sd, processed, cfg, after_cfg=processed_cfg)

@@ -180,9 +180,9 @@ def test_every_identity_holds_or_refuses_on_converted_weights(name):
         assert result.passed, f"{identity.name} on {name}: {result}"
         applicable.append(identity.name)
     if cfg.normalization_type == "LN" and cfg.norm_position == "pre":
-        assert "layer_norm_fold" in applicable
+        assert "fold_layer_norm" in applicable
     if cfg.norm_position == "post":
-        assert "layer_norm_fold" not in applicable
+        assert "fold_layer_norm" not in applicable
 
 
 def test_converter_refuses_what_the_reference_cannot_reproduce():

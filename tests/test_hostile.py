@@ -244,7 +244,7 @@ def _overflowing():
     half = {k: v.half() for k, v in sd.items()}
     half["unembed.b_U"] = torch.tensor([65000.0, -65000.0] * 3 + [65000.0], dtype=torch.float16)
     return [
-        (cm.fold_layer_norm, fold, "layer_norm_fold", "blocks.0.attn.W_Q"),
+        (cm.fold_layer_norm, fold, "fold_layer_norm", "blocks.0.attn.W_Q"),
         (cm.center_writing_weights, writers, "center_writing_weights", "embed.W_E"),
         (cm.center_unembed, half, "center_unembed", "unembed.b_U"),
     ]

@@ -16,7 +16,7 @@ CFG = cm.Config(n_layers=1, d_model=6, n_heads=2, d_head=3, d_vocab=7, n_ctx=4, 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_save_load_round_trip_is_exact(tmp_path, dtype):
     sd = cm.random_state_dict(CFG, seed=3, dtype=dtype)
-    cfg = CFG.replace(applied=("layer_norm_fold",), normalization_type="LNPre")
+    cfg = CFG.replace(applied=("fold_layer_norm",), normalization_type="LNPre")
     sd = {k: v for k, v in sd.items() if not (".ln" in k or k.startswith("ln_final"))}
     io.save(tmp_path / "m.safetensors", sd, cfg, metadata={"note": "round trip"})
     back, back_cfg = io.load(tmp_path / "m.safetensors")
@@ -25,7 +25,7 @@ def test_save_load_round_trip_is_exact(tmp_path, dtype):
     assert all(back[k].dtype == dtype and torch.equal(back[k], sd[k]) for k in sd)
     _tensors, metadata = io.load_tensors(tmp_path / "m.safetensors")
     assert metadata["note"] == "round trip"
-    assert json.loads(metadata[io.CONFIG_KEY])["applied"] == ["layer_norm_fold"]
+    assert json.loads(metadata[io.CONFIG_KEY])["applied"] == ["fold_layer_norm"]
 
 
 def test_save_validates_and_writes_safetensors_only(tmp_path):

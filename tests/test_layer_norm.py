@@ -1,4 +1,4 @@
-"""LayerNorm folding and reading-weight centring on random weights with realistic structure."""
+"""LayerNorm folding and reading-weight centering on random weights with realistic structure."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from circuitmath.testing import compare_log_probs, default_tokens
 from support import VISIBLE, assume_discriminates, same, snapshot, wide
 
 FOLDABLE = dict(normalization_types=("LN",), gated_mlp=(False,))
-LN_FOLD = cm.get_identity("layer_norm_fold")
+LN_FOLD = cm.get_identity("fold_layer_norm")
 CENTER = cm.get_identity("center_reading_weights")
 
 
@@ -26,7 +26,7 @@ def test_fold_preserves_log_probs(dtype, data):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @given(data=st.data())
-def test_centring_reading_weights_preserves_log_probs(dtype, data):
+def test_centering_reading_weights_preserves_log_probs(dtype, data):
     cfg, sd = data.draw(models(**wide(dtype=dtype, **FOLDABLE)))
     toks = data.draw(tokens(cfg))
     result = CENTER.check(sd, cfg, toks)
@@ -34,38 +34,38 @@ def test_centring_reading_weights_preserves_log_probs(dtype, data):
     folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=True)
     for name in ("unembed.W_U",):
         assert folded[name].mean(dim=0).abs().max() <= 64 * torch.finfo(dtype).eps * folded[name].abs().max()
-    assert folded_cfg.applied[-2:] == ("layer_norm_fold", "center_reading_weights")
+    assert folded_cfg.applied[-2:] == ("fold_layer_norm", "center_reading_weights")
 
 
 # The wrong folds differ from the right one only where gains are not all 1 and biases not 0.
 DISCRIMINATING = dict(min_gain_spread=0.3, min_bias_scale=0.5)
 
 
-@given(models(**wide(weights=DISCRIMINATING, **FOLDABLE)), st.sampled_from(list(LN_FOLD.corruptions)))
-def test_negative_control_wrong_fold_is_caught(model, corruption):
+@given(models(**wide(weights=DISCRIMINATING, **FOLDABLE)), st.sampled_from(list(LN_FOLD.wrong_everywhere)))
+def test_negative_control_wrong_fold_is_caught(model, wrong_name):
     cfg, sd = model
     toks = default_tokens(cfg)
-    assume_discriminates(LN_FOLD, corruption, sd, cfg, toks, weights=VISIBLE)
-    result = LN_FOLD.check_wrong_rewrite(corruption, sd, cfg, toks)
-    assert not result.passed, f"{corruption} went unnoticed: {result}"
+    assume_discriminates(LN_FOLD, wrong_name, sd, cfg, toks, weights=VISIBLE)
+    result = LN_FOLD.check_wrong_rewrite(wrong_name, sd, cfg, toks)
+    assert not result.passed, f"{wrong_name} went unnoticed: {result}"
 
 
-# Centring W_U over the vocabulary is harmless (softmax is shift invariant), so the wrong-axis
-# centring only shows in a model with at least one layer.
-@given(models(**wide(weights=DISCRIMINATING, min_layers=1, **FOLDABLE)), st.sampled_from(list(CENTER.corruptions)))
-def test_negative_control_wrong_centring_is_caught(model, corruption):
+# Centering W_U over the vocabulary is harmless (softmax is shift invariant), so the wrong-axis
+# centering only shows in a model with at least one layer.
+@given(models(**wide(weights=DISCRIMINATING, min_layers=1, **FOLDABLE)), st.sampled_from(list(CENTER.wrong_everywhere)))
+def test_negative_control_wrong_centering_is_caught(model, wrong_name):
     cfg, sd = model
     toks = default_tokens(cfg)
-    assume_discriminates(CENTER, corruption, sd, cfg, toks, weights=VISIBLE)
-    result = CENTER.check_wrong_rewrite(corruption, sd, cfg, toks)
-    assert not result.passed, f"{corruption} went unnoticed: {result}"
+    assume_discriminates(CENTER, wrong_name, sd, cfg, toks, weights=VISIBLE)
+    result = CENTER.check_wrong_rewrite(wrong_name, sd, cfg, toks)
+    assert not result.passed, f"{wrong_name} went unnoticed: {result}"
 
 
 @given(models(**wide(dtype=torch.float32, **FOLDABLE)), st.booleans())
-def test_fold_is_pure_and_keeps_dtypes(model, centre):
+def test_fold_is_pure_and_keeps_dtypes(model, center):
     cfg, sd = model
     before = snapshot(sd)
-    folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=centre)
+    folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=center)
     assert same(sd, before), "the input state dict was modified"
     assert cfg.normalization_type == "LN" and cfg.applied == ()
     assert {t.dtype for t in folded.values()} == {torch.float32}
@@ -85,7 +85,7 @@ def test_fold_keeps_float64_and_bfloat16(dtype):
 def test_double_application_is_refused(model):
     cfg, sd = model
     folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=True)
-    with pytest.raises(cm.AlreadyAppliedError, match="layer_norm_fold"):
+    with pytest.raises(cm.AlreadyAppliedError, match="fold_layer_norm"):
         cm.fold_layer_norm(folded, folded_cfg.replace(normalization_type="LN"))
     with pytest.raises(cm.AlreadyAppliedError, match="center_reading_weights"):
         cm.center_reading_weights(folded, folded_cfg)
@@ -93,9 +93,9 @@ def test_double_application_is_refused(model):
 
 REFUSALS = [
     (dict(normalization_types=("LN",), norm_positions=("post",), positional_embedding_types=("standard", "rotary")),
-     "layer_norm_fold", "pre-norm"),
+     "fold_layer_norm", "pre-norm"),
     (dict(normalization_types=("RMS", "RMSPre", "LNPre", None), positional_embedding_types=("standard", "rotary")),
-     "layer_norm_fold", "normalization_type is LN"),
+     "fold_layer_norm", "normalization_type is LN"),
 ]
 
 
@@ -112,7 +112,7 @@ def test_fold_refuses_what_it_cannot_rewrite_exactly(options, identity, precondi
 
 
 @given(models(**wide(normalization_types=("LN", "RMS", "RMSPre", None), positional_embedding_types=("standard", "rotary", "shortformer_tables"))))
-def test_centring_refuses_readers_whose_input_is_not_centred(model):
+def test_centering_refuses_readers_whose_input_is_not_centered(model):
     cfg, sd = model
     with pytest.raises(cm.PreconditionError) as info:
         cm.center_reading_weights(sd, cfg)
@@ -142,7 +142,7 @@ def test_shortformer_naive_fold_changes_the_model_and_ours_does_not():
     result = compare_log_probs(sd, cfg, naive, naive_cfg)
     assert result.max_abs_error > 1e3 * result.tolerance
     folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=True)
-    assert folded_cfg.applied == ("shortformer_tables", "layer_norm_fold", "center_reading_weights")
+    assert folded_cfg.applied == ("shortformer_to_tables", "fold_layer_norm", "center_reading_weights")
     assert compare_log_probs(sd, cfg, folded, folded_cfg).passed
 
 

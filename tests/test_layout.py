@@ -1,11 +1,15 @@
 """The package's shape: no import cycle (at module level or inside functions), small modules."""
 
 import ast
+import functools
+import inspect
+import re
+import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1] / "circuitmath"
+ROOT = (Path(__file__).parents[1] / "circuitmath").resolve()
 PACKAGE = "circuitmath"
 
 
@@ -100,3 +104,77 @@ MAX_LINES = 600
 def test_modules_are_small_unless_cohesive(name):
     lines = len(_modules()[name].read_text().splitlines())
     assert lines <= MAX_LINES or name in COHESIVE, f"{name} has {lines} lines"
+
+
+# -- how many files changing one identity touches ----------------------------------------------
+
+#: The most files one weight identity may touch: its identity module and its transform's module,
+#: its test file and its chapter (the issue's target: 4), plus the package modules that know it
+#: by name (below). Today's worst are fold_layer_norm and center_writing_weights at 10: the
+#: pipeline (pipeline.py, fused.py, _streaming.py) records and composes the steps by name, and
+#: the refusals of later steps name the step to run first (fold_layer_norm, center_writing_weights).
+MAX_FILES_PER_IDENTITY = 10
+
+
+def _literal_words(path: Path) -> set[str]:
+    """The words of ``path``'s string literals, docstrings left out: the names its code uses."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value) for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }
+    words = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words |= set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", node.value))
+    return words
+
+
+def _source(function) -> Path:
+    while isinstance(function, functools.partial):
+        function = function.func
+    return Path(inspect.getsourcefile(inspect.unwrap(function))).resolve()
+
+
+def files_per_identity() -> dict[str, tuple[set[Path], list[Path]]]:
+    """For each weight identity: the package modules it owns (where it is registered, where its
+    transform is written) and the other modules whose code names it in a string (an applied
+    record, a pipeline keyword map, a refusal naming the step to run first). Docstrings, callers
+    that import its public function, and the curated ``__init__`` re-exports are not counted:
+    they go through its public name, which the registry tests pin."""
+    import circuitmath as cm
+
+    words = {p.resolve(): _literal_words(p) for p in sorted(ROOT.rglob("*.py")) if p.name != "__init__.py"}
+    out = {}
+    for identity in cm.identities():
+        if identity.compare is not None:
+            continue
+        own = {Path(sys.modules[identity.build_proof.__module__].__file__).resolve(), _source(identity.transform)}
+        public = getattr(cm, identity.function or identity.name, None)
+        if callable(public):
+            own.add(_source(public))
+        out[identity.name] = (own, [p for p, w in words.items() if identity.name in w and p not in own])
+    return out
+
+
+def test_the_file_count_sees_a_name_in_code_but_not_in_a_docstring(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text('"""fold_layer_norm in a docstring."""\nSTEP = "center_unembed"\n')
+    assert "center_unembed" in _literal_words(path) and "fold_layer_norm" not in _literal_words(path)
+
+
+def test_changing_one_identity_touches_few_files():
+    """Files touched = its own modules + its test file + its chapter + the modules naming it."""
+    counts = {name: len(own) + 2 + len(others) for name, (own, others) in files_per_identity().items()}
+    assert max(counts.values()) >= 4  # the count sees something
+    over = {
+        name: sorted(str(p.relative_to(ROOT)) for p in files_per_identity()[name][1])
+        for name, count in counts.items() if count > MAX_FILES_PER_IDENTITY
+    }
+    assert not over, f"over {MAX_FILES_PER_IDENTITY} files: {over} (counts {counts})"
+
+
+if __name__ == "__main__":  # the figures: python tests/test_layout.py
+    for name, (own, others) in files_per_identity().items():
+        print(f"{name:32s} {len(own) + 2 + len(others):2d}  beyond its own: {' '.join(str(p.relative_to(ROOT)) for p in others)}")

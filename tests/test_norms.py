@@ -1,4 +1,4 @@
-"""RMSNorm folding, LayerNorm to RMSNorm, the centring projection and scale invariance."""
+"""RMSNorm folding, LayerNorm to RMSNorm, the centering projection and scale invariance."""
 
 import pytest
 import torch
@@ -11,14 +11,14 @@ from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
 from support import VISIBLE, assume_discriminates, same, snapshot, wide
 
-RMS_FOLD = cm.get_identity("rms_norm_fold")
+RMS_FOLD = cm.get_identity("fold_rms_norm")
 LN_TO_RMS = cm.get_identity("layer_norm_to_rms_norm")
-PROJECTION = cm.get_identity("centring_projection")
-SCALE = cm.get_identity("scale_invariance")
+PROJECTION = cm.get_identity("centering_projection")
+SCALE = cm.get_identity("rescale_residual_stream")
 RMS_FOLDABLE = dict(normalization_types=("RMS",), positional_embedding_types=("standard", "rotary"))
 DISCRIMINATING = dict(min_gain_spread=0.3, min_bias_scale=0.5)
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-OUR_IDENTITIES = ("centring_projection", "scale_invariance", "layer_norm_to_rms_norm", "rms_norm_fold")
+OUR_IDENTITIES = ("centering_projection", "rescale_residual_stream", "layer_norm_to_rms_norm", "fold_rms_norm")
 
 
 # A LayerNorm model must be foldable to reach LNPre: no gated MLP (W_gate has no bias to absorb
@@ -48,7 +48,7 @@ def test_rms_fold_preserves_log_probs(dtype, data):
     result = RMS_FOLD.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
     folded, folded_cfg = cm.fold_rms_norm(sd, cfg)
-    assert folded_cfg.normalization_type == "RMSPre" and folded_cfg.applied == ("rms_norm_fold",)
+    assert folded_cfg.normalization_type == "RMSPre" and folded_cfg.applied == ("fold_rms_norm",)
     assert not any(".ln" in k or k.startswith("ln_final") for k in folded)
     cm.validate_state_dict(folded, folded_cfg)
 
@@ -67,12 +67,12 @@ def test_rms_fold_reaches_W_gate(model):
 
 
 @given(models(**wide(weights=DISCRIMINATING, **RMS_FOLDABLE)))
-def test_negative_control_centring_behind_rms_norm_is_caught(model):
+def test_negative_control_centering_behind_rms_norm_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
-    assume_discriminates(RMS_FOLD, "centre_reading_weights", sd, cfg, toks, weights=VISIBLE)
-    result = RMS_FOLD.check_wrong_rewrite("centre_reading_weights", sd, cfg, toks)
-    assert not result.passed, f"centring readers behind RMSNorm went unnoticed: {result}"
+    assume_discriminates(RMS_FOLD, "center_reading_weights", sd, cfg, toks, weights=VISIBLE)
+    result = RMS_FOLD.check_wrong_rewrite("center_reading_weights", sd, cfg, toks)
+    assert not result.passed, f"centering readers behind RMSNorm went unnoticed: {result}"
 
 
 RMS_FOLD_REFUSALS = [
@@ -92,7 +92,7 @@ def test_rms_fold_refuses_what_it_cannot_rewrite_exactly(options, precondition, 
     before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.fold_rms_norm(sd, cfg)
-    assert info.value.identity == "rms_norm_fold" and info.value.precondition == precondition
+    assert info.value.identity == "fold_rms_norm" and info.value.precondition == precondition
     assert same(sd, before)
 
 
@@ -101,15 +101,15 @@ def test_rms_fold_refuses_what_it_cannot_rewrite_exactly(options, precondition, 
 
 @DTYPES
 @given(data=st.data())
-def test_layer_norm_to_rms_norm_preserves_log_probs_once_writes_are_centred(dtype, data):
+def test_layer_norm_to_rms_norm_preserves_log_probs_once_writes_are_centered(dtype, data):
     cfg, sd = data.draw(_layer_norm_models(dtype=dtype))
     result = LN_TO_RMS.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
-    centred, centred_cfg = LN_TO_RMS.prepare(sd, cfg)
-    switched, switched_cfg = cm.layer_norm_to_rms_norm(centred, centred_cfg)
+    centered, centered_cfg = LN_TO_RMS.prepare(sd, cfg)
+    switched, switched_cfg = cm.layer_norm_to_rms_norm(centered, centered_cfg)
     assert switched_cfg.normalization_type == "RMSPre" and switched_cfg.eps == cfg.eps
     assert switched_cfg.applied[-1] == "layer_norm_to_rms_norm"
-    assert all(switched[k] is centred[k] for k in centred), "the weights must not change"
+    assert all(switched[k] is centered[k] for k in centered), "the weights must not change"
 
 
 @given(_layer_norm_models())
@@ -124,18 +124,18 @@ def test_negative_control_rms_norm_with_another_eps_is_caught(model):
 
 
 @given(models(**wide(normalization_types=("LNPre",), weights=dict(max_outlier_dims=0))))
-def test_layer_norm_to_rms_norm_refuses_uncentred_writes(model):
+def test_layer_norm_to_rms_norm_refuses_uncentered_writes(model):
     cfg, sd = model
     before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
         cm.layer_norm_to_rms_norm(sd, cfg)
-    assert info.value.precondition == "every write to the residual stream is centred"
+    assert info.value.precondition == "every write to the residual stream is centered"
     assert "center_writing_weights" in info.value.detail
     assert same(sd, before)
 
 
-def test_switching_uncentred_writes_is_not_a_formality():
-    """Switching LNPre to RMSPre without centring the writes really does change the model."""
+def test_switching_uncentered_writes_is_not_a_formality():
+    """Switching LNPre to RMSPre without centering the writes really does change the model."""
     cfg = cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=6, d_mlp=16, normalization_type="LNPre")
     sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
     result = compare_log_probs(sd, cfg, sd, cfg.replace(normalization_type="RMSPre"))
@@ -151,7 +151,7 @@ def test_layer_norm_to_rms_norm_needs_lnpre(normalization, precondition):
     with pytest.raises(cm.PreconditionError) as info:
         cm.layer_norm_to_rms_norm(cm.random_state_dict(cfg, seed=0), cfg)
     assert info.value.precondition == precondition
-    assert ("layer_norm_fold" in info.value.detail) == (normalization == "LN")
+    assert ("fold_layer_norm" in info.value.detail) == (normalization == "LN")
 
 
 def test_layer_norm_to_rms_norm_refuses_post_norm():
@@ -161,11 +161,11 @@ def test_layer_norm_to_rms_norm_refuses_post_norm():
         cm.layer_norm_to_rms_norm(cm.random_state_dict(cfg, seed=0), cfg)
 
 
-# -- the centring projection -------------------------------------------------------------------
+# -- the centering projection -------------------------------------------------------------------
 
 
 @given(models(**wide(weights=DISCRIMINATING, normalization_types=("LN", "LNPre"))))
-def test_projection_licenses_centring_writes_and_the_notes_slip_is_caught(model):
+def test_projection_licenses_centering_writes_and_the_notes_slip_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
     assert PROJECTION.check(sd, cfg, toks).passed
@@ -188,7 +188,7 @@ def test_rescaling_the_stream_preserves_log_probs_when_eps_is_zero(dtype, data, 
     scaled, scaled_cfg = cm.rescale_residual_stream(sd, cfg, scale=scale)
     result = compare_log_probs(sd, cfg, scaled, scaled_cfg, toks)
     assert result.passed, result
-    assert scaled_cfg.applied == ("scale_invariance",)
+    assert scaled_cfg.applied == ("rescale_residual_stream",)
     assert all(scaled[k] is sd[k] for k in sd if k not in writers(cfg))
 
 
@@ -209,7 +209,7 @@ def test_rescaling_refuses_eps_above_zero(model, eps):
     cfg, sd = model
     with pytest.raises(cm.PreconditionError) as info:
         cm.rescale_residual_stream(sd, cfg.replace(eps=eps), scale=2.0)
-    assert info.value.identity == "scale_invariance" and info.value.precondition == "eps == 0"
+    assert info.value.identity == "rescale_residual_stream" and info.value.precondition == "eps == 0"
 
 
 def test_eps_above_zero_really_breaks_scale_invariance():
@@ -243,7 +243,7 @@ def test_rescaling_refuses_readers_without_a_norm(options, precondition):
 # -- symbolic ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["layer_norm_fold", "rms_norm_fold"])
+@pytest.mark.parametrize("name", ["fold_layer_norm", "fold_rms_norm"])
 def test_folds_stay_exact_with_eps_written_out(name):
     """The folds hold for any normaliser, so also for (q/d + eps)^(-1/2) with eps > 0."""
     proof = with_explicit_eps(cm.get_identity(name).proof)

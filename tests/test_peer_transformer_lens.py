@@ -101,7 +101,7 @@ def test_float64_is_processed_in_float32(seed):
 
 def test_the_mapping_passed_in_is_rewritten():
     """Not a tensor is modified, but entries of the mapping passed in are replaced: every one by a
-    float32 copy for float64 weights, and the centred writers when the LayerNorm is not folded."""
+    float32 copy for float64 weights, and the centered writers when the LayerNorm is not folded."""
     for dtype, flags, replaced in ((torch.float64, {}, len(cm.expected_shapes(SMALL))),
                                    (torch.float32, dict(fold_ln=False), len(cm._processing.writers(SMALL)))):
         sd = cm.random_state_dict(SMALL, seed=0, dtype=dtype)
@@ -115,9 +115,9 @@ def test_the_mapping_passed_in_is_rewritten():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_shortformer_outputs_change(seed):
-    """W_pos is added after ln1, so folding ln1's gain into W_Q scales it too, and centring it
+    """W_pos is added after ln1, so folding ln1's gain into W_Q scales it too, and centering it
     changes the queries and keys: the outputs move by O(1). circuitmath moves W_pos into
-    per-layer query and key tables first and leaves it uncentred."""
+    per-layer query and key tables first and leaves it uncentered."""
     cfg = SMALL.replace(positional_embedding_type="shortformer")
     sd = cm.random_state_dict(cfg, seed=seed, dtype=torch.float32)
     theirs = compare_log_probs(sd, cfg, transformer_lens_process_weights(sd, cfg), cfg)
@@ -167,7 +167,7 @@ def test_layer_norm_bias_in_front_of_W_gate_becomes_a_new_gate_bias():
     assert all(theirs[name].abs().max() > 0.1 for name in added)
     with pytest.raises(cm.PreconditionError, match="W_gate has no bias"):
         cm.process_weights(sd, cfg, fold_ln=True)
-    assert "layer_norm_fold" not in cm.process_weights(sd, cfg)[1].applied  # by default: what is exact
+    assert "fold_layer_norm" not in cm.process_weights(sd, cfg)[1].applied  # by default: what is exact
 
 
 def test_refactoring_a_grouped_query_model_is_an_error():

@@ -19,9 +19,9 @@ EVERY_ARCHITECTURE = dict(
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 KEYWORDS = [keyword for keyword, _step in PIPELINE_STEPS]
 # What each keyword records in cfg.applied when it applies (the fold of a LayerNorm records three:
-# the shortformer tables when there are some, the fold, and the centring of its readers).
+# the shortformer tables when there are some, the fold, and the centering of its readers).
 RECORDS = {
-    "fold_ln": {"layer_norm_fold", "rms_norm_fold"},
+    "fold_ln": {"fold_layer_norm", "fold_rms_norm"},
     "fold_value_biases": {"fold_value_biases"},
     "center_writing_weights": {"center_writing_weights"},
     "center_unembed": {"center_unembed"},
@@ -71,11 +71,11 @@ def test_steps_run_in_the_documented_order_and_everything_twice_is_everything_on
 @given(models(**wide(dtype=torch.float32, normalization_types=("LN",), gated_mlp=(False,),
               positional_embedding_types=("standard", "shortformer", "rotary"))))
 def test_defaults_on_a_layer_norm_model_give_the_canonical_form(model):
-    """Readers and writers centred over d_model, value biases zero, unembed centred over the vocabulary."""
+    """Readers and writers centered over d_model, value biases zero, unembed centered over the vocabulary."""
     cfg, sd = model
     processed, processed_cfg = cm.process_weights(sd, cfg)
     assert processed_cfg.normalization_type == "LNPre"
-    assert set(processed_cfg.applied) >= {"layer_norm_fold", "center_reading_weights", "fold_value_biases",
+    assert set(processed_cfg.applied) >= {"fold_layer_norm", "center_reading_weights", "fold_value_biases",
                                           "center_writing_weights", "center_unembed"}
     scale = max(float(t.abs().max()) for t in processed.values())
     small = 64 * torch.finfo(torch.float32).eps * scale * cfg.d_model
@@ -129,7 +129,7 @@ def test_the_fused_default_steps_give_the_chains_weights(dtype, data):
 
 
 @given(models(**wide(dtype=torch.float64, **FUSABLE)))
-def test_negative_control_a_chain_without_the_unembed_centring_is_told_apart(model):
+def test_negative_control_a_chain_without_the_unembed_centering_is_told_apart(model):
     cfg, sd = model
     fused, _ = cm.process_weights(sd, cfg)
     chained, _ = _chain(sd, cfg, PIPELINE_STEPS[:3])
@@ -152,20 +152,20 @@ def test_the_fused_pass_is_taken_exactly_when_every_default_step_applies_whateve
 
 REFUSALS = [
     (dict(normalization_types=("RMS",), positional_embedding_types=("standard", "rotary")),
-     dict(), "center_writing_weights", "center_writing_weights", "every reader sits behind a centring norm"),
+     dict(), "center_writing_weights", "center_writing_weights", "every reader sits behind a centering norm"),
     (dict(normalization_types=("LN",), norm_positions=("post",), positional_embedding_types=("standard", "rotary")),
-     dict(center_writing_weights=False), "fold_ln", "layer_norm_fold", "pre-norm"),
+     dict(center_writing_weights=False), "fold_ln", "fold_layer_norm", "pre-norm"),
     (dict(normalization_types=("LN", "LNPre", "RMS"), positional_embedding_types=("rotary",), gated_mlp=(False,)),
      dict(fold_ln=False, center_writing_weights=False, refactor_factored_attn_matrices=True),
      "refactor_factored_attn_matrices", "refactor_factored_attn_matrices", "keys and queries are not rotated by position"),
     (dict(normalization_types=("LN",), gated_mlp=(True,), attn_only=False, min_layers=1,
           positional_embedding_types=("standard",)),
-     dict(), "fold_ln", "layer_norm_fold", "every reader has a bias to absorb b @ W"),
+     dict(), "fold_ln", "fold_layer_norm", "every reader has a bias to absorb b @ W"),
 ]
 
 
 @pytest.mark.parametrize("options, flags, keyword, identity, precondition", REFUSALS,
-                         ids=["centre-writers-behind-rms", "fold-post-norm", "refactor-rotary", "ln-gated-mlp"])
+                         ids=["center-writers-behind-rms", "fold-post-norm", "refactor-rotary", "ln-gated-mlp"])
 @given(data=st.data())
 def test_a_requested_step_that_cannot_apply_exactly_raises_its_own_error_and_the_default_leaves_it_out(
     options, flags, keyword, identity, precondition, data
@@ -226,28 +226,28 @@ def test_half_precision_is_processed_in_float32_and_rounded_once(dtype):
 # (behind a LayerNorm over two dimensions only the sign of the stream survives).
 DISCRIMINATING_WEIGHTS = dict(min_gain_spread=0.4, min_bias_scale=0.5, max_outlier_scale=3.0)
 DISCRIMINATING = {
-    "centre_readers_before_fold": dict(normalization_types=("LN",), gated_mlp=(False,)),
+    "center_readers_before_fold": dict(normalization_types=("LN",), gated_mlp=(False,)),
     "fold_gain_twice": dict(normalization_types=("LN", "RMS"), gated_mlp=(False,)),
     "value_biases_before_ln_fold": dict(normalization_types=("LN",), gated_mlp=(False,), min_layers=1),
-    "centre_readers_behind_rms_norm": dict(normalization_types=("RMS",)),
+    "center_readers_behind_rms_norm": dict(normalization_types=("RMS",)),
 }
 
 
 def test_every_numeric_twin_has_a_discriminating_strategy():
-    assert set(DISCRIMINATING) == set(PIPELINE.corruptions)
+    assert set(DISCRIMINATING) == set(PIPELINE.wrong_everywhere)
 
 
-@pytest.mark.parametrize("corruption", sorted(DISCRIMINATING))
+@pytest.mark.parametrize("wrong_name", sorted(DISCRIMINATING))
 @given(data=st.data())
-def test_negative_control_wrong_pipeline_is_caught(corruption, data):
+def test_negative_control_wrong_pipeline_is_caught(wrong_name, data):
     cfg, sd = data.draw(
         models(**wide(weights=DISCRIMINATING_WEIGHTS, positional_embedding_types=("standard", "rotary"),
-               **DISCRIMINATING[corruption])).filter(lambda model: model[0].d_model >= 3)
+               **DISCRIMINATING[wrong_name])).filter(lambda model: model[0].d_model >= 3)
     )
     toks = default_tokens(cfg)
-    assume_discriminates(PIPELINE, corruption, sd, cfg, toks, weights=VISIBLE)
-    result = PIPELINE.check_wrong_rewrite(corruption, sd, cfg, toks)
-    assert not result.passed, f"{corruption} went unnoticed: {result}"
+    assume_discriminates(PIPELINE, wrong_name, sd, cfg, toks, weights=VISIBLE)
+    result = PIPELINE.check_wrong_rewrite(wrong_name, sd, cfg, toks)
+    assert not result.passed, f"{wrong_name} went unnoticed: {result}"
 
 
 @given(models(**wide(dtype=torch.float32, **FUSABLE)), st.data())

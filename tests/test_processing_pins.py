@@ -1,8 +1,8 @@
 """What each weight transform writes, pinned on the weights themselves.
 
-The log-prob checks cannot see a change the model is invariant to: a reader centred by ``d``
+The log-prob checks cannot see a change the model is invariant to: a reader centered by ``d``
 times its mean instead of its mean is as exact (``LNPre(x)`` is orthogonal to ``1``), but it is
-not centred. These tests pin the promised weights, so such a slip fails.
+not centered. These tests pin the promised weights, so such a slip fails.
 """
 
 import pytest

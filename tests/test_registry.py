@@ -8,10 +8,11 @@ import circuitmath as cm
 
 IDENTITIES = cm.identities()
 NAMES = [i.name for i in IDENTITIES]
+BASE_FIELDS = dict(n_layers=1, d_model=4, n_heads=1, d_head=4, d_vocab=5, n_ctx=3, d_mlp=None)
 
 
 def test_registry_is_not_empty_and_names_are_unique():
-    assert {"layer_norm_fold", "center_reading_weights"} <= set(NAMES)
+    assert {"fold_layer_norm", "center_reading_weights"} <= set(NAMES)
     assert len(NAMES) == len(set(NAMES))
 
 
@@ -37,7 +38,7 @@ def test_proof_holds_and_every_twin_is_rejected(identity):
     assert report.ok
 
 
-@pytest.mark.parametrize("name", ["layer_norm_fold", "center_reading_weights"])
+@pytest.mark.parametrize("name", ["fold_layer_norm", "center_reading_weights"])
 def test_weight_processing_proofs_use_symbolic_dimensions(name):
     assert cm.get_identity(name).proof.symbolic_dims
 
@@ -52,20 +53,20 @@ def test_the_wrong_rewrites_are_one_catalogue():
     from circuitmath import _diagnosis
 
     assert not hasattr(_diagnosis, "MISTAKES") and not hasattr(_diagnosis, "REGARDLESS")
-    fold = cm.get_identity("layer_norm_fold").wrong_rewrites
+    fold = cm.get_identity("fold_layer_norm").wrong_rewrites
     assert {"scale_columns", "bias_through_transpose"} <= set(fold)
     assert fold["scale_columns"].differs_on(cm.Config(n_layers=1, d_model=4, n_heads=1, d_head=4, d_vocab=5, n_ctx=3, d_mlp=8))
     for name in ("center_reading_weights", "center_writing_weights"):
         assert cm.get_identity(name).wrong_rewrites["regardless"].regardless
-    assert cm.get_identity("layer_norm_fold").describe("scale_columns").startswith("scale the reader's columns")
+    assert cm.get_identity("fold_layer_norm").describe("scale_columns").startswith("scale the reader's columns")
 
 
 def test_prove_json_lists_each_proofs_axioms(capsys):
     from circuitmath import _cli
 
-    assert _cli.main(["prove", "remove_key_biases", "kronecker_vec", "layer_norm_fold", "--json"]) == 0
+    assert _cli.main(["prove", "remove_key_biases", "kronecker_vec", "fold_layer_norm", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    assert rows["layer_norm_fold"]["axioms"] == []
+    assert rows["fold_layer_norm"]["axioms"] == []
     key_bias = [a["text"] for a in rows["remove_key_biases"]["axioms"]]
     assert key_bias and all("positive" in text for text in key_bias)  # invertibility only: the row sums are proved
     for row in rows.values():
@@ -110,6 +111,46 @@ def test_svd_proof_uses_its_orthonormality_facts():
 
 def test_an_identity_is_found_by_its_public_function_name_too():
     for identity in IDENTITIES:
-        if identity.function and identity.name != "centring_projection":
+        if identity.function and identity.name != "centering_projection":
             assert cm.get_identity(identity.function) is identity
-    assert cm.get_identity("fold_layer_norm") is cm.get_identity("layer_norm_fold")
+
+
+def test_one_name_per_identity_and_its_transform():
+    """Registry, function and checker share a name; only an identity that shares another's
+    transform (centering_projection is center_writing_weights) is named apart."""
+    for identity in IDENTITIES:
+        if identity.function and identity.function != identity.name:
+            assert cm.get_identity(identity.function).name == identity.function, identity.name
+
+
+def test_a_former_name_still_finds_its_identity_with_a_warning_and_is_normalised_in_applied():
+    renamed = {old: identity.name for identity in IDENTITIES for old in identity.aliases}
+    assert renamed["layer_norm_fold"] == "fold_layer_norm" and len(renamed) >= 6
+    for old, new in renamed.items():
+        with pytest.warns(DeprecationWarning, match=new):
+            assert cm.get_identity(old) is cm.get_identity(new)
+    cfg = cm.Config.from_json(cm.Config(**BASE_FIELDS, applied=["layer_norm_fold", "center_reading_weights"]).to_json())
+    assert cfg.applied == ("fold_layer_norm", "center_reading_weights")
+    assert cm.Config(**BASE_FIELDS, applied=("rms_norm_fold",)).applied == ("fold_rms_norm",)
+
+
+def test_the_former_word_corruptions_still_lists_the_wrong_rewrites_on_every_model():
+    fold = cm.get_identity("fold_layer_norm")
+    assert set(fold.corruptions) == set(fold.wrong_everywhere) and fold.check_corruption == fold.check_wrong_rewrite
+
+
+def test_a_file_saved_with_former_names_loads_with_the_new_ones(tmp_path):
+    """A safetensors file whose stored config records ``layer_norm_fold`` (saved before the rename)."""
+    from safetensors.torch import save_file
+
+    from circuitmath import io
+
+    cfg = cm.Config(**BASE_FIELDS, normalization_type="LNPre")
+    old = {**cfg.to_dict(), "applied": ["layer_norm_fold", "center_reading_weights"]}
+    path = tmp_path / "old.safetensors"
+    save_file(cm.random_state_dict(cfg, seed=0), str(path), metadata={io.CONFIG_KEY: json.dumps(old)})
+    _state_dict, loaded = io.load(path)
+    assert loaded.applied == ("fold_layer_norm", "center_reading_weights")
+    unfolded = loaded.replace(normalization_type="LN")
+    with pytest.raises(cm.AlreadyAppliedError):  # the old record still guards against a second fold
+        cm.fold_layer_norm(cm.random_state_dict(unfolded, seed=0), unfolded)

@@ -5,7 +5,7 @@ import pytest
 import circuitmath as cm
 from circuitmath import render
 
-NAMES = ["layer_norm_fold", "center_unembed", "fold_value_biases"]
+NAMES = ["fold_layer_norm", "center_unembed", "fold_value_biases"]
 
 
 @pytest.mark.parametrize("name", NAMES)

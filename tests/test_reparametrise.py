@@ -7,7 +7,8 @@ from sympy import Inverse, MatMul, MatrixSymbol, Symbol, Transpose
 
 import circuitmath as cm
 from circuitmath._algebra import IllTyped, is_zero, normal_form
-from circuitmath._identities.reparametrise import change_bases
+from circuitmath.circuits import change_head_bases
+from circuitmath.circuits._bases import _change_bases
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
 from support import DISCRIMINATING_WEIGHTS, VISIBLE, assume_discriminates, same, snapshot, wide
@@ -115,13 +116,14 @@ def test_any_change_of_basis_preserves_log_probs(model, seed):
     cfg, sd = model
     generator = torch.Generator().manual_seed(seed)
     kv_heads = cfg.n_key_value_heads or cfg.n_heads
-    bases = {(kind, layer, j): _random_basis(generator, cfg.d_head)
-             for kind in "NM" for layer in range(cfg.n_layers) for j in range(kv_heads)}
-    out = change_bases(sd, cfg, lambda layer, j: bases["N", layer, j], lambda layer, j: bases["M", layer, j])
+    shape = (cfg.n_layers, kv_heads, cfg.d_head, cfg.d_head)
+    bases = {kind: torch.stack([_random_basis(generator, cfg.d_head) for _ in range(cfg.n_layers * kv_heads)]).reshape(shape)
+             if cfg.n_layers else torch.empty(shape, dtype=torch.float64) for kind in "NM"}
+    out = change_head_bases(sd, cfg, query_key=bases["N"], value=bases["M"])
     # W_V M and M^-1 W_O are each rounded: their product moves by up to cond(M) times what rounding
     # the weights alone does, the part of the tolerance measured by the rounding sensitivity.
     result = compare_log_probs(sd, cfg, out, cfg)
-    conditioning = max((float(torch.linalg.cond(basis)) for basis in bases.values()), default=1.0)
+    conditioning = max((float(c) for basis in bases.values() for c in torch.linalg.cond(basis).flatten()), default=1.0)
     assert result.max_abs_error <= conditioning * result.tolerance, (result, conditioning)
 
 
@@ -143,7 +145,10 @@ def test_rotary_refusal_is_not_a_formality():
     sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
     generator = torch.Generator().manual_seed(0)
     N = _random_basis(generator, cfg.d_head)
-    changed = change_bases(sd, cfg, lambda layer, j: N, lambda layer, j: torch.eye(cfg.d_head, dtype=torch.float64))
+    N = N.expand(cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_head)
+    with pytest.raises(cm.PreconditionError, match="keys and queries are not rotated by position"):
+        change_head_bases(sd, cfg, query_key=N)  # the public change refuses; the private one shows why
+    changed = _change_bases(sd, cfg, query=N, key=torch.linalg.inv(N).transpose(-1, -2))
     result = compare_log_probs(sd, cfg, changed, cfg)
     assert result.max_abs_error > 1e3 * result.tolerance, result
     unrotated = cfg.replace(positional_embedding_type="standard")
@@ -164,22 +169,22 @@ DISCRIMINATING = {
 
 
 def test_every_numeric_twin_has_a_discriminating_strategy():
-    assert set(DISCRIMINATING) == set(REFACTOR.corruptions)
+    assert set(DISCRIMINATING) == set(REFACTOR.wrong_everywhere)
 
 
-@pytest.mark.parametrize("corruption", sorted(DISCRIMINATING))
+@pytest.mark.parametrize("wrong_name", sorted(DISCRIMINATING))
 @given(data=st.data())
-def test_negative_control_wrong_refactor_is_caught(corruption, data):
-    grouped = (True,) if corruption == "one_svd_per_query_head" else (False, True)
+def test_negative_control_wrong_refactor_is_caught(wrong_name, data):
+    grouped = (True,) if wrong_name == "one_svd_per_query_head" else (False, True)
     cfg, sd = data.draw(
         models(min_layers=1, grouped_query=grouped, weights=DISCRIMINATING_WEIGHTS, **UNROTATED).filter(
-            lambda model: model[0].d_model >= 3 and model[0].n_ctx >= 2 and DISCRIMINATING[corruption](model[0])
+            lambda model: model[0].d_model >= 3 and model[0].n_ctx >= 2 and DISCRIMINATING[wrong_name](model[0])
         )
     )
     toks = default_tokens(cfg)
-    assume_discriminates(REFACTOR, corruption, sd, cfg, toks, weights=VISIBLE)
-    result = REFACTOR.check_wrong_rewrite(corruption, sd, cfg, toks)
-    assert not result.passed, f"{corruption} went unnoticed: {result}"
+    assume_discriminates(REFACTOR, wrong_name, sd, cfg, toks, weights=VISIBLE)
+    result = REFACTOR.check_wrong_rewrite(wrong_name, sd, cfg, toks)
+    assert not result.passed, f"{wrong_name} went unnoticed: {result}"
 
 
 def test_algebra_cancels_inverses_and_transposed_inverses():
@@ -191,3 +196,10 @@ def test_algebra_cancels_inverses_and_transposed_inverses():
     assert not is_zero(MatMul(N, Transpose(MatMul(B, Inverse(N)))) - Transpose(B), invertible=(N,))
     with pytest.raises(IllTyped, match="no fact declares invertible"):  # an inverse must be declared
         normal_form(MatMul(N, Inverse(N)))
+
+
+def test_change_head_bases_names_a_wrong_shape():
+    cfg = cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=6, d_mlp=None)
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    with pytest.raises(cm.InputError, match=r"value must be a tensor of shape \[2, 2, 4, 4\]"):
+        change_head_bases(sd, cfg, value=torch.eye(4))

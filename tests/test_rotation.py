@@ -22,7 +22,7 @@ from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs
 from support import same, snapshot, wide
 
-NAMES = ("rms_norm_rotation", "layer_norm_rotation", "rotation_invariance", "slicegpt_route", "permute_heads",
+NAMES = ("rms_norm_rotation", "layer_norm_rotation", "rotate_residual_stream", "slicegpt_route", "permute_heads",
          "permute_neurons")
 WITHOUT_GAINS = dict(normalization_types=("RMS", "RMSPre", None))
 
@@ -33,7 +33,7 @@ def _cfg(**changes):
 
 
 def _rms_model(dtype=torch.float64, seed=0, **changes):
-    """A model with RMSPre norms: LayerNorm folded, centred and switched, or (gated MLPs, whose
+    """A model with RMSPre norms: LayerNorm folded, centered and switched, or (gated MLPs, whose
     W_gate has no bias to absorb a LayerNorm's) RMSNorm folded."""
     if changes.get("gated_mlp"):
         changes.setdefault("normalization_type", "RMS")
@@ -78,13 +78,13 @@ def test_rotation_is_pure_keeps_dtypes_and_may_be_applied_twice(model):
     Q1, Q2 = random_orthogonal(cfg.d_model, seed=1), random_orthogonal(cfg.d_model, seed=2)
     once, once_cfg = cm.rotate_residual_stream(sd, cfg, Q1)
     assert same(sd, before)
-    assert once_cfg.applied == cfg.applied + ("rotation_invariance",)
+    assert once_cfg.applied == cfg.applied + ("rotate_residual_stream",)
     assert {t.dtype for t in once.values()} <= {torch.float32}
     cm.validate_state_dict(once, once_cfg)
     moved = set(residual_writers(cfg)) | set(residual_readers(cfg))
     assert all(once[k] is sd[k] for k in sd if k not in moved), "unrotated tensors are shared"
     twice, twice_cfg = cm.rotate_residual_stream(once, once_cfg, Q2)
-    assert twice_cfg.applied.count("rotation_invariance") == 2
+    assert twice_cfg.applied.count("rotate_residual_stream") == 2
     product, _ = cm.rotate_residual_stream(sd, cfg, Q1 @ Q2)
     for name in sd:
         assert torch.allclose(twice[name].double(), product[name].double(), rtol=1e-4, atol=1e-4), name
@@ -145,14 +145,14 @@ def test_shortformer_W_pos_is_rotated_with_the_normed_stream():
     assert wrong.max_abs_error > 1e6 * wrong.tolerance, wrong
 
 
-@pytest.mark.parametrize("kind, fix", [("LN", "layer_norm_fold"), ("RMS", "fold_rms_norm")])
+@pytest.mark.parametrize("kind, fix", [("LN", "fold_layer_norm"), ("RMS", "fold_rms_norm")])
 def test_norms_with_gains_are_refused_naming_the_fix(kind, fix):
     cfg = _cfg(normalization_type=kind)
     sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
     before = snapshot(sd)
     with pytest.raises(cm.PreconditionError, match=fix) as info:
         cm.rotate_residual_stream(sd, cfg, random_orthogonal(cfg.d_model, seed=0))
-    assert info.value.identity == "rotation_invariance"
+    assert info.value.identity == "rotate_residual_stream"
     assert info.value.precondition == "no norm gain or bias between the stream and its readers"
     assert same(sd, before)
 
@@ -184,7 +184,7 @@ def test_orthogonality_tolerance_is_pinned(dtype):
     assert orthogonality_error(stretched) > tolerance
     with pytest.raises(cm.PreconditionError, match="Q is orthogonal") as info:
         cm.rotate_residual_stream(sd, cfg, stretched)
-    assert info.value.identity == "rotation_invariance"
+    assert info.value.identity == "rotate_residual_stream"
 
 
 def test_measured_orthogonality_of_qr_is_within_the_safety_factor():
@@ -229,7 +229,7 @@ def test_slicegpt_route_on_a_zoo_model():
     sd, cfg = zoo.load("gelu_2l", dtype=torch.float64)
     out, out_cfg = slicegpt_route(sd, cfg, hadamard(cfg.d_model))
     assert out_cfg.normalization_type == "RMSPre"
-    assert out_cfg.applied == ("layer_norm_fold", "center_writing_weights", "layer_norm_to_rms_norm", "rotation_invariance")
+    assert out_cfg.applied == ("fold_layer_norm", "center_writing_weights", "layer_norm_to_rms_norm", "rotate_residual_stream")
     assert compare_log_probs(sd, cfg, out, out_cfg).passed
 
 
@@ -333,18 +333,18 @@ def test_recover_rotation_with_fewer_tokens_than_dimensions():
     assert found is not None and torch.allclose(found, Q, atol=1e-10)
 
 
-@pytest.mark.parametrize("corruption", ["non_orthogonal", "forget_W_pos", "forget_writer_bias", "readers_not_transposed"])
+@pytest.mark.parametrize("wrong_name", ["non_orthogonal", "forget_W_pos", "forget_writer_bias", "readers_not_transposed"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-def test_wrong_rotations_are_not_recognised_and_the_tensors_are_named(corruption, dtype):
-    identity = cm.get_identity("rotation_invariance")
+def test_wrong_rotations_are_not_recognised_and_the_tensors_are_named(wrong_name, dtype):
+    identity = cm.get_identity("rotate_residual_stream")
     sd, cfg = _rms_model(dtype)
-    wrong, _ = identity.corruptions[corruption](sd, cfg)
+    wrong, _ = identity.wrong_everywhere[wrong_name](sd, cfg)
     assert cm.recover_rotation(sd, wrong, cfg) is None
     mismatches = rotation_mismatches(sd, wrong, cfg, check_rotation(cfg))
     expected = {
         "forget_W_pos": {"pos_embed.W_pos"},
         "forget_writer_bias": {"blocks.0.attn.b_O", "blocks.1.attn.b_O"},
-    }.get(corruption)
+    }.get(wrong_name)
     if expected is not None:
         assert set(mismatches) == expected
     else:
@@ -379,9 +379,9 @@ def test_wrong_permutations_are_not_recognised():
         recover = cm.recover_head_permutation if name == "permute_heads" else cm.recover_neuron_permutation
         right, _ = identity.transform(sd, cfg)
         assert recover(sd, right, cfg) is not None
-        for corruption, function in identity.corruptions.items():
+        for wrong_name, function in identity.wrong_everywhere.items():
             wrong, _ = function(sd, cfg)
-            assert recover(sd, wrong, cfg) is None, (name, corruption)
+            assert recover(sd, wrong, cfg) is None, (name, wrong_name)
 
 
 # -- recognition in the diagnosis, and the verdicts ---------------------------------------------
@@ -403,11 +403,11 @@ def test_a_rotated_zoo_model_passes_check_processed_and_is_reported_as_rotated(t
     status = _cli.main(["check", str(tmp_path / "model.safetensors"), "--processed", str(tmp_path / "rotated.safetensors")])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert "rotation_invariance" in out and "violated" not in out
+    assert "rotate_residual_stream" in out and "violated" not in out
     # inferred: no config given, the tensors alone; RMSPre is inferred, the rotation recovered
     found = cm.testing.diagnose(sd, rotated, cfg)
     assert found.ok, str(found)
-    assert found.replayed[-2:] == ("layer_norm_to_rms_norm", "rotation_invariance"), found.replayed
+    assert found.replayed[-2:] == ("layer_norm_to_rms_norm", "rotate_residual_stream"), found.replayed
 
 
 @pytest.mark.parametrize("twin", ["non_orthogonal", "forget_W_pos", "forget_writer_bias", "readers_not_transposed"])
@@ -415,18 +415,18 @@ def test_each_rotation_twin_on_a_zoo_model_fails_naming_the_identity_and_tensors
     from circuitmath import _cli, io
 
     sd, cfg = zoo.load("attn_only_1l", dtype=torch.float64)
-    wrong, wrong_cfg = cm.get_identity("rotation_invariance").wrong_rewrites[twin](*to_rms_pre(sd, cfg))
+    wrong, wrong_cfg = cm.get_identity("rotate_residual_stream").wrong_rewrites[twin](*to_rms_pre(sd, cfg))
     io.save(tmp_path / "model.safetensors", sd, cfg)
     io.save(tmp_path / "wrong.safetensors", wrong, wrong_cfg)
     status = _cli.main(["check", str(tmp_path / "model.safetensors"), "--processed", str(tmp_path / "wrong.safetensors")])
     out = capsys.readouterr().out
     assert status == 1, out
-    assert f"rotation_invariance.{twin}" in out, out
+    assert f"rotate_residual_stream.{twin}" in out, out
     expected = {"forget_W_pos": ["pos_embed.W_pos"], "forget_writer_bias": ["blocks.0.attn.b_O"],
                 "readers_not_transposed": ["blocks.0.attn.W_Q", "unembed.W_U"]}.get(twin, ["embed.W_E"])
     assert all(name in out for name in expected), out
     if twin in ("forget_W_pos", "forget_writer_bias"):  # only the tensors responsible are named
-        assert "embed.W_E" not in out.split(f"rotation_invariance.{twin} explains", 1)[1].split("\n")[0]
+        assert "embed.W_E" not in out.split(f"rotate_residual_stream.{twin} explains", 1)[1].split("\n")[0]
 
 
 def test_head_and_neuron_permutations_are_recognised():
@@ -449,10 +449,10 @@ def test_a_named_wrong_rewrite_fails_even_where_the_tokens_do_not_show_it():
     for name in sd:  # small LayerNorm biases: dropping them moves the log-probs by less than the tolerance
         if name.endswith(".b") and ("ln" in name):
             sd[name] = sd[name] * 1e-14
-    wrong, wrong_cfg = cm.get_identity("layer_norm_fold").wrong_rewrites["drop_bias"](sd, cfg)
+    wrong, wrong_cfg = cm.get_identity("fold_layer_norm").wrong_rewrites["drop_bias"](sd, cfg)
     assert compare_log_probs(sd, cfg, wrong, wrong_cfg).passed  # the tokens do not show it
     found = cm.testing.diagnose(sd, wrong, cfg, after_cfg=wrong_cfg)
-    assert not found.ok and any(f.rewrite == "layer_norm_fold.drop_bias" for f in found.violations), str(found)
+    assert not found.ok and any(f.rewrite == "fold_layer_norm.drop_bias" for f in found.violations), str(found)
     with pytest.raises(cm.testing.NotEquivalentError, match="named wrong rewrite"):
         cm.testing.assert_equivalent(sd, wrong, cfg, after_cfg=wrong_cfg)
     # negative control: the exact fold passes

@@ -10,7 +10,7 @@ from circuitmath.testing import compare_log_probs, default_tokens
 from support import VISIBLE, assume_discriminates, wide
 
 SHORTFORMER = dict(positional_embedding_types=("shortformer",), gated_mlp=(False,))
-IDENTITY = cm.get_identity("shortformer_tables")
+IDENTITY = cm.get_identity("shortformer_to_tables")
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
@@ -22,12 +22,12 @@ def test_tables_preserve_log_probs(dtype, data):
 
 
 @given(models(**wide(normalization_types=("LN",), **SHORTFORMER)), st.booleans())
-def test_layer_norm_folds_exactly_in_shortformer_models(model, centre):
+def test_layer_norm_folds_exactly_in_shortformer_models(model, center):
     cfg, sd = model
     before = {k: v.clone() for k, v in sd.items()}
-    folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=centre)
+    folded, folded_cfg = cm.fold_layer_norm(sd, cfg, center_reading_weights=center)
     assert folded_cfg.positional_embedding_type == "shortformer_tables"
-    assert folded_cfg.applied[:2] == ("shortformer_tables", "layer_norm_fold")
+    assert folded_cfg.applied[:2] == ("shortformer_to_tables", "fold_layer_norm")
     assert compare_log_probs(sd, cfg, folded, folded_cfg).passed
     assert all(torch.equal(sd[k], before[k]) for k in sd)
 
@@ -39,13 +39,13 @@ DISCRIMINATING = dict(min_layers=1, min_ctx=2, min_d_model=4, normalization_type
 
 
 @given(models(**wide(**DISCRIMINATING, **SHORTFORMER)),
-       st.sampled_from(sorted(IDENTITY.corruptions)))
-def test_negative_control_naive_fold_and_older_reading_are_caught(model, corruption):
+       st.sampled_from(sorted(IDENTITY.wrong_everywhere)))
+def test_negative_control_naive_fold_and_older_reading_are_caught(model, wrong_name):
     cfg, sd = model
     toks = default_tokens(cfg)
-    assume_discriminates(IDENTITY, corruption, sd, cfg, toks, pattern=VISIBLE)
-    result = IDENTITY.check_wrong_rewrite(corruption, sd, cfg, toks)
-    assert not result.passed, f"{corruption} went unnoticed: {result}"
+    assume_discriminates(IDENTITY, wrong_name, sd, cfg, toks, pattern=VISIBLE)
+    result = IDENTITY.check_wrong_rewrite(wrong_name, sd, cfg, toks)
+    assert not result.passed, f"{wrong_name} went unnoticed: {result}"
 
 
 def test_values_and_mlps_never_see_positions():
@@ -74,7 +74,7 @@ def test_grouped_query_key_tables_have_key_value_heads():
 @given(models(**wide(positional_embedding_types=("standard", "rotary", "shortformer_tables"))))
 def test_only_shortformer_models_are_converted(model):
     cfg, sd = model
-    with pytest.raises(cm.PreconditionError, match="shortformer_tables: precondition 'positional_embedding_type is shortformer'"):
+    with pytest.raises(cm.PreconditionError, match="shortformer_to_tables: precondition 'positional_embedding_type is shortformer'"):
         cm.shortformer_to_tables(sd, cfg)
 
 

@@ -44,7 +44,7 @@ a = Symbol("a", real=True)  # may be negative
 t = Symbol("t", negative=True)
 q, eps, s = Symbol("q", positive=True), Symbol("eps", positive=True), Symbol("s", positive=True)
 lam = Symbol("lambda")
-CENTRING = MatAdd(Eye(n), MatMul(-1 / n, ones, ones.T))
+CENTERING = MatAdd(Eye(n), MatMul(-1 / n, ones, ones.T))
 
 
 def claim(lhs, rhs, *, steps=None, **options) -> Proof:
@@ -124,20 +124,20 @@ FALSE_CLAIMS = {
         MatMul(A, Inverse(A)), Eye(n), facts=(Fact.invertible(A, "A"),), samplers={A: lambda rng, shape: sympy.zeros(*shape)}
     ),
     # wrong axes
-    "centre over the wrong axis": lambda: claim(
-        MatMul(x, CENTRING, MatAdd(W, MatMul(-1 / k, W, OneMatrix(k, 1), OneMatrix(1, k)))), MatMul(x, CENTRING, W)
+    "center over the wrong axis": lambda: claim(
+        MatMul(x, CENTERING, MatAdd(W, MatMul(-1 / k, W, OneMatrix(k, 1), OneMatrix(1, k)))), MatMul(x, CENTERING, W)
     ),
     "softmax columns sum to 1": lambda: claim(MatMul(ones.T, P), ones.T, **SOFTMAX),
     "A^T 1 = 1 for a softmax A": lambda: claim(MatMul(Transpose(P), ones), ones, **SOFTMAX),
     "1^T diag(u) = u (a row is not a column)": lambda: claim(MatMul(ones.T, DiagMatrix(u)), u),
-    # centring signs
+    # centering signs
     "C 1 = 0 with C = I + 1 1^T / n": lambda: claim(MatMul(MatAdd(Eye(n), MatMul(1 / n, ones, ones.T)), ones), ZeroMatrix(n, 1)),
     "C C = C with 1/sqrt(n) once": lambda: claim(
         MatMul(MatAdd(Eye(n), MatMul(-1 / sqrt(n), ones, ones.T)), MatAdd(Eye(n), MatMul(-1 / sqrt(n), ones, ones.T))),
         MatAdd(Eye(n), MatMul(-1 / sqrt(n), ones, ones.T)),
     ),
-    "x C = x": lambda: claim(MatMul(x, CENTRING), x),
-    "C 1 = 1": lambda: claim(MatMul(CENTRING, ones), ones),
+    "x C = x": lambda: claim(MatMul(x, CENTERING), x),
+    "C 1 = 1": lambda: claim(MatMul(CENTERING, ones), ones),
     # trace misuse
     "tr(ABC) = tr(ACB)": lambda: claim(MatMul(Trace(MatMul(A, B, C)), D), MatMul(Trace(MatMul(A, C, B)), D)),
     "tr(AB) = tr(A) tr(B)": lambda: claim(MatMul(Trace(MatMul(A, B)), D), MatMul(Trace(A), Trace(B), D)),
@@ -262,7 +262,7 @@ TRUE_CLAIMS = {
         samplers={A: _unit_triangular, B: _unit_triangular},
     ),
     "softmax rows sum to 1": lambda: claim(MatMul(P, ones), ones, **SOFTMAX),
-    "C 1 = 0": lambda: claim(MatMul(CENTRING, ones), ZeroMatrix(n, 1)),
+    "C 1 = 0": lambda: claim(MatMul(CENTERING, ones), ZeroMatrix(n, 1)),
     "sqrt(s^2) = s for s > 0": lambda: claim(MatMul(sqrt(s**2), x), MatMul(s, x)),
     "mixed product": lambda: _kron_claim(MatMul(tensor(A, B), tensor(C, D)), tensor(MatMul(A, C), MatMul(B, D))),
     "expand_operator on a transposed sum": lambda: _kron_claim(

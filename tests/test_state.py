@@ -74,7 +74,7 @@ def test_invalid_configs_are_refused(changes, message):
 
 
 def test_config_round_trips_through_json():
-    cfg = CFG.replace(applied=("layer_norm_fold",))
+    cfg = CFG.replace(applied=("fold_layer_norm",))
     assert cm.Config.from_json(cfg.to_json()) == cfg
     with pytest.raises(ValueError, match="unknown keys"):
         cm.Config.from_dict({**cfg.to_dict(), "fold_ln": True})

@@ -143,7 +143,7 @@ def test_refusals_are_the_in_memory_transforms(tmp_path):
     folder = _hf_folder(tmp_path, "llama-gqa")
     state_dict, cfg = io.load_hf_directory(folder)
     asked = ["fold_ln", "fold_value_biases", "center_writing_weights", "center_unembed"]
-    with pytest.raises(cm.PreconditionError) as in_memory:  # centring the writers behind an RMSNorm, asked for
+    with pytest.raises(cm.PreconditionError) as in_memory:  # centering the writers behind an RMSNorm, asked for
         cm.process_weights(state_dict, cfg, **dict.fromkeys(asked, True))
     with pytest.raises(cm.PreconditionError) as streamed:
         io.process_checkpoint(folder, tmp_path / "out", steps=asked)

@@ -58,22 +58,22 @@ DISCRIMINATING = {
 
 
 def test_every_numeric_twin_has_a_discriminating_strategy():
-    assert set(DISCRIMINATING) == set(FOLD.corruptions)
+    assert set(DISCRIMINATING) == set(FOLD.wrong_everywhere)
 
 
-@pytest.mark.parametrize("corruption", sorted(DISCRIMINATING))
+@pytest.mark.parametrize("wrong_name", sorted(DISCRIMINATING))
 @given(data=st.data())
-def test_negative_control_wrong_fold_is_caught(corruption, data):
-    grouped = (True,) if corruption == "once_per_key_value_head" else (False, True)
+def test_negative_control_wrong_fold_is_caught(wrong_name, data):
+    grouped = (True,) if wrong_name == "once_per_key_value_head" else (False, True)
     cfg, sd = data.draw(
         models(min_layers=1, grouped_query=grouped, weights=DISCRIMINATING_WEIGHTS, **EVERY_ARCHITECTURE).filter(
-            lambda model: model[0].d_model >= 3 and DISCRIMINATING[corruption](model[0])
+            lambda model: model[0].d_model >= 3 and DISCRIMINATING[wrong_name](model[0])
         )
     )
     toks = default_tokens(cfg)
-    assume_discriminates(FOLD, corruption, sd, cfg, toks, weights=VISIBLE)
-    result = FOLD.check_wrong_rewrite(corruption, sd, cfg, toks)
-    assert not result.passed, f"{corruption} went unnoticed: {result}"
+    assume_discriminates(FOLD, wrong_name, sd, cfg, toks, weights=VISIBLE)
+    result = FOLD.check_wrong_rewrite(wrong_name, sd, cfg, toks)
+    assert not result.passed, f"{wrong_name} went unnoticed: {result}"
 
 
 @given(models(**wide(**EVERY_ARCHITECTURE)))

@@ -76,11 +76,11 @@ def test_the_transform_is_pure_keeps_the_dtype_records_itself_and_runs_once(iden
 
 #: Symmetries whose transform composes with itself (two rotations are a rotation; two
 #: permutations a permutation): applying them twice is exact and is not refused.
-COMPOSING = {"layer_norm_rotation", "rms_norm_rotation", "rotation_invariance", "permute_heads", "permute_neurons"}
+COMPOSING = {"layer_norm_rotation", "rms_norm_rotation", "rotate_residual_stream", "permute_heads", "permute_neurons"}
 
 
 #: Identities whose checker cannot recognise their exact rewrite (strict xfail: a gap that closes
-#: fails the suite until it is taken off). Empty: checking rotation_invariance alone once reported
+#: fails the suite until it is taken off). Empty: checking rotate_residual_stream alone once reported
 #: its preparation "not recognised"; the replay now keeps the exact route when a search through
 #: wrong rewrites explains no more of the model.
 CHECKER_GAPS: set[str] = set()

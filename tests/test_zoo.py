@@ -11,7 +11,7 @@ import torch
 import circuitmath as cm
 from circuitmath import zoo
 from circuitmath.zoo import _induction as induction
-from circuitmath.zoo._corpus import corpus_description, corpus_tokens
+from circuitmath.zoo import corpus_description, corpus_tokens
 from circuitmath.zoo.train import RECIPES, STUDIED, STUDY_SEEDS, Recipe, baseline_losses, heldout_loss, render_card, train, weights_digest
 
 ZOO = Path(zoo.__file__).parent
@@ -97,7 +97,7 @@ def test_every_identity_holds_or_refuses_on_every_zoo_model(model):
         assert r.passed, (name, r)
         assert r.applicable or r.reason
     applicable = {r.identity for r in results if r.applicable}
-    assert {"layer_norm_fold", "center_reading_weights"} <= applicable
+    assert {"fold_layer_norm", "center_reading_weights"} <= applicable
 
 
 def test_run_with_patterns_is_the_reference_forward_pass(model):

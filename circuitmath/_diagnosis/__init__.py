@@ -185,7 +185,7 @@ def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens
     """Check that ``after`` is the registered identity ``name`` applied to ``before``.
 
     Like :func:`diagnose`, but the replay is this identity alone (after the identity's own
-    preparation, e.g. the LayerNorm fold that centring the reading weights needs). Its row is
+    preparation, e.g. the LayerNorm fold that centering the reading weights needs). Its row is
     ``"not recognised"`` when none of the tensors the identity rewrites matches its rewrite.
     """
     identity = _identities.get_identity(name)
@@ -249,7 +249,7 @@ def check_model(model, cfg=None, *, tokens=None, progress: Progress | None = Non
     """Apply every weight identity that applies to ``model`` and compare log-probs, one row each.
 
     ``model`` and ``cfg`` as for :func:`diagnose`. Each identity runs on the model after its own
-    preparation (e.g. centring the reading weights after the LayerNorm fold); an identity that
+    preparation (e.g. centering the reading weights after the LayerNorm fold); an identity that
     refuses the model is ``"not applicable"``, with the broken precondition as its reason. The
     tolerance is the model's (:class:`_LogProbs`). ``progress(done, total, what)`` is called
     before each identity.

@@ -172,8 +172,8 @@ def _resolve_after(after, after_cfg, before_cfg: Config, cfg, before: Model | No
 
 def _layer_norm_or_rms_norm(resolved: Model, before: Model) -> Model:
     """``LNPre`` or ``RMSPre``: the two have the same tensors. Read as ``LNPre`` (a folded
-    LayerNorm) unless a writer is not centred: then ``LNPre`` and ``RMSPre`` compute different
-    functions (after ``layer_norm_to_rms_norm`` and a rotation the writes are not centred), and
+    LayerNorm) unless a writer is not centered: then ``LNPre`` and ``RMSPre`` compute different
+    functions (after ``layer_norm_to_rms_norm`` and a rotation the writes are not centered), and
     the one whose log-probs are closer to ``before``'s on the default tokens is taken."""
     if resolved.cfg.normalization_type != "LNPre" or before.cfg.normalization_type != "LN":
         return resolved

@@ -33,7 +33,7 @@ __all__ = ["weight_identities", "SYMMETRIES"]
 
 #: Identities with a free parameter (a rotation ``Q``, a permutation): the blind replay cannot try
 #: them with a fixed one, so the diagnosis recovers the parameter from the tensors instead.
-SYMMETRIES = ("rms_norm_rotation", "layer_norm_rotation", "rotation_invariance", "slicegpt_route",
+SYMMETRIES = ("rms_norm_rotation", "layer_norm_rotation", "rotate_residual_stream", "slicegpt_route",
               "permute_heads", "permute_neurons")
 
 
@@ -185,7 +185,7 @@ class _Replay:
         whose parameter (``Q``, the permutation) is recovered from ``state`` and ``after``."""
         if identity.name not in SYMMETRIES or not _same_names(state, self.after):
             return identity.transform
-        if identity.name in ("rotation_invariance", "layer_norm_rotation"):
+        if identity.name in ("rotate_residual_stream", "layer_norm_rotation"):
             Q = _best_rotation(state, self.after, cfg)
             if cfg.normalization_type == "LNPre" and _fixes_ones(Q):
                 Q = _fixing_ones_exactly(Q)  # to rounding: the Procrustes fit moves 1 by a little more
@@ -221,7 +221,7 @@ class _Replay:
             if not _same_names(start, self.after) or not self._norms_kept(start):
                 continue  # a rotation keeps the norm of every row of W_E: no rotation from this start
             routes = []
-            for names in (_anchors(start_cfg), None):  # W_E alone, then every tensor (uncentred readers fix 1's image)
+            for names in (_anchors(start_cfg), None):  # W_E alone, then every tensor (uncentered readers fix 1's image)
                 Q = procrustes(start, self.after, start_cfg, names)
                 back = dict(self.after) | rotated_tensors(self.after, start_cfg, Q.T)
                 routes.append(_Replay(back, self.thresholds).run(before, cfg, None, search=False))
@@ -255,12 +255,12 @@ class _Replay:
         rotation), after switching an ``LNPre`` model to RMSNorm when ``Q`` moves the all-ones
         direction: ``(stages, final, final_cfg, residual)``, or ``None`` when it cannot apply."""
         if state_cfg.normalization_type == "LNPre" and not _fixes_ones(procrustes(state, self.after, state_cfg)):
-            # LNPre rotates only by a Q fixing 1; with centred writes switch to RMSNorm first
+            # LNPre rotates only by a Q fixing 1; with centered writes switch to RMSNorm first
             switch = self.stage(_identities.get_identity("layer_norm_to_rms_norm"), state, state_cfg,
                                 forced=True, search=False)
             if switch is not None and switch.refusal is None:
                 stages, state, state_cfg = stages + [switch], switch.state, switch.cfg
-        name = "layer_norm_rotation" if state_cfg.normalization_type == "LNPre" else "rotation_invariance"
+        name = "layer_norm_rotation" if state_cfg.normalization_type == "LNPre" else "rotate_residual_stream"
         stage = self.stage(_identities.get_identity(name), state, state_cfg, forced=True, search=True)
         if stage is None or stage.exact is None:
             return None
@@ -383,7 +383,7 @@ class _Replay:
         First exact rewrites only; if anything is left, the known wrong rewrites compared with
         ``after`` where they are applied; if still anything is left, each wrong rewrite followed
         by the rest of the replay (it may be hidden under later rewrites of the same tensors,
-        e.g. a wrongly folded unembed that is centred afterwards).
+        e.g. a wrongly folded unembed that is centered afterwards).
         """
         stages, final, final_cfg = self.run(before, cfg, plan, search=False)
         residual = self.residual(final, before)
@@ -458,7 +458,7 @@ def _fixes_ones(Q: torch.Tensor) -> bool:
 
 def _anchors(cfg: Config) -> list[str]:
     """The tensors a rotation is recovered from: ``W_E`` (``[d_vocab, d_model]``, which the usual
-    processing before a rotation leaves as it is once the writes are centred; the other tensors
+    processing before a rotation leaves as it is once the writes are centered; the other tensors
     then show a wrong rotation), or every writer's weight when ``d_vocab < d_model``."""
     if cfg.d_vocab >= cfg.d_model:
         return ["embed.W_E"]
@@ -477,7 +477,7 @@ def _fixing_ones_exactly(Q: torch.Tensor) -> torch.Tensor:
 def _best_rotation(state: Mapping, after: Mapping, cfg: Config) -> torch.Tensor:
     """The Procrustes ``Q`` from ``W_E`` alone or from every tensor, whichever leaves fewer
     tensors of ``after`` unexplained: ``W_E`` is robust to a wrong rotation of other tensors,
-    but leaves the image of a direction no writer has (1, once the writes are centred) free,
-    which uncentred readers then fix."""
+    but leaves the image of a direction no writer has (1, once the writes are centered) free,
+    which uncentered readers then fix."""
     fits = [procrustes(state, after, cfg, names) for names in (_anchors(cfg), None)]
     return min(fits, key=lambda Q: len(rotation_mismatches(state, after, cfg, Q)))

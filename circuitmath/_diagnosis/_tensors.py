@@ -92,7 +92,7 @@ class _Thresholds:
     :data:`CERTIFICATE_ULPS` units in the last place of ``dtype`` of the rewrite computed in
     ``compute_dtype_of(dtype)`` (float32 for half precision), plus ``floor`` times the tensor's
     largest entry: the error of computing the rewrite in the compute dtype (its entries made by
-    cancellation, a centred weight's, carry the rounding of the terms, not of the result). A
+    cancellation, a centered weight's, carry the rounding of the terms, not of the result). A
     processing rounded once to bfloat16 is within half a unit; a 1 % change of a bfloat16 tensor
     moves its entries by 1.3 to 2.6 units, so some entry of any tensor of more than a few entries
     leaves the bound.

@@ -4,9 +4,12 @@
 families, so that the registry itself imports no family (no import cycle).
 """
 
+import warnings
+
+from .._config import FORMER_NAMES
 from .._registry import Identity, registered
 from . import layer_norm  # noqa: F401
-from . import centring  # noqa: F401
+from . import centering  # noqa: F401
 from . import norms  # noqa: F401
 from . import shortformer  # noqa: F401
 from . import attention_biases  # noqa: F401
@@ -28,10 +31,15 @@ def identities() -> tuple[Identity, ...]:
 
 
 def get_identity(name: str) -> Identity:
-    """The registered identity called ``name``, or whose public transform is ``circuitmath.<name>``
-    (``get_identity("fold_layer_norm")`` is ``layer_norm_fold``); ``KeyError`` listing the known
-    names if none."""
+    """The registered identity called ``name``, or whose public transform is ``circuitmath.<name>``;
+    :class:`~circuitmath.UnknownNameError` (a ``KeyError``) listing the known names if none.
+
+    A former name (``"layer_norm_fold"``, now ``"fold_layer_norm"``) still finds its identity,
+    with a :class:`DeprecationWarning`."""
     known = registered()
+    if name in FORMER_NAMES:
+        warnings.warn(f"identity {name!r} is now called {FORMER_NAMES[name]!r}", DeprecationWarning, stacklevel=2)
+        name = FORMER_NAMES[name]
     if name in known:
         return known[name]
     by_function = [i for i in known.values() if i.function == name]

@@ -250,7 +250,7 @@ def heads_route(compute: Callable, identity: str) -> Callable:
 def frozen_norm_operator(cfg: Config, norm: _Norm, positions: int, dtype: torch.dtype) -> TensorProduct:
     """A frozen norm's linear part ``x -> s * (x P) * w`` as ``diag(s) ⊗ (P diag(w))^T``.
 
-    ``P`` centres (LN, LNPre) or is the identity; ``w`` is the gain (LN, RMS) or 1; ``s`` the
+    ``P`` centers (LN, LNPre) or is the identity; ``w`` is the gain (LN, RMS) or 1; ``s`` the
     frozen scale ``[batch, pos]`` (positions ``[batch, pos, pos]``), or 1 without a norm.
     """
     features = torch.eye(cfg.d_model, dtype=dtype)

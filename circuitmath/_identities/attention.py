@@ -22,11 +22,14 @@ from .._registry import Identity, register
 from .._reference import normalize
 from ..circuits import TensorProduct, ov_circuits
 from ..circuits._heads import _layer_bias, _layer_weight
-from ..circuits._paths import _run
+from ..circuits._heads import HAS_ATTENTION
+from ..circuits._paths import PATH_MODEL, _run
 from ._circuit_checks import Joint, compare_logits, dim, logits_with_heads, notation_proof, selector
 
 n, d, e, q = dim("n"), dim("d"), dim("e"), dim("q")
-ATTENTION_ONLY = ("attention-only, pre-norm model (the route reruns its forward pass with frozen patterns)",)
+#: The routes rerun the forward pass with frozen patterns (the path expansion's preconditions);
+#: the tensor form reads the OV circuits, which need attention layers.
+ATTENTION_ONLY = PATH_MODEL
 
 
 # -- attention_head_tensor_form ---------------------------------------------------------------
@@ -87,7 +90,7 @@ ATTENTION_HEAD_TENSOR_FORM = register(
         name="attention_head_tensor_form",
         title="An attention head is a tensor product",
         summary="h(X) = A (X W_V) W_O = (A ⊗ W_O W_V)·X, with the paper's W_O W_V the transpose of W_V @ W_O",
-        preconditions=ATTENTION_ONLY,
+        preconditions=(*ATTENTION_ONLY, HAS_ATTENTION),
         build_proof=_head_proof,
         transform=_ov_tensor_route(transpose_pattern=False),
         wrong_rewrites={"pattern_transposed": _ov_tensor_route(transpose_pattern=True)},
@@ -218,8 +221,8 @@ def _row_by_row_route(mix_positions: bool):
         kind = cfg.normalization_type
         if kind is None:
             return x
-        centred = flat - flat.mean(dim=-1, keepdim=True) if kind in ("LN", "LNPre") else flat
-        scaled = (centred / torch.sqrt(centred.pow(2).mean(dim=-1, keepdim=True) + cfg.eps)).reshape(x.shape)
+        centered = flat - flat.mean(dim=-1, keepdim=True) if kind in ("LN", "LNPre") else flat
+        scaled = (centered / torch.sqrt(centered.pow(2).mean(dim=-1, keepdim=True) + cfg.eps)).reshape(x.shape)
         scaled = scaled * w if kind in ("LN", "RMS") else scaled
         return scaled + b if kind == "LN" else scaled
 

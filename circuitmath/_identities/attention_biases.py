@@ -279,7 +279,7 @@ def _key_bias_proof() -> Proof:
     )
 
 
-# -- numeric twins: wrong transforms the numeric check must reject ---------------------------
+# -- wrong rewrites: wrong transforms the numeric check must reject --------------------------
 
 
 def _fold_through(select):

@@ -25,11 +25,13 @@ import sympy
 import torch
 from sympy import DiagMatrix, Identity as Eye, MatMul, MatrixSymbol, Symbol, Transpose
 
-from .._errors import PreconditionError
+from .._errors import Precondition, PreconditionError
 from .._proof import Definition, Fact, Nonzero, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names, validate_state_dict
-from ..circuits import FactoredMatrix, composition_scores, copying_scores, full_ov_circuits, ov_circuits, qk_circuits
+from ..circuits import FactoredMatrix, composition_scores, copying_scores, full_ov_circuits, ov_circuits
+from ..circuits._bases import _change_bases
+from ..circuits._heads import HAS_ATTENTION, ONE_QK_PER_HEAD
 from .._compare import Comparison
 from .._compare import SAFETY, SENSITIVITY_SAFETY
 from ._circuit_checks import (
@@ -48,7 +50,9 @@ from ._circuit_checks import (
 )
 
 n, d, e, m, k, V = dim("n"), dim("d"), dim("e"), dim("m"), dim("k"), dim("V")
-ANY_ATTENTION = ("the model has attention layers (any architecture the reference runs)",)
+ANY_ATTENTION = (HAS_ATTENTION,)
+#: Checking eigenvalues_ab_ba compares with the dense spectrum of every head's circuit.
+CIRCUITS_FIT = Precondition("the materialised [d_vocab, d_vocab] circuits fit in memory")
 
 
 def _inverse_pair(name: str, size):
@@ -70,69 +74,34 @@ def _unimodular_sampler(G, G_inv, dims):
 # -- random reparametrisations (the numeric side of the invariance identities) ------------------
 
 
-def _head_groups(cfg) -> int:
-    """Key/value heads: one matrix ``G`` (or ``M``) per key/value head, shared by its query heads."""
-    return cfg.n_key_value_heads or cfg.n_heads
-
-
-def _per_query_head(matrices: torch.Tensor, cfg) -> torch.Tensor:
-    groups = _head_groups(cfg)
-    return matrices.repeat_interleave(cfg.n_heads // groups, dim=0) if groups != cfg.n_heads else matrices
+def _random_bases(cfg, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random well-conditioned ``[n_layers, kv_heads, d_head, d_head]`` matrices and their
+    inverses, drawn from ``seed``: one per key/value head, shared by its query heads."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs = [random_invertible(generator, (attention_names(cfg, "K")[2],), cfg.d_head) for _ in range(cfg.n_layers)]
+    if not pairs:
+        empty = torch.empty(0, attention_names(cfg, "K")[2], cfg.d_head, cfg.d_head, dtype=torch.float64)
+        return empty, empty
+    return torch.stack([G for G, _ in pairs]), torch.stack([G_inv for _, G_inv in pairs])
 
 
 def _reparametrise_ov(state_dict, cfg, *, seed: int = 0, wrong: str | None = None):
-    """``W_V -> W_V G``, ``b_V -> b_V G``, ``W_O -> G^{-1} W_O`` with a random well-conditioned
-    ``G: [d_head, d_head]`` per key/value head (shared by its query heads), drawn from ``seed``.
-
-    Not a processing step (nothing is recorded in ``cfg.applied``; applying it twice is another
-    reparametrisation; ``refactor_factored_attn_matrices`` proves that any ``G`` keeps the
-    model). ``wrong="output_times_G"`` multiplies ``W_O`` by ``G`` instead: a negative twin.
-    """
+    """:func:`~circuitmath.circuits.change_head_bases` with a random ``M`` (here ``G``) drawn
+    from ``seed``: ``W_V G``, ``b_V G``, ``G^{-1} W_O``. ``wrong="output_times_G"`` multiplies
+    ``W_O`` by ``G`` instead: a wrong rewrite."""
     validate_state_dict(state_dict, cfg)
-    generator = torch.Generator().manual_seed(seed)
-    out = dict(state_dict)
-    weight, bias, _heads = attention_names(cfg, "V")
-    for layer in range(cfg.n_layers):
-        p = f"blocks.{layer}.attn"
-        G, G_inv = random_invertible(generator, (_head_groups(cfg),), cfg.d_head)
-        dtype = state_dict[f"{p}.W_O"].dtype
-        out[f"{p}.{weight}"] = (state_dict[f"{p}.{weight}"].double() @ G).to(dtype)
-        out[f"{p}.{bias}"] = (state_dict[f"{p}.{bias}"].double()[:, None] @ G)[:, 0].to(dtype)
-        left = G if wrong == "output_times_G" else G_inv
-        out[f"{p}.W_O"] = (_per_query_head(left, cfg) @ state_dict[f"{p}.W_O"].double()).to(dtype)
-    return out, cfg
+    G, G_inv = _random_bases(cfg, seed)
+    return _change_bases(state_dict, cfg, value=G, output=G if wrong == "output_times_G" else G_inv), cfg
 
 
 def _reparametrise_qk(state_dict, cfg, *, seed: int = 0, wrong: str | None = None):
-    """``W_Q -> W_Q M``, ``b_Q -> b_Q M``, ``W_K -> W_K M^{-T}``, ``b_K -> b_K M^{-T}`` with a
-    random well-conditioned ``M: [d_head, d_head]`` per key/value head, drawn from ``seed``.
-
-    Refused for rotary models (a rotation by position sits between ``W_Q`` and ``W_K``, and
-    ``M`` does not commute with it) and for positional embedding types that add per-layer
-    query/key tables. ``wrong="key_times_M"`` multiplies ``W_K`` by ``M`` instead: a negative twin.
-    """
+    """:func:`~circuitmath.circuits.change_head_bases` with a random ``N`` (here ``M``) drawn
+    from ``seed``: ``W_Q M``, ``W_K M^{-T}``, biases alike. The callers leave rotary models out
+    (``M`` does not commute with the rotation). ``wrong="key_times_M"`` multiplies ``W_K`` by
+    ``M`` instead: a wrong rewrite."""
     validate_state_dict(state_dict, cfg)
-    if cfg.positional_embedding_type not in ("standard", "shortformer"):
-        raise PreconditionError(
-            "qk_reparametrisation", "queries and keys meet only through q k^T",
-            f"positional_embedding_type is {cfg.positional_embedding_type!r}: positions act between"
-            " W_Q and W_K, so W_Q M and W_K M^(-T) do not cancel",
-        )
-    generator = torch.Generator().manual_seed(seed)
-    out = dict(state_dict)
-    q_weight, q_bias, _ = attention_names(cfg, "Q")
-    k_weight, k_bias, _ = attention_names(cfg, "K")
-    for layer in range(cfg.n_layers):
-        p = f"blocks.{layer}.attn"
-        M, M_inv = random_invertible(generator, (_head_groups(cfg),), cfg.d_head)
-        key_map = M if wrong == "key_times_M" else M_inv.transpose(-1, -2)
-        dtype = state_dict[f"{p}.{q_weight}"].dtype
-        M_q = _per_query_head(M, cfg)
-        out[f"{p}.{q_weight}"] = (state_dict[f"{p}.{q_weight}"].double() @ M_q).to(dtype)
-        out[f"{p}.{q_bias}"] = (state_dict[f"{p}.{q_bias}"].double()[:, None] @ M_q)[:, 0].to(dtype)
-        out[f"{p}.{k_weight}"] = (state_dict[f"{p}.{k_weight}"].double() @ key_map).to(dtype)
-        out[f"{p}.{k_bias}"] = (state_dict[f"{p}.{k_bias}"].double()[:, None] @ key_map)[:, 0].to(dtype)
-    return out, cfg
+    M, M_inv = _random_bases(cfg, seed)
+    return _change_bases(state_dict, cfg, query=M, key=M if wrong == "key_times_M" else M_inv.transpose(-1, -2)), cfg
 
 
 def _float64(state_dict) -> dict:
@@ -375,7 +344,7 @@ def _compare_eigenvalues(state_dict, cfg, tokens, route) -> Comparison:
     circuit_bytes = cfg.n_layers * cfg.n_heads * cfg.d_vocab**2 * 8
     if circuit_bytes > MATERIALISED_CIRCUIT_LIMIT_BYTES:
         raise PreconditionError(
-            "eigenvalues_ab_ba", "the materialised [d_vocab, d_vocab] circuits fit in memory",
+            "eigenvalues_ab_ba", CIRCUITS_FIT,
             f"checking the identity compares with the dense spectrum of every head's"
             f" {cfg.d_vocab:,} x {cfg.d_vocab:,} circuit: {cfg.n_layers * cfg.n_heads} heads,"
             f" {circuit_bytes / 2**30:,.0f} GiB in float64, over the limit of"
@@ -403,7 +372,7 @@ EIGENVALUES_AB_BA = register(
         name="eigenvalues_ab_ba",
         title="The nonzero eigenvalues of AB and BA agree",
         summary="A B v = λ v with λ ≠ 0 implies B A (B v) = λ (B v): spectra of big circuits from d_head x d_head matrices",
-        preconditions=ANY_ATTENTION,
+        preconditions=(*ANY_ATTENTION, CIRCUITS_FIT),
         build_proof=_eigen_proof,
         transform=_eigenvalues_route(),
         wrong_rewrites={"ov_without_embeddings": _eigenvalues_route(wrong=True)},
@@ -460,27 +429,6 @@ def _scores_proof():
     )
 
 
-def _naive_composition_scores(state_dict, cfg, kinds):
-    """The scores from materialised ``[d_model, d_model]`` products, one layer pair at a time."""
-    state_dict = _float64(state_dict)
-    ov = ov_circuits(state_dict, cfg).AB
-    readers = {"v": ov}
-    if {"q", "k"} & set(kinds):
-        qk = qk_circuits(state_dict, cfg).AB
-        readers |= {"q": qk, "k": qk.transpose(-1, -2)}
-    fro = torch.linalg.matrix_norm
-    out = {}
-    for kind in kinds:
-        reader = readers[kind]
-        scores = torch.full((cfg.n_layers, cfg.n_heads) * 2, float("nan"), dtype=torch.float64)
-        for l1 in range(cfg.n_layers):
-            for l2 in range(l1 + 1, cfg.n_layers):
-                product = ov[l1][:, None] @ reader[l2][None]  # [H, H, d, d]
-                scores[l1, :, l2, :] = fro(product) / (fro(ov[l1])[:, None] * fro(reader[l2])[None])
-        out[kind] = scores
-    return out
-
-
 def _compare_scores(expected):
     def compare(state_dict, cfg, tokens, route) -> Comparison:
         dtype = validate_state_dict(state_dict, cfg)
@@ -508,7 +456,7 @@ def _kinds(cfg) -> tuple[str, ...]:
 
 
 def _naive_expected(state_dict, cfg):
-    return _naive_composition_scores(state_dict, cfg, _kinds(cfg))
+    return composition_scores(state_dict, cfg, _kinds(cfg), materialise=True)
 
 
 COMPOSITION_SCORES_FROM_FACTORS = register(
@@ -516,7 +464,7 @@ COMPOSITION_SCORES_FROM_FACTORS = register(
         name="composition_scores_from_factors",
         title="Composition scores from the factors",
         summary="M^T M = Q_K N^T N Q_K^T with N = R_V W_O W_Q R_K^T, so |W_OV W_QK|_F = |N|_F (d_head x d_head)",
-        preconditions=ANY_ATTENTION + ("Q- and K-composition: no rotary embedding",),
+        preconditions=(HAS_ATTENTION, ONE_QK_PER_HEAD),
         build_proof=_scores_proof,
         transform=_scores_route(),
         wrong_rewrites={"k_composition_untransposed": _scores_route(k_untransposed=True)},
@@ -586,7 +534,7 @@ COMPOSITION_SCORE_INVARIANCE = register(
         name="composition_score_invariance",
         title="Composition scores do not depend on the parametrisation",
         summary="(W_V G)(G^{-1} W_O)(W_Q P)(W_K P^{-T})^T = W_V W_O W_Q W_K^T; positive rescaling cancels in the ratio",
-        preconditions=ANY_ATTENTION + ("Q/K reparametrisation: no rotary embedding",),
+        preconditions=(HAS_ATTENTION, ONE_QK_PER_HEAD),
         build_proof=_score_invariance_proof,
         transform=_reparametrised_scores(),
         wrong_rewrites={"key_times_M": _reparametrised_scores(wrong="key_times_M")},

@@ -1,11 +1,11 @@
-"""LayerNorm folding and centring of reading weights.
+"""LayerNorm folding and centering of reading weights.
 
 Symbols (row-vector convention, one position of the residual stream at a time; positions are
 independent because a norm acts on each row separately):
 
 - ``x`` ``[1, d]`` the residual stream; ``W`` ``[d, m]`` and ``b_W`` ``[1, m]`` a reader;
 - ``w`` ``[d, 1]`` and ``b`` ``[1, d]`` the LayerNorm gain and bias;
-- ``C = I - 1 1^T / d`` the centring matrix;
+- ``C = I - 1 1^T / d`` the centering matrix;
 - ``rho`` the scalar ``(|x C|^2 / d + eps)^(-1/2)``. Every proof below holds for *any* scalar
   ``rho``, so it holds with ``eps > 0``: this is why the fold is exact with ``eps`` kept
   inside ``LNPre``.
@@ -36,10 +36,10 @@ LN = MatrixSymbol(r"\mathrm{LN}(x)", 1, d)
 RMSPre = MatrixSymbol(r"\mathrm{RMSPre}(x)", 1, d)
 
 DEFINITIONS = (
-    Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones, ones.T)), "the centring matrix"),
-    Definition(LNPre, MatMul(rho, x, C), "centre, then divide by the RMS (eps inside rho)"),
+    Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones, ones.T)), "the centering matrix"),
+    Definition(LNPre, MatMul(rho, x, C), "center, then divide by the RMS (eps inside rho)"),
     Definition(LN, MatAdd(MatMul(LNPre, DiagMatrix(w)), b), "LNPre, then gain and bias"),
-    Definition(RMSPre, MatMul(rho, x), "divide by the RMS, no centring"),
+    Definition(RMSPre, MatMul(rho, x), "divide by the RMS, no centering"),
 )
 EXPLICIT_DIMS = {d: 4, m: 3}
 
@@ -95,8 +95,8 @@ def _layer_norm_fold_proof() -> Proof:
 
 
 def _center_reading_proof() -> Proof:
-    centred = MatAdd(W, MatMul(-1 / d, ones, ones.T, W))
-    lhs = MatMul(LNPre, centred)
+    centered = MatAdd(W, MatMul(-1 / d, ones, ones.T, W))
+    lhs = MatMul(LNPre, centered)
     rhs = MatMul(LNPre, W)
     ones_m = OneMatrix(m, 1)
     return Proof(
@@ -118,27 +118,27 @@ def _center_reading_proof() -> Proof:
         twins=(
             Twin(
                 "wrong_axis",
-                "centre over the reader's output axis (mean over m), not over d_model",
+                "center over the reader's output axis (mean over m), not over d_model",
                 MatMul(LNPre, MatAdd(W, MatMul(-1 / m, W, ones_m, ones_m.T))),
                 rhs,
             ),
             Twin(
                 "behind_rms_norm",
-                "centre a reader behind RMSNorm, whose output is not orthogonal to 1",
-                MatMul(RMSPre, centred),
+                "center a reader behind RMSNorm, whose output is not orthogonal to 1",
+                MatMul(RMSPre, centered),
                 MatMul(RMSPre, W),
             ),
             Twin(
                 "before_folding",
-                "centre a reader behind LN before folding its gain and bias",
-                MatMul(LN, centred),
+                "center a reader behind LN before folding its gain and bias",
+                MatMul(LN, centered),
                 MatMul(LN, W),
             ),
         ),
     )
 
 
-# -- numeric twins: wrong transforms the numeric check must reject ---------------------------
+# -- wrong rewrites: wrong transforms the numeric check must reject --------------------------
 
 
 def _fold_with_bias_term(state_dict, cfg, bias_term):
@@ -190,7 +190,7 @@ def _a_square_reader(cfg) -> bool:
 
 
 def _center_readers_regardless(state_dict, cfg):
-    """Centre every reader over d_model whatever its input."""
+    """Center every reader over d_model whatever its input."""
     out = dict(state_dict)
     for _norm, pairs in readers(cfg):
         for weight, _bias in pairs:
@@ -204,7 +204,8 @@ REGARDLESS = "the rewrite, applied although the identity refuses this model"
 
 LAYER_NORM_FOLD = register(
     Identity(
-        name="layer_norm_fold",
+        name="fold_layer_norm",
+        aliases=("layer_norm_fold",),
         title="Folding LayerNorm into its readers",
         summary="LN(x) W + b_W = LNPre(x) (diag(w) W) + (b_W + b W), with eps kept inside LNPre",
         preconditions=(PRE_NORM, IS_LN, NORM_READ_LINEARLY, READER_HAS_BIAS, NOT_APPLIED),
@@ -222,7 +223,7 @@ LAYER_NORM_FOLD = register(
 CENTER_READING_WEIGHTS = register(
     Identity(
         name="center_reading_weights",
-        title="Centring the weights that read the residual stream",
+        title="Centering the weights that read the residual stream",
         summary="LNPre(x) is orthogonal to 1, so W - 1 mean_d(W) reads the same values as W",
         preconditions=(READS_LNPRE, PRE_NORM, NORM_READ_LINEARLY, NOT_APPLIED),
         build_proof=_center_reading_proof,

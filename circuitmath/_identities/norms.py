@@ -2,9 +2,9 @@
 
 Symbols (row-vector convention, one position of the residual stream at a time):
 
-- ``x`` ``[1, d]`` the residual stream, ``C = I - 1 1^T / d`` the centring matrix;
+- ``x`` ``[1, d]`` the residual stream, ``C = I - 1 1^T / d`` the centering matrix;
 - ``LNPre(y) = n(y C)`` and ``RMSPre(y) = n(y)`` with ``n(v) = v (|v|^2 / d + eps)^(-1/2)``;
-- ``q = |x C|^2 > 0`` the squared norm of the centred stream (a scalar symbol: the proofs of
+- ``q = |x C|^2 > 0`` the squared norm of the centered stream (a scalar symbol: the proofs of
   scale invariance need only that it is positive and that ``|s x C|^2 = s^2 q``);
 - ``rho`` the normaliser ``(q / d + eps)^(-1/2)`` where a proof holds for any value of it;
 - ``w`` ``[d, 1]`` an RMSNorm gain, ``W`` ``[d, m]`` and ``b_W`` ``[1, m]`` a reader.
@@ -27,7 +27,7 @@ from .._processing import (
     writers,
 )
 from .._processing._common import NORM_READ_LINEARLY, NOT_APPLIED, PRE_NORM
-from .._processing.norms import BEHIND_A_NORM, EPS_ZERO, IS_LNPRE, IS_RMS, SCALE_POSITIVE, WRITES_CENTRED
+from .._processing.norms import BEHIND_A_NORM, EPS_ZERO, IS_LNPRE, IS_RMS, SCALE_POSITIVE, WRITES_CENTERED
 from .._proof import Definition, Proof, Step, Twin
 from .._registry import Identity, register
 
@@ -39,7 +39,7 @@ rho, rho_other = Symbol(r"\rho", positive=True), Symbol(r"\rho'", positive=True)
 x = MatrixSymbol("x", 1, d)
 ones = OneMatrix(d, 1)
 C = MatrixSymbol("C", d, d)
-CENTRING = Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones, ones.T)), "the centring matrix")
+CENTERING = Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones, ones.T)), "the centering matrix")
 
 
 # -- LayerNorm as linear algebra -------------------------------------------------------------
@@ -58,7 +58,7 @@ def _projection_proof() -> Proof:
             Step(MatMul(x, C), r"$\mathbf{1}_d^\top C = 0$"),
         ),
         definitions=(
-            CENTRING,
+            CENTERING,
             Definition(P, MatMul(1 / d, ones, ones.T), "the projection onto the all-ones direction"),
             Definition(C_root, MatAdd(Eye(d), MatMul(-1 / sqrt(d), ones, ones.T)), "1/sqrt(d) once, not twice"),
         ),
@@ -67,7 +67,7 @@ def _projection_proof() -> Proof:
         twins=(
             Twin(
                 "notes_drop_x0",
-                "the older notes' centring step without `x0 -`: (x0 . 1/sqrt(n)) 1/sqrt(n) = x P keeps only the mean",
+                "the older notes' centering step without `x0 -`: (x0 . 1/sqrt(n)) 1/sqrt(n) = x P keeps only the mean",
                 MatMul(shifted, P.T, P),
                 MatMul(x, P),
             ),
@@ -96,7 +96,7 @@ def _scale_invariance_proof() -> Proof:
             Step(LNPre_x, r"definition, $\varepsilon = 0$"),
         ),
         definitions=(
-            CENTRING,
+            CENTERING,
             Definition(LNPre_x, MatMul(norm, x, C), r"eps = 0; q = |x C|^2 > 0"),
             Definition(LNPre_sx, MatMul(scaled_norm, s, x, C), "eps = 0; |s x C|^2 = s^2 q"),
         ),
@@ -160,17 +160,17 @@ def _layer_norm_to_rms_proof() -> Proof:
             Step(RMSPre_xc, r"definition of $\mathrm{RMSPre}$, same $\varepsilon$"),
         ),
         definitions=(
-            CENTRING,
-            Definition(x_c, MatMul(x, C), "every write centred: the writes w C summed"),
+            CENTERING,
+            Definition(x_c, MatMul(x, C), "every write centered: the writes w C summed"),
             Definition(LNPre_xc, MatMul(rho, x_c, C), "rho from x' C"),
             Definition(RMSPre_xc, MatMul(rho, x_c), "rho from x', the same vector"),
         ),
         explicit_dims={d: 4},
-        assumptions=("every write to the residual stream is centred (center_writing_weights)", "the same eps in both norms"),
+        assumptions=("every write to the residual stream is centered (center_writing_weights)", "the same eps in both norms"),
         twins=(
             Twin(
-                "uncentred_stream",
-                "switch to RMSNorm without centring the writes: x C != x",
+                "uncentered_stream",
+                "switch to RMSNorm without centering the writes: x C != x",
                 MatMul(rho, x, C),
                 MatMul(rho, x),
             ),
@@ -204,8 +204,8 @@ def _rms_fold_proof() -> Proof:
             Step(folded, r"regroup; the bias is unchanged"),
         ),
         definitions=(
-            CENTRING,
-            Definition(RMSPre, MatMul(rho, x), "eps inside rho, no centring"),
+            CENTERING,
+            Definition(RMSPre, MatMul(rho, x), "eps inside rho, no centering"),
             Definition(RMS, MatMul(RMSPre, DiagMatrix(w)), "RMSPre, then the gain"),
         ),
         explicit_dims={d: 4, m: 3},
@@ -218,8 +218,8 @@ def _rms_fold_proof() -> Proof:
                 MatMul(RMSPre, W_gate),
             ),
             Twin(
-                "centre_after_fold",
-                "centre the folded reader as after a LayerNorm fold: RMSPre(x) is not orthogonal to 1",
+                "center_after_fold",
+                "center the folded reader as after a LayerNorm fold: RMSPre(x) is not orthogonal to 1",
                 lhs,
                 MatAdd(MatMul(RMSPre, MatMul(C, W_eff)), b_W),
             ),
@@ -233,7 +233,7 @@ def _rms_fold_proof() -> Proof:
     )
 
 
-# -- numeric twins: wrong transforms the numeric check must reject ---------------------------
+# -- wrong rewrites: wrong transforms the numeric check must reject --------------------------
 
 
 def _keep_only_the_mean(state_dict, cfg):
@@ -264,8 +264,8 @@ def _fold_and_center_readers(state_dict, cfg):
     return out, new_cfg
 
 
-def _centred_layer_norm_model(state_dict, cfg):
-    """Fold an ``LN`` model's gain and bias, then centre every write: what the LN to RMS switch needs."""
+def centered_layer_norm_model(state_dict, cfg):
+    """Fold an ``LN`` model's gain and bias, then center every write: what the LN to RMS switch needs."""
     if cfg.normalization_type == "LN":
         state_dict, cfg = fold_layer_norm(state_dict, cfg)
     return center_writing_weights(state_dict, cfg)
@@ -282,10 +282,11 @@ def _rescale_by_negative_scale(state_dict, cfg):
 #: The scale the numeric check of scale invariance rescales the residual stream by.
 CHECK_SCALE = 3.7
 
-CENTRING_PROJECTION = register(
+CENTERING_PROJECTION = register(
     Identity(
-        name="centring_projection",
-        title="Centring is the orthogonal projection C = I - 1 1^T / d",
+        name="centering_projection",
+        aliases=("centring_projection",),
+        title="Centering is the orthogonal projection C = I - 1 1^T / d",
         summary="(x + a 1^T) C^T C = x C for all x and a: C is symmetric, idempotent and kills 1,"
         " so the 1 direction of the residual stream is invisible to LayerNorm",
         preconditions=(
@@ -300,7 +301,8 @@ CENTRING_PROJECTION = register(
 
 SCALE_INVARIANCE = register(
     Identity(
-        name="scale_invariance",
+        name="rescale_residual_stream",
+        aliases=("scale_invariance",),
         title="LayerNorm is invariant to positive scaling exactly when eps = 0",
         summary="LNPre(s x) = LNPre(x) for s > 0 when eps = 0; with eps > 0 it is not, while the"
         " LayerNorm fold, which holds for any normaliser, stays exact",
@@ -314,26 +316,27 @@ SCALE_INVARIANCE = register(
 LAYER_NORM_TO_RMS_NORM = register(
     Identity(
         name="layer_norm_to_rms_norm",
-        title="LayerNorm becomes RMSNorm once every write is centred",
-        summary="if every write to the residual stream is centred then x C = x, so LNPre(x) = RMSPre(x) with the same eps",
-        preconditions=(WRITES_CENTRED, PRE_NORM, IS_LNPRE, NOT_APPLIED),
+        title="LayerNorm becomes RMSNorm once every write is centered",
+        summary="if every write to the residual stream is centered then x C = x, so LNPre(x) = RMSPre(x) with the same eps",
+        preconditions=(WRITES_CENTERED, PRE_NORM, IS_LNPRE, NOT_APPLIED),
         build_proof=_layer_norm_to_rms_proof,
         transform=layer_norm_to_rms_norm,
         wrong_rewrites={"other_eps": _switch_with_other_eps},
-        prepare=_centred_layer_norm_model,
-        check_note="folded and with its writing weights centred first, as the identity needs",
+        prepare=centered_layer_norm_model,
+        check_note="folded and with its writing weights centered first, as the identity needs",
     )
 )
 
 RMS_NORM_FOLD = register(
     Identity(
-        name="rms_norm_fold",
+        name="fold_rms_norm",
+        aliases=("rms_norm_fold",),
         title="Folding RMSNorm into its readers, W_gate included",
         summary="RMS(x) W + b_W = RMSPre(x) (diag(w) W) + b_W for every reader, W_gate of a gated MLP"
-        " included; nothing is centred",
+        " included; nothing is centered",
         preconditions=(PRE_NORM, IS_RMS, NORM_READ_LINEARLY, NOT_APPLIED),
         build_proof=_rms_fold_proof,
         transform=fold_rms_norm,
-        wrong_rewrites={"forget_W_gate": _fold_forgetting_W_gate, "centre_reading_weights": _fold_and_center_readers},
+        wrong_rewrites={"forget_W_gate": _fold_forgetting_W_gate, "center_reading_weights": _fold_and_center_readers},
     )
 )

@@ -27,7 +27,7 @@ from .._proof import Definition, Fact, Step, Twin
 from .._registry import Identity, register
 from ..circuits import Path, TensorProduct, vec
 from ..circuits._heads import _layer_weight
-from ..circuits._paths import _embed, _run, _through_layer
+from ..circuits._paths import PATH_MODEL, _embed, _run, _through_layer
 from ._circuit_checks import Joint, compare_logits, dim, frozen_norm_operator, heads_route, notation_proof, selector
 
 n, m, d, q = dim("n"), dim("m"), dim("d"), dim("q")
@@ -37,9 +37,8 @@ B = MatrixSymbol("B", q, d)
 X = MatrixSymbol("X", n, d)
 I_n, I_m, I_d, I_q = Eye(n), Eye(m), Eye(d), Eye(q)
 
-ATTENTION_ONLY = (
-    "attention-only, pre-norm model (the route reruns its forward pass with frozen patterns)",
-)
+#: The route reruns the forward pass with frozen patterns: the path expansion's preconditions.
+ATTENTION_ONLY = PATH_MODEL
 
 
 # -- tensor_product_action -------------------------------------------------------------------

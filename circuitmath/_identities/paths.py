@@ -28,13 +28,14 @@ import torch
 from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, Transpose
 from sympy.matrices.expressions.kronecker import KroneckerProduct
 
-from .._errors import PreconditionError
+from .._errors import Precondition
+from .._processing._common import require
 from .._kronecker import Apply, expand_operator, tensor
 from .._proof import Definition, Step, Twin
 from .._registry import Identity, register
 from ..circuits import Path, bigram_table, path_terms, pattern_from_scores as _softmax_scores, score_terms, virtual_weights
 from ..circuits._heads import _layer_bias, _layer_weight
-from ..circuits._paths import _embed, _run
+from ..circuits._paths import PATH_MODEL, _embed, _run
 from ._circuit_checks import compare_logits, dim, frozen_norm_operator, logits_with_heads, notation_proof
 
 n, d, e, V, f = dim("n"), dim("d"), dim("e"), dim("V"), dim("f")
@@ -47,6 +48,11 @@ CONVENTION = (
     Definition(W_Uc, Transpose(W_U), "the paper's unembedding (column convention)"),
 )
 DIMS = {n: 3, d: 4, e: 2, V: 5, f: 2}
+#: How many layers each route needs (the path expansion's own preconditions come from PATH_MODEL:
+#: attention-only, pre-norm, a known positional embedding; patterns and norm scales are frozen).
+ZERO_LAYERS = Precondition("zero layers", "zero layers (positions and the norm's frozen scale enter per position)")
+LAYERS = {1: Precondition("one layer"), 2: Precondition("two layers")}
+AT_LEAST_TWO_LAYERS = Precondition("at least two layers", "at least two layers (the earlier patterns frozen)")
 
 
 def _head(h):
@@ -133,13 +139,12 @@ def _bigram_route(transposed: bool):
     """Logits of a zero-layer model read off a table: ``s * (table[t] + positions) + constant``.
 
     Without a norm the table is :func:`bigram_table` and ``s = 1``; with one, the norm's
-    linear part (centring, gain) sits between ``W_E`` and ``W_U`` and its frozen scale ``s``
+    linear part (centering, gain) sits between ``W_E`` and ``W_U`` and its frozen scale ``s``
     multiplies each position.
     """
 
     def route(state_dict, cfg, tokens):
-        if cfg.n_layers != 0:
-            raise PreconditionError("zero_layer_bigram", "zero layers", f"the model has {cfg.n_layers} layers")
+        require("zero_layer_bigram", ZERO_LAYERS, cfg.n_layers == 0, f"the model has {cfg.n_layers} layers")
         run = _run(state_dict, cfg, tokens, "zero_layer_bigram")
         norm = run.norms[-1]
         operator = frozen_norm_operator(cfg, norm, tokens.shape[1], state_dict["embed.W_E"].dtype)
@@ -163,7 +168,7 @@ ZERO_LAYER_BIGRAM = register(
         name="zero_layer_bigram",
         title="The zero-layer transformer is a bigram table",
         summary="t W_E W_U = (I ⊗ W_U W_E)·t: each position's logits depend on its own token only",
-        preconditions=("zero layers, pre-norm (positions and the norm's frozen scale enter per position)",),
+        preconditions=(ZERO_LAYERS, *PATH_MODEL),
         build_proof=_zero_layer_proof,
         transform=_bigram_route(transposed=False),
         wrong_rewrites={"table_transposed": _bigram_route(transposed=True)},
@@ -201,8 +206,7 @@ def _one_layer_proof():
 
 def _path_sum_route(identity: str, layers: int, keep=lambda path: True):
     def route(state_dict, cfg, tokens):
-        if cfg.n_layers != layers:
-            raise PreconditionError(identity, f"{layers} layers", f"the model has {cfg.n_layers} layers")
+        require(identity, LAYERS[layers], cfg.n_layers == layers, f"the model has {cfg.n_layers} layers")
         terms = path_terms(state_dict, cfg, tokens)
         return sum(value for path, value in terms.items() if keep(path))
 
@@ -214,7 +218,7 @@ ONE_LAYER_PATH_EXPANSION = register(
         name="one_layer_path_expansion",
         title="Path expansion of a one-layer attention-only transformer",
         summary="T = I ⊗ W_U W_E + Σ_h A^h ⊗ W_U W_OV^h W_E, exact once the patterns are fixed",
-        preconditions=("one attention-only pre-norm layer; patterns and norm scales frozen from the forward pass",),
+        preconditions=(LAYERS[1], *PATH_MODEL),
         build_proof=_one_layer_proof,
         transform=_path_sum_route("one_layer_path_expansion", 1),
         wrong_rewrites={
@@ -259,7 +263,7 @@ TWO_LAYER_PATH_EXPANSION = register(
         name="two_layer_path_expansion",
         title="Path expansion of a two-layer attention-only transformer",
         summary="adds virtual heads (A^2 A^1) ⊗ W_U W_OV^2 W_OV^1 W_E to the one-layer terms of both layers",
-        preconditions=("two attention-only pre-norm layers; patterns and norm scales frozen from the forward pass",),
+        preconditions=(LAYERS[2], *PATH_MODEL),
         build_proof=_two_layer_proof,
         transform=_path_sum_route("two_layer_path_expansion", 2),
         wrong_rewrites={
@@ -320,8 +324,7 @@ def _split_scores_route(dropped: tuple[str, ...]):
     """Logits with the second layer's pattern rebuilt from :func:`score_terms` (minus ``dropped``)."""
 
     def route(state_dict, cfg, tokens):
-        if cfg.n_layers < 2:
-            raise PreconditionError("qk_composition_terms", "at least two layers", f"the model has {cfg.n_layers}")
+        require("qk_composition_terms", AT_LEAST_TWO_LAYERS, cfg.n_layers >= 2, f"the model has {cfg.n_layers}")
         groups = score_terms(state_dict, cfg, tokens, 1)
         rebuilt = _softmax_scores(sum(v for k, v in groups.items() if k not in dropped), cfg)
 
@@ -341,7 +344,7 @@ QK_COMPOSITION_TERMS = register(
         name="qk_composition_terms",
         title="Q- and K-composition in the second layer's scores",
         summary="x_1 W_QK x_1^T = direct + Q-composition + K-composition + both, with x_1 = x_0 + A x_0 W_OV",
-        preconditions=("at least two attention-only pre-norm layers; earlier patterns and norm scales frozen",),
+        preconditions=(AT_LEAST_TWO_LAYERS, *PATH_MODEL),
         build_proof=_qk_proof,
         transform=_split_scores_route(()),
         wrong_rewrites={"k_composition_dropped": _split_scores_route(("k_composition",))},
@@ -437,7 +440,7 @@ VIRTUAL_WEIGHTS = register(
         name="virtual_weights",
         title="The residual stream and virtual weights",
         summary="x W_I^B = x_0 W_I^B + Σ_A r_A (W_O^A W_I^B): a reader sees every earlier writer through a virtual weight",
-        preconditions=("attention-only pre-norm model; patterns and norm scales frozen from the forward pass",),
+        preconditions=PATH_MODEL,
         build_proof=_virtual_weights_proof,
         transform=_virtual_weights_route(previous_only=False),
         wrong_rewrites={"previous_layer_only": _virtual_weights_route(previous_only=True)},

@@ -3,7 +3,7 @@
 Symbols (row-vector convention, all ``n`` positions of a pre-LayerNorm attention layer at once;
 ``d`` = d_model, ``e`` = d_head):
 
-- ``X`` ``[n, d]`` the residual stream, ``C = I - 1 1^T / d`` the centring matrix, ``R``
+- ``X`` ``[n, d]`` the residual stream, ``C = I - 1 1^T / d`` the centering matrix, ``R``
   ``[n, n]`` the per-position normalisers (any matrix: nothing below depends on it, so ``eps``
   is kept), ``N = R X C`` the LayerNorm's ``LNPre`` and ``LN = N diag(w) + 1_n b`` with gain
   ``w`` ``[d, 1]`` and bias ``b`` ``[1, d]``;
@@ -12,13 +12,13 @@ Symbols (row-vector convention, all ``n`` positions of a pre-LayerNorm attention
   output bias ``b_O`` ``[1, d]``. Two heads show the sum over heads; each further head adds one
   more term of the same form.
 
-The claim: after the pipeline (fold the LayerNorm and centre its readers, fold the value biases,
-centre the writers), the layer writes ``out C``, where ``out`` is what it wrote before. Every
+The claim: after the pipeline (fold the LayerNorm and center its readers, fold the value biases,
+center the writers), the layer writes ``out C``, where ``out`` is what it wrote before. Every
 reader of the stream sees it through ``LNPre``, which depends on its input only through
 ``(.) C`` (proved by ``center_writing_weights``), so the model is unchanged. The queries and keys
-and the MLP's input are readers like ``W_V`` (``layer_norm_fold``, ``center_reading_weights``);
+and the MLP's input are readers like ``W_V`` (``fold_layer_norm``, ``center_reading_weights``);
 the MLP's output and the embeddings are writers like ``W_O`` (``center_writing_weights``); the
-unembed is centred by ``center_unembed``. ``refactor_factored_attn_matrices`` runs last, on the
+unembed is centered by ``center_unembed``. ``refactor_factored_attn_matrices`` runs last, on the
 result, and is proved on its own.
 """
 
@@ -69,7 +69,7 @@ def _original(heads=HEADS) -> MatAdd:
 
 
 def _processed(reader, output_bias, heads=HEADS) -> MatAdd:
-    """The layer with readers ``reader(h)`` (``[d, e]``), centred ``W_O`` and output bias ``output_bias``."""
+    """The layer with readers ``reader(h)`` (``[d, e]``), centered ``W_O`` and output bias ``output_bias``."""
     return _layer(lambda h: MatMul(N, reader(h), W_O_new[h]), output_bias, heads)
 
 
@@ -84,16 +84,16 @@ def _pipeline_proof() -> Proof:
         steps=(
             Step(
                 _layer(lambda h: MatMul(N, C, DiagMatrix(w), W_V[h], W_O[h], C), b_O_new),
-                r"the processed weights: $\tilde{W}_V = C \operatorname{diag}(w) W_V$ (gain folded, then centred"
-                r" over $d$), $\tilde{W}_O = W_O C$ (centred)",
+                r"the processed weights: $\tilde{W}_V = C \operatorname{diag}(w) W_V$ (gain folded, then centered"
+                r" over $d$), $\tilde{W}_O = W_O C$ (centered)",
             ),
             Step(
                 _layer(lambda h: MatMul(N, DiagMatrix(w), W_V[h], W_O[h], C), b_O_new),
-                r"$\mathrm{LNPre}(X)\, C = R X C C = \mathrm{LNPre}(X)$: centring the reader changes nothing",
+                r"$\mathrm{LNPre}(X)\, C = R X C C = \mathrm{LNPre}(X)$: centering the reader changes nothing",
             ),
             Step(
                 _layer(lambda h: MatMul(N, DiagMatrix(w), W_V[h], W_O[h], C), MatMul(b_O_expanded, C)),
-                r"$\tilde{b}_O$: the LayerNorm bias folded into $b_V$, $b_V$ folded into $b_O$, then centred",
+                r"$\tilde{b}_O$: the LayerNorm bias folded into $b_V$, $b_V$ folded into $b_O$, then centered",
             ),
             Step(
                 MatAdd(
@@ -126,15 +126,15 @@ def _pipeline_proof() -> Proof:
             Step(rhs, r"definition of $\mathrm{LN}$"),
         ),
         definitions=(
-            Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones_d, ones_d.T)), "the centring matrix"),
-            Definition(N, MatMul(R, X, C), "centre each position, then normalise it (eps inside R)"),
+            Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones_d, ones_d.T)), "the centering matrix"),
+            Definition(N, MatMul(R, X, C), "center each position, then normalise it (eps inside R)"),
             Definition(LN, MatAdd(MatMul(N, DiagMatrix(w)), MatMul(ones_n, b)), "LNPre, then gain and bias"),
-            Definition(M, MatMul(R, X), "normalise each position, no centring"),
-            *(Definition(W_V_new[h], MatMul(C, DiagMatrix(w), W_V[h]), "gain folded, then centred over d")
+            Definition(M, MatMul(R, X), "normalise each position, no centering"),
+            *(Definition(W_V_new[h], MatMul(C, DiagMatrix(w), W_V[h]), "gain folded, then centered over d")
               for h in HEADS),
-            *(Definition(W_O_new[h], MatMul(W_O[h], C), "centred over d") for h in HEADS),
+            *(Definition(W_O_new[h], MatMul(W_O[h], C), "centered over d") for h in HEADS),
             Definition(b_O_new, MatMul(b_O_expanded, C),
-                       "b_O plus each folded value bias through its W_O, then centred"),
+                       "b_O plus each folded value bias through its W_O, then centered"),
             *(Definition(A[h], MatMul(Inverse(DiagMatrix(MatMul(E[h], ones_n))), E[h]),
                          f"head {h}'s pattern: the softmax of its scores, E_{h} their entrywise exponentials")
               for h in HEADS),
@@ -151,8 +151,8 @@ def _pipeline_proof() -> Proof:
         ),
         twins=(
             Twin(
-                "centre_readers_before_fold",
-                "centre the readers first and fold the gain afterwards: diag(w) C W_V",
+                "center_readers_before_fold",
+                "center the readers first and fold the gain afterwards: diag(w) C W_V",
                 _processed(lambda h: MatMul(DiagMatrix(w), C, W_V[h]), one_head_bias, ONE_HEAD),
                 MatMul(_original(ONE_HEAD), C),
             ),
@@ -179,8 +179,8 @@ def _pipeline_proof() -> Proof:
                 MatMul(_original(ONE_HEAD), C),
             ),
             Twin(
-                "centre_readers_behind_rms_norm",
-                "centre the readers of an RMSNorm model, whose output RMSPre(X) is not orthogonal to 1",
+                "center_readers_behind_rms_norm",
+                "center the readers of an RMSNorm model, whose output RMSPre(X) is not orthogonal to 1",
                 _layer(lambda h: MatMul(M, C, DiagMatrix(w), W_V[h], W_O[h]), b_O, ONE_HEAD),
                 _layer(lambda h: MatMul(M, DiagMatrix(w), W_V[h], W_O[h]), b_O, ONE_HEAD),
             ),
@@ -188,7 +188,7 @@ def _pipeline_proof() -> Proof:
     )
 
 
-# -- numeric twins: wrong pipelines the numeric check must reject -----------------------------
+# -- wrong rewrites: wrong pipelines the numeric check must reject ----------------------------
 
 #: Every step of :func:`~circuitmath.process_weights` asked for "if applicable".
 EVERYTHING_APPLICABLE = dict.fromkeys(keyword for keyword, _step in PIPELINE_STEPS)
@@ -206,8 +206,8 @@ def _gains(state_dict, cfg) -> dict[str, torch.Tensor]:
     return {weight: state_dict[f"{norm}.w"] for norm, pairs in readers(cfg) for weight, _bias in pairs}
 
 
-def _centre_readers_before_fold(state_dict, cfg):
-    """Centre every reader of the unfolded model over ``d_model``, then run the pipeline."""
+def _center_readers_before_fold(state_dict, cfg):
+    """Center every reader of the unfolded model over ``d_model``, then run the pipeline."""
     early = dict(state_dict)
     for weight in _gains(state_dict, cfg):
         early[weight] = state_dict[weight] - state_dict[weight].mean(dim=-2, keepdim=True)
@@ -232,33 +232,33 @@ def _value_biases_before_ln_fold(state_dict, cfg):
     return out, out_cfg
 
 
-def _centre_readers_behind_rms_norm(state_dict, cfg):
+def _center_readers_behind_rms_norm(state_dict, cfg):
     out, out_cfg = process_everything(state_dict, cfg)
     if out_cfg.normalization_type != "RMSPre":
         return out, out_cfg
-    centred, _ = center_reading_weights(out, out_cfg.replace(normalization_type="LNPre"))
-    return centred, out_cfg
+    centered, _ = center_reading_weights(out, out_cfg.replace(normalization_type="LNPre"))
+    return centered, out_cfg
 
 
 PROCESS_WEIGHTS = register(
     Identity(
         name="process_weights",
-        title="The whole pipeline: fold, centre, fold value biases, centre writers, centre the unembed",
-        summary="after folding the LayerNorm into its centred readers, folding the value biases and centring the"
+        title="The whole pipeline: fold, center, fold value biases, center writers, center the unembed",
+        summary="after folding the LayerNorm into its centered readers, folding the value biases and centering the"
         " writers, every layer writes out C instead of out; LNPre sees the stream only through (.) C",
         preconditions=(
             "each step's own preconditions: process_weights applies a step only where they hold, and refuses"
             " a step asked for with True where they do not",
-            "the order: the LayerNorm fold before centring its readers and before folding value biases;"
+            "the order: the LayerNorm fold before centering its readers and before folding value biases;"
             " refactoring W_QK and W_OV last",
         ),
         build_proof=_pipeline_proof,
         transform=process_everything,
         wrong_rewrites={
-            "centre_readers_before_fold": _centre_readers_before_fold,
+            "center_readers_before_fold": _center_readers_before_fold,
             "fold_gain_twice": _fold_gain_twice,
             "value_biases_before_ln_fold": _value_biases_before_ln_fold,
-            "centre_readers_behind_rms_norm": _centre_readers_behind_rms_norm,
+            "center_readers_behind_rms_norm": _center_readers_behind_rms_norm,
         },
     )
 )

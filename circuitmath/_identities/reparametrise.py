@@ -26,6 +26,7 @@ from .._processing._common import NOT_APPLIED, NOT_ROTARY
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names
+from ..circuits._bases import _change_bases
 
 n, d, e, m = (Symbol(s, positive=True, integer=True) for s in ("n", "d", "e", "m"))
 ones = OneMatrix(n, 1)
@@ -148,45 +149,7 @@ def _reparametrise_proof() -> Proof:
     )
 
 
-# -- numeric twins: wrong transforms the numeric check must reject ---------------------------
-
-
-def change_bases(state_dict, cfg, query_key_basis, value_basis, *, key_map=lambda N: torch.linalg.inv(N).T):
-    """Apply ``W_Q, b_Q -> (.) N``, ``W_K, b_K -> (.) key_map(N)``, ``W_V, b_V -> (.) M``,
-    ``W_O -> M^{-1} W_O`` with ``N = query_key_basis(layer, j)`` and ``M = value_basis(layer, j)``
-    (``[d_head, d_head]``) for key/value head ``j``, shared by every query head of its group.
-
-    Positional query and key tables (``pos_Q``, ``pos_K``, ``[n_ctx, heads, d_head]``) change like
-    their biases. Computed in float64, returned in the input dtype.
-    """
-    out = dict(state_dict)
-    kv_heads = attention_names(cfg, "K")[2]
-    size = cfg.n_heads // kv_heads
-
-    def update(name, per_head, head_axis):
-        if name not in state_dict:
-            return
-        tensor = state_dict[name].double().clone()
-        for head in range(tensor.shape[head_axis]):
-            index = (slice(None),) * head_axis + (head,)
-            tensor[index] = per_head(head, tensor[index])
-        out[name] = tensor.to(state_dict[name].dtype)
-
-    for layer in range(cfg.n_layers):
-        p = f"blocks.{layer}.attn"
-        N = [query_key_basis(layer, j).double() for j in range(kv_heads)]
-        M = [value_basis(layer, j).double() for j in range(kv_heads)]
-        w, b, _ = attention_names(cfg, "Q")
-        for name, axis in ((w, 0), (b, 0), ("pos_Q", 1)):
-            update(f"{p}.{name}", lambda h, t: t @ N[h // size], axis)
-        w, b, _ = attention_names(cfg, "K")
-        for name, axis in ((w, 0), (b, 0), ("pos_K", 1)):
-            update(f"{p}.{name}", lambda j, t: t @ key_map(N[j]), axis)
-        w, b, _ = attention_names(cfg, "V")
-        for name in (w, b):
-            update(f"{p}.{name}", lambda j, t: t @ M[j], 0)
-        update(f"{p}.W_O", lambda h, t: torch.linalg.inv(M[h // size]) @ t, 0)
-    return out
+# -- wrong rewrites: wrong transforms the numeric check must reject --------------------------
 
 
 def _skewed_basis(size: int) -> torch.Tensor:
@@ -195,9 +158,11 @@ def _skewed_basis(size: int) -> torch.Tensor:
 
 
 def _key_inverse_not_transposed(state_dict, cfg):
+    """Change bases with the keys multiplied by ``N^{-1}`` instead of ``N^{-T}``."""
     _unused, new_cfg = refactor_factored_attn_matrices(state_dict, cfg)
-    basis = lambda layer, j: _skewed_basis(cfg.d_head)  # noqa: E731
-    return change_bases(state_dict, cfg, basis, basis, key_map=torch.linalg.inv), new_cfg
+    basis = _skewed_basis(cfg.d_head).expand(cfg.n_layers, attention_names(cfg, "K")[2], cfg.d_head, cfg.d_head)
+    inverse = torch.linalg.inv(basis)
+    return _change_bases(state_dict, cfg, query=basis, key=inverse, value=basis, output=inverse), new_cfg
 
 
 def _biases_left_behind(state_dict, cfg):

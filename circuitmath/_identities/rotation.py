@@ -23,7 +23,6 @@ import torch
 from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Transpose
 
 from .._processing import (
-    center_writing_weights,
     fold_layer_norm,
     fold_rms_norm,
     layer_norm_to_rms_norm,
@@ -56,6 +55,7 @@ from .._registry import Identity, register
 from .._state import attention_names, validate_state_dict
 from .._compare import default_tokens
 from ._circuit_checks import compare_values, dim, rational_orthogonal
+from .norms import centered_layer_norm_model
 from .reparametrise import invertible
 
 n, d, e, m, v, c, k = (dim(s) for s in ("n", "d", "e", "m", "v", "c", "k"))
@@ -65,7 +65,7 @@ G = MatrixSymbol("G", d, d)  # invertible, not orthogonal: the twins' "rotation"
 R = MatrixSymbol("R", d, d)  # orthogonal, but not fixing the all-ones direction
 rho = sympy.Symbol(r"\rho", positive=True)
 C = MatrixSymbol("C", d, d)
-CENTRING = Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones_d, ones_d.T)), "the centring matrix")
+CENTERING = Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones_d, ones_d.T)), "the centering matrix")
 ORTHOGONAL = (
     Fact(MatMul(Q, Q.T), Eye(d), "Q is orthogonal: Q Q^T = I"),
     Fact(MatMul(Q.T, Q), Eye(d), "Q is orthogonal: Q^T Q = I"),
@@ -91,10 +91,10 @@ w = MatrixSymbol("w", d, 1)
 T_1, T_2 = _T("T_1", 1), _T("T_2", d)
 
 
-def _norm_claim(rotation, *, centre=False, gain=False, back=None):
+def _norm_claim(rotation, *, center=False, gain=False, back=None):
     """``|norm(x U)|^2 T_1 + norm(x U) back T_2`` for the rotation ``U``: ``norm`` is ``RMSPre``
-    (``LNPre`` when ``centre``; with a gain ``diag(w)`` when ``gain``), ``rho`` its normaliser."""
-    inner = MatMul(x, rotation, C) if centre else MatMul(x, rotation)
+    (``LNPre`` when ``center``; with a gain ``diag(w)`` when ``gain``), ``rho`` its normaliser."""
+    inner = MatMul(x, rotation, C) if center else MatMul(x, rotation)
     out = MatMul(rho, inner, DiagMatrix(w)) if gain else MatMul(rho, inner)
     return MatAdd(MatMul(_gram(inner), T_1), MatMul(out, *([back] if back is not None else []), T_2))
 
@@ -114,7 +114,7 @@ def _norm_rotation_proof() -> Proof:
             Step(rhs, r"definition of $\mathrm{RMSPre}(x)$"),
         ),
         definitions=(
-            CENTRING,
+            CENTERING,
             Definition(RMSPre_x, MatMul(rho, x), "rho = (|x|^2/d + eps)^(-1/2), eps kept"),
             Definition(RMSPre_xQ, MatMul(rho, x, Q),
                        "rho is the same function of |x Q|^2, which the T_1 term shows is |x|^2"),
@@ -128,7 +128,7 @@ def _norm_rotation_proof() -> Proof:
             Twin("non_orthogonal", "rotate by an invertible G that is not orthogonal: |x G| != |x|",
                  _norm_claim(G), MatAdd(MatMul(_gram(x), T_1), MatMul(rho, x, G, T_2))),
             Twin("layer_norm", "rotate the input of LNPre instead: LNPre(x Q) != LNPre(x) Q unless Q 1 = 1",
-                 _norm_claim(Q, centre=True), MatAdd(MatMul(_gram(MatMul(x, C)), T_1), MatMul(rho, x, C, Q, T_2))),
+                 _norm_claim(Q, center=True), MatAdd(MatMul(_gram(MatMul(x, C)), T_1), MatMul(rho, x, C, Q, T_2))),
             Twin("unfolded_gain", "rotate through an RMSNorm whose gain is not folded: diag(w) Q != Q diag(w)",
                  _norm_claim(Q, gain=True), MatAdd(MatMul(_gram(x), T_1), MatMul(rho, x, DiagMatrix(w), Q, T_2))),
             Twin("not_transposed", "undo the rotation with Q instead of Q^T: RMSPre(x Q) Q != RMSPre(x)",
@@ -171,7 +171,7 @@ def _layer_norm_rotation_proof() -> Proof:
             Step(rhs, r"definition of $\mathrm{LNPre}(x)$"),
         ),
         definitions=(
-            CENTRING,
+            CENTERING,
             Definition(LNPre_x, MatMul(rho, x, C), "rho = (|x C|^2/d + eps)^(-1/2)"),
             Definition(LNPre_xQ, MatMul(rho, x, Q, C), "rho, the same function of |x Q C|^2 (the T_1 term)"),
         ),
@@ -185,7 +185,7 @@ def _layer_norm_rotation_proof() -> Proof:
         explicit_dims={d: 4, k: 2},
         assumptions=("Q orthogonal with Q 1 = 1 (it maps the all-ones direction to itself)",),
         twins=(
-            Twin("generic_rotation", "rotate an LNPre model by an orthogonal R that moves 1: centring does not commute with R",
+            Twin("generic_rotation", "rotate an LNPre model by an orthogonal R that moves 1: centering does not commute with R",
                  MatAdd(MatMul(_gram(MatMul(x, R, C)), T_1), MatMul(rho, x, R, C, T_2)),
                  MatAdd(MatMul(_gram(MatMul(x, C)), T_1), MatMul(rho, x, C, R, T_2))),
             Twin("unfolded_gain", "rotate an LN model whose gain is not folded, even with Q 1 = 1: diag(w) Q != Q diag(w)",
@@ -326,22 +326,22 @@ def _slicegpt_proof() -> Proof:
             Step(rhs, r"the LayerNorm fold: $\mathrm{LN}(x) = \rho\, x C \operatorname{diag}(w) + b$"),
         ),
         definitions=(
-            CENTRING,
+            CENTERING,
             Definition(LN, MatAdd(MatMul(rho, x, C, DiagMatrix(w)), b_ln), "LayerNorm: rho = (|x C|^2/d + eps)^(-1/2)"),
             Definition(RMSPre_xCQ, MatMul(rho, x, C, Q),
-                       "after centring every write the stream is x C, after rotating x C Q; rho of |x C Q|^2 (the T_1 term)"),
+                       "after centering every write the stream is x C, after rotating x C Q; rho of |x C Q|^2 (the T_1 term)"),
         ),
         facts=ORTHOGONAL,
         samplers={Q: _orthogonal},
         explicit_dims={d: 4, m: 3, k: 2},
         assumptions=(
-            "every write to the stream is centred (C) and then rotated (Q), so the stream is x C Q",
+            "every write to the stream is centered (C) and then rotated (Q), so the stream is x C Q",
             "the reader W, b_W stands for every reader of the norm: W_Q, W_K, W_V, W_in, W_U",
         ),
         twins=(
-            Twin("skip_centring", "fold and rotate without centring the writes: RMSPre then sees |x Q| = |x|, not |x C|",
+            Twin("skip_centering", "fold and rotate without centering the writes: RMSPre then sees |x Q| = |x|, not |x C|",
                  _route_claim(MatMul(x, Q), MatMul(rho, x, Q), folded), rhs),
-            Twin("keep_layer_norm", "rotate the centred model but keep LNPre instead of switching to RMSPre",
+            Twin("keep_layer_norm", "rotate the centered model but keep LNPre instead of switching to RMSPre",
                  _route_claim(MatMul(x, C, Q, C), MatMul(rho, x, C, Q, C), folded), rhs),
         ),
     )
@@ -501,12 +501,10 @@ def _by_hand(state_dict, cfg, writer, reader, skip=()):
 
 
 def to_rms_pre(state_dict, cfg):
-    """A model whose norms are ``RMSPre``: LayerNorm folded, writes centred, switched to RMSNorm;
+    """A model whose norms are ``RMSPre``: LayerNorm folded, writes centered, switched to RMSNorm;
     RMSNorm folded; ``RMSPre`` and no norm as they are."""
-    if cfg.normalization_type == "LN":
-        state_dict, cfg = fold_layer_norm(state_dict, cfg)
-    if cfg.normalization_type == "LNPre":
-        state_dict, cfg = layer_norm_to_rms_norm(*center_writing_weights(state_dict, cfg))
+    if cfg.normalization_type in ("LN", "LNPre"):
+        state_dict, cfg = layer_norm_to_rms_norm(*centered_layer_norm_model(state_dict, cfg))
     if cfg.normalization_type == "RMS":
         state_dict, cfg = fold_rms_norm(state_dict, cfg)
     return state_dict, cfg
@@ -522,18 +520,18 @@ def _rotate_non_orthogonal(state_dict, cfg):
     return _by_hand(state_dict, cfg, lambda W: W @ G_, lambda W: G_inv @ W), new_cfg
 
 
-def _rotate_forgetting(name_of):
-    """Rotate, then put back the tensors ``name_of(cfg)`` names (a ``ValueError`` if there are none:
-    a model without them cannot make this mistake)."""
-    def corruption(state_dict, cfg):
-        out, new_cfg = _rotate(state_dict, cfg)
-        names = name_of(cfg)
+def _forgetting(transform, names_of):
+    """A wrong rewrite: ``transform``, then the tensors ``names_of(cfg)`` names put back as they
+    were (a ``ValueError`` if there are none: a model without them cannot make this mistake)."""
+    def wrong(state_dict, cfg):
+        out, new_cfg = transform(state_dict, cfg)
+        names = names_of(cfg)
         if not names:
             raise ValueError("this model has no such tensor to forget")
         for name in names:
             out[name] = state_dict[name]
         return out, new_cfg
-    return corruption
+    return wrong
 
 
 def _readers_not_transposed(state_dict, cfg):
@@ -572,7 +570,7 @@ def _layer_norm_rotation(state_dict, cfg):
     require(
         "layer_norm_rotation", IS_LNPRE, cfg.normalization_type == "LNPre",
         f"normalization_type is {cfg.normalization_type!r}: this identity is about LayerNorm without gain and bias"
-        + (" (fold it first: layer_norm_fold)" if cfg.normalization_type == "LN" else ""),
+        + (" (fold it first: fold_layer_norm)" if cfg.normalization_type == "LN" else ""),
     )
     return rotate_residual_stream(state_dict, cfg, orthogonal_fixing_ones(cfg.d_model, seed=CHECK_SEED))
 
@@ -587,7 +585,7 @@ def _to_lnpre(state_dict, cfg):
 
 
 def slicegpt_route(state_dict, cfg, Q=None):
-    """Fold the LayerNorm, centre every write, switch to RMSNorm, rotate by ``Q`` (default
+    """Fold the LayerNorm, center every write, switch to RMSNorm, rotate by ``Q`` (default
     :func:`check_rotation`): SliceGPT's preparation, before it deletes directions."""
     require(
         "slicegpt_route", IS_LN, cfg.normalization_type == "LN",
@@ -598,7 +596,7 @@ def slicegpt_route(state_dict, cfg, Q=None):
     return rotate_residual_stream(state_dict, cfg, check_rotation(cfg) if Q is None else Q)
 
 
-def _route_skipping_centring(state_dict, cfg):
+def _route_skipping_centering(state_dict, cfg):
     _unused, new_cfg = slicegpt_route(state_dict, cfg)
     folded, _folded_cfg = fold_layer_norm(state_dict, cfg)
     return dict(folded) | rotated_tensors(folded, cfg, check_rotation(cfg)), new_cfg
@@ -619,13 +617,7 @@ def _permute_heads(state_dict, cfg):
 
 def _heads_but(kept):
     """Permute the heads, then put back the tensors ``kept(cfg, layer)`` names."""
-    def corruption(state_dict, cfg):
-        out, new_cfg = _permute_heads(state_dict, cfg)
-        for layer in range(cfg.n_layers):
-            for name in kept(cfg, layer):
-                out[name] = state_dict[name]
-        return out, new_cfg
-    return corruption
+    return _forgetting(_permute_heads, lambda cfg: [name for layer in range(cfg.n_layers) for name in kept(cfg, layer)])
 
 
 def _permute_neurons(state_dict, cfg):
@@ -633,19 +625,15 @@ def _permute_neurons(state_dict, cfg):
 
 
 def _neurons_but(leaf):
-    def corruption(state_dict, cfg):
-        out, new_cfg = _permute_neurons(state_dict, cfg)
-        for layer in range(cfg.n_layers):
-            out[f"blocks.{layer}.mlp.{leaf}"] = state_dict[f"blocks.{layer}.mlp.{leaf}"]
-        return out, new_cfg
-    return corruption
+    """Permute the neurons, then put back every layer's ``mlp.<leaf>``."""
+    return _forgetting(_permute_neurons, lambda cfg: [f"blocks.{layer}.mlp.{leaf}" for layer in range(cfg.n_layers)])
 
 
 NO_GAIN_INSIDE = Precondition(
     "no gain between the normalisation and the rotation", "no gain between the normalisation and the rotation (fold it first)"
 )
 ROUTE_ORDER = Precondition(
-    "fold, centre, switch, rotate in this order", "the steps in this order: the rotation needs RMSPre, the switch needs centred writes"
+    "fold, center, switch, rotate in this order", "the steps in this order: the rotation needs RMSPre, the switch needs centered writes"
 )
 ENTRYWISE_ACTIVATION = Precondition("the activation (and the gate) acts entry by entry")
 
@@ -658,7 +646,7 @@ RMS_NORM_ROTATION = register(
         preconditions=(Q_ORTHOGONAL, NO_GAIN_INSIDE),
         build_proof=_norm_rotation_proof,
         transform=_rotated_norm,
-        corruptions={"non_orthogonal": _stretched_norm, "not_transposed": _norm_not_transposed},
+        wrong_rewrites={"non_orthogonal": _stretched_norm, "not_transposed": _norm_not_transposed},
         compare=_norm_compare,
     )
 )
@@ -667,19 +655,20 @@ LAYER_NORM_ROTATION = register(
     Identity(
         name="layer_norm_rotation",
         title="LayerNorm commutes only with rotations that fix the all-ones direction",
-        summary="LNPre(x Q) = LNPre(x) Q when Q is orthogonal and Q 1 = 1: centring commutes with Q"
+        summary="LNPre(x Q) = LNPre(x) Q when Q is orthogonal and Q 1 = 1: centering commutes with Q"
         " exactly then; any other rotation of an LNPre model changes it",
         preconditions=(IS_LNPRE, Q_ORTHOGONAL, Q_FIXES_ONES, PRE_NORM, NO_NORM_GAIN, Q_SQUARE),
         build_proof=_layer_norm_rotation_proof,
         transform=_layer_norm_rotation,
-        corruptions={"generic_rotation": _layer_norm_generic_rotation},
+        wrong_rewrites={"generic_rotation": _layer_norm_generic_rotation},
         prepare=_to_lnpre,
     )
 )
 
 ROTATION_INVARIANCE = register(
     Identity(
-        name="rotation_invariance",
+        name="rotate_residual_stream",
+        aliases=("rotation_invariance",),
         title="Rotating the residual stream of a pre-RMSNorm model",
         summary="writers W Q (W_E, W_pos, W_O, b_O, W_out, b_out), readers Q^T W (W_Q, W_K, W_V, W_in,"
         " W_gate, W_U): the stream becomes x Q and every reader computes what it did",
@@ -688,11 +677,11 @@ ROTATION_INVARIANCE = register(
         check_note="the rotation Q is recovered from the tensors (orthogonal Procrustes) and verified on every tensor",
         build_proof=_model_rotation_proof,
         transform=_rotate,
-        corruptions={
+        wrong_rewrites={
             "non_orthogonal": _rotate_non_orthogonal,
-            "forget_W_pos": _rotate_forgetting(
-                lambda cfg: ["pos_embed.W_pos"] if cfg.positional_embedding_type in ("standard", "shortformer") else []),
-            "forget_writer_bias": _rotate_forgetting(lambda cfg: [f"blocks.{l}.attn.b_O" for l in range(cfg.n_layers)]),
+            "forget_W_pos": _forgetting(
+                _rotate, lambda cfg: ["pos_embed.W_pos"] if cfg.positional_embedding_type in ("standard", "shortformer") else []),
+            "forget_writer_bias": _forgetting(_rotate, lambda cfg: [f"blocks.{l}.attn.b_O" for l in range(cfg.n_layers)]),
             "readers_not_transposed": _readers_not_transposed,
         },
         prepare=to_rms_pre,
@@ -702,13 +691,13 @@ ROTATION_INVARIANCE = register(
 SLICEGPT_ROUTE = register(
     Identity(
         name="slicegpt_route",
-        title="The SliceGPT route: fold, centre, switch to RMSNorm, rotate",
+        title="The SliceGPT route: fold, center, switch to RMSNorm, rotate",
         summary="LN(x) W + b_W = RMSPre(x C Q) (Q^T diag(w) W) + b_W + b W: after folding the LayerNorm and"
-        " centring every write, the stream x C Q is seen through RMSNorm with LayerNorm's normaliser",
+        " centering every write, the stream x C Q is seen through RMSNorm with LayerNorm's normaliser",
         preconditions=(IS_LN, PRE_NORM, Q_ORTHOGONAL, ROUTE_ORDER),
         build_proof=_slicegpt_proof,
         transform=slicegpt_route,
-        corruptions={"skip_centring": _route_skipping_centring, "keep_layer_norm": _route_keeping_layer_norm},
+        wrong_rewrites={"skip_centering": _route_skipping_centering, "keep_layer_norm": _route_keeping_layer_norm},
     )
 )
 
@@ -723,7 +712,7 @@ PERMUTE_HEADS = register(
         check_note="the permutation is recovered from the tensors and verified on every tensor",
         build_proof=_heads_proof,
         transform=_permute_heads,
-        corruptions={
+        wrong_rewrites={
             "keys_not_permuted": _heads_but(
                 lambda cfg, l: [f"blocks.{l}.attn.{n}" for n in attention_names(cfg, "K")[:2]]),
             "output_not_permuted": _heads_but(lambda cfg, l: [f"blocks.{l}.attn.W_O"]),
@@ -742,6 +731,6 @@ PERMUTE_NEURONS = register(
         check_note="the permutation is recovered from the tensors and verified on every tensor",
         build_proof=_neurons_proof,
         transform=_permute_neurons,
-        corruptions={"bias_not_permuted": _neurons_but("b_in"), "out_not_permuted": _neurons_but("W_out")},
+        wrong_rewrites={"bias_not_permuted": _neurons_but("b_in"), "out_not_permuted": _neurons_but("W_out")},
     )
 )

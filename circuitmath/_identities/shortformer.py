@@ -90,7 +90,8 @@ def _older_reading(state_dict, cfg):
 
 SHORTFORMER_TABLES = register(
     Identity(
-        name="shortformer_tables",
+        name="shortformer_to_tables",
+        aliases=("shortformer_tables",),
         title="Shortformer: positions only in queries and keys, folded into per-layer tables",
         summary="(LN(x) + p) W + b_W = LNPre(x) (diag(w) W) + (b_W + b W) + p W: positions move into"
         " per-layer query and key tables, so LayerNorm folds exactly",

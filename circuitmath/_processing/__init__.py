@@ -17,7 +17,7 @@ from .attention import (
     refactor_factored_attn_matrices as refactor_factored_attn_matrices,
     remove_key_biases as remove_key_biases,
 )
-from .centring import center_unembed as center_unembed, center_writing_weights as center_writing_weights, writers as writers
+from .centering import center_unembed as center_unembed, center_writing_weights as center_writing_weights, writers as writers
 from .layer_norm import center_reading_weights as center_reading_weights, fold_layer_norm as fold_layer_norm
 from .norms import (
     fold_rms_norm as fold_rms_norm,

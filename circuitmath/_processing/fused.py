@@ -1,13 +1,13 @@
 """The default processing of a pre-LayerNorm model, each weight read and written in one go.
 
 :func:`~circuitmath.process_weights` with its default steps on a pre-LN model is the composition
-(registered as the identity ``process_weights``) of ``layer_norm_fold``,
+(registered as the identity ``process_weights``) of ``fold_layer_norm``,
 ``center_reading_weights``, ``fold_value_biases``, ``center_writing_weights`` and
 ``center_unembed``. Composed, each output tensor is a function of a few inputs:
 
 - a reader ``W`` of a norm with gain ``w`` and bias ``b`` (its own bias ``b_W``):
   ``C diag(w) W`` and ``b_W + b W``, with ``C = I - 1 1^T / d_model``;
-- ``W_U`` is also centred over the vocabulary: ``C diag(w) W_U C_V`` and ``(b_U + b W_U) C_V``;
+- ``W_U`` is also centered over the vocabulary: ``C diag(w) W_U C_V`` and ``(b_U + b W_U) C_V``;
 - ``b_O``: ``(b_O + Σ_h b_V'[h] W_O[h]) C`` where ``b_V' = b_V + ln1.b W_V``; ``b_V`` becomes 0;
 - every other writer ``W``: ``W C``.
 
@@ -26,14 +26,14 @@ from .._state import StateDict, attention_names
 from ._common import readers
 from ._memory import converted, new_tensor
 from .attention import value_bias_through_output
-from .centring import centered_last_axis, writers
+from .centering import centered_last_axis, writers
 from .layer_norm import fold_reader
 
 __all__ = ["FUSED_STEPS", "fusable", "fused_default_steps"]
 
 #: What :func:`fused_default_steps` records in ``cfg.applied``: the chain's identities, in its order.
 FUSED_STEPS = (
-    "layer_norm_fold", "center_reading_weights", "fold_value_biases", "center_writing_weights", "center_unembed"
+    "fold_layer_norm", "center_reading_weights", "fold_value_biases", "center_writing_weights", "center_unembed"
 )
 
 
@@ -104,7 +104,7 @@ def _fold_centered_unembed(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(C diag(w) W_U C_V, (b_U + b W_U) C_V)`` for ``W_U: [d_model, d_vocab]``, ``b_U: [d_vocab]``.
 
-    With ``m_j = mean_i w_i W_ij`` (the reader centring) and ``r_i = w_i mean_j W_ij - mean_j m_j``
+    With ``m_j = mean_i w_i W_ij`` (the reader centering) and ``r_i = w_i mean_j W_ij - mean_j m_j``
     (the vocabulary mean of what remains), the result is ``w_i W_ij - m_j - r_i``. A first pass
     over blocks of ``rows`` rows accumulates ``w W_U`` and ``b W_U`` (blocks summed in float64, as
     :func:`~circuitmath._processing.layer_norm.products_through` does) and the row sums; a

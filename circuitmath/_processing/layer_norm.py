@@ -1,4 +1,4 @@
-"""LayerNorm folding and centring of reading weights."""
+"""LayerNorm folding and centering of reading weights."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ READER_HAS_BIAS = Precondition(
 )
 READS_LNPRE = Precondition(
     "readers see LNPre(x), which is orthogonal to 1",
-    "every reader's input is LNPre(x) (normalization_type LNPre, e.g. after layer_norm_fold)",
+    "every reader's input is LNPre(x) (normalization_type LNPre, e.g. after fold_layer_norm)",
 )
 
 
-@rewrite("layer_norm_fold")
+@rewrite("fold_layer_norm")
 def fold_layer_norm(
     state_dict: StateDict, cfg: Config, *, center_reading_weights: bool = False
 ) -> tuple[dict[str, torch.Tensor], Config]:
@@ -35,7 +35,7 @@ def fold_layer_norm(
     ``W_K``, ``W_V`` (``[n_heads, d_model, d_head]``), ``W_in`` (``[d_model, d_mlp]``) and
     ``W_U`` (``[d_model, d_vocab]``). ``eps`` stays inside ``LNPre``, so the fold is exact.
     The bias terms ``b @ W`` are accumulated in float64 and rounded once to the input dtype.
-    The returned config has ``normalization_type="LNPre"`` and records ``"layer_norm_fold"``.
+    The returned config has ``normalization_type="LNPre"`` and records ``"fold_layer_norm"``.
     A shortformer model first goes through :func:`shortformer_to_tables` (recorded too), since
     ``W_pos`` added after ``ln1`` must not be scaled by the gain.
 
@@ -49,12 +49,12 @@ def fold_layer_norm(
     >>> sd = random_state_dict(cfg, seed=0, dtype=torch.float64)
     >>> folded, folded_cfg = fold_layer_norm(sd, cfg)
     >>> folded_cfg.normalization_type, folded_cfg.applied
-    ('LNPre', ('layer_norm_fold',))
+    ('LNPre', ('fold_layer_norm',))
     >>> tokens = torch.tensor([[1, 4, 2, 7]])
     >>> bool(torch.allclose(forward(sd, cfg, tokens), forward(folded, folded_cfg, tokens)))
     True
     """
-    identity = "layer_norm_fold"
+    identity = "fold_layer_norm"
     require(
         identity, IS_LN, cfg.normalization_type == "LN",
         f"normalization_type is {cfg.normalization_type!r}; there is no LayerNorm gain and bias"
@@ -93,7 +93,7 @@ def fold_reader(
     """One reader ``W: [..., d_model, m]`` with bias ``b_W: [..., m]`` (or ``None``) folded with
     the gain ``w`` and bias ``b`` (``[d_model]``): ``(w[:, None] * W, b_W + b @ W)``.
 
-    With ``center=True`` the weight is also centred over ``d_model``
+    With ``center=True`` the weight is also centered over ``d_model``
     (:func:`center_reading_weights`): ``w_i W_ij - mean_i(w_i W_ij)``, the mean taken from the
     same pass over ``W`` as ``b @ W``, so the result is written once.
     """
@@ -141,10 +141,10 @@ def center_reading_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
         identity, READS_LNPRE, cfg.normalization_type == "LNPre",
         {
             "LN": "normalization_type is 'LN': LN(x) = LNPre(x) diag(w) + b is not orthogonal to 1;"
-            " fold the LayerNorm first (layer_norm_fold)",
+            " fold the LayerNorm first (fold_layer_norm)",
         }.get(
             cfg.normalization_type,
-            f"normalization_type is {cfg.normalization_type!r}: the readers' input is not centred",
+            f"normalization_type is {cfg.normalization_type!r}: the readers' input is not centered",
         ),
     )
     validate_state_dict(state_dict, cfg)

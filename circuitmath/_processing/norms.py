@@ -1,4 +1,4 @@
-"""RMSNorm folding, LayerNorm to RMSNorm once every write is centred, and rescaling the stream."""
+"""RMSNorm folding, LayerNorm to RMSNorm once every write is centered, and rescaling the stream."""
 
 from __future__ import annotations
 
@@ -10,32 +10,32 @@ from .._config import Config
 from .._errors import InputError, Precondition
 from .._state import StateDict, validate_state_dict
 from ._common import common_preconditions, readers, refuse_reapplication, require, rewrite
-from .centring import require_pre_norm, writers
+from .centering import require_pre_norm, writers
 
 __all__ = ["fold_rms_norm", "layer_norm_to_rms_norm", "rescale_residual_stream", "uncentered_writers", "IS_RMS",
-           "IS_LNPRE", "WRITES_CENTRED", "SCALE_POSITIVE", "BEHIND_A_NORM", "EPS_ZERO"]
+           "IS_LNPRE", "WRITES_CENTERED", "SCALE_POSITIVE", "BEHIND_A_NORM", "EPS_ZERO"]
 
 IS_RMS = Precondition("normalization_type is RMS")
 IS_LNPRE = Precondition("normalization_type is LNPre", "normalization_type LNPre (fold a LayerNorm first)")
-WRITES_CENTRED = Precondition(
-    "every write to the residual stream is centred",
-    "every write to the residual stream is centred (checked on the weights, to rounding)",
+WRITES_CENTERED = Precondition(
+    "every write to the residual stream is centered",
+    "every write to the residual stream is centered (checked on the weights, to rounding)",
 )
 SCALE_POSITIVE = Precondition("scale > 0")
 BEHIND_A_NORM = Precondition("every reader sits behind a norm", "every reader behind a norm (LN, LNPre, RMS or RMSPre)")
 EPS_ZERO = Precondition("eps == 0")
 
 
-@rewrite("rms_norm_fold")
+@rewrite("fold_rms_norm")
 def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
     """Fold every RMSNorm gain ``w`` into the linear maps that read it: ``W -> w[:, None] * W``.
 
     ``RMS(x) @ W = RMSPre(x) @ (w[:, None] * W)`` for each reader: ``W_Q``, ``W_K``, ``W_V``
     (``[n_heads, d_model, d_head]``), ``W_in`` and, in a gated MLP, ``W_gate`` (``[d_model,
     d_mlp]``), and ``W_U`` (``[d_model, d_vocab]``). An RMSNorm has no bias, so no reader's bias
-    changes and ``W_gate`` needs none; nothing is centred (``RMSPre(x)`` is not orthogonal to the
+    changes and ``W_gate`` needs none; nothing is centered (``RMSPre(x)`` is not orthogonal to the
     all-ones vector). ``eps`` stays inside ``RMSPre``. Returns ``normalization_type="RMSPre"``
-    and records ``"rms_norm_fold"``.
+    and records ``"fold_rms_norm"``.
 
     >>> import torch
     >>> from circuitmath import Config, fold_rms_norm, random_state_dict
@@ -48,12 +48,12 @@ def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.T
     ('RMSPre', False)
     >>> _ = assert_equivalent(sd, folded, cfg, after_cfg=folded_cfg)
     """
-    identity = "rms_norm_fold"
+    identity = "fold_rms_norm"
     common_preconditions(identity, cfg)
     require(
         identity, IS_RMS, cfg.normalization_type == "RMS",
         f"normalization_type is {cfg.normalization_type!r}; there is no RMSNorm gain to fold"
-        + (" (LayerNorm folds by layer_norm_fold)" if cfg.normalization_type == "LN" else ""),
+        + (" (LayerNorm folds by fold_layer_norm)" if cfg.normalization_type == "LN" else ""),
     )
     validate_state_dict(state_dict, cfg)
     out = dict(state_dict)
@@ -65,11 +65,11 @@ def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.T
 
 
 def uncentered_writers(state_dict: StateDict, cfg: Config) -> dict[str, float]:
-    """The writers (see :func:`~circuitmath._processing.centring.writers`) whose mean over ``d_model`` is not zero.
+    """The writers (see :func:`~circuitmath._processing.centering.writers`) whose mean over ``d_model`` is not zero.
 
     Maps each such tensor's name to its largest ``|mean over d_model|``. A mean counts as zero
     when it is at most ``d_model * eps(dtype) * M``, with ``M`` the largest ``|entry|`` of any
-    writer: what centring leaves from rounding, measured against the scale of the residual
+    writer: what centering leaves from rounding, measured against the scale of the residual
     stream (a small bias with a large common offset keeps a rounding error of the offset's size,
     so its own size is no yardstick).
     """
@@ -86,15 +86,15 @@ def uncentered_writers(state_dict: StateDict, cfg: Config) -> dict[str, float]:
 
 @rewrite("layer_norm_to_rms_norm")
 def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
-    """Replace every ``LNPre`` by ``RMSPre`` (same ``eps``) in a model whose writes are all centred.
+    """Replace every ``LNPre`` by ``RMSPre`` (same ``eps``) in a model whose writes are all centered.
 
     When every write to the residual stream has mean zero over ``d_model`` the stream ``x``
     satisfies ``x C = x`` (``C = I - 1 1^T / d_model``), so ``LNPre(x) = n(x C) = n(x) =
     RMSPre(x)``. The weights are unchanged; only ``normalization_type`` becomes ``"RMSPre"``.
     Records ``"layer_norm_to_rms_norm"``.
 
-    Centring is verified on the weights themselves, not read from ``cfg.applied``: a model
-    centred elsewhere qualifies, and one whose writes a later rewrite un-centred does not. Each
+    Centering is verified on the weights themselves, not read from ``cfg.applied``: a model
+    centered elsewhere qualifies, and one whose writes a later rewrite un-centered does not. Each
     writer's mean must be zero up to rounding (see :func:`uncentered_writers`); run
     :func:`~circuitmath.center_writing_weights` first. Needs a pre-norm ``LNPre`` model (fold a
     LayerNorm's gain and bias first: an RMSNorm has no bias).
@@ -105,33 +105,33 @@ def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     require(
         identity, IS_LNPRE, cfg.normalization_type == "LNPre",
         f"normalization_type is {cfg.normalization_type!r}"
-        + ("; fold the LayerNorm's gain and bias first (layer_norm_fold)" if cfg.normalization_type == "LN" else
+        + ("; fold the LayerNorm's gain and bias first (fold_layer_norm)" if cfg.normalization_type == "LN" else
            ": there is no LayerNorm to replace"),
     )
     validate_state_dict(state_dict, cfg)
-    uncentred = uncentered_writers(state_dict, cfg)
-    worst = max(uncentred, key=uncentred.get, default=None)
+    uncentered = uncentered_writers(state_dict, cfg)
+    worst = max(uncentered, key=uncentered.get, default=None)
     require(
-        identity, WRITES_CENTRED, not uncentred,
-        f"{len(uncentred)} writer(s) have a nonzero mean over d_model, largest |mean| {uncentred.get(worst, 0):.3g}"
-        f" in {worst}; centre them first (center_writing_weights)",
+        identity, WRITES_CENTERED, not uncentered,
+        f"{len(uncentered)} writer(s) have a nonzero mean over d_model, largest |mean| {uncentered.get(worst, 0):.3g}"
+        f" in {worst}; center them first (center_writing_weights)",
     )
     return dict(state_dict), cfg.replace(normalization_type="RMSPre", applied=cfg.applied + (identity,))
 
 
-@rewrite("scale_invariance")
+@rewrite("rescale_residual_stream")
 def rescale_residual_stream(
     state_dict: StateDict, cfg: Config, *, scale: float
 ) -> tuple[dict[str, torch.Tensor], Config]:
     """Multiply every write to the residual stream by ``scale > 0``; exact only when ``eps == 0``.
 
     The stream ``x`` becomes ``scale * x``. Every norm (``LN``, ``LNPre``, ``RMS``, ``RMSPre``)
-    divides by the root mean square of its (centred) input, which is invariant to a positive
+    divides by the root mean square of its (centered) input, which is invariant to a positive
     scale exactly when ``eps = 0``: with ``eps > 0``, ``LNPre(s x) != LNPre(x)``, so such models
     are refused. The writers are those of :func:`~circuitmath.center_writing_weights`. Needs a
-    pre-norm model with a norm. Records ``"scale_invariance"``.
+    pre-norm model with a norm. Records ``"rescale_residual_stream"``.
     """
-    identity = "scale_invariance"
+    identity = "rescale_residual_stream"
     refuse_reapplication(identity, cfg)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise InputError(f"scale must be a finite number, got {scale!r}")

@@ -12,8 +12,8 @@ from .._errors import ArgumentTypeError, OverflowedError, PreconditionError
 from .._state import StateDict, entries_checked_elsewhere, not_finite, validate_state_dict
 from .attention import fold_value_biases as _fold_value_biases
 from .attention import refactor_factored_attn_matrices as _refactor_factored_attn_matrices
-from .centring import center_unembed as _center_unembed
-from .centring import center_writing_weights as _center_writing_weights
+from .centering import center_unembed as _center_unembed
+from .centering import center_writing_weights as _center_writing_weights
 from ._memory import converted
 from ._parts import InMemory, Parts
 from .fused import fusable, fused_default_steps
@@ -27,14 +27,14 @@ Transform = Callable[[StateDict, Config], tuple[dict[str, torch.Tensor], Config]
 
 
 def _fold_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
-    """Fold the norm's parameters into its readers; behind a LayerNorm, also centre the readers.
+    """Fold the norm's parameters into its readers; behind a LayerNorm, also center the readers.
 
     ``"LN"``: :func:`~circuitmath.fold_layer_norm` with ``center_reading_weights=True`` (a
     shortformer model first moves ``W_pos`` into per-layer query and key tables); ``"RMS"``:
-    :func:`~circuitmath.fold_rms_norm`, and no centring (``RMSPre(x)`` is not orthogonal to 1).
+    :func:`~circuitmath.fold_rms_norm`, and no centering (``RMSPre(x)`` is not orthogonal to 1).
     Any other norm has no parameters to fold: refused like :func:`~circuitmath.fold_layer_norm`.
     """
-    for done in ("layer_norm_fold", "rms_norm_fold"):
+    for done in ("fold_layer_norm", "fold_rms_norm"):
         refuse_reapplication(done, cfg)
     if cfg.normalization_type == "RMS":
         return fold_rms_norm(state_dict, cfg)
@@ -55,8 +55,8 @@ STEPS = tuple(keyword for keyword, _step in PIPELINE_STEPS)
 
 #: The keyword of :func:`process_weights` that applies each identity it records.
 KEYWORD_OF = {
-    "shortformer_tables": "fold_ln", "layer_norm_fold": "fold_ln", "center_reading_weights": "fold_ln",
-    "rms_norm_fold": "fold_ln", "fold_value_biases": "fold_value_biases",
+    "shortformer_to_tables": "fold_ln", "fold_layer_norm": "fold_ln", "center_reading_weights": "fold_ln",
+    "fold_rms_norm": "fold_ln", "fold_value_biases": "fold_value_biases",
     "center_writing_weights": "center_writing_weights", "center_unembed": "center_unembed",
     "refactor_factored_attn_matrices": "refactor_factored_attn_matrices",
 }
@@ -80,8 +80,8 @@ def process_weights(
     ``None`` (apply it if its preconditions hold, leave it out otherwise). The defaults, ``None``
     for the first four steps and ``False`` for the refactor, apply what is exact for the model's
     architecture: every step on a pre-LayerNorm model, and on an RMSNorm model (LLaMA) the fold,
-    the value biases and the unembed but not the centring of the writers (RMSNorm does not
-    centre). What was applied is read from the returned config's ``applied``, so nothing is
+    the value biases and the unembed but not the centering of the writers (RMSNorm does not
+    center). What was applied is read from the returned config's ``applied``, so nothing is
     skipped unseen; ask for a step with ``True`` to be told why it does not apply. A step already recorded in
     ``cfg.applied`` is refused when asked for with ``True`` (:class:`~circuitmath.AlreadyAppliedError`)
     and left out with ``None``. A refusal returns nothing, and the input is never modified.
@@ -90,18 +90,18 @@ def process_weights(
 
     1. ``fold_ln``: fold each norm's gain (and bias) into the maps that read it. A LayerNorm
        (``"LN"``) is folded by :func:`~circuitmath.fold_layer_norm` and its readers are then
-       centred (:func:`~circuitmath.center_reading_weights`), leaving ``"LNPre"``; a shortformer
+       centered (:func:`~circuitmath.center_reading_weights`), leaving ``"LNPre"``; a shortformer
        model first has ``W_pos`` moved into per-layer query and key tables
        (:func:`~circuitmath.shortformer_to_tables`, done inside the fold). An RMSNorm (``"RMS"``)
        is folded by :func:`~circuitmath.fold_rms_norm`, leaving ``"RMSPre"``, and its readers are
-       not centred: ``RMSPre(x)`` is not orthogonal to the all-ones vector. First, because the
-       centring of the readers is exact only once they read ``LNPre(x)``: centring behind an
+       not centered: ``RMSPre(x)`` is not orthogonal to the all-ones vector. First, because the
+       centering of the readers is exact only once they read ``LNPre(x)``: centering behind an
        unfolded ``LN(x) = LNPre(x) diag(w) + b`` changes the model.
     2. ``fold_value_biases``: ``b_O += Σ_h b_V[h] W_O[h]``, ``b_V = 0``. After the fold, which
        adds ``ln1.b @ W_V`` to ``b_V``: folded earlier, that part would stay in ``b_V``.
     3. ``center_writing_weights``: subtract from every write to the residual stream its mean over
-       ``d_model`` (needs a centring norm, ``"LN"`` or ``"LNPre"``). After the value-bias fold,
-       so the final ``b_O`` is centred once, in the same pass as the other writers.
+       ``d_model`` (needs a centering norm, ``"LN"`` or ``"LNPre"``). After the value-bias fold,
+       so the final ``b_O`` is centered once, in the same pass as the other writers.
     4. ``center_unembed``: subtract from ``W_U`` and ``b_U`` their means over the vocabulary
        (log-probs unchanged, raw logits shift per position). After the fold, which rewrites
        ``W_U`` and moves ``ln_final.b @ W_U`` into ``b_U``.
@@ -127,18 +127,18 @@ def process_weights(
     >>> sd = random_state_dict(cfg, seed=0, dtype=torch.float64)
     >>> processed, processed_cfg = process_weights(sd, cfg)
     >>> processed_cfg.applied  # doctest: +NORMALIZE_WHITESPACE
-    ('layer_norm_fold', 'center_reading_weights', 'fold_value_biases', 'center_writing_weights',
+    ('fold_layer_norm', 'center_reading_weights', 'fold_value_biases', 'center_writing_weights',
      'center_unembed')
     >>> _ = assert_equivalent(sd, processed, cfg, after_cfg=processed_cfg)
     >>> rms = cfg.replace(normalization_type="RMS")
     >>> process_weights(random_state_dict(rms, seed=0), rms)[1].applied
-    ('rms_norm_fold', 'fold_value_biases', 'center_unembed')
+    ('fold_rms_norm', 'fold_value_biases', 'center_unembed')
     >>> process_weights(random_state_dict(rms, seed=0), rms, center_writing_weights=True)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    circuitmath._errors.PreconditionError: center_writing_weights: precondition 'every reader sits behind a centring norm' does not hold: ...
+    circuitmath._errors.PreconditionError: center_writing_weights: precondition 'every reader sits behind a centering norm' does not hold: ...
     >>> process_weights(random_state_dict(rms, seed=0), rms, refactor_factored_attn_matrices=None)[1].applied
-    ('rms_norm_fold', 'fold_value_biases', 'center_unembed', 'refactor_factored_attn_matrices')
+    ('fold_rms_norm', 'fold_value_biases', 'center_unembed', 'refactor_factored_attn_matrices')
     """
     requested = {
         "fold_ln": fold_ln,

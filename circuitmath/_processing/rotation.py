@@ -27,7 +27,7 @@ from .._config import Config
 from .._errors import Precondition, PreconditionError
 from .._state import StateDict, attention_names, validate_state_dict
 from ._common import PRE_NORM, readers, require, rewrite
-from .centring import require_pre_norm, writers
+from .centering import require_pre_norm, writers
 
 __all__ = [
     "rotate_residual_stream",
@@ -85,7 +85,7 @@ RECOGNITION_SAFETY = 32.0
 
 def residual_writers(cfg: Config) -> list[str]:
     """Tensors whose last axis is a vector of the residual stream, written to it or added to
-    the normed stream: :func:`~circuitmath._processing.centring.writers`, and a shortformer
+    the normed stream: :func:`~circuitmath._processing.centering.writers`, and a shortformer
     ``pos_embed.W_pos`` (added to ``ln1``'s output, which a rotation rotates too)."""
     extra = ["pos_embed.W_pos"] if cfg.positional_embedding_type == "shortformer" else []
     return writers(cfg) + extra
@@ -126,7 +126,7 @@ def orthogonal_fixing_ones(size: int, *, seed: int, dtype: torch.dtype = torch.f
     """A random orthogonal ``Q`` with ``Q 1 = 1``: ``H diag(1, R) H`` with ``H`` the Householder
     reflection that swaps ``e_1`` and ``1 / sqrt(size)``, ``R`` random orthogonal of size
     ``size - 1``. It rotates the vectors orthogonal to ``1`` and leaves ``1`` alone, so it commutes
-    with centring (``layer_norm_rotation``)."""
+    with centering (``layer_norm_rotation``)."""
     v = torch.full((size,), 1 / math.sqrt(size), dtype=torch.float64)
     v[0] -= 1.0
     norm = float(v.norm())
@@ -162,7 +162,7 @@ def _as_square(identity: str, Q, d_model: int) -> torch.Tensor:
     return Q
 
 
-@rewrite("rotation_invariance")
+@rewrite("rotate_residual_stream")
 def rotate_residual_stream(
     state_dict: StateDict, cfg: Config, Q: torch.Tensor
 ) -> tuple[dict[str, torch.Tensor], Config]:
@@ -174,11 +174,11 @@ def rotate_residual_stream(
     (``W_Q``, ``W_K``, ``W_V`` ``[heads, d_model, d_head]``, ``W_in``, ``W_gate``, ``W_U``); the
     readers' biases are unchanged. The stream ``x`` of the new model is ``x Q`` everywhere, and
     ``RMSPre(x Q) = RMSPre(x) Q`` because ``|x Q| = |x|``, so every reader computes what it
-    did: ``RMSPre(x Q) Q^T W = RMSPre(x) W``. Identity ``rotation_invariance``.
+    did: ``RMSPre(x Q) Q^T W = RMSPre(x) W``. Identity ``rotate_residual_stream``.
 
     Norms: ``RMSPre`` and no norm are rotated for any orthogonal ``Q``. ``LNPre`` only when ``Q``
     fixes the all-ones direction (``Q 1 = 1``, identity ``layer_norm_rotation``), since
-    ``LNPre`` centres, and centring commutes with ``Q`` exactly then. A norm with a gain
+    ``LNPre`` centers, and centering commutes with ``Q`` exactly then. A norm with a gain
     (``LN``, ``RMS``) is refused: ``diag(w)`` does not commute with ``Q``; the SliceGPT route is
     :func:`fold_layer_norm`, :func:`center_writing_weights`, :func:`layer_norm_to_rms_norm`, then
     this (or :func:`fold_rms_norm`, then this). Post-norm models are refused.
@@ -207,17 +207,17 @@ def rotate_residual_stream(
     >>> Q = torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))[0]
     >>> rotated, rotated_cfg = rotate_residual_stream(sd, cfg, Q)
     >>> rotated_cfg.applied
-    ('rotation_invariance',)
+    ('rotate_residual_stream',)
     >>> _ = assert_equivalent(sd, rotated, cfg, after_cfg=rotated_cfg)
     """
-    identity = "rotation_invariance"
+    identity = "rotate_residual_stream"
     require_pre_norm(identity, cfg)
     kind = cfg.normalization_type
     require(
         identity, NO_NORM_GAIN, kind not in ("LN", "RMS"),
         {
             "LN": "normalization_type is 'LN': its gain diag(w) and bias do not commute with Q; fold it"
-                  " (layer_norm_fold), centre the writes (center_writing_weights) and switch to RMSNorm"
+                  " (fold_layer_norm), center the writes (center_writing_weights) and switch to RMSNorm"
                   " (layer_norm_to_rms_norm) first: the SliceGPT route",
             "RMS": "normalization_type is 'RMS': its gain diag(w) does not commute with Q; fold it first (fold_rms_norm)",
         }.get(kind, ""),
@@ -239,8 +239,8 @@ def rotate_residual_stream(
         moved = float((Q64 @ ones - ones).abs().max())
         require(
             identity, Q_FIXES_ONES, moved <= tolerance * math.sqrt(cfg.d_model),
-            f"normalization_type is 'LNPre' and max |Q 1 - 1| is {moved:.3g}: LNPre centres, and centring"
-            " commutes with Q only when Q fixes the all-ones direction. Centre the writes and switch to"
+            f"normalization_type is 'LNPre' and max |Q 1 - 1| is {moved:.3g}: LNPre centers, and centering"
+            " commutes with Q only when Q fixes the all-ones direction. Center the writes and switch to"
             " RMSNorm first (center_writing_weights, layer_norm_to_rms_norm)",
         )
     out = dict(state_dict)
@@ -414,8 +414,8 @@ def procrustes(before: StateDict, after: StateDict, cfg: Config, names: Sequence
     reader columns onto ``after``'s (orthogonal Procrustes, see :func:`recover_rotation`), not
     verified: :func:`rotation_mismatches` names the tensors it does not explain. ``names``: only
     these writers (e.g. ``["embed.W_E"]``, which the usual processing before a rotation leaves
-    as it is once the writes are centred), no readers. Directions no tensor has a component along
-    (the all-ones direction of a centred model) are mapped arbitrarily: no tensor depends on them."""
+    as it is once the writes are centered), no readers. Directions no tensor has a component along
+    (the all-ones direction of a centered model) are mapped arbitrarily: no tensor depends on them."""
     rows_before, rows_after = [], []
     for name in residual_writers(cfg) if names is None else names:
         rows_before.append(before[name].double().reshape(-1, cfg.d_model).cpu())
@@ -467,23 +467,12 @@ def recover_head_permutation(
     """
     if not _same_layout(before, after):
         return None
-    perms = []
-    for layer in range(cfg.n_layers):
+
+    def matched(layer):
         p = f"blocks.{layer}.attn"
-        names = [(f"{p}.W_Q", 0), (f"{p}.b_Q", 0), (f"{p}.W_O", 0)] + (
-            [(f"{p}.pos_Q", 1)] if f"{p}.pos_Q" in before else [])
-        tensors = lambda sd: [sd[n] for n, _ in names]  # noqa: E731
-        axes = [a for _, a in names]
-        perm = _match(_signatures(tensors(before), axes, cfg.n_heads), _signatures(tensors(after), axes, cfg.n_heads))
-        if perm is None:
-            return None
-        perms.append(perm)
-    perms = torch.stack(perms) if perms else torch.zeros(0, cfg.n_heads, dtype=torch.long)
-    try:
-        expected, _cfg = permute_heads(before, cfg, perms)
-    except PreconditionError:
-        return None
-    return perms if _verified(before, expected, after, verify_all) else None
+        return [(f"{p}.W_Q", 0), (f"{p}.b_Q", 0), (f"{p}.W_O", 0)] + ([(f"{p}.pos_Q", 1)] if f"{p}.pos_Q" in before else [])
+
+    return _recover_permutation(before, after, cfg, cfg.n_heads, matched, permute_heads, verify_all)
 
 
 def recover_neuron_permutation(
@@ -495,16 +484,30 @@ def recover_neuron_permutation(
     verified (``verify_all=False``: only the tensors it moves)."""
     if cfg.attn_only or not _same_layout(before, after):
         return None
+
+    def matched(layer):
+        p = f"blocks.{layer}.mlp"
+        return [(f"{p}.W_in", 1), (f"{p}.b_in", 0), (f"{p}.W_out", 0)] + ([(f"{p}.W_gate", 1)] if cfg.gated_mlp else [])
+
+    return _recover_permutation(before, after, cfg, cfg.d_mlp, matched, permute_neurons, verify_all)
+
+
+def _recover_permutation(before, after, cfg, size, matched, permute, verify_all) -> torch.Tensor | None:
+    """Per layer, the permutation of ``size`` units that maps the units of ``before`` to those of
+    ``after`` with the same bytes in the tensors ``matched(layer)`` lists (``(name, unit axis)``),
+    verified by applying ``permute``; ``None`` when there is none."""
     perms = []
     for layer in range(cfg.n_layers):
-        p = f"blocks.{layer}.mlp"
-        names = [(f"{p}.W_in", 1), (f"{p}.b_in", 0), (f"{p}.W_out", 0)] + ([(f"{p}.W_gate", 1)] if cfg.gated_mlp else [])
-        tensors = lambda sd: [sd[n] for n, _ in names]  # noqa: E731
-        axes = [a for _, a in names]
-        perm = _match(_signatures(tensors(before), axes, cfg.d_mlp), _signatures(tensors(after), axes, cfg.d_mlp))
+        names = matched(layer)
+        axes = [axis for _name, axis in names]
+        signatures = [_signatures([sd[name] for name, _axis in names], axes, size) for sd in (before, after)]
+        perm = _match(*signatures)
         if perm is None:
             return None
         perms.append(perm)
-    perms = torch.stack(perms) if perms else torch.zeros(0, cfg.d_mlp, dtype=torch.long)
-    expected, _cfg = permute_neurons(before, cfg, perms)
+    perms = torch.stack(perms) if perms else torch.zeros(0, size, dtype=torch.long)
+    try:
+        expected, _cfg = permute(before, cfg, perms)
+    except PreconditionError:
+        return None
     return perms if _verified(before, expected, after, verify_all) else None

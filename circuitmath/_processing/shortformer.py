@@ -17,7 +17,7 @@ IS_SHORTFORMER = Precondition(
 )
 
 
-@rewrite("shortformer_tables")
+@rewrite("shortformer_to_tables")
 def shortformer_to_tables(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
     """Replace ``W_pos`` by each layer's positional query and key tables.
 
@@ -26,9 +26,9 @@ def shortformer_to_tables(state_dict: StateDict, cfg: Config) -> tuple[dict[str,
     the same for keys, with the key heads of grouped-query attention. Values and MLPs never see
     positions. After this rewrite every norm's output is read only by linear maps, so the
     LayerNorm fold is exact. Returns ``positional_embedding_type="shortformer_tables"``,
-    records ``"shortformer_tables"``; ``pos_embed.W_pos`` is dropped.
+    records ``"shortformer_to_tables"``; ``pos_embed.W_pos`` is dropped.
     """
-    identity = "shortformer_tables"
+    identity = "shortformer_to_tables"
     refuse_reapplication(identity, cfg)
     require(
         identity, IS_SHORTFORMER, cfg.positional_embedding_type == "shortformer",

@@ -20,6 +20,7 @@ The path expansion (:func:`path_terms`) is exact once the attention patterns and
 scales are fixed at the values a forward pass computed: every other operation is linear.
 """
 
+from ._bases import change_head_bases as change_head_bases
 from ._factored import FactoredMatrix as FactoredMatrix
 from ._heads import (
     bigram_table as bigram_table,
@@ -45,6 +46,7 @@ __all__ = [
     "TensorProduct",
     "vec",
     "FactoredMatrix",
+    "change_head_bases",
     "ov_circuits",
     "qk_circuits",
     "full_ov_circuits",

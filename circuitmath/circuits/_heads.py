@@ -6,11 +6,22 @@ from __future__ import annotations
 import torch
 
 from .._config import Config
-from .._errors import InputError, PreconditionError
+from .._errors import InputError, Precondition
+from .._processing._common import require
 from .._state import StateDict, attention_names, per_query_head, validate_state_dict
 from ._factored import FactoredMatrix, _t
 
-__all__ = ["ov_circuits", "qk_circuits", "full_ov_circuits", "bigram_table", "virtual_weights"]
+__all__ = ["ov_circuits", "qk_circuits", "full_ov_circuits", "bigram_table", "virtual_weights",
+           "HAS_ATTENTION", "ONE_QK_PER_HEAD"]
+
+#: The preconditions the per-head circuits refuse a model by; the identities that use these
+#: functions register the same objects.
+HAS_ATTENTION = Precondition(
+    "the model has attention layers", "the model has attention layers (any architecture the reference runs)"
+)
+ONE_QK_PER_HEAD = Precondition(
+    "one QK matrix per head", "no rotary embedding: a head's score x_i W_QK x_j^T does not depend on the offset j - i"
+)
 
 
 def _per_head(state_dict: StateDict, cfg: Config, name: str) -> torch.Tensor:
@@ -33,17 +44,15 @@ def _layer_bias(state_dict: StateDict, cfg: Config, layer: int, name: str) -> to
 
 
 def _require_attention(cfg: Config, identity: str) -> None:
-    if cfg.n_layers == 0:
-        raise PreconditionError(identity, "the model has attention layers", "n_layers is 0")
+    require(identity, HAS_ATTENTION, cfg.n_layers != 0, "n_layers is 0")
 
 
 def _require_position_free_scores(cfg: Config, identity: str) -> None:
-    if cfg.positional_embedding_type == "rotary":
-        raise PreconditionError(
-            identity, "one QK matrix per head",
-            "with rotary embeddings the score of query i and key j is x_i W_Q R_(j-i) W_K^T x_j^T:"
-            " it depends on the offset j - i, so there is no single W_QK",
-        )
+    require(
+        identity, ONE_QK_PER_HEAD, cfg.positional_embedding_type != "rotary",
+        "with rotary embeddings the score of query i and key j is x_i W_Q R_(j-i) W_K^T x_j^T:"
+        " it depends on the offset j - i, so there is no single W_QK",
+    )
 
 
 def ov_circuits(state_dict: StateDict, cfg: Config) -> FactoredMatrix:
@@ -66,8 +75,8 @@ def qk_circuits(state_dict: StateDict, cfg: Config) -> FactoredMatrix:
     Refused for rotary models, whose scores depend on the offset between positions.
     """
     validate_state_dict(state_dict, cfg)
-    _require_attention(cfg, "qk_reparametrisation")
-    _require_position_free_scores(cfg, "qk_reparametrisation")
+    _require_attention(cfg, "composition_scores_from_factors")  # the identity its scores are checked by
+    _require_position_free_scores(cfg, "composition_scores_from_factors")
     return FactoredMatrix(_per_head(state_dict, cfg, "Q"), _t(_per_head(state_dict, cfg, "K")))
 
 

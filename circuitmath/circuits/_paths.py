@@ -13,12 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from .._config import Config
-from .._errors import InputError, PreconditionError
+from .._errors import InputError, Precondition
+from .._processing._common import require
 from .._reference import _project, _rotate, forward, pattern_from_scores
 from .._state import StateDict, validate_state_dict, validated_once
 from ._heads import _layer_bias, _layer_weight
 
-__all__ = ["POSITIONS", "attention_patterns", "Path", "path_terms", "SCORE_TERMS", "score_terms"]
+__all__ = ["POSITIONS", "attention_patterns", "Path", "path_terms", "SCORE_TERMS", "score_terms", "PATH_MODEL"]
 
 
 #: Positional embeddings the path expansion knows: ``standard`` writes ``W_pos`` into the stream
@@ -26,22 +27,25 @@ __all__ = ["POSITIONS", "attention_patterns", "Path", "path_terms", "SCORE_TERMS
 POSITIONS = ("standard", "rotary", "shortformer", "shortformer_tables")
 
 
+#: What the path expansion needs of a model; every identity whose route runs it registers these.
+PATH_MODEL = (
+    Precondition("attention-only", "attention-only: no MLP, whose non-linearity would mix the paths"),
+    Precondition("pre-norm", "pre-norm (or no norm): each norm's scale is frozen at the stream it read"),
+    Precondition("known positional embedding", f"positional_embedding_type is one of {POSITIONS}"),
+)
+
+
 def _require_path_model(cfg: Config, identity: str) -> None:
-    problems = []
-    if not cfg.attn_only:
-        problems.append(("attention-only", "the model has MLPs, which are not linear in the residual stream"))
-    if cfg.norm_position != "pre":
-        problems.append(("pre-norm", "a post-norm model normalises the residual stream itself"))
-    if cfg.positional_embedding_type not in POSITIONS:
-        problems.append(("known positional embedding", f"positional_embedding_type is {cfg.positional_embedding_type!r}"))
-    if problems:
-        precondition, detail = problems[0]
-        raise PreconditionError(identity, precondition, detail)
+    attention_only, pre_norm, known_positions = PATH_MODEL
+    require(identity, attention_only, cfg.attn_only, "the model has MLPs, which are not linear in the residual stream")
+    require(identity, pre_norm, cfg.norm_position == "pre", "a post-norm model normalises the residual stream itself")
+    require(identity, known_positions, cfg.positional_embedding_type in POSITIONS,
+            f"positional_embedding_type is {cfg.positional_embedding_type!r}")
 
 
 @dataclass(frozen=True)
 class _Norm:
-    """A norm with its scale frozen: ``N(x) = s * (x P) * w + b`` with ``P`` centring or not."""
+    """A norm with its scale frozen: ``N(x) = s * (x P) * w + b`` with ``P`` centering or not."""
 
     kind: str | None
     scale: torch.Tensor | None  # [batch, pos, 1]
@@ -53,8 +57,8 @@ class _Norm:
         kind = cfg.normalization_type
         if kind is None:
             return cls(None, None, None, None)
-        centred = x - x.mean(dim=-1, keepdim=True) if kind in ("LN", "LNPre") else x
-        scale = 1 / torch.sqrt(centred.pow(2).mean(dim=-1, keepdim=True) + cfg.eps)
+        centered = x - x.mean(dim=-1, keepdim=True) if kind in ("LN", "LNPre") else x
+        scale = 1 / torch.sqrt(centered.pow(2).mean(dim=-1, keepdim=True) + cfg.eps)
         return cls(kind, scale, state_dict.get(f"{prefix}.w"), state_dict.get(f"{prefix}.b"))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,10 +126,14 @@ def attention_patterns(state_dict: StateDict, cfg: Config, tokens: torch.Tensor)
     """The attention patterns of a forward pass: ``[n_layers, batch, n_heads, query, key]``.
 
     Recorded by the reference forward pass (:func:`circuitmath.forward`), for any model it
-    runs; rows sum to 1 and causal models put zero weight on future keys.
+    runs; rows sum to 1 and causal models put zero weight on future keys. A model without
+    layers has none: ``[0, batch, n_heads, query, key]``.
     """
     record: dict = {}
-    forward(state_dict, cfg, tokens, record=record)
+    logits = forward(state_dict, cfg, tokens, record=record)
+    if not record["patterns"]:
+        batch, pos = logits.shape[:2]
+        return logits.new_zeros(0, batch, cfg.n_heads, pos, pos)
     return torch.stack(record["patterns"])
 
 

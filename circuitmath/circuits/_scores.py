@@ -9,7 +9,7 @@ import torch
 from .._config import Config
 from .._state import StateDict, validate_state_dict
 from ._factored import FactoredMatrix, _t
-from ._heads import _per_head, _require_attention, _require_position_free_scores, full_ov_circuits
+from ._heads import _per_head, _require_attention, _require_position_free_scores, full_ov_circuits, ov_circuits, qk_circuits
 from .._errors import InputError
 
 __all__ = ["KINDS", "composition_scores", "copying_scores"]
@@ -37,7 +37,9 @@ def _reader_factors(state_dict: StateDict, cfg: Config, kind: str) -> torch.Tens
     return _per_head(state_dict, cfg, "V") @ _t(_r_factor(_t(W_O)))  # W_OV = W_V W_O
 
 
-def composition_scores(state_dict: StateDict, cfg: Config, kinds: Iterable[str] = KINDS) -> dict[str, torch.Tensor]:
+def composition_scores(
+    state_dict: StateDict, cfg: Config, kinds: Iterable[str] = KINDS, *, materialise: bool = False
+) -> dict[str, torch.Tensor]:
     """Q-, K- and V-composition scores of every pair of heads, computed from the factors.
 
     Returns ``{kind: [n_layers, n_heads, n_layers, n_heads]}``; entry ``[l1, h1, l2, h2]`` is the
@@ -53,6 +55,10 @@ def composition_scores(state_dict: StateDict, cfg: Config, kinds: Iterable[str] 
     ``[n_heads d_head, d_model] @ [d_model, n_heads d_head]`` product per pair of layers, never a
     ``d_model x d_model`` matrix (identity ``composition_scores_from_factors``). Q and K
     composition are refused for rotary models (see :func:`qk_circuits`).
+
+    ``materialise=True`` computes the same scores the slow way, from the materialised
+    ``[d_model, d_model]`` products ``W_OV^1 W_QK^2`` (one pair of layers at a time, in float64,
+    returned in float64): the reference the factors are checked against.
     """
     validate_state_dict(state_dict, cfg)
     kinds = tuple(kinds)
@@ -62,6 +68,8 @@ def composition_scores(state_dict: StateDict, cfg: Config, kinds: Iterable[str] 
     _require_attention(cfg, "composition_scores_from_factors")
     if {"q", "k"} & set(kinds):
         _require_position_free_scores(cfg, "composition_scores_from_factors")
+    if materialise:
+        return _materialised_scores({name: tensor.double() for name, tensor in state_dict.items()}, cfg, kinds)
     L, H = cfg.n_layers, cfg.n_heads
     W_O = torch.stack([state_dict[f"blocks.{l}.attn.W_O"] for l in range(L)])
     writers = _r_factor(_per_head(state_dict, cfg, "V")) @ W_O  # [L, H, r, d]: |.|_F = |W_OV|_F
@@ -81,6 +89,26 @@ def composition_scores(state_dict: StateDict, cfg: Config, kinds: Iterable[str] 
             out[l1, :, l1 + 1 :, :] = squared.sqrt() / norms
         scores[kind] = out
     return scores
+
+
+def _materialised_scores(state_dict: StateDict, cfg: Config, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The scores from materialised ``[d_model, d_model]`` products, one layer pair at a time."""
+    ov = ov_circuits(state_dict, cfg).AB
+    readers = {"v": ov}
+    if {"q", "k"} & set(kinds):
+        qk = qk_circuits(state_dict, cfg).AB
+        readers |= {"q": qk, "k": qk.transpose(-1, -2)}
+    fro = torch.linalg.matrix_norm
+    out = {}
+    for kind in kinds:
+        reader = readers[kind]
+        scores = torch.full((cfg.n_layers, cfg.n_heads) * 2, float("nan"), dtype=torch.float64)
+        for l1 in range(cfg.n_layers):
+            for l2 in range(l1 + 1, cfg.n_layers):
+                product = ov[l1][:, None] @ reader[l2][None]  # [H, H, d, d]
+                scores[l1, :, l2, :] = fro(product) / (fro(ov[l1])[:, None] * fro(reader[l2])[None])
+        out[kind] = scores
+    return out
 
 
 def copying_scores(state_dict: StateDict, cfg: Config) -> torch.Tensor:

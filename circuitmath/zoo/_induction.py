@@ -72,8 +72,8 @@ def run_with_patterns(state_dict: StateDict, cfg: Config, tokens: torch.Tensor):
     record: dict = {}
     logits = forward(state_dict, cfg, tokens, record=record)
     x = record["final_residual"]
-    centred = x - x.mean(-1, keepdim=True) if cfg.normalization_type in ("LN", "LNPre") else x
-    final_scale = torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + cfg.eps)
+    centered = x - x.mean(-1, keepdim=True) if cfg.normalization_type in ("LN", "LNPre") else x
+    final_scale = torch.sqrt(centered.pow(2).mean(-1, keepdim=True) + cfg.eps)
     return logits, record["patterns"], record["head_outputs"], final_scale
 
 
@@ -96,7 +96,7 @@ def direct_logit_attribution(state_dict: StateDict, cfg: Config, tokens: torch.T
     token's logit above the mean logit, averaged over the second half (in logit units, unbounded).
     An induction head copies: large and positive.
 
-    The head's write passes through ``ln_final`` as the model applies it (centring, the actual
+    The head's write passes through ``ln_final`` as the model applies it (centering, the actual
     per-position scale, the gain), so the contributions of all heads and the other terms add up
     to the logits.
     """
@@ -128,7 +128,7 @@ def composition_scores(state_dict: StateDict, cfg: Config) -> dict[str, torch.Te
 
     :func:`circuitmath.circuits.composition_scores` on the model as its LayerNorms see it: the
     gains folded into the matrices that read them (:func:`circuitmath.fold_layer_norm`) and the
-    writing weights centred (:func:`circuitmath.center_writing_weights`), since every reader
+    writing weights centered (:func:`circuitmath.center_writing_weights`), since every reader
     removes the mean first. Row convention: the K-composition score of heads ``a`` (layer 0) and
     ``b`` (layer 1) is ``||W_OV^a (W_QK^b)^T||_F / (||W_OV^a||_F ||W_QK^b||_F)``. Returns
     ``{"Q", "K", "V"}`` each ``[n_heads (layer 0), n_heads (layer 1)]``.
@@ -172,7 +172,7 @@ def positional_share(state_dict: StateDict, cfg: Config) -> float:
     queries and keys from (first head's gain and bias of ``ln1`` included).
 
     Standard positions enter before ``ln1``, which is linear once its scale is fixed: the
-    positional part is ``w * centre(p) / scale(e + p)`` and the input ``LN(e + p)``. Shortformer
+    positional part is ``w * center(p) / scale(e + p)`` and the input ``LN(e + p)``. Shortformer
     positions are added after it: ``p`` beside ``LN(e)``.
     """
     if cfg.positional_embedding_type not in ("standard", "shortformer") or cfg.normalization_type != "LN":
@@ -182,15 +182,15 @@ def positional_share(state_dict: StateDict, cfg: Config) -> float:
         p = state_dict["pos_embed.W_pos"].double()[None, :, :]
         w, b = state_dict["blocks.0.ln1.w"].double(), state_dict["blocks.0.ln1.b"].double()
 
-        def centre(v):
+        def center(v):
             return v - v.mean(-1, keepdim=True)
 
         def scale(v):
-            return torch.sqrt(centre(v).pow(2).mean(-1, keepdim=True) + cfg.eps)
+            return torch.sqrt(center(v).pow(2).mean(-1, keepdim=True) + cfg.eps)
 
         if cfg.positional_embedding_type == "standard":
             x = e + p
-            part, whole = w * centre(p) / scale(x), w * centre(x) / scale(x) + b
+            part, whole = w * center(p) / scale(x), w * center(x) / scale(x) + b
         else:
-            part, whole = p.expand(e.shape[0], -1, -1), w * centre(e) / scale(e) + b + p
+            part, whole = p.expand(e.shape[0], -1, -1), w * center(e) / scale(e) + b + p
         return float((part.norm(dim=-1) / whole.norm(dim=-1)).mean())

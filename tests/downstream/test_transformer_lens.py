@@ -111,14 +111,14 @@ def test_shortformer_divergence_is_caught():
     found = _diagnosis(state_dict, process(state_dict, cfg), cfg)
     rows = {f.name: f for f in found.findings}
     # ln1 is folded into W_Q and W_K as if W_pos entered the residual stream: positions get scaled
-    fold = rows["layer_norm_fold"]
-    assert fold.status == "violated" and fold.rewrite == "shortformer_tables.naive_fold"
+    fold = rows["fold_layer_norm"]
+    assert fold.status == "violated" and fold.rewrite == "shortformer_to_tables.naive_fold"
     assert fold.max_abs_error > 0.1
-    # and the readers are centred although W_pos, added after ln1, is not centred by LNPre
-    centring = rows["center_reading_weights"]
-    assert centring.status == "violated" and not centring.applicable
-    assert centring.precondition == "norm output read only by linear maps"
-    assert {"blocks.0.attn.W_Q", "blocks.1.attn.W_K"} <= {p.name for p in centring.parameters}
+    # and the readers are centered although W_pos, added after ln1, is not centered by LNPre
+    centering = rows["center_reading_weights"]
+    assert centering.status == "violated" and not centering.applicable
+    assert centering.precondition == "norm output read only by linear maps"
+    assert {"blocks.0.attn.W_Q", "blocks.1.attn.W_K"} <= {p.name for p in centering.parameters}
     assert found.comparison.max_abs_error > 0.5
 
 
@@ -127,7 +127,7 @@ def test_a_square_reader_is_folded_along_the_wrong_axis(square):
     cfg, state_dict = model(**{square: 8})  # equal to d_model: the gain's axis is guessed from the shape
     found = _diagnosis(state_dict, process(state_dict, cfg), cfg)
     fold = next(f for f in found.violations if f.kind == "identity")
-    assert fold.name == "layer_norm_fold"
+    assert fold.name == "fold_layer_norm"
     weight, bias = ("unembed.W_U", "unembed.b_U") if square == "d_vocab" else ("blocks.0.mlp.W_in", "blocks.0.mlp.b_in")
     assert weight in fold.explanation.split("scale_columns explains ")[1].split(":")[0]
     assert bias in fold.explanation.split("bias_through_transpose explains ")[1].split(":")[0]

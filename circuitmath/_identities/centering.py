@@ -1,4 +1,4 @@
-"""Centring the weights that write to the residual stream, and centring the unembed.
+"""Centering the weights that write to the residual stream, and centering the unembed.
 
 Symbols (row-vector convention, one position at a time):
 
@@ -6,10 +6,10 @@ Symbols (row-vector convention, one position at a time):
 - ``t`` ``[1, V]`` a one-hot token, ``p`` ``[1, d]`` its row of ``W_pos``, ``z`` ``[1, e]`` a
   head's mixed values, ``a`` ``[1, k]`` an MLP's activations. One head and one MLP stand for all
   of them: every write is treated the same way and the residual stream is their sum;
-- ``C = I - 1 1^T / d`` the centring matrix; ``rho`` the normaliser of ``LNPre``.
+- ``C = I - 1 1^T / d`` the centering matrix; ``rho`` the normaliser of ``LNPre``.
 
 ``LNPre(y) = n(y C)`` with ``n(v) = v (|v|^2 / d + eps)^(-1/2)``: LNPre sees ``y`` only through
-``y C``. The writing-weight proof shows that centring every write leaves ``x C`` unchanged, so
+``y C``. The writing-weight proof shows that centering every write leaves ``x C`` unchanged, so
 ``rho``, computed from ``x C``, is the same scalar on both sides, whatever ``eps``.
 
 For the unembed: ``l = y W_U + b_U`` ``[1, V]`` are a position's logits (``y`` the final norm's
@@ -24,7 +24,7 @@ from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, OneMatrix, Rati
 
 from .._processing import center_unembed, center_writing_weights, writers
 from .._processing._common import NOT_APPLIED, PRE_NORM
-from .._processing.centring import CENTRING_NORM
+from .._processing.centering import CENTERING_NORM
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, WrongRewrite, register
 from .layer_norm import REGARDLESS
@@ -36,7 +36,7 @@ ones = OneMatrix(d, 1)
 C = MatrixSymbol("C", d, d)
 
 
-def _centred(W: MatrixSymbol) -> MatAdd:
+def _centered(W: MatrixSymbol) -> MatAdd:
     """``W - (1/d) W 1 1^T``: ``W`` minus its mean over ``d_model`` (its last axis)."""
     return MatAdd(W, MatMul(-1 / d, W, ones, ones.T))
 
@@ -61,13 +61,13 @@ def _stream(weights, right=None) -> MatAdd:
 
 def _writing_proof() -> Proof:
     definitions = (
-        Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones, ones.T)), "the centring matrix"),
+        Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones, ones.T)), "the centering matrix"),
         Definition(x, _stream({}), "the stream: every write summed"),
-        *(Definition(BARS[W], _centred(W), "mean over d subtracted") for _, W in WRITES),
-        Definition(x_c, _stream(BARS), "every write centred"),
+        *(Definition(BARS[W], _centered(W), "mean over d subtracted") for _, W in WRITES),
+        Definition(x_c, _stream(BARS), "every write centered"),
         Definition(LNPre_x, MatMul(rho, x, C), "rho is computed from x C"),
         Definition(LNPre_xc, MatMul(rho, x_c, C), "the same rho, as x' C = x C"),
-        Definition(RMSPre_x, MatMul(rho, x), "no centring"),
+        Definition(RMSPre_x, MatMul(rho, x), "no centering"),
         Definition(RMSPre_xc, MatMul(rho, x_c), "the same for x'"),
     )
     W_O_tilde = MatrixSymbol(r"\tilde{W}_O", e, d)
@@ -92,19 +92,19 @@ def _writing_proof() -> Proof:
         twins=(
             Twin(
                 "behind_rms_norm",
-                "centre the writes of a model whose norm is RMSNorm, which does not centre",
+                "center the writes of a model whose norm is RMSNorm, which does not center",
                 RMSPre_xc,
                 RMSPre_x,
             ),
             Twin(
                 "W_O_over_d_head",
-                "centre W_O [n_heads, d_head, d_model] over axis 1 (d_head), as `mean(dim=1)` in the source notes",
+                "center W_O [n_heads, d_head, d_model] over axis 1 (d_head), as `mean(dim=1)` in the source notes",
                 MatMul(rho, wrong_W_O, C),
                 LNPre_x,
             ),
             Twin(
                 "shortformer_W_pos",
-                "centre a shortformer W_pos, which is added to the norm's output (the query and key input)",
+                "center a shortformer W_pos, which is added to the norm's output (the query and key input)",
                 MatAdd(LNPre_x, BARS[p]),
                 MatAdd(LNPre_x, p),
             ),
@@ -137,16 +137,16 @@ def _logits_with_mean(rng, shape) -> list[list]:
 
 def _unembed_proof() -> Proof:
     row = ones_V.T
-    lse_centred = _log_sum_exp(ell[0, j] - m)
+    lse_centered = _log_sum_exp(ell[0, j] - m)
     lse = _log_sum_exp(ell[0, j])
     rhs = MatAdd(ell, MatMul(-lse, row))
     W_U_over_d = MatAdd(W_U, MatMul(-1 / d, ones, ones.T, W_U))
     return Proof(
-        lhs=MatAdd(MatMul(y, W_U_bar), b_U_bar, MatMul(-lse_centred, row)),
+        lhs=MatAdd(MatMul(y, W_U_bar), b_U_bar, MatMul(-lse_centered, row)),
         rhs=rhs,
         steps=(
             Step(
-                MatAdd(ell, MatMul(-m, row), MatMul(-lse_centred, row)),
+                MatAdd(ell, MatMul(-m, row), MatMul(-lse_centered, row)),
                 r"the logits are $\ell - \tfrac{1}{V}\ell \mathbf{1}_V \mathbf{1}_V^\top = \ell - m \mathbf{1}_V^\top$",
             ),
             Step(
@@ -157,8 +157,8 @@ def _unembed_proof() -> Proof:
         ),
         definitions=(
             Definition(b_U, MatAdd(ell, MatMul(-1, y, W_U)), "written through the logits: l = y W + b"),
-            Definition(W_U_bar, MatAdd(W_U, MatMul(-1 / V, W_U, ones_V, ones_V.T)), "centred over the vocabulary"),
-            Definition(b_U_bar, MatAdd(b_U, MatMul(-1 / V, b_U, ones_V, ones_V.T)), "centred over the vocabulary"),
+            Definition(W_U_bar, MatAdd(W_U, MatMul(-1 / V, W_U, ones_V, ones_V.T)), "centered over the vocabulary"),
+            Definition(b_U_bar, MatAdd(b_U, MatMul(-1 / V, b_U, ones_V, ones_V.T)), "centered over the vocabulary"),
         ),
         facts=(
             Fact(MatMul(ell, OneMatrix(V, V)), MatMul(V * m, row), "m is the mean of the logits: every entry of l 1 1^T is V m"),
@@ -169,27 +169,27 @@ def _unembed_proof() -> Proof:
         twins=(
             Twin(
                 "raw_logits_unchanged",
-                "claim that centring leaves the raw logits unchanged: they shift by -m",
+                "claim that centering leaves the raw logits unchanged: they shift by -m",
                 MatAdd(MatMul(y, W_U_bar), b_U_bar),
                 ell,
             ),
             Twin(
                 "over_d_model",
-                "centre W_U over d_model instead of the vocabulary: the shift (1/d)(y 1)(1^T W_U) is not constant",
+                "center W_U over d_model instead of the vocabulary: the shift (1/d)(y 1)(1^T W_U) is not constant",
                 MatAdd(MatMul(y, W_U_over_d), b_U),
                 MatAdd(ell, MatMul(-m, row)),
             ),
             Twin(
                 "log_probs_shift_too",
                 "claim that the log-probs shift like the raw logits: log_softmax(l - m 1^T) = log_softmax(l) - m 1^T",
-                MatAdd(ell, MatMul(-m, row), MatMul(-lse_centred, row)),
+                MatAdd(ell, MatMul(-m, row), MatMul(-lse_centered, row)),
                 MatAdd(rhs, MatMul(-m, row)),
             ),
         ),
     )
 
 
-# -- numeric twins: wrong transforms the numeric check must reject ---------------------------
+# -- wrong rewrites: wrong transforms the numeric check must reject --------------------------
 
 
 def _center_W_O_over_d_head(state_dict, cfg):
@@ -218,7 +218,7 @@ def _center_unembed_over_d_model(state_dict, cfg):
 
 
 def _center_writers_regardless(state_dict, cfg):
-    """Centre every write to the residual stream over d_model whatever the norm."""
+    """Center every write to the residual stream over d_model whatever the norm."""
     out = dict(state_dict)
     for name in writers(cfg):
         out[name] = state_dict[name] - state_dict[name].mean(dim=-1, keepdim=True)
@@ -228,12 +228,12 @@ def _center_writers_regardless(state_dict, cfg):
 CENTER_WRITING_WEIGHTS = register(
     Identity(
         name="center_writing_weights",
-        title="Centring the weights that write to the residual stream",
-        summary="every reader sees the stream x through LNPre(x) = n(x C); centring every write turns x into"
+        title="Centering the weights that write to the residual stream",
+        summary="every reader sees the stream x through LNPre(x) = n(x C); centering every write turns x into"
         " x C, and (x C) C = x C, so LNPre is unchanged, eps included",
         preconditions=(
             PRE_NORM,
-            CENTRING_NORM,
+            CENTERING_NORM,
             "a shortformer W_pos is not a write to the stream and is left unchanged",
             NOT_APPLIED,
         ),
@@ -250,8 +250,8 @@ CENTER_WRITING_WEIGHTS = register(
 CENTER_UNEMBED = register(
     Identity(
         name="center_unembed",
-        title="Centring the unembed",
-        summary="centring W_U and b_U over the vocabulary shifts each position's logits by minus their mean;"
+        title="Centering the unembed",
+        summary="centering W_U and b_U over the vocabulary shifts each position's logits by minus their mean;"
         " log_softmax is shift invariant, so the log-probs are unchanged",
         preconditions=(
             "the logits are read through a softmax: compare log-probs, not raw logits",

@@ -1,4 +1,4 @@
-"""Centring the weights that write to the residual stream, and centring the unembed."""
+"""Centering the weights that write to the residual stream, and centering the unembed."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from .._state import StateDict, validate_state_dict
 from ._common import PRE_NORM, refuse_reapplication, require, rewrite
 from ._memory import new_tensor
 
-__all__ = ["writers", "center_writing_weights", "center_unembed", "centered_last_axis", "CENTRING_NORM"]
+__all__ = ["writers", "center_writing_weights", "center_unembed", "centered_last_axis", "CENTERING_NORM"]
 
-CENTRING_NORM = Precondition(
-    "every reader sits behind a centring norm",
-    "the norm centres: normalization_type is LN or LNPre (not RMS, RMSPre or None)",
+CENTERING_NORM = Precondition(
+    "every reader sits behind a centering norm",
+    "the norm centers: normalization_type is LN or LNPre (not RMS, RMSPre or None)",
 )
 
 
@@ -54,10 +54,10 @@ def center_writing_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     Every reader sees the stream through ``LNPre``, and ``LNPre(x) = n(x C)`` depends on ``x``
     only through ``x C = (x C) C``, ``eps`` included: the model computes the same function.
 
-    Needs a pre-norm model whose norms centre (``normalization_type`` ``"LN"`` or ``"LNPre"``;
+    Needs a pre-norm model whose norms center (``normalization_type`` ``"LN"`` or ``"LNPre"``;
     ``LN`` is fine unfolded, it sees ``x`` only through ``LNPre(x)``). RMS norms, no norm and
     post-norm models are refused. A shortformer ``W_pos`` is not a write to the stream and is
-    left unchanged (centring it would change the queries and keys). Records
+    left unchanged (centering it would change the queries and keys). Records
     ``"center_writing_weights"``.
 
     >>> import torch
@@ -65,19 +65,19 @@ def center_writing_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     >>> from circuitmath.testing import assert_equivalent
     >>> cfg = Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
     >>> sd = random_state_dict(cfg, seed=0, dtype=torch.float64)
-    >>> centred, centred_cfg = center_writing_weights(sd, cfg)
-    >>> float(centred["blocks.0.attn.W_O"].mean(-1).abs().max()) < 1e-15
+    >>> centered, centered_cfg = center_writing_weights(sd, cfg)
+    >>> float(centered["blocks.0.attn.W_O"].mean(-1).abs().max()) < 1e-15
     True
-    >>> _ = assert_equivalent(sd, centred, cfg, after_cfg=centred_cfg)
+    >>> _ = assert_equivalent(sd, centered, cfg, after_cfg=centered_cfg)
     """
     identity = "center_writing_weights"
     refuse_reapplication(identity, cfg)
     require_pre_norm(identity, cfg)
     require(
-        identity, CENTRING_NORM, cfg.normalization_type in ("LN", "LNPre"),
+        identity, CENTERING_NORM, cfg.normalization_type in ("LN", "LNPre"),
         {
-            "RMS": "normalization_type is 'RMS': RMSNorm does not centre, RMS(x C) != RMS(x)",
-            "RMSPre": "normalization_type is 'RMSPre': RMSNorm does not centre, RMSPre(x C) != RMSPre(x)",
+            "RMS": "normalization_type is 'RMS': RMSNorm does not center, RMS(x C) != RMS(x)",
+            "RMSPre": "normalization_type is 'RMSPre': RMSNorm does not center, RMSPre(x C) != RMSPre(x)",
             None: "normalization_type is None: the readers see the residual stream itself, mean included",
         }.get(cfg.normalization_type, f"normalization_type is {cfg.normalization_type!r}"),
     )
@@ -94,7 +94,7 @@ def centered_last_axis(
     """``W - W.mean(-1, keepdim=True)`` for ``W: [..., n]``, as a new tensor of ``W``'s shape in
     ``dtype`` (default ``W``'s).
 
-    Large tensors (an embedding) are centred in blocks of rows of about ``block_bytes``, so each
+    Large tensors (an embedding) are centered in blocks of rows of about ``block_bytes``, so each
     block's mean and difference are computed while the block is in cache: one read of ``W`` from
     memory instead of two. A half-precision block is computed in float32 and rounded once to
     ``dtype``. Given ``sums``, each block's sum is appended to it, taken in cache.

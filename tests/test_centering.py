@@ -1,4 +1,4 @@
-"""Centring the writing weights and the unembed, on random weights with realistic structure."""
+"""Centering the writing weights and the unembed, on random weights with realistic structure."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from support import VISIBLE, assume_discriminates, same, snapshot, wide
 
 WRITING = cm.get_identity("center_writing_weights")
 UNEMBED = cm.get_identity("center_unembed")
-CENTRING_NORMS = dict(normalization_types=("LN", "LNPre"))
+CENTERING_NORMS = dict(normalization_types=("LN", "LNPre"))
 # A wrong transform only shows where gains are not all 1 and biases not 0.
 DISCRIMINATING = dict(min_gain_spread=0.3, min_bias_scale=0.5)
 DTYPES = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
@@ -33,29 +33,29 @@ def _mean_is_zero(tensor, dim):
 
 @DTYPES
 @given(data=st.data())
-def test_centring_writing_weights_preserves_log_probs(dtype, data):
-    cfg, sd = data.draw(models(**wide(dtype=dtype, **CENTRING_NORMS)))
+def test_centering_writing_weights_preserves_log_probs(dtype, data):
+    cfg, sd = data.draw(models(**wide(dtype=dtype, **CENTERING_NORMS)))
     result = WRITING.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
-    centred, centred_cfg = cm.center_writing_weights(sd, cfg)
-    assert centred_cfg.applied == ("center_writing_weights",)
+    centered, centered_cfg = cm.center_writing_weights(sd, cfg)
+    assert centered_cfg.applied == ("center_writing_weights",)
     names = writers(cfg)
-    assert all(_mean_is_zero(centred[name], -1) for name in names)
-    assert all(centred[k] is sd[k] for k in sd if k not in names), "only the writers may change"
+    assert all(_mean_is_zero(centered[name], -1) for name in names)
+    assert all(centered[k] is sd[k] for k in sd if k not in names), "only the writers may change"
     if cfg.positional_embedding_type == "shortformer":
-        assert "pos_embed.W_pos" not in names and centred["pos_embed.W_pos"] is sd["pos_embed.W_pos"]
+        assert "pos_embed.W_pos" not in names and centered["pos_embed.W_pos"] is sd["pos_embed.W_pos"]
 
 
-@given(models(**wide(weights=DISCRIMINATING, min_layers=1, **CENTRING_NORMS)))
-def test_negative_control_W_O_centred_over_d_head_is_caught(model):
+@given(models(**wide(weights=DISCRIMINATING, min_layers=1, **CENTERING_NORMS)))
+def test_negative_control_W_O_centered_over_d_head_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
     assume_discriminates(WRITING, "W_O_over_d_head", sd, cfg, toks, weights=VISIBLE)
     result = WRITING.check_wrong_rewrite("W_O_over_d_head", sd, cfg, toks)
-    assert not result.passed, f"centring W_O over d_head went unnoticed: {result}"
+    assert not result.passed, f"centering W_O over d_head went unnoticed: {result}"
 
 
-# Centring a shortformer W_pos moves queries and keys; it shows when a query has two keys with
+# Centering a shortformer W_pos moves queries and keys; it shows when a query has two keys with
 # different values to choose between: two positions holding different tokens, and d_model >= 3
 # (over two dimensions LNPre keeps only a sign, which two tokens may share). Outlier directions
 # in W_pos are left out: they make scores so large that the pattern is one-hot in float64
@@ -64,26 +64,26 @@ UNSATURATED = dict(min_gain_spread=0.3, max_gain_spread=0.5, min_bias_scale=0.5,
 
 
 @given(
-    models(**wide(weights=UNSATURATED, min_layers=1, positional_embedding_types=("shortformer",), **CENTRING_NORMS))
+    models(**wide(weights=UNSATURATED, min_layers=1, positional_embedding_types=("shortformer",), **CENTERING_NORMS))
     .filter(lambda model: model[0].n_ctx >= 2 and model[0].d_model >= 3)
 )
-def test_negative_control_centring_shortformer_W_pos_is_caught(model):
+def test_negative_control_centering_shortformer_W_pos_is_caught(model):
     cfg, sd = model
     toks = _distinct_tokens(cfg)
     assume_discriminates(WRITING, "shortformer_W_pos", sd, cfg, toks, pattern=VISIBLE)
     result = WRITING.check_wrong_rewrite("shortformer_W_pos", sd, cfg, toks)
-    assert not result.passed, f"centring the shortformer W_pos went unnoticed: {result}"
+    assert not result.passed, f"centering the shortformer W_pos went unnoticed: {result}"
 
 
 WRITING_REFUSALS = [
-    (dict(normalization_types=("RMS", "RMSPre", None)), "every reader sits behind a centring norm"),
+    (dict(normalization_types=("RMS", "RMSPre", None)), "every reader sits behind a centering norm"),
     (dict(normalization_types=("LN",), norm_positions=("post",)), "pre-norm"),
 ]
 
 
-@pytest.mark.parametrize("options, precondition", WRITING_REFUSALS, ids=["not-centring-norm", "post-norm"])
+@pytest.mark.parametrize("options, precondition", WRITING_REFUSALS, ids=["not-centering-norm", "post-norm"])
 @given(data=st.data())
-def test_centring_writing_weights_refuses_what_it_cannot_rewrite_exactly(options, precondition, data):
+def test_centering_writing_weights_refuses_what_it_cannot_rewrite_exactly(options, precondition, data):
     cfg, sd = data.draw(models(**wide(**options)))
     before = snapshot(sd)
     with pytest.raises(cm.PreconditionError) as info:
@@ -95,7 +95,7 @@ def test_centring_writing_weights_refuses_what_it_cannot_rewrite_exactly(options
 
 @pytest.mark.parametrize("normalization", ["RMS", "RMSPre", None])
 def test_refusal_is_not_a_formality(normalization):
-    """Centring the writes of a model whose norm does not centre really does change it."""
+    """Centering the writes of a model whose norm does not center really does change it."""
     cfg = cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=6, d_mlp=16,
                     normalization_type=normalization)
     sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
@@ -110,13 +110,13 @@ def test_refusal_is_not_a_formality(normalization):
 
 @DTYPES
 @given(data=st.data())
-def test_centring_unembed_preserves_log_probs_in_every_architecture(dtype, data):
+def test_centering_unembed_preserves_log_probs_in_every_architecture(dtype, data):
     cfg, sd = data.draw(models(**wide(dtype=dtype, norm_positions=("pre", "post"))))
     result = UNEMBED.check(sd, cfg, data.draw(tokens(cfg)))
     assert result.passed, result
-    centred, centred_cfg = cm.center_unembed(sd, cfg)
-    assert _mean_is_zero(centred["unembed.W_U"], -1) and _mean_is_zero(centred["unembed.b_U"], -1)
-    assert centred_cfg.applied == ("center_unembed",)
+    centered, centered_cfg = cm.center_unembed(sd, cfg)
+    assert _mean_is_zero(centered["unembed.W_U"], -1) and _mean_is_zero(centered["unembed.b_U"], -1)
+    assert centered_cfg.applied == ("center_unembed",)
 
 
 def _shift_spread(before, before_cfg, after, after_cfg, toks):
@@ -133,25 +133,25 @@ def _shift_spread(before, before_cfg, after, after_cfg, toks):
 def test_raw_logits_shift_by_minus_their_mean_at_each_position(dtype, data):
     cfg, sd = data.draw(models(**wide(dtype=dtype, norm_positions=("pre", "post"))))
     toks = data.draw(tokens(cfg))
-    centred, centred_cfg = cm.center_unembed(sd, cfg)
-    error, tolerance = _shift_spread(sd, cfg, centred, centred_cfg, toks)
+    centered, centered_cfg = cm.center_unembed(sd, cfg)
+    error, tolerance = _shift_spread(sd, cfg, centered, centered_cfg, toks)
     assert error <= tolerance, (error, tolerance)
 
 
-# Centring W_U over d_model is harmless when the final norm's output is centred (LNPre), so the
+# Centering W_U over d_model is harmless when the final norm's output is centered (LNPre), so the
 # wrong axis only shows behind a norm whose output is not: LN with its gain and bias, RMS, none.
-NOT_CENTRED_OUTPUT = dict(normalization_types=("LN", "RMS", "RMSPre", None), norm_positions=("pre", "post"))
+NOT_CENTERED_OUTPUT = dict(normalization_types=("LN", "RMS", "RMSPre", None), norm_positions=("pre", "post"))
 
 
-@given(models(**wide(weights=DISCRIMINATING, **NOT_CENTRED_OUTPUT)))
-def test_negative_control_unembed_centred_over_d_model_is_caught(model):
+@given(models(**wide(weights=DISCRIMINATING, **NOT_CENTERED_OUTPUT)))
+def test_negative_control_unembed_centered_over_d_model_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
-    # what the wrong centring subtracts, mean_d(x) * mean_d(W_U), differs between tokens
+    # what the wrong centering subtracts, mean_d(x) * mean_d(W_U), differs between tokens
     assume_discriminates(UNEMBED, "over_d_model", sd, cfg, toks, logits=VISIBLE)
     result = UNEMBED.check_wrong_rewrite("over_d_model", sd, cfg, toks)
-    assert not result.passed, f"centring W_U over d_model went unnoticed: {result}"
-    wrong, wrong_cfg = UNEMBED.corruptions["over_d_model"](sd, cfg)
+    assert not result.passed, f"centering W_U over d_model went unnoticed: {result}"
+    wrong, wrong_cfg = UNEMBED.wrong_everywhere["over_d_model"](sd, cfg)
     error, tolerance = _shift_spread(sd, cfg, wrong, wrong_cfg, toks)
     assert error > tolerance, "the logit-shift property did not notice a shift that is not constant"
 
