@@ -44,7 +44,8 @@ def test_one_model_every_identity_applies_or_says_why_not(files, capsys):
     assert header[:2] == ["identity", "applicable"] and "tolerance" in header and header[-1] == "status"
     rows = {line.split()[0]: line for line in out.splitlines()[2:] if line.strip()}
     assert "holds" in rows["fold_layer_norm"] and "not applicable" in rows["fold_rms_norm"]
-    assert "no: needs normalization_type is RMS" in rows["fold_rms_norm"]  # what it needs, not what the model is
+    # what it needs, then what the model has instead
+    assert "no: needs normalization_type is RMS; this model: normalization_type is 'LN'" in rows["fold_rms_norm"]
 
 
 def test_one_model_as_json(files, capsys):

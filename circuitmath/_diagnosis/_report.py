@@ -6,6 +6,8 @@ rows. The row builders turn a replayed stage and its log-prob comparison into a 
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -53,6 +55,20 @@ class Finding:
         (status ``"violated"`` either way). ``"not recognised"`` alone is no failure when the
         function is unchanged: an exact processing the registry does not know."""
         return self.status == "violated"
+
+    def applicability(self, short: bool = False) -> str:
+        """The "applicable" column: ``"yes"``, ``"-"`` for rows that are no identity, or what the
+        identity needs and what this model has instead: ``"no: needs normalization_type is LN;
+        this model: normalization_type is 'RMS'"`` (``short``: each part cut for a text table)."""
+        if self.kind != "identity":
+            return "-"
+        if self.applicable:
+            return "yes"
+        if not self.precondition:
+            return "no: " + (_shorten(self.reason or "", 48) if short else (self.reason or ""))
+        text = "no: needs " + (_shorten(self.precondition, 42) if short else self.precondition)
+        has = _what_the_model_has(self.reason)
+        return text + ("; this model: " + (_shorten(has, 36) if short else has) if has else "")
 
     def as_dict(self) -> dict:
         return {
@@ -117,14 +133,7 @@ class Diagnosis:
     def table(self) -> str:
         rows = [TABLE_COLUMNS]
         for f in self.findings:
-            if f.kind != "identity":
-                applicable = "-"
-            elif f.applicable:
-                applicable = "yes"
-            else:
-                # what the identity needs, not what the model is: "no: needs normalization_type is RMS"
-                applicable = ("no: needs " + _shorten(f.precondition, 42)) if f.precondition else \
-                    "no: " + _shorten(f.reason or "", 48)
+            applicable = f.applicability(short=True)
             rows.append((
                 f.name,
                 applicable,
@@ -180,6 +189,16 @@ class Diagnosis:
                 lines += [f"  {line}" for line in f.explanation.splitlines()]
             lines += [f"    {p}" for p in f.parameters]
         return "\n".join(lines)
+
+
+def _what_the_model_has(reason: str | None) -> str | None:
+    """The first clause of a refusal's detail (``PreconditionError``: "... does not hold: DETAIL"),
+    which states what the model has: "normalization_type is 'RMS'", "the model uses rotary
+    embeddings"; ``None`` when the reason has no detail."""
+    if not reason or "does not hold: " not in reason:
+        return None
+    detail = reason.split("does not hold: ", 1)[1]
+    return re.split(r"[;:(]", detail, maxsplit=1)[0].strip().rstrip(",.") or None
 
 
 def _number(value: float | None) -> str:
