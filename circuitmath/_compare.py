@@ -89,11 +89,12 @@ def rounding_sensitivity(
     u = _unit_roundoff(dtype)
     exact = {k: v.double() for k, v in state_dict.items()}
     reference = log_probs(exact, cfg, tokens)
-    g = torch.Generator().manual_seed(seed)
+    device = next(iter(state_dict.values())).device
+    g = torch.Generator(device=device).manual_seed(seed)  # drawn where the weights are
     # The change u * xi * w is computed in float32 (several times faster than float64 for big
     # models) and added in float64: it is of the order of u, so its own rounding does not matter.
     nudged = {
-        k: exact[k] + torch.randn(v.shape, generator=g, dtype=torch.float32).mul_(u).mul_(v.float())
+        k: exact[k] + torch.randn(v.shape, generator=g, dtype=torch.float32, device=device).mul_(u).mul_(v.float())
         for k, v in state_dict.items()
     }
     weights = float((reference - log_probs(nudged, cfg, tokens)).abs().max())
@@ -143,9 +144,12 @@ class Comparison:
 
 
 def default_tokens(cfg: Config, *, batch: int = 2, seed: int = 0) -> torch.Tensor:
-    """Random tokens ``[batch, n_ctx]`` (at most 32 positions) from a fixed seed."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, cfg.d_vocab, (batch, min(cfg.n_ctx, 32)), generator=g)
+    """Random tokens ``[batch, n_ctx]`` (at most 32 positions) from a fixed seed.
+
+    Drawn on the CPU, so that they are the same whatever device the model is on; the forward
+    pass moves them to the weights' device (a few hundred integers)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(0, cfg.d_vocab, (batch, min(cfg.n_ctx, 32)), generator=g, device="cpu")
 
 
 @torch.no_grad()  # weights that require grad are compared as plain tensors
@@ -177,8 +181,7 @@ def compare_with_log_probs(
     a = log_probs({k: v.to(run_in) for k, v in before.items()}, before_cfg, tokens).double()
     b = log_probs({k: v.to(run_in) for k, v in after.items()}, after_cfg, tokens).double()
     diff = (a - b).abs()
-    flat = int(diff.argmax())
-    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+    where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
     sensitivity = rounding_sensitivity(before, before_cfg, tokens, coarse)
     comparison = Comparison(
         max_abs_error=float(diff.max()),

@@ -37,6 +37,20 @@ def _everything(sd, cfg):
     return outputs, cm.log_probs(sd, cfg, tokens)
 
 
+def _checkers(sd, cfg):
+    """The checkers on ``sd`` and its processing: a pass, a failure with its diagnosis (the
+    failure path rebuilds states and draws rounding noise), one model's rows."""
+    from circuitmath import testing
+
+    processed, processed_cfg = cm.process_weights(sd, cfg)
+    testing.assert_equivalent(sd, processed, cfg, after_cfg=processed_cfg)
+    wrong = dict(processed, **{"unembed.W_U": processed["unembed.W_U"] * 2})
+    with pytest.raises(testing.NotEquivalentError) as failed:
+        testing.assert_equivalent(sd, wrong, cfg, after_cfg=processed_cfg)
+    assert failed.value.diagnosis is not None
+    testing.check_model(sd, cfg)
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_no_tensor_is_made_on_the_default_device(name):
     cfg = CONFIGS[name]
@@ -48,6 +62,24 @@ def test_no_tensor_is_made_on_the_default_device(name):
         torch.set_default_device(None)
     assert logp.device.type == "cpu"
     assert all(t.device.type == "cpu" for out, _ in outputs for t in out.values())
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_checkers_make_no_tensor_on_the_default_device(name):
+    cfg = CONFIGS[name]
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float32)
+    torch.set_default_device("meta")
+    try:
+        _checkers(sd, cfg)
+    finally:
+        torch.set_default_device(None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_checkers_run_on_the_inputs_device(name):
+    cfg = CONFIGS[name]
+    _checkers({k: v.to("cuda") for k, v in cm.random_state_dict(cfg, seed=0, dtype=torch.float32).items()}, cfg)
 
 
 def test_the_default_device_trap_catches_a_hidden_host_tensor():

@@ -222,4 +222,5 @@ def resolve_tokens(tokens, cfg: Config) -> torch.Tensor:
     """``tokens`` as given, :func:`default_tokens` for ``None``, or ``tokens(cfg)`` for a callable."""
     if tokens is None:
         return default_tokens(cfg)
-    return torch.as_tensor(tokens(cfg) if callable(tokens) else tokens)
+    given = tokens(cfg) if callable(tokens) else tokens
+    return given if isinstance(given, torch.Tensor) else torch.as_tensor(given, device="cpu")

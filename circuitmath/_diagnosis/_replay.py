@@ -452,7 +452,7 @@ def _same_names(state: Mapping, after: Mapping) -> bool:
 
 def _fixes_ones(Q: torch.Tensor) -> bool:
     """Whether ``Q 1 = 1`` to float64 rounding (``layer_norm_rotation`` may apply)."""
-    ones = torch.ones(Q.shape[0], dtype=Q.dtype)
+    ones = torch.ones(Q.shape[0], dtype=Q.dtype, device=Q.device)
     return float((Q @ ones - ones).abs().max()) <= 1e-6
 
 
@@ -468,8 +468,8 @@ def _anchors(cfg: Config) -> list[str]:
 def _fixing_ones_exactly(Q: torch.Tensor) -> torch.Tensor:
     """The orthogonal matrix nearest ``P Q P + u u^T`` (``u = 1 / sqrt(d)``, ``P = I - u u^T``):
     ``Q`` with the all-ones direction fixed to rounding (``u`` is a singular vector of value 1)."""
-    u = torch.full((Q.shape[0], 1), Q.shape[0] ** -0.5, dtype=Q.dtype)
-    P = torch.eye(Q.shape[0], dtype=Q.dtype) - u @ u.T
+    u = torch.full((Q.shape[0], 1), Q.shape[0] ** -0.5, dtype=Q.dtype, device=Q.device)
+    P = torch.eye(Q.shape[0], dtype=Q.dtype, device=Q.device) - u @ u.T
     U, _S, Vh = torch.linalg.svd(P @ Q @ P + u @ u.T)
     return U @ Vh
 

@@ -483,7 +483,8 @@ def check_rotation(cfg) -> torch.Tensor:
 
 def _non_orthogonal(cfg) -> tuple[torch.Tensor, torch.Tensor]:
     """``G = Q diag(s)`` with ``s = exp(N(0, 0.3))`` and its inverse: well conditioned, not orthogonal."""
-    scale = torch.exp(0.3 * torch.randn(cfg.d_model, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    scale = torch.exp(0.3 * torch.randn(cfg.d_model, generator=generator, dtype=torch.float64, device="cpu"))
     Q_ = check_rotation(cfg)
     return Q_ * scale, (Q_ / scale).T
 
@@ -557,8 +558,9 @@ def _rotated_norm(x, Q_, eps):
 
 def _stretched_norm(x, Q_, eps):
     """``RMSPre(x G) G^{-1}`` with ``G = Q diag(s)`` not orthogonal: the linear part is undone, the norm is not."""
-    scale = torch.exp(0.3 * torch.randn(len(Q_), generator=torch.Generator().manual_seed(1), dtype=torch.float64))
-    G_ = Q_ * scale.to(Q_.dtype)
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    scale = torch.exp(0.3 * torch.randn(len(Q_), generator=generator, dtype=torch.float64, device="cpu"))
+    G_ = Q_ * scale.to(dtype=Q_.dtype, device=Q_.device)
     return normalize(x @ G_, "RMSPre", None, None, eps) @ torch.linalg.inv(G_)
 
 
@@ -608,7 +610,7 @@ def _route_keeping_layer_norm(state_dict, cfg):
 
 
 def _reversed(size):
-    return torch.arange(size - 1, -1, -1)
+    return torch.arange(size - 1, -1, -1, device="cpu")
 
 
 def _permute_heads(state_dict, cfg):

@@ -102,39 +102,41 @@ def orthogonality_error(Q: torch.Tensor) -> float:
     return float((Q.T @ Q - torch.eye(Q.shape[0], dtype=torch.float64, device=Q.device)).abs().max())
 
 
-def random_orthogonal(size: int, *, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """A random orthogonal ``[size, size]`` matrix (Haar distributed), computed in float64:
-    the QR factor of a Gaussian matrix, its columns' signs fixed by ``R``'s diagonal."""
-    gaussian = torch.randn(size, size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+def random_orthogonal(size: int, *, seed: int, dtype: torch.dtype = torch.float64, device="cpu") -> torch.Tensor:
+    """A random orthogonal ``[size, size]`` matrix (Haar distributed), computed in float64 on the
+    CPU (the same matrix for a seed whatever the device) and returned on ``device``: the QR factor
+    of a Gaussian matrix, its columns' signs fixed by ``R``'s diagonal."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    gaussian = torch.randn(size, size, generator=generator, dtype=torch.float64, device="cpu")
     Q, R = torch.linalg.qr(gaussian)
-    return (Q * torch.where(R.diagonal() < 0, -1.0, 1.0)).to(dtype)
+    return (Q * torch.where(R.diagonal() < 0, -1.0, 1.0)).to(dtype=dtype, device=device)
 
 
-def hadamard(size: int, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def hadamard(size: int, *, dtype: torch.dtype = torch.float64, device="cpu") -> torch.Tensor:
     """The Sylvester Hadamard matrix of order ``size`` (a power of 2) divided by ``sqrt(size)``:
     orthogonal, symmetric, every entry ``±1/sqrt(size)`` (QuaRot's choice: it spreads every
     direction, an outlier dimension included, evenly over all dimensions)."""
     if size < 1 or size & (size - 1):
         raise ValueError(f"a Sylvester Hadamard matrix needs a power of 2, got {size}")
-    H = torch.ones(1, 1, dtype=torch.float64)
+    H = torch.ones(1, 1, dtype=torch.float64, device=device)
     while H.shape[0] < size:
         H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)])
     return (H / math.sqrt(size)).to(dtype)
 
 
-def orthogonal_fixing_ones(size: int, *, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def orthogonal_fixing_ones(size: int, *, seed: int, dtype: torch.dtype = torch.float64, device="cpu") -> torch.Tensor:
     """A random orthogonal ``Q`` with ``Q 1 = 1``: ``H diag(1, R) H`` with ``H`` the Householder
     reflection that swaps ``e_1`` and ``1 / sqrt(size)``, ``R`` random orthogonal of size
     ``size - 1``. It rotates the vectors orthogonal to ``1`` and leaves ``1`` alone, so it commutes
     with centering (``layer_norm_rotation``)."""
-    v = torch.full((size,), 1 / math.sqrt(size), dtype=torch.float64)
+    v = torch.full((size,), 1 / math.sqrt(size), dtype=torch.float64, device="cpu")
     v[0] -= 1.0
     norm = float(v.norm())
-    H = torch.eye(size, dtype=torch.float64) - (2 * torch.outer(v, v) / norm**2 if norm > 0 else 0)
-    inner = torch.eye(size, dtype=torch.float64)
+    H = torch.eye(size, dtype=torch.float64, device="cpu") - (2 * torch.outer(v, v) / norm**2 if norm > 0 else 0)
+    inner = torch.eye(size, dtype=torch.float64, device="cpu")
     if size > 1:
         inner[1:, 1:] = random_orthogonal(size - 1, seed=seed)
-    return (H @ inner @ H).to(dtype)
+    return (H @ inner @ H).to(dtype=dtype, device=device)
 
 
 def rotated_tensors(state_dict: StateDict, cfg: Config, Q: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -254,7 +256,7 @@ def rotate_residual_stream(
 def _per_layer(identity: str, permutation, n_layers: int, size: int, what: str, precondition: Precondition) -> torch.Tensor:
     """``permutation`` (``[size]`` for every layer, or ``[n_layers, size]``) as ``[n_layers, size]`` longs."""
     try:
-        perm = torch.as_tensor(permutation)
+        perm = permutation if isinstance(permutation, torch.Tensor) else torch.as_tensor(permutation, device="cpu")
     except (TypeError, ValueError, RuntimeError) as error:
         raise PreconditionError(identity, precondition, f"cannot read {permutation!r}: {error}") from None
     if perm.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
@@ -267,7 +269,7 @@ def _per_layer(identity: str, permutation, n_layers: int, size: int, what: str, 
             identity, precondition,
             f"expected shape [{size}] or [{n_layers}, {size}], got {list(perm.shape)}",
         )
-    expected = torch.arange(size)
+    expected = torch.arange(size, device="cpu")
     for layer in range(n_layers):
         if not torch.equal(perm[layer].sort().values, expected):
             raise PreconditionError(
@@ -445,7 +447,7 @@ def _match(before: list[bytes], after: list[bytes]) -> torch.Tensor | None:
         if not free:
             return None
         perm.append(free.pop(0))
-    return torch.tensor(perm, dtype=torch.long)
+    return torch.tensor(perm, dtype=torch.long, device="cpu")
 
 
 def _verified(before: StateDict, expected: StateDict, after: StateDict, verify_all: bool) -> bool:
@@ -505,7 +507,7 @@ def _recover_permutation(before, after, cfg, size, matched, permute, verify_all)
         if perm is None:
             return None
         perms.append(perm)
-    perms = torch.stack(perms) if perms else torch.zeros(0, size, dtype=torch.long)
+    perms = torch.stack(perms) if perms else torch.zeros(0, size, dtype=torch.long, device="cpu")
     try:
         expected, _cfg = permute(before, cfg, perms)
     except PreconditionError:

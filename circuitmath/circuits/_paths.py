@@ -72,7 +72,9 @@ class _Norm:
 
     def constant(self, like: torch.Tensor) -> torch.Tensor:
         """The constant part ``b`` (zero unless LN), broadcast to ``like``."""
-        return (self.b if self.kind == "LN" else torch.zeros(())).to(like.dtype).expand_as(like)
+        if self.kind != "LN":
+            return torch.zeros((), dtype=like.dtype, device=like.device).expand_as(like)
+        return self.b.to(like.dtype).expand_as(like)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x) + self.constant(x)
