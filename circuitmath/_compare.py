@@ -118,7 +118,7 @@ def _float64_passes(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, u:
         # The change u * xi * w is computed in float32 (several times faster than float64) and
         # added in float64: it is of the order of u, so its own rounding does not matter.
         noise = {k: torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.device) for k, v in part.items()}
-        return exact, {k: exact[k] + noise[k].mul_(u).mul_(v.float()) for k, v in part.items()}
+        return exact, {k: exact[k].add(noise[k].mul_(v.float()), alpha=u) for k, v in part.items()}
 
     def named(prefix: str) -> dict[str, torch.Tensor]:
         return {k: v for k, v in state_dict.items() if k.startswith(prefix)}
