@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from ._config import Config
-from ._reference import log_probs
-from ._state import StateDict, validate_state_dict
+from ._reference import block, check_tokens, embed, log_probs, unembed
+from ._state import StateDict, entries_checked_elsewhere, validate_state_dict
 
 __all__ = [
     "SAFETY",
@@ -85,25 +85,61 @@ def rounding_sensitivity(
 
     ``computed``: this model's log-probs on ``tokens`` computed in :func:`compute_dtype`, when
     the caller has them already (``[batch, pos, d_vocab]``); they are not computed again.
+
+    The two float64 passes run side by side one part of the model at a time (the embedding rows
+    of ``tokens``, each block, slices of the unembedding), so no float64 copy of the whole
+    model is made; the weights' entries are checked once, here.
     """
-    u = _unit_roundoff(dtype)
-    exact = {k: v.double() for k, v in state_dict.items()}
-    reference = log_probs(exact, cfg, tokens)
-    device = next(iter(state_dict.values())).device
-    g = torch.Generator(device=device).manual_seed(seed)  # drawn where the weights are
-    # The change u * xi * w is computed in float32 (several times faster than float64 for big
-    # models) and added in float64: it is of the order of u, so its own rounding does not matter.
-    nudged = {
-        k: exact[k] + torch.randn(v.shape, generator=g, dtype=torch.float32, device=device).mul_(u).mul_(v.float())
-        for k, v in state_dict.items()
-    }
-    weights = float((reference - log_probs(nudged, cfg, tokens)).abs().max())
+    validate_state_dict(state_dict, cfg)
+    tokens = check_tokens(cfg, tokens, state_dict["embed.W_E"].device)
+    with entries_checked_elsewhere():  # float64 copies (nudged or not) of finite weights are finite
+        reference, nudged = _float64_passes(state_dict, cfg, tokens, _unit_roundoff(dtype), seed)
+    weights = float((reference - nudged).abs().max())
     run_in = compute_dtype(dtype)
     if run_in == torch.float64:
         return weights
     if computed is None:
         computed = log_probs({k: v.to(run_in) for k, v in state_dict.items()}, cfg, tokens)
     return weights + float((computed.double() - reference).abs().max())
+
+
+#: Vocabulary entries of one slice of the unembedding converted to float64 by
+#: :func:`rounding_sensitivity` (GPT-2's whole ``W_U`` in float64 is 309 MB).
+UNEMBED_COLUMNS = 8192
+
+
+def _float64_passes(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, u: float, seed: int):
+    """Float64 log-probs ``[batch, pos, d_vocab]`` of ``state_dict`` and of it with every weight
+    multiplied by ``1 + u * xi``, a part of the model at a time (see :func:`rounding_sensitivity`)."""
+    device = state_dict["embed.W_E"].device
+    g = torch.Generator(device=device).manual_seed(seed)  # the noise is drawn where the weights are
+
+    def both(part: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+        exact = {k: v.double() for k, v in part.items()}
+        # The change u * xi * w is computed in float32 (several times faster than float64) and
+        # added in float64: it is of the order of u, so its own rounding does not matter.
+        noise = {k: torch.randn(v.shape, generator=g, dtype=torch.float32, device=device) for k, v in part.items()}
+        return exact, {k: exact[k].add(noise[k].mul_(v.float()), alpha=u) for k, v in part.items()}
+
+    def named(prefix: str) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+    used, index = torch.unique(tokens, return_inverse=True)  # only the embedding rows these tokens read
+    part = named("embed.") | {"embed.W_E": state_dict["embed.W_E"][used]}
+    if "pos_embed.W_pos" in state_dict:
+        part["pos_embed.W_pos"] = state_dict["pos_embed.W_pos"][: tokens.shape[1]]
+    streams = [embed(params, cfg, index) for params in both(part)]  # (x, pos) of each pass
+    for layer in range(cfg.n_layers):
+        params = both(named(f"blocks.{layer}."))
+        streams = [(block(p, layer, cfg, x, pos), pos) for p, (x, pos) in zip(params, streams)]
+    final = named("ln_final.")
+    logits = [[], []]
+    for start in range(0, cfg.d_vocab, UNEMBED_COLUMNS):
+        columns = slice(start, start + UNEMBED_COLUMNS)
+        part = final | {"unembed.W_U": state_dict["unembed.W_U"][:, columns], "unembed.b_U": state_dict["unembed.b_U"][columns]}
+        for out, params, (x, _pos) in zip(logits, both(part), streams):
+            out.append(unembed(params, cfg, x))
+    return tuple(torch.log_softmax(torch.cat(out, dim=-1), dim=-1) for out in logits)
 
 
 def logprob_tolerance(cfg: Config, dtype: torch.dtype, scale: float, sensitivity: float = 0.0) -> float:

@@ -69,7 +69,8 @@ def _project(params: StateDict, p: str, cfg: Config, name: str, x: torch.Tensor)
     ``n_heads // n_key_value_heads`` query heads of their group.
     """
     weight, bias, heads = attention_names(cfg, name)
-    out = torch.einsum("bpd,hde->bphe", x, params[f"{p}.{weight}"]) + params[f"{p}.{bias}"]
+    W = params[f"{p}.{weight}"]  # [heads, d_model, d_head]: one [d_model, heads d_head] product
+    out = (x @ W.transpose(0, 1).flatten(1)).unflatten(-1, (W.shape[0], W.shape[2])) + params[f"{p}.{bias}"]
     if cfg.positional_embedding_type == "shortformer_tables" and name != "V":
         out = out + params[f"{p}.pos_{name}"][: x.shape[1]]
     return per_query_head(out, cfg, heads, dim=2)
@@ -92,8 +93,8 @@ def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in, record:
         q, k = _rotate(q, cfg), _rotate(k, cfg)
     pattern = pattern_from_scores(torch.einsum("bqhe,bkhe->bhqk", q, k), cfg)
     z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
-    if record is None:
-        return torch.einsum("bqhe,hed->bqd", z, params[f"{p}.W_O"]) + params[f"{p}.b_O"]
+    if record is None:  # one [n_heads d_head, d_model] product
+        return z.flatten(2) @ params[f"{p}.W_O"].flatten(0, 1) + params[f"{p}.b_O"]
     per_head = torch.einsum("bqhe,hed->bqhd", z, params[f"{p}.W_O"])
     record["patterns"].append(pattern)
     record["head_outputs"].append(per_head)

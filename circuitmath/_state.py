@@ -50,12 +50,35 @@ def validated_once() -> Iterator[None]:
     """Within this block :func:`validate_state_dict` validates each state dict once: a state dict
     (the same object, with the same config) that passed already is not checked again. For a
     caller that hands the same validated weights through many transforms and forward passes (the
-    diagnosis); the block keeps each validated state dict alive, so an object's id is not reused."""
-    token = _VALIDATED.set({})
+    diagnosis); the block keeps each validated state dict alive, so an object's id is not reused.
+    A tensor whose entries were checked in the block is not checked again in another state dict
+    (a dict of the same tensors converted to their own dtype is a new dict of the same tensors)."""
+    token, finite = _VALIDATED.set({}), _FINITE.set({})
     try:
         yield
     finally:
+        _FINITE.reset(finite)
         _VALIDATED.reset(token)
+
+
+#: Within :func:`validated_once`, the tensors whose entries were found finite: ``id -> (tensor,
+#: version)``. A tensor met again in another state dict (a dict of the same tensors, or of some
+#: of them) is not summed again unless it was modified in place since (its version changed).
+_FINITE = contextvars.ContextVar("circuitmath_finite", default=None)
+
+
+def _entries_not_finite(tensor: torch.Tensor) -> int:
+    """:func:`not_finite`, remembered within :func:`validated_once`."""
+    finite = _FINITE.get()
+    if finite is None:
+        return not_finite(tensor)
+    hit = finite.get(id(tensor))
+    if hit is not None and hit[0] is tensor and hit[1] == tensor._version:
+        return 0
+    bad = not_finite(tensor)
+    if not bad:
+        finite[id(tensor)] = (tensor, tensor._version)
+    return bad
 
 
 def entries_checked_here() -> bool:
@@ -219,7 +242,7 @@ def _validate(state_dict: StateDict, cfg: Config) -> torch.dtype:
         # A finite sum proves every entry finite (a NaN or Inf entry makes it NaN or Inf) at a
         # fraction of the cost of isfinite; only a sum that is not finite needs the count.
         if _CHECK_ENTRIES.get():
-            bad = not_finite(tensor)
+            bad = _entries_not_finite(tensor)
             if bad:
                 problems.append(f"{name} has {bad} NaN or Inf entries")
     if len(dtypes) > 1:

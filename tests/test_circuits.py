@@ -237,3 +237,21 @@ def test_path_terms_bound_their_number_and_check_tokens():
         circuits.path_terms(sd, cfg, torch.tensor([[1, 20]]))
     with pytest.raises(ValueError, match="layer must lie"):
         circuits.score_terms(sd, cfg, torch.tensor([[1, 2]]), 2)
+
+
+def test_small_composition_scores_keep_their_float32_accuracy():
+    # A reader nearly orthogonal to a writer: its score (below 1e-3) squared is far below float32's
+    # rounding of the Gram inner products, so it must come from the d_head core (the recomputation
+    # of small scores); from the Gram matrices alone its error was 5e-6.
+    cfg = cm.Config(n_layers=2, d_model=64, n_heads=2, d_head=16, d_vocab=10, n_ctx=6)
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float32)
+    W_O = sd["blocks.0.attn.W_O"][0].double()  # [d_head, d_model]
+    Q, _ = torch.linalg.qr(W_O.T, mode="complete")
+    away = Q[:, cfg.d_head:] @ Q[:, cfg.d_head:].T  # projects away from the writer's rows
+    W_Q = sd["blocks.1.attn.W_Q"].clone()
+    W_Q[0] = (away @ W_Q[0].double() + 1e-4 * W_Q[0].double()).float()
+    sd["blocks.1.attn.W_Q"] = W_Q
+    exact = circuits.composition_scores({k: v.double() for k, v in sd.items()}, cfg)["q"][0, 0, 1, 0]
+    computed = circuits.composition_scores(sd, cfg)["q"][0, 0, 1, 0]
+    assert float(exact) < 1e-3
+    assert abs(float(computed) - float(exact)) < 1e-7

@@ -51,10 +51,16 @@ def composition_scores(
     - ``"v"``: ``|W_OV^1 W_OV^2|_F / (...)`` (the paper's ``W_OV^2 W_OV^1``).
 
     Each score lies in ``[0, 1]`` and is unchanged by rescaling either head and by the
-    reparametrisations that leave ``W_OV`` and ``W_QK`` unchanged. Cost: one QR per head and one
-    ``[n_heads d_head, d_model] @ [d_model, n_heads d_head]`` product per pair of layers, never a
-    ``d_model x d_model`` matrix (identity ``composition_scores_from_factors``). Q and K
-    composition are refused for rotary models (see :func:`qk_circuits`).
+    reparametrisations that leave ``W_OV`` and ``W_QK`` unchanged. From ``d_head``-sized factors
+    (identity ``composition_scores_from_factors``): the writer ``N_1 = R_V W_O: [d_head,
+    d_model]`` and the reader ``N_2 = W_Q R_K^T: [d_model, d_head]`` give the score's numerator
+    ``|N_1 N_2|_F``, squared ``<N_1^T N_1, N_2 N_2^T>``: one inner product of ``d_model x
+    d_model`` Gram matrices per pair of heads (their upper triangles, a band of rows at a time,
+    so memory stays bounded) instead of a ``d_head x d_model x d_head`` product, about
+    ``d_head^2 / d_model`` times fewer operations. Squaring loses accuracy on small scores, so
+    every score below ``1 / (2 sqrt(d_model))`` is recomputed from ``N_1 N_2``. No ``d_model x
+    d_model`` matrix of a head is formed. Q and K composition are refused for rotary models
+    (see :func:`qk_circuits`).
 
     ``materialise=True`` computes the same scores the slow way, from the materialised
     ``[d_model, d_model]`` products ``W_OV^1 W_QK^2`` (one pair of layers at a time, in float64,
@@ -72,23 +78,48 @@ def composition_scores(
         return _materialised_scores({name: tensor.double() for name, tensor in state_dict.items()}, cfg, kinds)
     L, H = cfg.n_layers, cfg.n_heads
     W_O = torch.stack([state_dict[f"blocks.{l}.attn.W_O"] for l in range(L)])
-    writers = _r_factor(_per_head(state_dict, cfg, "V")) @ W_O  # [L, H, r, d]: |.|_F = |W_OV|_F
-    writer_norms = torch.linalg.matrix_norm(writers)
-    rank = writers.shape[-2]  # d_head, or d_model if smaller
-    scores = {}
-    for kind in kinds:
-        readers = _reader_factors(state_dict, cfg, kind)  # [L, H, d, r]
-        reader_norms = torch.linalg.matrix_norm(readers)
-        out = torch.full((L, H, L, H), float("nan"), dtype=writers.dtype)
-        for l1 in range(L - 1):
-            later = readers[l1 + 1 :]  # [L', H, d, r]
-            wide = later.permute(2, 0, 1, 3).reshape(cfg.d_model, -1)  # [d, L' H r]
-            products = writers[l1].reshape(H * rank, cfg.d_model) @ wide  # [H r, L' H r]
-            squared = products.reshape(H, rank, L - l1 - 1, H, -1).pow(2).sum(dim=(1, 4))  # [H, L', H]
-            norms = writer_norms[l1][:, None, None] * reader_norms[l1 + 1 :][None]
-            out[l1, :, l1 + 1 :, :] = squared.sqrt() / norms
-        scores[kind] = out
-    return scores
+    writers = _t(_r_factor(_per_head(state_dict, cfg, "V")) @ W_O)  # [L, H, d, r]: |.|_F = |W_OV|_F
+    readers = torch.stack([_reader_factors(state_dict, cfg, kind) for kind in kinds], 2)  # [L, H, K, d, r]
+    norms = torch.linalg.matrix_norm(writers)[:, :, None, None, None] * torch.linalg.matrix_norm(readers).permute(2, 0, 1)
+    squared = _gram_products(writers, readers) / norms.pow(2)  # [L, H, K, L, H], l1 < l2 only
+    small = squared < 1 / (4 * cfg.d_model)
+    small &= torch.ones(L, L, dtype=torch.bool, device=small.device).triu(1)[:, None, None, :, None]
+    l1, h1, k, l2, h2 = small.nonzero(as_tuple=True)
+    for chunk in torch.arange(len(l1), device=l1.device).split(256):
+        product = _t(writers[l1[chunk], h1[chunk]]) @ readers[l2[chunk], h2[chunk], k[chunk]]  # [n, r, r]
+        squared[l1[chunk], h1[chunk], k[chunk], l2[chunk], h2[chunk]] = product.pow(2).sum((-1, -2)) / norms[
+            l1[chunk], h1[chunk], k[chunk], l2[chunk], h2[chunk]].pow(2)
+    scores = squared.clamp_min(0).sqrt()
+    scores.masked_fill_(~torch.ones(L, L, dtype=torch.bool, device=scores.device).triu(1)[:, None, None, :, None], float("nan"))
+    return {kind: scores[:, :, i].contiguous() for i, kind in enumerate(kinds)}
+
+
+_BAND_BYTES = 2**25  # the writer Gram matrices of one band of rows (smaller bands stay in cache)
+
+
+def _gram_products(writers: torch.Tensor, readers: torch.Tensor) -> torch.Tensor:
+    """``<W W^T, R R^T>_F`` for every writer ``W = writers[l1, h1]: [d, r]`` and every reader
+    ``R = readers[l2, h2, k]: [d, r]`` with ``l1 < l2``: ``[L, H, K, L, H]`` (zero elsewhere).
+
+    The symmetric ``d x d`` Gram matrices are taken a band of rows at a time, each band from
+    its diagonal block on (off-diagonal blocks counted twice), so about half of each Gram
+    matrix is formed and at most ``_BAND_BYTES`` of writer Gram matrices are held.
+    """
+    L, H, K, d, _r = readers.shape
+    out = writers.new_zeros(L, H, K, L, H)
+    flat_writers = writers.flatten(0, 1)  # [L H, d, r]
+    rows = max(1, min(d, _BAND_BYTES // max(1, L * H * d * writers.element_size())))
+    for start in range(0, d, rows):
+        stop = min(d, start + rows)
+        band = flat_writers[:, start:stop] @ _t(flat_writers[:, start:])  # [L H, rows, d - start]
+        band[:, :, stop - start:] *= 2
+        band = band.flatten(1)
+        for l2 in range(1, L):
+            reader = readers[l2].flatten(0, 1)  # [H K, d, r]
+            reader_band = (reader[:, start:stop] @ _t(reader[:, start:])).flatten(1)  # [H K, ...]
+            products = band[: l2 * H] @ reader_band.T  # [l2 H, H K]
+            out[:l2, :, :, l2, :] += products.reshape(l2, H, H, K).permute(0, 1, 3, 2)
+    return out
 
 
 def _materialised_scores(state_dict: StateDict, cfg: Config, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -102,7 +133,7 @@ def _materialised_scores(state_dict: StateDict, cfg: Config, kinds: tuple[str, .
     out = {}
     for kind in kinds:
         reader = readers[kind]
-        scores = torch.full((cfg.n_layers, cfg.n_heads) * 2, float("nan"), dtype=torch.float64)
+        scores = torch.full((cfg.n_layers, cfg.n_heads) * 2, float("nan"), dtype=torch.float64, device=reader.device)
         for l1 in range(cfg.n_layers):
             for l2 in range(l1 + 1, cfg.n_layers):
                 product = ov[l1][:, None] @ reader[l2][None]  # [H, H, d, d]
