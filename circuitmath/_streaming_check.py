@@ -162,12 +162,14 @@ def _log_prob_row(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, p
     sensitivity = float((reference - moved).abs().max())
     if run_in != torch.float64:
         sensitivity += float((a - reference).abs().max())
-    difference = float((a - b).abs().max())
+    differences = (a - b).abs()
+    difference = float(differences.max())
+    where = [int(i) for i in torch.unravel_index(differences.argmax(), differences.shape)]
     tolerance = logprob_tolerance(before.cfg, coarse, float(a.abs().max()), sensitivity)
     holds = difference <= tolerance
     return {
         "name": "log-probs", "kind": "comparison", "status": "holds" if holds else "violated",
-        "max_abs_error": difference, "tolerance": tolerance,
+        "max_abs_error": difference, "tolerance": tolerance, "where": where,
         "explanation": f"before -> after on {tokens.shape[0]} x {tokens.shape[1]} tokens, block by block in {run_in}"
         f" (rounding sensitivity {sensitivity:.3g}, measured block by block in float64)"
         + ("" if holds else ": the processed model computes a different function"),

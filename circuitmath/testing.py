@@ -35,7 +35,9 @@ the wrong rewrite fold_layer_norm.drop_bias explains blocks.0.attn.b_V: forget t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -53,6 +55,7 @@ from ._compare import (
 from . import _diagnosis  # after _compare: an identity family may import testing's comparison names
 from ._diagnosis._logprobs import _coarser
 from ._diagnosis._tensors import CERTIFICATE_ULPS
+from ._errors import ArgumentTypeError
 from ._state import validated_once
 from ._diagnosis import Diagnosis as Diagnosis, Finding as Finding, ParameterMismatch as ParameterMismatch
 
@@ -113,7 +116,9 @@ def assert_equivalent(
     model to 8 bits moves its log-probs that much), and the certificate catches a 1 % change of
     any tensor and names it. In float32 and float64 the log-prob comparison decides.
 
-    ``before`` and ``after`` are state dicts or safetensors paths; ``cfg`` is ``before``'s
+    ``before`` and ``after`` are state dicts, safetensors paths or checkpoint folders (a Hugging
+    Face folder, sharded or not, or one written by ``python -m circuitmath process``: checked a
+    block at a time, never loaded whole, as ``check MODEL --processed OTHER`` does); ``cfg`` is ``before``'s
     :class:`~circuitmath.Config` or Hugging Face config (``None`` for a file that carries its
     config). ``after_cfg`` defaults to the file's metadata, else to ``cfg`` or the processed form
     of it that ``after``'s tensors fit (a folded LayerNorm is ``"LNPre"``: see :func:`diagnose`).
@@ -125,6 +130,8 @@ def assert_equivalent(
     name) and by how much (:func:`diagnose`). Inside a hypothesis test the diagnosis runs only on
     the final, shrunk failing example: the comparison alone decides while hypothesis shrinks.
     """
+    if _checkpoint_folder(before) or _checkpoint_folder(after):
+        return _assert_checkpoints_equivalent(before, after, cfg, after_cfg, tokens, atol)
     with validated_once():
         first, second, notes = _diagnosis.resolve_pair(before, after, cfg, after_cfg)
         tokens = default_tokens(first.cfg) if tokens is None else tokens
@@ -156,6 +163,30 @@ def assert_equivalent(
         elif diagnose:
             message += "\n(diagnosed on hypothesis's final, shrunk example only)"
     raise NotEquivalentError(message, result, found)
+
+
+def _checkpoint_folder(model) -> bool:
+    """Whether ``model`` is a checkpoint folder (a path to a directory, or one opened)."""
+    from ._checkpoint import Checkpoint
+
+    return isinstance(model, Checkpoint) or (isinstance(model, (str, os.PathLike)) and Path(model).is_dir())
+
+
+def _assert_checkpoints_equivalent(before, after, cfg, after_cfg, tokens, atol) -> Comparison:
+    """:func:`assert_equivalent` for checkpoint folders, read a block at a time (the streaming
+    check of ``python -m circuitmath check MODEL --processed OTHER``): the log-probs, and every
+    tensor against its certificate when ``after`` records process_weights steps."""
+    from ._streaming_check import check_processed
+
+    if after_cfg is not None:
+        raise ArgumentTypeError("after_cfg: a processed checkpoint carries its config; pass none")
+    report = check_processed(before, after, cfg, tokens=default_tokens if tokens is None else tokens)
+    row = report.rows[0]
+    result = Comparison(max_abs_error=row["max_abs_error"], tolerance=row["tolerance"], where=tuple(row["where"]))
+    tolerance = result.tolerance if atol is None else atol
+    if result.max_abs_error <= tolerance and all(r["status"] != "violated" for r in report.rows[1:]):
+        return result
+    raise NotEquivalentError(f"{after} is not a valid processing of {before}:\n{report}", result, report)
 
 
 def _shrinking() -> bool:

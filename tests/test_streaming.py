@@ -20,7 +20,7 @@ from circuitmath import _cli, io
 from circuitmath._checkpoint import INDEX, CheckpointWriter
 from circuitmath._streaming import STEPS
 from circuitmath._streaming_check import check_processed
-from circuitmath.testing import compare_log_probs
+from circuitmath.testing import NotEquivalentError, assert_equivalent, compare_log_probs
 
 VOCAB, CTX = 64, 12
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -172,6 +172,28 @@ def _wrong_processing(tmp_path, folder):
     with CheckpointWriter(tmp_path / "wrong", 1) as out:
         out.write(wrong, right_cfg)
     return state_dict, cfg, wrong, right_cfg
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+def test_assert_equivalent_takes_checkpoint_folders(tmp_path, name):
+    """``assert_equivalent`` on two folders checks them a block at a time, as ``check --processed``
+    does: it passes the streaming processing, and in bfloat16 it fails a 1 % change of one
+    tensor (the tensor certificate), which the log-prob tolerance alone lets through."""
+    folder = _hf_folder(tmp_path, name)
+    io.process_checkpoint(folder, tmp_path / "out", steps="applicable", dtype=torch.bfloat16)
+    half = tmp_path / "half"
+    io.process_checkpoint(folder, half, steps=[], dtype=torch.bfloat16)  # the original, cast to bfloat16
+    result = assert_equivalent(half, tmp_path / "out", tokens=TOKENS)
+    assert result.passed and len(result.where) == 3
+    processed, processed_cfg = io.open_checkpoint(tmp_path / "out").load()
+    name_changed = "blocks.1.mlp.W_in"
+    changed = dict(processed, **{name_changed: (processed[name_changed].float() * 1.01).to(torch.bfloat16)})
+    with CheckpointWriter(tmp_path / "changed", 1) as out:
+        out.write(changed, processed_cfg)
+    with pytest.raises(NotEquivalentError) as failed:
+        assert_equivalent(half, tmp_path / "changed", tokens=TOKENS)
+    assert failed.value.comparison.passed  # the log-probs alone agree...
+    assert name_changed in str(failed.value)  # ...the certificate names the tensor
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
