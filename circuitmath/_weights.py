@@ -20,11 +20,12 @@ def random_state_dict(
     bias_scale: float = 1.0,
     outlier_dims: int = 2,
     outlier_scale: float = 10.0,
+    device: torch.device | str | None = None,
 ) -> dict[str, torch.Tensor]:
     """A state dict for ``cfg`` whose values look like a trained model's, not just N(0, 1).
 
-    Drawn in float64 from ``seed`` and then cast to ``dtype``, so the same seed gives the same
-    model in every dtype.
+    Drawn in float64 on the CPU from ``seed``, then cast to ``dtype`` and moved to ``device``
+    (default the CPU), so the same seed gives the same model in every dtype and on every device.
 
     - matrices are Gaussian with standard deviation ``1/sqrt(fan_in)``;
     - norm gains are ``exp(N(0, gain_spread))`` (a spread of 0.5 gives gains from about 0.2 to 5),
@@ -44,21 +45,21 @@ def random_state_dict(
             raise InputError(f"{name} must be >= 0, got {value!r}")
     if not 0 <= outlier_dims <= cfg.d_model:
         raise InputError(f"outlier_dims must lie in [0, d_model={cfg.d_model}], got {outlier_dims!r}")
-    g = torch.Generator().manual_seed(seed)
-    f64 = torch.float64
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    f64, cpu = torch.float64, torch.device("cpu")
 
     def normal(shape, std):
-        return torch.randn(shape, generator=g, dtype=f64) * std
+        return torch.randn(shape, generator=g, dtype=f64, device=cpu) * std
 
-    writer_scale = torch.ones(cfg.d_model, dtype=f64)
-    chosen = torch.randperm(cfg.d_model, generator=g)[:outlier_dims]
+    writer_scale = torch.ones(cfg.d_model, dtype=f64, device=cpu)
+    chosen = torch.randperm(cfg.d_model, generator=g, device=cpu)[:outlier_dims]
     writer_scale[chosen] = outlier_scale
 
     out = {}
     for name, shape in expected_shapes(cfg).items():
         leaf = name.rsplit(".", 1)[1]
         if leaf == "w":
-            signs = torch.where(torch.rand(shape, generator=g, dtype=f64) < 0.1, -1.0, 1.0)
+            signs = torch.where(torch.rand(shape, generator=g, dtype=f64, device=cpu) < 0.1, -1.0, 1.0)
             value = torch.exp(normal(shape, gain_spread)) * signs
         elif leaf.startswith("pos_"):  # shortformer_tables: W_pos @ W_Q has unit-scale entries
             value = normal(shape, 1.0)
@@ -69,5 +70,5 @@ def random_state_dict(
             value = normal(shape, fan_in**-0.5 if leaf not in ("W_E", "W_pos") else 1.0)
         if leaf in ("W_E", "W_pos", "W_O", "b_O", "W_out", "b_out"):
             value = value * writer_scale
-        out[name] = value.to(dtype)
+        out[name] = value.to(dtype=dtype, device=device or cpu)
     return out

@@ -21,6 +21,8 @@ biases, a few outlier residual dimensions.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
@@ -28,7 +30,19 @@ from hypothesis.errors import InvalidArgument
 from ._config import ACTIVATIONS, NORM_POSITIONS, NORMALIZATIONS, POSITIONAL, Config
 from ._weights import random_state_dict
 
-__all__ = ["configs", "state_dicts", "models", "tokens"]
+__all__ = ["configs", "state_dicts", "models", "tokens", "DEVICE_VARIABLE"]
+
+#: The environment variable that names the device :func:`state_dicts` and :func:`models` draw on
+#: when they are given no ``device`` (default ``cpu``): a whole property-test suite can run its
+#: examples on a GPU without an edit (circuitmath's own: ``pytest --device cuda``).
+DEVICE_VARIABLE = "CIRCUITMATH_TEST_DEVICE"
+
+
+def _device(device) -> torch.device:
+    try:
+        return torch.device(device if device is not None else os.environ.get(DEVICE_VARIABLE, "cpu"))
+    except (RuntimeError, TypeError) as error:
+        raise InvalidArgument(f"device must name a torch device, got {device!r}: {error}") from None
 
 
 def _check_range(name: str, low, high, floor, *, kind: type = int) -> None:
@@ -172,8 +186,12 @@ def state_dicts(
     max_bias_scale: float = 2.0,
     max_outlier_dims: int = 3,
     max_outlier_scale: float = 30.0,
+    device: torch.device | str | None = None,
 ) -> st.SearchStrategy[dict]:
-    """Strategy for state dicts of ``cfg`` in ``dtype``, with drawn structure.
+    """Strategy for state dicts of ``cfg`` in ``dtype`` on ``device``, with drawn structure.
+
+    ``device=None``: the device named by the environment variable :data:`DEVICE_VARIABLE`, else
+    the CPU (the weights are drawn on the CPU and moved, the same for every device).
 
     The gain spread, bias scale, number of outlier residual dimensions and their scale are drawn
     from the given ranges and passed to :func:`circuitmath.random_state_dict`. A negative
@@ -199,10 +217,11 @@ def state_dicts(
         raise InvalidArgument(f"max_outlier_dims must be an int >= 0, got {max_outlier_dims!r}")
     if not max_outlier_scale >= 1:
         raise InvalidArgument(f"max_outlier_scale must be >= 1, got {max_outlier_scale!r}")
+    where = _device(device)
     return st.builds(
         lambda seed, spread, bias, outliers, scale: random_state_dict(
             cfg, seed=seed, dtype=dtype, gain_spread=spread, bias_scale=bias,
-            outlier_dims=min(outliers, cfg.d_model), outlier_scale=scale),
+            outlier_dims=min(outliers, cfg.d_model), outlier_scale=scale, device=where),
         st.integers(0, 2**32 - 1),
         st.floats(min_gain_spread, max_gain_spread),
         st.floats(min_bias_scale, max_bias_scale),
@@ -212,12 +231,13 @@ def state_dicts(
 
 
 def models(
-    *, dtype: torch.dtype = torch.float64, weights: dict | None = None, **config_options
+    *, dtype: torch.dtype = torch.float64, weights: dict | None = None, device: torch.device | str | None = None,
+    **config_options
 ) -> st.SearchStrategy[tuple[Config, dict]]:
     """Strategy for ``(cfg, state_dict)`` pairs.
 
-    ``config_options`` go to :func:`configs`, ``weights`` (a dict of keyword options) to
-    :func:`state_dicts`.
+    ``config_options`` go to :func:`configs`, ``weights`` (a dict of keyword options) and
+    ``device`` to :func:`state_dicts`.
 
     >>> from hypothesis import given, settings
     >>> from circuitmath import center_unembed
@@ -232,8 +252,10 @@ def models(
     """
     weights = dict(weights or {})
     configs_strategy = configs(**config_options)
-    state_dicts(Config(n_layers=0, d_model=2, n_heads=1, d_head=2, d_vocab=2, n_ctx=1), dtype=dtype, **weights)
-    return configs_strategy.flatmap(lambda cfg: state_dicts(cfg, dtype=dtype, **weights).map(lambda sd: (cfg, sd)))
+    state_dicts(Config(n_layers=0, d_model=2, n_heads=1, d_head=2, d_vocab=2, n_ctx=1), dtype=dtype, device=device,
+                **weights)
+    return configs_strategy.flatmap(
+        lambda cfg: state_dicts(cfg, dtype=dtype, device=device, **weights).map(lambda sd: (cfg, sd)))
 
 
 def tokens(cfg: Config, *, max_batch: int = 2) -> st.SearchStrategy[torch.Tensor]:

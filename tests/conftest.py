@@ -3,6 +3,17 @@ import os
 import torch
 from hypothesis import HealthCheck, settings
 
+from circuitmath.strategies import DEVICE_VARIABLE
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="the device the property tests' models are drawn on (circuitmath.strategies): cpu or cuda")
+
+
+def pytest_configure(config):
+    os.environ[DEVICE_VARIABLE] = config.getoption("--device")
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)  # two xdist workers on two cores
 

@@ -103,3 +103,21 @@ def test_outputs_stay_on_the_inputs_device_and_dtype(name, device, dtype):
     assert logp.device.type == device
     for out, _ in outputs:
         assert all(t.device.type == device and t.dtype == dtype for t in out.values())
+
+
+def test_the_strategies_draw_on_the_device_the_suite_names(monkeypatch):
+    """``pytest --device X`` sets the variable the strategies read: their models land on X (here
+    ``meta``, which any machine has), and an explicit ``device=`` overrides it."""
+    from hypothesis import given, settings
+
+    from circuitmath.strategies import DEVICE_VARIABLE, models
+
+    monkeypatch.setenv(DEVICE_VARIABLE, "meta")
+
+    @settings(max_examples=3, deadline=None)
+    @given(models(max_layers=1), models(max_layers=1, device="cpu"))
+    def draws(on_meta, on_cpu):
+        assert {t.device.type for t in on_meta[1].values()} == {"meta"}
+        assert {t.device.type for t in on_cpu[1].values()} == {"cpu"}
+
+    draws()
