@@ -51,15 +51,19 @@ def _checkers(sd, cfg):
     testing.check_model(sd, cfg)
 
 
+def _on_meta_by_default(work, *args):
+    """``work(*args)`` with the default device set to ``meta`` (the trap), then reset."""
+    torch.set_default_device("meta")
+    try:
+        return work(*args)
+    finally:
+        torch.set_default_device(None)
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_no_tensor_is_made_on_the_default_device(name):
     cfg = CONFIGS[name]
-    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
-    torch.set_default_device("meta")
-    try:
-        outputs, logp = _everything(sd, cfg)
-    finally:
-        torch.set_default_device(None)
+    outputs, logp = _on_meta_by_default(_everything, cm.random_state_dict(cfg, seed=0, dtype=torch.float64), cfg)
     assert logp.device.type == "cpu"
     assert all(t.device.type == "cpu" for out, _ in outputs for t in out.values())
 
@@ -67,12 +71,7 @@ def test_no_tensor_is_made_on_the_default_device(name):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_the_checkers_make_no_tensor_on_the_default_device(name):
     cfg = CONFIGS[name]
-    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float32)
-    torch.set_default_device("meta")
-    try:
-        _checkers(sd, cfg)
-    finally:
-        torch.set_default_device(None)
+    _on_meta_by_default(_checkers, cm.random_state_dict(cfg, seed=0, dtype=torch.float32), cfg)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
