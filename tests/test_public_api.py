@@ -149,3 +149,8 @@ def test_the_cell_reader_sees_every_code_cell():
 def test_the_book_uses_public_names_only(page):
     used = undocumented_uses(_code_cells((BOOK / page).read_text()))
     assert not used, f"book/{page} uses circuitmath names that are not public: {used}"
+
+
+def test_the_shared_page_helpers_use_public_names_only():
+    used = undocumented_uses([(BOOK / "pages.py").read_text()])
+    assert not used, f"book/pages.py uses circuitmath names that are not public: {used}"
