@@ -418,7 +418,11 @@ def normal_form(expr, definitions: Mapping | None = None, facts=(), invertible=(
 
 
 def is_zero(expr, definitions: Mapping | None = None, facts=(), invertible=()) -> bool:
-    """True when the normal form of ``expr`` has no terms: a proof that ``expr`` is zero."""
+    """True when the normal form of ``expr`` has no terms: a proof that ``expr`` is zero.
+
+    ``definitions`` maps a symbol to the expression it stands for (unfolded first), ``facts`` are
+    ``(product, value)`` rewrites, ``invertible`` the matrices whose inverses may appear. False
+    means "not proved", not "nonzero": a counterexample is :func:`evaluate`'s job."""
     return not normal_form(expr, definitions, facts, invertible)
 
 

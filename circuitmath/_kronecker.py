@@ -38,7 +38,9 @@ NOTATION = r"$(A \otimes B)\cdot X := A X B^\top$, extended by linearity and com
 
 
 def tensor(positions, features) -> MatrixExpr:
-    """``positions ⊗ features`` as an (unevaluated) sympy ``KroneckerProduct``."""
+    """``positions ⊗ features`` as an (unevaluated) sympy ``KroneckerProduct``: with
+    ``positions`` ``[m, n]`` and ``features`` ``[q, d]`` it takes an ``X`` ``[n, d]`` to
+    ``positions X featuresᵀ`` ``[m, q]`` (its own shape, as a Kronecker matrix, is ``[m q, n d]``)."""
     return KroneckerProduct(positions, features)
 
 

@@ -86,6 +86,7 @@ def _fact_lines(facts) -> list[str]:
 
 
 def display_math(latex: str) -> str:
+    """A display equation: ``latex`` between ``$$`` lines of its own."""
     return f"$$\n{latex}\n$$"
 
 

@@ -10,7 +10,7 @@ import torch
 
 import circuitmath as cm
 from circuitmath import zoo
-from circuitmath.zoo import _induction as induction
+from circuitmath.zoo import induction
 from circuitmath.zoo import corpus_description, corpus_tokens
 from circuitmath.zoo.train import RECIPES, STUDIED, STUDY_SEEDS, Recipe, baseline_losses, heldout_loss, render_card, train, weights_digest
 

@@ -262,6 +262,7 @@ def _key_bias_proof() -> Proof:
         ),
         samplers={E: causal_exponentials, g: _positive_vector, h: _positive_vector},
         explicit_dims=EXPLICIT_DIMS,
+        lemmas=(("key_bias_scores", key_bias_scores_proof()),),
         twins=(
             Twin(
                 "shift_along_the_row",

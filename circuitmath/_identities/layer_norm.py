@@ -94,6 +94,13 @@ def _layer_norm_fold_proof() -> Proof:
     )
 
 
+def _layer_norm_fold_proof_with_eps() -> Proof:
+    """The fold's proof with its lemma ``eps_written_out``: the same chain, ``eps > 0`` written out."""
+    from .norms import with_eps_lemma  # the normaliser's symbols live with the other norms
+
+    return with_eps_lemma(_layer_norm_fold_proof())
+
+
 def _center_reading_proof() -> Proof:
     centered = MatAdd(W, MatMul(-1 / d, ones, ones.T, W))
     lhs = MatMul(LNPre, centered)
@@ -209,7 +216,7 @@ LAYER_NORM_FOLD = register(
         title="Folding LayerNorm into its readers",
         summary="LN(x) W + b_W = LNPre(x) (diag(w) W) + (b_W + b W), with eps kept inside LNPre",
         preconditions=(PRE_NORM, IS_LN, NORM_READ_LINEARLY, READER_HAS_BIAS, NOT_APPLIED),
-        build_proof=_layer_norm_fold_proof,
+        build_proof=_layer_norm_fold_proof_with_eps,
         transform=fold_layer_norm,
         wrong_rewrites={
             "drop_bias": lambda sd, cfg: _fold_with_bias_term(sd, cfg, lambda b, W_eff: 0),

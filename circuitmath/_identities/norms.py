@@ -143,6 +143,12 @@ def with_explicit_eps(proof: Proof) -> Proof:
     )
 
 
+def with_eps_lemma(proof: Proof) -> Proof:
+    """``proof`` with the lemma ``eps_written_out``: :func:`with_explicit_eps` of itself, so that
+    verifying a fold also verifies it with ``eps > 0`` written out."""
+    return dataclasses.replace(proof, lemmas=(*proof.lemmas, ("eps_written_out", with_explicit_eps(proof))))
+
+
 # -- LayerNorm to RMSNorm ---------------------------------------------------------------------
 
 
@@ -335,7 +341,7 @@ RMS_NORM_FOLD = register(
         summary="RMS(x) W + b_W = RMSPre(x) (diag(w) W) + b_W for every reader, W_gate of a gated MLP"
         " included; nothing is centered",
         preconditions=(PRE_NORM, IS_RMS, NORM_READ_LINEARLY, NOT_APPLIED),
-        build_proof=_rms_fold_proof,
+        build_proof=lambda: with_eps_lemma(_rms_fold_proof()),
         transform=fold_rms_norm,
         wrong_rewrites={"forget_W_gate": _fold_forgetting_W_gate, "center_reading_weights": _fold_and_center_readers},
     )

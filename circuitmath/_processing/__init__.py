@@ -26,11 +26,15 @@ from .norms import (
 )
 from .pipeline import process_weights as process_weights
 from .rotation import (
+    hadamard as hadamard,
+    orthogonal_fixing_ones as orthogonal_fixing_ones,
     permute_heads as permute_heads,
     permute_neurons as permute_neurons,
+    random_orthogonal as random_orthogonal,
     recover_head_permutation as recover_head_permutation,
     recover_neuron_permutation as recover_neuron_permutation,
     recover_rotation as recover_rotation,
     rotate_residual_stream as rotate_residual_stream,
+    rotation_mismatches as rotation_mismatches,
 )
 from .shortformer import shortformer_to_tables as shortformer_to_tables

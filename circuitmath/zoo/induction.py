@@ -11,7 +11,17 @@ computed here; composition scores come from :mod:`circuitmath.circuits`.
 
 All scores are measured on repeated random sequences ``[r_1 .. r_L, r_1 .. r_L]`` of lowercase
 ASCII letters (bytes the models saw in every identifier; rare bytes such as ``~`` have barely
-trained embeddings), where only induction can predict the second half.
+trained embeddings), where only induction can predict the second half. The zoo's model cards
+record :func:`induction_summary` of each model; the real-weights chapter of the book recomputes it.
+
+>>> from circuitmath import zoo
+>>> from circuitmath.zoo import induction
+>>> tokens = induction.repeated_random_tokens(2, 5, seed=0)  # [batch, 2 * length]
+>>> tokens.shape, bool((tokens[:, :5] == tokens[:, 5:]).all())
+(torch.Size([2, 10]), True)
+>>> _logits, patterns, _heads, _scale = induction.run_with_patterns(*zoo.load("attn_only_2l"), tokens)
+>>> induction.prefix_matching_scores(patterns, 5).shape  # [n_layers, n_heads]
+torch.Size([2, 4])
 """
 
 from __future__ import annotations
