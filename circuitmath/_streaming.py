@@ -17,7 +17,7 @@ from ._checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from ._config import Config
 from ._errors import InputError
 from ._processing._parts import Parts
-from ._processing.pipeline import KEYWORD_OF, STEPS, process_weights
+from ._processing.pipeline import KEYWORD_OF, STEPS, process_weights, rounded_once
 from ._state import DTYPES
 
 __all__ = ["STEPS", "KEYWORD_OF", "checkpoint_parts", "process_checkpoint", "opened"]
@@ -78,11 +78,19 @@ def process_checkpoint(
             torch.empty(0, device=device)  # a device this torch build cannot use is refused here
     except (RuntimeError, AssertionError) as error:
         raise InputError(f"device {device!r} cannot be used: {error}") from None
-    parts = checkpoint_parts(opened(source, config), dtype, device)
+    checkpoint = opened(source, config)
+    target = dtype or checkpoint.dtype
+    # a half-precision checkpoint kept in its dtype: each part read straight into float32 and
+    # rounded once at the end, as process_weights does with a half-precision model (the same
+    # bits), not cast twice; a cast to another dtype first rounds the weights to it (then
+    # process_weights computes a half-precision part in float32 itself)
+    half = torch.finfo(target).bits < 32 and target == checkpoint.dtype
+    parts = checkpoint_parts(checkpoint, torch.float32 if half else target, device)
     cfg = parts.cfg
 
     def transform(state_dict, part_cfg):
-        return process_weights(state_dict, part_cfg, **keywords)
+        out, out_cfg = process_weights(state_dict, part_cfg, **keywords)
+        return (rounded_once(out, target) if half else out), out_cfg
 
     with CheckpointWriter(destination, cfg.n_layers + 1) as writer:
         out, out_cfg = parts.run(None, transform)

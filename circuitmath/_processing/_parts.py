@@ -75,7 +75,9 @@ class Parts:
         self.positions = None  # a shortformer's W_pos, read by every block
 
     def _ready(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {n: converted(t.to(device=self.device).contiguous(), self.dtype) for n, t in tensors.items()}
+        # a cast copies into a contiguous tensor anyway: one pass, not a transpose and then a cast
+        return {n: converted(t.to(device=self.device), self.dtype) if t.dtype != self.dtype
+                else t.to(device=self.device).contiguous() for n, t in tensors.items()}
 
     def ends(self) -> dict[str, torch.Tensor]:
         tensors = self._ready(self.source.ends())

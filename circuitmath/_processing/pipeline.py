@@ -21,7 +21,7 @@ from .layer_norm import fold_layer_norm
 from ._common import refuse_reapplication, rewrite
 from .norms import fold_rms_norm
 
-__all__ = ["process_weights", "PIPELINE_STEPS", "STEPS", "KEYWORD_OF"]
+__all__ = ["process_weights", "PIPELINE_STEPS", "STEPS", "KEYWORD_OF", "rounded_once"]
 
 Transform = Callable[[StateDict, Config], tuple[dict[str, torch.Tensor], Config]]
 
@@ -196,6 +196,20 @@ def _process(state_dict: StateDict, cfg: Config, requested: dict) -> tuple[dict[
     return state_dict, cfg
 
 
+def rounded_once(processed: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``processed`` (float32, emptied as it goes) rounded to ``dtype``; a NaN or Inf that the
+    rounding makes (a finite float32 entry beyond the half dtype's range) is refused."""
+    out = {}
+    for name in list(processed):
+        rounded = out[name] = converted(processed.pop(name), dtype)
+        if count := not_finite(rounded):
+            raise OverflowedError(
+                f"process_weights: rounding the processed weights to {dtype} overflowed: the input is"
+                f" finite but {name} has {count} NaN or Inf entries (process in float32)"
+            )
+    return out
+
+
 def _half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple[dict[str, torch.Tensor], Config]:
     """:func:`process_weights` of a bfloat16 or float16 model, a part at a time.
 
@@ -215,13 +229,7 @@ def _half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple
         for layer in parts.names():
             part, part_cfg = parts.run(layer, lambda sd, c: _process(sd, c, requested))
             applied[layer] = part_cfg.applied
-            for name in list(part):
-                rounded = out[name] = converted(part.pop(name), dtype)
-                if count := not_finite(rounded):
-                    raise OverflowedError(
-                        f"process_weights: rounding the processed weights to {dtype} overflowed: the input is"
-                        f" finite but {name} has {count} NaN or Inf entries (process in float32)"
-                    )
+            out |= rounded_once(part, dtype)
             if layer is None:
                 out_cfg = part_cfg
             elif part_cfg.applied != out_cfg.applied:
