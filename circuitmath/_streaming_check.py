@@ -22,7 +22,7 @@ import torch
 
 from ._checkpoint import Checkpoint
 from ._config import Config
-from ._diagnosis._tensors import CERTIFICATE_ULPS, _certificate, _Thresholds, compute_dtype_of
+from ._diagnosis._tensors import CERTIFICATE_ULPS, _certificate, _Thresholds
 from ._errors import InputError
 from ._processing.pipeline import process_weights
 from ._reference import block, check_tokens, embed, unembed
@@ -184,7 +184,7 @@ def _tensor_row(before: Checkpoint, after: Checkpoint, progress, done: int, tota
         return row | {"status": "not compared", "explanation": (
             f"after records {after.cfg.applied}, not {before.cfg.applied} followed by process_weights steps")}
     thresholds = _Thresholds.of(after.dtype, before.cfg)
-    compute = compute_dtype_of(after.dtype)
+    compute = compute_dtype(after.dtype)
     parts = checkpoint_parts(before, compute)  # replayed unrounded: the certificate rounds
     wrong, equal, count, worst = [], 0, 0, 0.0
 
@@ -202,9 +202,9 @@ def _tensor_row(before: Checkpoint, after: Checkpoint, progress, done: int, tota
                 continue
             count += 1
             ours, processed = replayed[name], theirs[name]
-            if torch.equal(ours.to(processed.dtype), processed):
-                equal += 1
-                ratio = _certificate(processed, ours, 1.0, thresholds) if compute != processed.dtype else 0.0
+            equal += torch.equal(ours.to(processed.dtype), processed)
+            if torch.equal(ours, processed):
+                ratio = 0.0
             else:
                 scale = max(float(ours.abs().max()), float(processed.abs().max())) if ours.numel() else 0.0
                 ratio = _certificate(processed, ours, scale, thresholds)

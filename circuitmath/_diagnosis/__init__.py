@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from .. import _identities
+from .._compare import compute_dtype
 from .._config import Config
 from .._errors import InputError, PreconditionError
 from .._state import validated_once
@@ -36,7 +37,7 @@ from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
 from ._logprobs import _coarser, _LogProbs
 from ._replay import _Replay, weight_identities
 from ._report import Diagnosis, Finding, _config_differences, _identity_finding, _residual_finding
-from ._tensors import ParameterMismatch, _mismatch, _relative_difference, _Thresholds, compute_dtype_of
+from ._tensors import ParameterMismatch, _mismatch, _relative_difference, _Thresholds
 
 __all__ = [
     "ParameterMismatch",
@@ -238,7 +239,7 @@ def _in_compute_dtype(state_dict, dtype: torch.dtype):
     """``state_dict`` as the replay takes it: a half-precision model is replayed in float32 (as
     :func:`~circuitmath.process_weights` processes it), so that each replayed tensor is rounded
     once, by the comparison, not after every identity."""
-    compute = compute_dtype_of(dtype)
+    compute = compute_dtype(dtype)
     if all(t.dtype == compute or t.dtype == torch.float64 for t in state_dict.values()):
         return state_dict
     return {name: tensor.to(compute) for name, tensor in state_dict.items()}

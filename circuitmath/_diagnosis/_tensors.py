@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._compare import compute_dtype
 from .._config import Config
 
 __all__ = ["ParameterMismatch"]
@@ -73,11 +74,6 @@ _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch
 CERTIFICATE_ULPS = 1
 
 
-def compute_dtype_of(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a model of ``dtype`` is processed and replayed in: float32 for half precision."""
-    return torch.float32 if torch.finfo(dtype).bits < 32 else dtype
-
-
 @dataclass(frozen=True)
 class _Thresholds:
     """When two tensors count as the same.
@@ -90,7 +86,7 @@ class _Thresholds:
     The **certificate** decides whether a processed tensor is the exact rewrite, entry by entry
     (:func:`_certificate`): each entry of the processed tensor must lie within
     :data:`CERTIFICATE_ULPS` units in the last place of ``dtype`` of the rewrite computed in
-    ``compute_dtype_of(dtype)`` (float32 for half precision), plus ``floor`` times the tensor's
+    :func:`~circuitmath.testing.compute_dtype` of ``dtype`` (float32 for half precision), plus ``floor`` times the tensor's
     largest entry: the error of computing the rewrite in the compute dtype (its entries made by
     cancellation, a centered weight's, carry the rounding of the terms, not of the result). A
     processing rounded once to bfloat16 is within half a unit; a 1 % change of a bfloat16 tensor
@@ -113,7 +109,7 @@ class _Thresholds:
             exact=min(recognise, 8 * torch.finfo(dtype).eps * root_k),
             float32_rounding=8 * torch.finfo(torch.float32).eps * root_k,
             dtype=dtype,
-            floor=8 * torch.finfo(compute_dtype_of(dtype)).eps * root_k,
+            floor=8 * torch.finfo(compute_dtype(dtype)).eps * root_k,
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .._compare import compute_dtype
 from .._config import Config
 from .._errors import Precondition
 from .._state import StateDict, validate_state_dict
@@ -100,7 +101,7 @@ def centered_last_axis(
     ``dtype``. Given ``sums``, each block's sum is appended to it, taken in cache.
     """
     dtype = dtype or W.dtype
-    compute = torch.float32 if torch.finfo(W.dtype).bits < 32 else W.dtype
+    compute = compute_dtype(W.dtype)
     rows = W.reshape(-1, W.shape[-1]) if W.dim() > 1 else W[None]
     per_block = max(1, block_bytes // (rows.shape[1] * rows.element_size()))
     out = new_tensor(rows.shape, dtype, W.device)

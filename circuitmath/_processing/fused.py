@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .._compare import compute_dtype
 from .._config import Config
 from .._state import StateDict, attention_names
 from ._common import readers
@@ -64,7 +65,7 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
     overflowed: then check the entries).
     """
     dtype = next(iter(state_dict.values())).dtype
-    compute = torch.float32 if torch.finfo(dtype).bits < 32 else dtype
+    compute = compute_dtype(dtype)
 
     def up(tensor: torch.Tensor) -> torch.Tensor:
         return converted(tensor, compute)  # the tensor itself when it is in the compute dtype already
