@@ -141,7 +141,7 @@ def assert_equivalent(
         tolerance = result.tolerance if atol is None else atol
         plan = _diagnosis._recorded_plan(first.cfg, second.cfg, notes) if diagnose else None
         agree = result.max_abs_error <= tolerance
-        named, off = _diagnosis.tensor_verdict(first, second, plan) if diagnose and agree else (False, [])
+        named, off, replayed = _diagnosis.tensor_verdict(first, second, plan) if diagnose and agree else (False, [], None)
         if agree and not named and not off:
             return result
         b, p, t = result.where
@@ -158,7 +158,8 @@ def assert_equivalent(
         if diagnose and not _shrinking():
             # the two forward passes just made are handed to the diagnosis, not made again
             computed = ((first.state_dict, first_log_probs), (second.state_dict, second_log_probs))
-            found = _diagnosis.replay_and_explain(first, second, tokens, plan, notes, computed=computed)
+            found = _diagnosis.replay_and_explain(first, second, tokens, plan, notes, computed=computed,
+                                                  replayed=replayed)
             message += "\n\ndiagnosis:\n" + str(found)
         elif diagnose:
             message += "\n(diagnosed on hypothesis's final, shrunk example only)"

@@ -57,19 +57,28 @@ __all__ = [
 Progress = Callable[[int, int, str], None]
 
 
-def replay_and_explain(first: Model, second: Model, tokens, plan, notes, progress=None, computed=()) -> Diagnosis:
+def _replayed(first: Model, second: Model, plan):
+    """``(replay, replay.explain(...))``: the registered identities replayed on ``first`` (in the
+    compute dtype) against ``second``, ``plan`` as for :func:`replay_and_explain`."""
+    dtype = _coarser(first.dtype, second.dtype)
+    replay = _Replay(second.state_dict, _Thresholds.of(dtype, first.cfg))
+    return replay, replay.explain(_in_compute_dtype(first.state_dict, dtype), first.cfg, plan)
+
+
+def replay_and_explain(first: Model, second: Model, tokens, plan, notes, progress=None, computed=(),
+                       replayed=None) -> Diagnosis:
     """The diagnosis of ``second`` as a processing of ``first`` (both resolved): replay ``plan``
     (identities; ``None``: infer it), then compare log-probs where needed. ``computed`` holds
-    ``(state_dict, log_probs)`` pairs already computed on ``tokens`` (a failed
-    :func:`~circuitmath.testing.assert_equivalent` hands over its two forward passes)."""
+    ``(state_dict, log_probs)`` pairs already computed on ``tokens`` and ``replayed`` the replay
+    already made (a failed :func:`~circuitmath.testing.assert_equivalent` hands over its two
+    forward passes and, from :func:`tensor_verdict`, its replay)."""
     before, before_cfg, after, after_cfg = first.state_dict, first.cfg, second.state_dict, second.cfg
     dtype = _coarser(first.dtype, second.dtype)
-    thresholds = _Thresholds.of(dtype, before_cfg)
-    replay = _Replay(after, thresholds)
     report = progress or (lambda done, total, what: None)
     total = 5
     report(0, total, "replaying identities")
-    stages, final, final_cfg, residual = replay.explain(_in_compute_dtype(before, dtype), before_cfg, plan)
+    replay, (stages, final, final_cfg, residual) = replayed or _replayed(first, second, plan)
+    thresholds = replay.thresholds
     lp = _LogProbs(tokens, dtype)
     for state, computed_log_probs in computed:
         lp.seed(state, computed_log_probs)
@@ -205,16 +214,15 @@ def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens
         return dataclasses.replace(found, recognition_required=True)
 
 
-def tensor_verdict(first: Model, second: Model, plan) -> tuple[bool, list[str]]:
+def tensor_verdict(first: Model, second: Model, plan) -> tuple[bool, list[str], tuple]:
     """The replay of ``second`` on ``first`` (resolved; ``plan`` as for :func:`replay_and_explain`),
     tensor by tensor, without a forward pass: whether a tensor is reproduced by a named wrong
-    rewrite, and the tensors that fail their certificate (:func:`uncertified`)."""
-    dtype = _coarser(first.dtype, second.dtype)
-    thresholds = _Thresholds.of(dtype, first.cfg)
-    replay = _Replay(second.state_dict, thresholds)
-    stages, final, final_cfg, residual = replay.explain(_in_compute_dtype(first.state_dict, dtype), first.cfg, plan)
+    rewrite, the tensors that fail their certificate (:func:`uncertified`), and the replay
+    (for :func:`replay_and_explain`, so that a failure is not replayed twice)."""
+    replayed = _replayed(first, second, plan)
+    replay, (stages, _final, _final_cfg, residual) = replayed
     named = any(stage.rewrites and stage.recognised for stage in stages)
-    return named, uncertified(residual, second.state_dict, thresholds)
+    return named, uncertified(residual, second.state_dict, replay.thresholds), replayed
 
 
 def uncertified(residual: list[str], after, thresholds: _Thresholds) -> list[str]:
