@@ -1,5 +1,7 @@
 """The whole weight-processing pipeline on every architecture the steps support."""
 
+import inspect
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -194,6 +196,16 @@ def test_a_step_already_applied_is_refused_when_asked_for_and_left_out_otherwise
                            center_unembed=False, fold_value_biases=False)
     again, again_cfg = cm.process_weights(processed, processed_cfg)  # by default, what is done is left out
     assert again_cfg.applied == processed_cfg.applied
+
+
+def test_the_keywords_are_the_steps_and_name_their_identities():
+    """process_weights' keyword-only parameters are its steps' keywords, and each step's keyword is
+    the name of the identity its transform applies (the norm fold's fold_ln aside), in the order applied."""
+    keywords = [p.name for p in inspect.signature(cm.process_weights).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    assert sorted(keywords) == sorted(KEYWORDS)
+    assert KEYWORDS[0] == "fold_ln" and [step.identity for _keyword, step in PIPELINE_STEPS[1:]] == KEYWORDS[1:]
+    assert KEYWORDS == ["fold_ln", "fold_value_biases", "center_writing_weights", "center_unembed",
+                        "refactor_factored_attn_matrices"]
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", "if applicable"])

@@ -26,15 +26,16 @@ from .._config import Config
 from .._state import StateDict, attention_names
 from ._common import readers
 from ._memory import converted, new_tensor
-from .attention import value_bias_through_output
-from .centering import centered_last_axis, writers
-from .layer_norm import fold_reader
+from .attention import fold_value_biases, value_bias_through_output
+from .centering import center_unembed, center_writing_weights, centered_last_axis, writers
+from .layer_norm import center_reading_weights, fold_layer_norm, fold_reader
 
 __all__ = ["FUSED_STEPS", "fusable", "fused_default_steps"]
 
 #: What :func:`fused_default_steps` records in ``cfg.applied``: the chain's identities, in its order.
-FUSED_STEPS = (
-    "fold_layer_norm", "center_reading_weights", "fold_value_biases", "center_writing_weights", "center_unembed"
+FUSED_STEPS = tuple(
+    step.identity
+    for step in (fold_layer_norm, center_reading_weights, fold_value_biases, center_writing_weights, center_unembed)
 )
 
 

@@ -17,9 +17,10 @@ from .centering import center_writing_weights as _center_writing_weights
 from ._memory import converted
 from ._parts import InMemory, Parts
 from .fused import fusable, fused_default_steps
-from .layer_norm import fold_layer_norm
+from .layer_norm import center_reading_weights, fold_layer_norm
 from ._common import refuse_reapplication, rewrite
 from .norms import fold_rms_norm
+from .shortformer import shortformer_to_tables
 
 __all__ = ["process_weights", "PIPELINE_STEPS", "STEPS", "KEYWORD_OF", "rounded_once"]
 
@@ -34,31 +35,33 @@ def _fold_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tens
     :func:`~circuitmath.fold_rms_norm`, and no centering (``RMSPre(x)`` is not orthogonal to 1).
     Any other norm has no parameters to fold: refused like :func:`~circuitmath.fold_layer_norm`.
     """
-    for done in ("fold_layer_norm", "fold_rms_norm"):
-        refuse_reapplication(done, cfg)
+    for done in (fold_layer_norm, fold_rms_norm):
+        refuse_reapplication(done.identity, cfg)
     if cfg.normalization_type == "RMS":
         return fold_rms_norm(state_dict, cfg)
     return fold_layer_norm(state_dict, cfg, center_reading_weights=True)
 
 
 #: The steps of :func:`process_weights`, in the order it applies them: ``(keyword, transform)``.
+#: A step's keyword is the name of the identity its transform applies (one name per thing), but
+#: for the norm fold's ``fold_ln``, which applies the fold of whichever norm the model has.
 PIPELINE_STEPS: tuple[tuple[str, Transform], ...] = (
     ("fold_ln", _fold_norm),
-    ("fold_value_biases", _fold_value_biases),
-    ("center_writing_weights", _center_writing_weights),
-    ("center_unembed", _center_unembed),
-    ("refactor_factored_attn_matrices", _refactor_factored_attn_matrices),
+    *((step.identity, step) for step in (
+        _fold_value_biases, _center_writing_weights, _center_unembed, _refactor_factored_attn_matrices,
+    )),
 )
 
 #: The keywords of :func:`process_weights`, in the order it applies them.
 STEPS = tuple(keyword for keyword, _step in PIPELINE_STEPS)
 
+#: The transforms whose identities the norm fold (:func:`_fold_norm`) records.
+_NORM_FOLD_RECORDS = (shortformer_to_tables, fold_layer_norm, center_reading_weights, fold_rms_norm)
+
 #: The keyword of :func:`process_weights` that applies each identity it records.
 KEYWORD_OF = {
-    "shortformer_to_tables": "fold_ln", "fold_layer_norm": "fold_ln", "center_reading_weights": "fold_ln",
-    "fold_rms_norm": "fold_ln", "fold_value_biases": "fold_value_biases",
-    "center_writing_weights": "center_writing_weights", "center_unembed": "center_unembed",
-    "refactor_factored_attn_matrices": "refactor_factored_attn_matrices",
+    **{step.identity: STEPS[0] for step in _NORM_FOLD_RECORDS},
+    **{keyword: keyword for keyword in STEPS[1:]},
 }
 
 
@@ -140,13 +143,13 @@ def process_weights(
     >>> process_weights(random_state_dict(rms, seed=0), rms, refactor_factored_attn_matrices=None)[1].applied
     ('fold_rms_norm', 'fold_value_biases', 'center_unembed', 'refactor_factored_attn_matrices')
     """
-    requested = {
-        "fold_ln": fold_ln,
-        "fold_value_biases": fold_value_biases,
-        "center_writing_weights": center_writing_weights,
-        "center_unembed": center_unembed,
-        "refactor_factored_attn_matrices": refactor_factored_attn_matrices,
-    }
+    requested = dict(  # the keywords, in the order of STEPS
+        fold_ln=fold_ln,
+        fold_value_biases=fold_value_biases,
+        center_writing_weights=center_writing_weights,
+        center_unembed=center_unembed,
+        refactor_factored_attn_matrices=refactor_factored_attn_matrices,
+    )
     for keyword, value in requested.items():
         if not any(value is allowed for allowed in (True, False, None)):
             raise ArgumentTypeError(f"{keyword} must be True, False or None (if applicable), got {value!r}")
@@ -191,7 +194,7 @@ def _process(state_dict: StateDict, cfg: Config, requested: dict) -> tuple[dict[
     # The fused steps summed every output block in cache: finite sums prove finite entries,
     # unless a later step rewrote tensors or rounding to a half dtype may have overflowed.
     half = torch.finfo(next(iter(state_dict.values())).dtype).bits < 32
-    if not (checked_in_cache and cfg.applied[-1] == "center_unembed" and not half):
+    if not (checked_in_cache and cfg.applied[-1] == _center_unembed.identity and not half):
         _finite_or_explained(state_dict, cfg, given, given_cfg)
     return state_dict, cfg
 
