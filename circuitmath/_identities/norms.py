@@ -18,6 +18,7 @@ import functools
 from sympy import DiagMatrix, Identity as Eye, MatAdd, MatMul, MatrixSymbol, Mul, OneMatrix, Pow, Rational, Symbol, sqrt
 
 from .._processing import (
+    center_reading_weights,
     center_writing_weights,
     fold_layer_norm,
     fold_rms_norm,
@@ -172,7 +173,10 @@ def _layer_norm_to_rms_proof() -> Proof:
             Definition(RMSPre_xc, MatMul(rho, x_c), "rho from x', the same vector"),
         ),
         explicit_dims={d: 4},
-        assumptions=("every write to the residual stream is centered (center_writing_weights)", "the same eps in both norms"),
+        assumptions=(
+            f"every write to the residual stream is centered ({center_writing_weights.identity})",
+            "the same eps in both norms",
+        ),
         twins=(
             Twin(
                 "uncentered_stream",
@@ -296,7 +300,7 @@ CENTERING_PROJECTION = register(
         summary="(x + a 1^T) C^T C = x C for all x and a: C is symmetric, idempotent and kills 1,"
         " so the 1 direction of the residual stream is invisible to LayerNorm",
         preconditions=(
-            "the transform it licenses is center_writing_weights: pre-norm, normalization_type LN or LNPre",
+            f"the transform it licenses is {center_writing_weights.identity}: pre-norm, normalization_type LN or LNPre",
             NOT_APPLIED,
         ),
         build_proof=_projection_proof,
@@ -343,6 +347,9 @@ RMS_NORM_FOLD = register(
         preconditions=(PRE_NORM, IS_RMS, NORM_READ_LINEARLY, NOT_APPLIED),
         build_proof=lambda: with_eps_lemma(_rms_fold_proof()),
         transform=fold_rms_norm,
-        wrong_rewrites={"forget_W_gate": _fold_forgetting_W_gate, "center_reading_weights": _fold_and_center_readers},
+        wrong_rewrites={
+            "forget_W_gate": _fold_forgetting_W_gate,
+            center_reading_weights.identity: _fold_and_center_readers,  # centering as behind a LayerNorm
+        },
     )
 )

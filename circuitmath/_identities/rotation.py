@@ -572,7 +572,7 @@ def _layer_norm_rotation(state_dict, cfg):
     require(
         "layer_norm_rotation", IS_LNPRE, cfg.normalization_type == "LNPre",
         f"normalization_type is {cfg.normalization_type!r}: this identity is about LayerNorm without gain and bias"
-        + (" (fold it first: fold_layer_norm)" if cfg.normalization_type == "LN" else ""),
+        + (f" (fold it first: {fold_layer_norm.identity})" if cfg.normalization_type == "LN" else ""),
     )
     return rotate_residual_stream(state_dict, cfg, orthogonal_fixing_ones(cfg.d_model, seed=CHECK_SEED))
 
@@ -592,7 +592,8 @@ def slicegpt_route(state_dict, cfg, Q=None):
     require(
         "slicegpt_route", IS_LN, cfg.normalization_type == "LN",
         f"normalization_type is {cfg.normalization_type!r}: the route starts from a LayerNorm model"
-        + (" (an RMSNorm model needs only fold_rms_norm before rotating)" if cfg.normalization_type == "RMS" else ""),
+        + (f" (an RMSNorm model needs only {fold_rms_norm.identity} before rotating)"
+           if cfg.normalization_type == "RMS" else ""),
     )
     state_dict, cfg = to_rms_pre(state_dict, cfg)
     return rotate_residual_stream(state_dict, cfg, check_rotation(cfg) if Q is None else Q)

@@ -12,7 +12,7 @@ from .._errors import NOT_APPLIED, AlreadyAppliedError, OverflowedError, Precond
 from .._state import attention_names, entries_checked_here, not_finite
 
 __all__ = [
-    "readers", "require", "refuse_reapplication", "common_preconditions", "rewrite",
+    "readers", "require", "refuse_reapplication", "rewrite",
     "NOT_APPLIED", "PRE_NORM", "NORM_READ_LINEARLY", "NOT_ROTARY",
 ]
 
@@ -111,20 +111,3 @@ def refuse_reapplication(identity: str, cfg: Config) -> None:
     (precondition :data:`NOT_APPLIED`) when ``cfg.applied`` records ``identity`` already."""
     if identity in cfg.applied:
         raise AlreadyAppliedError(identity)
-
-
-def common_preconditions(identity: str, cfg: Config) -> None:
-    """Not applied yet, pre-norm, and every norm's output read only by linear maps."""
-    refuse_reapplication(identity, cfg)
-    require(
-        identity, PRE_NORM, cfg.norm_position == "pre",
-        "the model is post-norm: each norm's output is the residual stream itself, read again by"
-        " the next norm (a non-linear reader), so there is no linear map to fold into",
-    )
-    require(
-        identity, NORM_READ_LINEARLY,
-        cfg.positional_embedding_type != "shortformer" or cfg.n_layers == 0,
-        "with shortformer embeddings W_pos is added to ln1's output before W_Q and W_K read it,"
-        " so rewriting W_Q and W_K would rewrite W_pos's contribution too; move W_pos into"
-        " per-layer query and key tables first (shortformer_to_tables)",
-    )

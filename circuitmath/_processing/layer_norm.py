@@ -7,12 +7,12 @@ import torch
 from .._config import Config
 from .._state import StateDict, validate_state_dict
 from .._errors import Precondition
-from ._common import common_preconditions, readers, require, rewrite
+from ._common import NORM_READ_LINEARLY, PRE_NORM, readers, refuse_reapplication, require, rewrite
 from ._memory import new_tensor
 from .shortformer import shortformer_to_tables
 
-__all__ = ["fold_layer_norm", "center_reading_weights", "fold_reader", "products_through", "IS_LN",
-           "READER_HAS_BIAS", "READS_LNPRE"]
+__all__ = ["fold_layer_norm", "center_reading_weights", "fold_reader", "products_through", "reader_preconditions",
+           "IS_LN", "READER_HAS_BIAS", "READS_LNPRE"]
 
 IS_LN = Precondition("normalization_type is LN")
 READER_HAS_BIAS = Precondition(
@@ -24,6 +24,25 @@ READS_LNPRE = Precondition(
     "every reader's input is LNPre(x) (normalization_type LNPre, e.g. after fold_layer_norm)",
 )
 
+
+
+def reader_preconditions(identity: str, cfg: Config) -> None:
+    """What every rewrite of the norms' readers (:func:`fold_layer_norm`,
+    :func:`center_reading_weights`, :func:`~circuitmath.fold_rms_norm`) needs: not applied yet,
+    pre-norm, and every norm's output read only by linear maps."""
+    refuse_reapplication(identity, cfg)
+    require(
+        identity, PRE_NORM, cfg.norm_position == "pre",
+        "the model is post-norm: each norm's output is the residual stream itself, read again by"
+        " the next norm (a non-linear reader), so there is no linear map to fold into",
+    )
+    require(
+        identity, NORM_READ_LINEARLY,
+        cfg.positional_embedding_type != "shortformer" or cfg.n_layers == 0,
+        "with shortformer embeddings W_pos is added to ln1's output before W_Q and W_K read it,"
+        " so rewriting W_Q and W_K would rewrite W_pos's contribution too; move W_pos into"
+        f" per-layer query and key tables first ({shortformer_to_tables.identity})",
+    )
 
 @rewrite("fold_layer_norm")
 def fold_layer_norm(
@@ -62,7 +81,7 @@ def fold_layer_norm(
     )
     if cfg.positional_embedding_type == "shortformer" and cfg.norm_position == "pre" and identity not in cfg.applied:
         state_dict, cfg = shortformer_to_tables(state_dict, cfg)
-    common_preconditions(identity, cfg)
+    reader_preconditions(identity, cfg)
     validate_state_dict(state_dict, cfg)
     for norm, pairs in readers(cfg):
         for weight, bias in pairs:
@@ -74,7 +93,7 @@ def fold_layer_norm(
             )
     applied = (identity, "center_reading_weights") if center_reading_weights else (identity,)
     if center_reading_weights:
-        common_preconditions("center_reading_weights", cfg)
+        reader_preconditions("center_reading_weights", cfg)
     out = dict(state_dict)
     for norm, pairs in readers(cfg):
         w, b = out.pop(f"{norm}.w"), out.pop(f"{norm}.b")
@@ -136,7 +155,7 @@ def center_reading_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     ``"center_reading_weights"``.
     """
     identity = "center_reading_weights"
-    common_preconditions(identity, cfg)
+    reader_preconditions(identity, cfg)
     require(
         identity, READS_LNPRE, cfg.normalization_type == "LNPre",
         {

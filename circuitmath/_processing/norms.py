@@ -9,8 +9,9 @@ import torch
 from .._config import Config
 from .._errors import InputError, Precondition
 from .._state import StateDict, validate_state_dict
-from ._common import common_preconditions, readers, refuse_reapplication, require, rewrite
-from .centering import require_pre_norm, writers
+from ._common import readers, refuse_reapplication, require, rewrite
+from .centering import center_writing_weights, require_pre_norm, writers
+from .layer_norm import fold_layer_norm, reader_preconditions
 
 __all__ = ["fold_rms_norm", "layer_norm_to_rms_norm", "rescale_residual_stream", "uncentered_writers", "IS_RMS",
            "IS_LNPRE", "WRITES_CENTERED", "SCALE_POSITIVE", "BEHIND_A_NORM", "EPS_ZERO"]
@@ -49,11 +50,11 @@ def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.T
     >>> _ = assert_equivalent(sd, folded, cfg, after_cfg=folded_cfg)
     """
     identity = "fold_rms_norm"
-    common_preconditions(identity, cfg)
+    reader_preconditions(identity, cfg)
     require(
         identity, IS_RMS, cfg.normalization_type == "RMS",
         f"normalization_type is {cfg.normalization_type!r}; there is no RMSNorm gain to fold"
-        + (" (LayerNorm folds by fold_layer_norm)" if cfg.normalization_type == "LN" else ""),
+        + (f" (LayerNorm folds by {fold_layer_norm.identity})" if cfg.normalization_type == "LN" else ""),
     )
     validate_state_dict(state_dict, cfg)
     out = dict(state_dict)
@@ -105,8 +106,8 @@ def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     require(
         identity, IS_LNPRE, cfg.normalization_type == "LNPre",
         f"normalization_type is {cfg.normalization_type!r}"
-        + ("; fold the LayerNorm's gain and bias first (fold_layer_norm)" if cfg.normalization_type == "LN" else
-           ": there is no LayerNorm to replace"),
+        + (f"; fold the LayerNorm's gain and bias first ({fold_layer_norm.identity})"
+           if cfg.normalization_type == "LN" else ": there is no LayerNorm to replace"),
     )
     validate_state_dict(state_dict, cfg)
     uncentered = uncentered_writers(state_dict, cfg)
@@ -114,7 +115,7 @@ def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     require(
         identity, WRITES_CENTERED, not uncentered,
         f"{len(uncentered)} writer(s) have a nonzero mean over d_model, largest |mean| {uncentered.get(worst, 0):.3g}"
-        f" in {worst}; center them first (center_writing_weights)",
+        f" in {worst}; center them first ({center_writing_weights.identity})",
     )
     return dict(state_dict), cfg.replace(normalization_type="RMSPre", applied=cfg.applied + (identity,))
 

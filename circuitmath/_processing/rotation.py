@@ -27,7 +27,9 @@ from .._config import Config
 from .._errors import Precondition, PreconditionError
 from .._state import StateDict, attention_names, validate_state_dict
 from ._common import PRE_NORM, readers, require, rewrite
-from .centering import require_pre_norm, writers
+from .centering import center_writing_weights, require_pre_norm, writers
+from .layer_norm import fold_layer_norm
+from .norms import fold_rms_norm, layer_norm_to_rms_norm
 
 __all__ = [
     "rotate_residual_stream",
@@ -243,9 +245,10 @@ def rotate_residual_stream(
         identity, NO_NORM_GAIN, kind not in ("LN", "RMS"),
         {
             "LN": "normalization_type is 'LN': its gain diag(w) and bias do not commute with Q; fold it"
-                  " (fold_layer_norm), center the writes (center_writing_weights) and switch to RMSNorm"
-                  " (layer_norm_to_rms_norm) first: the SliceGPT route",
-            "RMS": "normalization_type is 'RMS': its gain diag(w) does not commute with Q; fold it first (fold_rms_norm)",
+                  f" ({fold_layer_norm.identity}), center the writes ({center_writing_weights.identity}) and switch"
+                  f" to RMSNorm ({layer_norm_to_rms_norm.identity}) first: the SliceGPT route",
+            "RMS": "normalization_type is 'RMS': its gain diag(w) does not commute with Q; fold it first"
+                   f" ({fold_rms_norm.identity})",
         }.get(kind, ""),
     )
     dtype = validate_state_dict(state_dict, cfg)
@@ -267,7 +270,7 @@ def rotate_residual_stream(
             identity, Q_FIXES_ONES, moved <= tolerance * math.sqrt(cfg.d_model),
             f"normalization_type is 'LNPre' and max |Q 1 - 1| is {moved:.3g}: LNPre centers, and centering"
             " commutes with Q only when Q fixes the all-ones direction. Center the writes and switch to"
-            " RMSNorm first (center_writing_weights, layer_norm_to_rms_norm)",
+            f" RMSNorm first ({center_writing_weights.identity}, {layer_norm_to_rms_norm.identity})",
         )
     out = dict(state_dict)
     out.update(rotated_tensors(state_dict, cfg, Q))

@@ -13,6 +13,7 @@ import torch
 from .._config import Config
 from .._errors import InputError
 from .._processing._common import NOT_ROTARY, require
+from .._processing.attention import refactor_factored_attn_matrices
 from .._state import StateDict, attention_names, validate_state_dict
 
 __all__ = ["change_head_bases"]
@@ -96,7 +97,7 @@ def change_head_bases(
     changes = {}
     if query_key is not None:
         require(
-            "refactor_factored_attn_matrices", NOT_ROTARY, cfg.positional_embedding_type != "rotary",
+            refactor_factored_attn_matrices.identity, NOT_ROTARY, cfg.positional_embedding_type != "rotary",
             "positional_embedding_type is 'rotary': a rotation by position sits between W_Q and W_K,"
             " and N does not commute with it",
         )
