@@ -14,6 +14,16 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _identities
+from .._identities.norms import LAYER_NORM_TO_RMS_NORM
+from .._identities.rotation import (
+    LAYER_NORM_ROTATION,
+    PERMUTE_HEADS,
+    PERMUTE_NEURONS,
+    RMS_NORM_ROTATION,
+    ROTATION_INVARIANCE,
+    SLICEGPT_ROUTE,
+    to_rms_pre,
+)
 from .._config import Config
 from .._errors import AlreadyAppliedError, PreconditionError
 from .._processing.rotation import (
@@ -33,8 +43,9 @@ __all__ = ["weight_identities", "SYMMETRIES"]
 
 #: Identities with a free parameter (a rotation ``Q``, a permutation): the blind replay cannot try
 #: them with a fixed one, so the diagnosis recovers the parameter from the tensors instead.
-SYMMETRIES = ("rms_norm_rotation", "layer_norm_rotation", "rotate_residual_stream", "slicegpt_route",
-              "permute_heads", "permute_neurons")
+SYMMETRIES = tuple(identity.name for identity in (
+    RMS_NORM_ROTATION, LAYER_NORM_ROTATION, ROTATION_INVARIANCE, SLICEGPT_ROUTE, PERMUTE_HEADS, PERMUTE_NEURONS,
+))
 
 
 def weight_identities(*, symmetries: bool = False) -> tuple:
@@ -185,14 +196,14 @@ class _Replay:
         whose parameter (``Q``, the permutation) is recovered from ``state`` and ``after``."""
         if identity.name not in SYMMETRIES or not _same_names(state, self.after):
             return identity.transform
-        if identity.name in ("rotate_residual_stream", "layer_norm_rotation"):
+        if identity in (ROTATION_INVARIANCE, LAYER_NORM_ROTATION):
             Q = _best_rotation(state, self.after, cfg)
             if cfg.normalization_type == "LNPre" and _fixes_ones(Q):
                 Q = _fixing_ones_exactly(Q)  # to rounding: the Procrustes fit moves 1 by a little more
             return lambda sd, c: rotate_residual_stream(sd, c, Q)
         recover, apply = {
-            "permute_heads": (recover_head_permutation, permute_heads),
-            "permute_neurons": (recover_neuron_permutation, permute_neurons),
+            PERMUTE_HEADS.name: (recover_head_permutation, permute_heads),
+            PERMUTE_NEURONS.name: (recover_neuron_permutation, permute_neurons),
         }.get(identity.name, (None, None))
         perm = recover(state, self.after, cfg, verify_all=False) if recover else None
         return identity.transform if perm is None else (lambda sd, c: apply(sd, c, perm))
@@ -212,9 +223,8 @@ class _Replay:
         best = None
         final, final_cfg = replayed[1], replayed[2]
         starts = [(final, final_cfg)]
-        prepared = _identities.rotation.to_rms_pre
         try:
-            starts.append(prepared(before, cfg))
+            starts.append(to_rms_pre(before, cfg))
         except PreconditionError:
             pass
         for start, start_cfg in starts:
@@ -232,8 +242,8 @@ class _Replay:
                 if found and len(found[3]) < len(residual) and (best is None or len(found[3]) < len(best[3])):
                     best = found
         stages, state, state_cfg = best[:3] if best else replayed
-        for name in ("permute_heads", "permute_neurons"):
-            stage = self.stage(_identities.get_identity(name), state, state_cfg, forced=False, search=False)
+        for permutation in (PERMUTE_HEADS, PERMUTE_NEURONS):
+            stage = self.stage(permutation, state, state_cfg, forced=False, search=False)
             if stage is not None:
                 stages, state, state_cfg = stages + [stage], stage.state, stage.cfg
         found = self.residual(state, before)
@@ -256,12 +266,11 @@ class _Replay:
         direction: ``(stages, final, final_cfg, residual)``, or ``None`` when it cannot apply."""
         if state_cfg.normalization_type == "LNPre" and not _fixes_ones(procrustes(state, self.after, state_cfg)):
             # LNPre rotates only by a Q fixing 1; with centered writes switch to RMSNorm first
-            switch = self.stage(_identities.get_identity("layer_norm_to_rms_norm"), state, state_cfg,
-                                forced=True, search=False)
+            switch = self.stage(LAYER_NORM_TO_RMS_NORM, state, state_cfg, forced=True, search=False)
             if switch is not None and switch.refusal is None:
                 stages, state, state_cfg = stages + [switch], switch.state, switch.cfg
-        name = "layer_norm_rotation" if state_cfg.normalization_type == "LNPre" else "rotate_residual_stream"
-        stage = self.stage(_identities.get_identity(name), state, state_cfg, forced=True, search=True)
+        rotation = LAYER_NORM_ROTATION if state_cfg.normalization_type == "LNPre" else ROTATION_INVARIANCE
+        stage = self.stage(rotation, state, state_cfg, forced=True, search=True)
         if stage is None or stage.exact is None:
             return None
         return stages + [stage], stage.state, stage.cfg, self.residual(stage.state, before)
