@@ -19,7 +19,7 @@ from ._checkpoint import INDEX
 from ._config import Config
 from ._errors import CircuitMathError, InputError
 from ._identities import get_identity, identities
-from ._processing.pipeline import PIPELINE_STEPS
+from ._processing.pipeline import PIPELINE_STEPS, process_weights
 
 COLUMNS = ("identity", "symbolic dims", "steps", "seconds", "twins rejected", "status")
 
@@ -149,9 +149,9 @@ def _interrupt(_signal, _frame) -> None:
     raise KeyboardInterrupt
 
 
-PROCESS_HELP = """Process the checkpoint IN (a Hugging Face folder with config.json and model.safetensors or
+PROCESS_HELP = f"""Process the checkpoint IN (a Hugging Face folder with config.json and model.safetensors or
 model.safetensors.index.json and its shards, a folder written by process, or a .safetensors file
-written by circuitmath.io.save) one layer at a time, as process_weights processes a model in
+written by circuitmath.io.save) one layer at a time, as {process_weights.__name__} processes a model in
 memory, and write the result to the new folder OUT: one safetensors shard per layer with the
 processed config in its metadata, and model.safetensors.index.json. Memory holds one layer.
 OUT is written under a temporary name and renamed at the end: a refusal, an error or an
@@ -207,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                                   description=PROCESS_HELP)
     process.add_argument("input", metavar="IN", help="the checkpoint: a folder or a .safetensors file")
     process.add_argument("output", metavar="OUT", help="the folder to write (must not exist)")
-    process.add_argument("--steps", default="default", help="'default' (process_weights' defaults), 'applicable' (every"
-                         " step that applies) or a comma-separated list of " + ", ".join(k for k, _ in PIPELINE_STEPS))
+    process.add_argument("--steps", default="default", help=f"'default' ({process_weights.__name__}' defaults),"
+                         " 'applicable' (every step that applies) or a comma-separated list of " + ", ".join(k for k, _ in PIPELINE_STEPS))
     process.add_argument("--dtype", choices=sorted(DTYPE_NAMES), help="cast the weights before processing (default: keep)")
     process.add_argument("--device", default=None, help="where each layer is processed (default cpu)")
     process.set_defaults(run=_process)

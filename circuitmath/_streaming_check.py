@@ -182,7 +182,8 @@ def _tensor_row(before: Checkpoint, after: Checkpoint, progress, done: int, tota
     row = {"name": "tensors", "kind": "rewrite", "max_abs_error": None, "tolerance": None}
     if keywords is None:
         return row | {"status": "not compared", "explanation": (
-            f"after records {after.cfg.applied}, not {before.cfg.applied} followed by process_weights steps")}
+            f"after records {after.cfg.applied}, not {before.cfg.applied} followed by"
+            f" {process_weights.__name__} steps")}
     thresholds = _Thresholds.of(after.dtype, before.cfg)
     compute = compute_dtype(after.dtype)
     parts = checkpoint_parts(before, compute)  # replayed unrounded: the certificate rounds
@@ -219,11 +220,13 @@ def _tensor_row(before: Checkpoint, after: Checkpoint, progress, done: int, tota
     if wrong:
         listed = ", ".join(f"{name} ({ratio:.3g}x)" for name, ratio in wrong[:8])
         return row | {"status": "violated", "max_abs_error": worst, "tolerance": 1.0, "explanation": (
-            f"{len(wrong)} of {count} tensors have entries further from process_weights({', '.join(steps)}) of before,"
+            f"{len(wrong)} of {count} tensors have entries further from"
+            f" {process_weights.__name__}({', '.join(steps)}) of before,"
             f" computed in {compute}, than {bound}; the worst entry, as a multiple of that bound: {listed}"
             f"{' ...' if len(wrong) > 8 else ''}")}
     return row | {"status": "holds", "max_abs_error": worst, "tolerance": 1.0, "explanation": (
-        f"{count} tensors within {bound} of process_weights({', '.join(steps)}) of before, replayed part by part"
+        f"{count} tensors within {bound} of {process_weights.__name__}({', '.join(steps)}) of before,"
+        " replayed part by part"
         f" in {compute} ({equal} equal to it rounded, bit for bit; the worst entry at {worst:.3g} of the bound)")}
 
 
