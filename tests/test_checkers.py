@@ -87,6 +87,16 @@ def test_the_checkers_come_from_the_registry():
         assert getattr(testing, checker.__name__) is checker and checker.__name__ in testing.__all__
 
 
+def test_no_checker_is_written_by_hand():
+    """Every public ``check_*`` but check_model and check_identity is derived from the registry:
+    all of them run the one function body that ``testing`` makes per registered identity."""
+    derived = {checker.__name__ for checker in testing.CHECKERS.values()}
+    public = {name for name in testing.__all__ if name.startswith("check_")}
+    assert public - derived == {"check_model", "check_identity"}
+    assert len({checker.__code__ for checker in testing.CHECKERS.values()}) == 1
+    assert testing.check_model.__code__ not in {checker.__code__ for checker in testing.CHECKERS.values()}
+
+
 @pytest.mark.parametrize("name", sorted(CHECKERS))
 def test_checker_rejects_every_registered_wrong_rewrite(name):
     checker, changes = CHECKERS[name]

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import circuitmath as cm
 
@@ -60,6 +61,26 @@ def test_the_wrong_rewrites_are_one_catalogue():
         assert cm.get_identity(name).wrong_rewrites["regardless"].regardless
     assert cm.get_identity("fold_layer_norm").describe("scale_columns").startswith("scale the reader's columns")
 
+
+
+def test_negative_control_the_diagnosis_names_a_wrong_rewrite_only_from_the_registry(monkeypatch):
+    """Emptied from center_unembed's catalogue, its wrong rewrite over d_model is named no more:
+    the diagnosis has no other list of mistakes to find it in."""
+    from types import MappingProxyType
+
+    from circuitmath.testing import diagnose
+
+    cfg = cm.Config(n_layers=1, d_model=6, n_heads=2, d_head=3, d_vocab=9, n_ctx=5, d_mlp=12)
+    before = cm.random_state_dict(cfg, seed=1, dtype=torch.float64)
+    after = dict(before, **{"unembed.W_U": before["unembed.W_U"] - before["unembed.W_U"].mean(dim=0, keepdim=True)})
+
+    def rewrites():
+        return {f.rewrite for f in diagnose(before, after, cfg).findings if f.kind == "identity"}
+
+    assert "center_unembed.over_d_model" in rewrites()
+    identity = cm.get_identity("center_unembed")
+    monkeypatch.setitem(identity.__dict__, "wrong_rewrites", MappingProxyType({}))
+    assert not any(r and r.startswith("center_unembed.") for r in rewrites())
 
 def test_prove_json_lists_each_proofs_axioms(capsys):
     from circuitmath import _cli
