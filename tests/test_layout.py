@@ -95,7 +95,6 @@ def test_no_import_cycle_in_circuitmath():
 COHESIVE = {
     "circuitmath._identities.composition": "one family of proofs: composition scores, SVDs and their invariances",
     "circuitmath._files": "one converter per supported architecture and the safetensors reader",
-    "circuitmath._identities.rotation": "one family of proofs: the residual-stream symmetries, their twins and checks",
 }
 MAX_LINES = 600
 

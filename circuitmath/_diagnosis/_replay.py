@@ -15,10 +15,9 @@ import torch
 
 from .. import _identities
 from .._identities.norms import LAYER_NORM_TO_RMS_NORM
+from .._identities.permutations import PERMUTE_HEADS, PERMUTE_NEURONS
 from .._identities.rotation import (
     LAYER_NORM_ROTATION,
-    PERMUTE_HEADS,
-    PERMUTE_NEURONS,
     RMS_NORM_ROTATION,
     ROTATION_INVARIANCE,
     SLICEGPT_ROUTE,

@@ -1,4 +1,5 @@
-"""Symmetries of a transformer's weights: rotating the residual stream, permuting heads and neurons.
+"""Symmetries of the residual stream: rotating it, through the norms and the whole model (permuting
+heads and neurons: :mod:`.permutations`).
 
 Symbols (row-vector convention; ``n`` positions, ``d`` = d_model, ``e`` = d_head, ``m`` =
 d_mlp, ``v`` = d_vocab, ``c`` = n_ctx; ``k`` the columns of the free test matrices ``T``):
@@ -22,22 +23,12 @@ import sympy
 import torch
 from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Transpose
 
-from .._processing import (
-    fold_layer_norm,
-    fold_rms_norm,
-    layer_norm_to_rms_norm,
-    permute_heads,
-    permute_neurons,
-)
+from .._processing import fold_layer_norm, fold_rms_norm, layer_norm_to_rms_norm
 from .._errors import Precondition
 from .._processing._common import PRE_NORM, require
 from .._processing.layer_norm import IS_LN
 from .._processing.norms import IS_LNPRE
 from .._processing.rotation import (
-    A_HEAD_PERMUTATION,
-    A_NEURON_PERMUTATION,
-    GROUPS_MOVE_TOGETHER,
-    HAS_MLPS,
     NO_NORM_GAIN,
     Q_FIXES_ONES,
     Q_ORTHOGONAL,
@@ -52,7 +43,7 @@ from .._processing.rotation import (
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._reference import forward, normalize
 from .._registry import Identity, register
-from .._state import attention_names, validate_state_dict
+from .._state import validate_state_dict
 from .._compare import default_tokens
 from ._circuit_checks import compare_values, dim, rational_orthogonal
 from .norms import centered_layer_norm_model
@@ -347,129 +338,6 @@ def _slicegpt_proof() -> Proof:
     )
 
 
-# -- permutations -----------------------------------------------------------------------------
-
-Xn = MatrixSymbol(r"\hat{X}", n, d)  # the normed stream every head reads
-HEADS, GROUPS = (1, 2, 3, 4), (1, 2)
-GROUP = {1: 1, 2: 1, 3: 2, 4: 2}  # grouped-query attention: two query heads per key/value head
-HEAD_MOVE = {1: 3, 2: 4, 3: 2, 4: 1}  # slot i holds head HEAD_MOVE[i]
-GROUP_MOVE = {1: 2, 2: 1}  # so slot group j holds key/value head GROUP_MOVE[j]
-PQ = {h: (MatrixSymbol(f"W_{{Q,{h}}}", d, e), MatrixSymbol(f"b_{{Q,{h}}}", 1, e)) for h in HEADS}
-PK = {j: (MatrixSymbol(f"W_{{K,{j}}}", d, e), MatrixSymbol(f"b_{{K,{j}}}", 1, e)) for j in GROUPS}
-PV = {j: (MatrixSymbol(f"W_{{V,{j}}}", d, e), MatrixSymbol(f"b_{{V,{j}}}", 1, e)) for j in GROUPS}
-PO = {h: MatrixSymbol(f"W_{{O,{h}}}", e, d) for h in HEADS}
-PA = {h: MatrixSymbol(f"A_{h}", n, n) for h in HEADS}
-PS = {h: MatrixSymbol(f"S_{h}", n, n) for h in HEADS}
-PT = {h: _T(f"T_{h}", n) for h in HEADS}
-T_out = _T(r"T_{out}", d)
-
-
-def _affine(weight_bias):
-    weight, bias = weight_bias
-    return MatAdd(MatMul(Xn, weight), MatMul(ones_n, bias))
-
-
-def _heads_claim(query_of, key_of, value_of, output_of, pattern_of):
-    """Each slot's scores times its test matrix, plus the layer's output: slot ``i`` uses the
-    queries of head ``query_of(i)``, the keys and values of key/value heads ``key_of(i)``,
-    ``value_of(i)``, the output map of head ``output_of(i)`` and the pattern ``pattern_of(i)``."""
-    scores = [MatMul(_affine(PQ[query_of(i)]), Transpose(_affine(PK[key_of(i)])), PT[i]) for i in HEADS]
-    output = MatAdd(*(MatMul(PA[pattern_of(i)], _affine(PV[value_of(i)]), PO[output_of(i)]) for i in HEADS))
-    return MatAdd(*scores, MatMul(output, T_out))
-
-
-def _heads_proof() -> Proof:
-    moved = lambda i: HEAD_MOVE[i]  # noqa: E731
-    slot_group = lambda i: GROUP_MOVE[GROUP[i]]  # noqa: E731
-    rhs = MatAdd(*(MatMul(PS[HEAD_MOVE[i]], PT[i]) for i in HEADS),
-                 MatMul(MatAdd(*(MatMul(PA[h], _affine(PV[GROUP[h]]), PO[h]) for h in HEADS)), T_out))
-    return Proof(
-        lhs=_heads_claim(moved, slot_group, slot_group, moved, moved),
-        rhs=rhs,
-        steps=(
-            Step(MatAdd(*(MatMul(PS[HEAD_MOVE[i]], PT[i]) for i in HEADS),
-                        MatMul(MatAdd(*(MatMul(PA[HEAD_MOVE[i]], _affine(PV[GROUP[HEAD_MOVE[i]]]), PO[HEAD_MOVE[i]])
-                                        for i in HEADS)), T_out)),
-                 r"slot $i$ holds head $\pi(i)$ and its group's keys and values: $\sigma(g(i)) = g(\pi(i))$, so its"
-                 r" scores are $S_{\pi(i)}$ and its pattern $A_{\pi(i)}$"),
-            Step(rhs, r"a sum does not depend on the order of its terms"),
-        ),
-        definitions=tuple(
-            Definition(PS[h], MatMul(_affine(PQ[h]), Transpose(_affine(PK[GROUP[h]]))),
-                       f"head {h}'s scores; A_{h} is their masked row softmax")
-            for h in HEADS
-        ),
-        explicit_dims={n: 2, d: 2, e: 2, k: 1},
-        assumptions=(
-            "four query heads in two groups ({1, 2} read key/value head 1, {3, 4} head 2); the permutation"
-            " pi = (3, 4, 2, 1) moves whole groups (sigma = (2, 1)) and reorders inside them",
-            "without grouped-query attention every head is its own group; any number of heads works alike",
-        ),
-        twins=(
-            Twin("keys_not_permuted", "move the query heads and W_O, leave the keys in place",
-                 _heads_claim(moved, lambda i: GROUP[i], slot_group, moved, moved), rhs),
-            Twin("output_not_permuted", "move every head's W_Q, W_K, W_V but not its W_O",
-                 _heads_claim(moved, slot_group, slot_group, lambda i: i, moved), rhs),
-            Twin("query_heads_leave_their_group", "grouped-query attention: move query heads across groups, the shared key/value heads stay",
-                 _heads_claim(lambda i: {1: 3, 2: 1, 3: 2, 4: 4}[i], lambda i: GROUP[i], lambda i: GROUP[i],
-                              lambda i: {1: 3, 2: 1, 3: 2, 4: 4}[i], lambda i: {1: 3, 2: 1, 3: 2, 4: 4}[i]),
-                 MatAdd(*(MatMul(PS[{1: 3, 2: 1, 3: 2, 4: 4}[i]], PT[i]) for i in HEADS),
-                        MatMul(MatAdd(*(MatMul(PA[h], _affine(PV[GROUP[h]]), PO[h]) for h in HEADS)), T_out))),
-        ),
-    )
-
-
-Pm = MatrixSymbol("P", m, m)
-Xm = MatrixSymbol(r"\hat{X}", n, d)
-T_in, T_gate, T_mlp = _T(r"T_{in}", m), _T(r"T_{gate}", m), _T(r"T_{out}", d)
-
-
-def _neurons_claim(*, bias=True, gate=True, out=Pm.T):
-    pre = MatAdd(MatMul(Xm, W_in, Pm), MatMul(ones_n, b_in, Pm) if bias else MatMul(ones_n, b_in))
-    gated = MatMul(Xm, W_gate, Pm) if gate else MatMul(Xm, W_gate)
-    return MatAdd(MatMul(pre, T_in), MatMul(gated, T_gate), MatMul(F, Pm, *([out] if out is not None else []), W_out, T_mlp))
-
-
-def _permutation(rng, shape):
-    """A random permutation matrix that is not its own inverse (for ``size >= 3``)."""
-    size = shape[0]
-    order = list(range(size))
-    while True:
-        rng.shuffle(order)
-        if size < 3 or any(order[order[i]] != i for i in range(size)):
-            break
-    return sympy.Matrix(size, size, lambda i, j: 1 if order[j] == i else 0)
-
-
-def _neurons_proof() -> Proof:
-    rhs = MatAdd(MatMul(MatAdd(MatMul(Xm, W_in), MatMul(ones_n, b_in)), Pm, T_in), MatMul(Xm, W_gate, Pm, T_gate),
-                 MatMul(F, W_out, T_mlp))
-    return Proof(
-        lhs=_neurons_claim(),
-        rhs=rhs,
-        steps=(
-            Step(MatAdd(MatMul(MatAdd(MatMul(Xm, W_in), MatMul(ones_n, b_in)), Pm, T_in), MatMul(Xm, W_gate, Pm, T_gate),
-                        MatMul(F, Pm, Pm.T, W_out, T_mlp)),
-                 r"factor $P$ out of the pre-activations: they are permuted, so the activations are $F P$"),
-            Step(rhs, r"$P P^\top = I$"),
-        ),
-        facts=(Fact(MatMul(Pm, Pm.T), Eye(m), "P is a permutation matrix: P P^T = I"),),
-        samplers={Pm: _permutation},
-        explicit_dims={n: 2, d: 2, m: 3, k: 1},
-        assumptions=(
-            "the activation (and the gate's product) acts entry by entry, so act(Y P) = act(Y) P for a"
-            " permutation matrix P: F is the original activations, F P the permuted model's",
-        ),
-        twins=(
-            Twin("bias_not_permuted", "permute W_in's columns but not b_in", _neurons_claim(bias=False), rhs),
-            Twin("gate_not_permuted", "gated MLP: permute W_in but not W_gate", _neurons_claim(gate=False), rhs),
-            Twin("out_not_permuted", "permute W_in but not W_out's rows", _neurons_claim(out=None), rhs),
-            Twin("out_by_P", "permute W_out's rows by P instead of P^T (a 3-cycle is not its own inverse)",
-                 _neurons_claim(out=Pm), rhs),
-        ),
-    )
-
-
 # -- numeric checks ---------------------------------------------------------------------------
 
 #: The seed of the rotations the numeric checks use.
@@ -610,35 +478,12 @@ def _route_keeping_layer_norm(state_dict, cfg):
     return out, new_cfg.replace(normalization_type="LNPre")
 
 
-def _reversed(size):
-    return torch.arange(size - 1, -1, -1, device="cpu")
-
-
-def _permute_heads(state_dict, cfg):
-    return permute_heads(state_dict, cfg, _reversed(cfg.n_heads))
-
-
-def _heads_but(kept):
-    """Permute the heads, then put back the tensors ``kept(cfg, layer)`` names."""
-    return _forgetting(_permute_heads, lambda cfg: [name for layer in range(cfg.n_layers) for name in kept(cfg, layer)])
-
-
-def _permute_neurons(state_dict, cfg):
-    return permute_neurons(state_dict, cfg, _reversed(cfg.d_mlp or 0))  # attention-only: refused
-
-
-def _neurons_but(leaf):
-    """Permute the neurons, then put back every layer's ``mlp.<leaf>``."""
-    return _forgetting(_permute_neurons, lambda cfg: [f"blocks.{layer}.mlp.{leaf}" for layer in range(cfg.n_layers)])
-
-
 NO_GAIN_INSIDE = Precondition(
     "no gain between the normalisation and the rotation", "no gain between the normalisation and the rotation (fold it first)"
 )
 ROUTE_ORDER = Precondition(
     "fold, center, switch, rotate in this order", "the steps in this order: the rotation needs RMSPre, the switch needs centered writes"
 )
-ENTRYWISE_ACTIVATION = Precondition("the activation (and the gate) acts entry by entry")
 
 RMS_NORM_ROTATION = register(
     Identity(
@@ -701,39 +546,5 @@ SLICEGPT_ROUTE = register(
         build_proof=_slicegpt_proof,
         transform=slicegpt_route,
         wrong_rewrites={"skip_centering": _route_skipping_centering, "keep_layer_norm": _route_keeping_layer_norm},
-    )
-)
-
-PERMUTE_HEADS = register(
-    Identity(
-        name="permute_heads",
-        title="Permuting the heads of a layer",
-        summary="a layer's output is the sum of its heads: any order gives the same sum, each head moving"
-        " its W_Q, W_K, W_V, W_O and biases together; with grouped-query attention whole groups move",
-        preconditions=(A_HEAD_PERMUTATION, GROUPS_MOVE_TOGETHER),
-        function="permute_heads",
-        check_note="the permutation is recovered from the tensors and verified on every tensor",
-        build_proof=_heads_proof,
-        transform=_permute_heads,
-        wrong_rewrites={
-            "keys_not_permuted": _heads_but(
-                lambda cfg, l: [f"blocks.{l}.attn.{n}" for n in attention_names(cfg, "K")[:2]]),
-            "output_not_permuted": _heads_but(lambda cfg, l: [f"blocks.{l}.attn.W_O"]),
-        },
-    )
-)
-
-PERMUTE_NEURONS = register(
-    Identity(
-        name="permute_neurons",
-        title="Permuting the neurons of an MLP",
-        summary="f(x W_in P + b_in P) P^T W_out = f(x W_in + b_in) W_out for a permutation P: the"
-        " activation acts entry by entry; W_gate moves with W_in",
-        preconditions=(HAS_MLPS, A_NEURON_PERMUTATION, ENTRYWISE_ACTIVATION),
-        function="permute_neurons",
-        check_note="the permutation is recovered from the tensors and verified on every tensor",
-        build_proof=_neurons_proof,
-        transform=_permute_neurons,
-        wrong_rewrites={"bias_not_permuted": _neurons_but("b_in"), "out_not_permuted": _neurons_but("W_out")},
     )
 )
