@@ -45,3 +45,25 @@ def test_the_memory_is_returned_when_the_last_view_goes():
     del view
     gc.collect()
     assert _rss_bytes() - before < 32 << 20
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_through_mapped_temporaries_is_float32_processing_rounded_once(dtype):
+    """A half-precision model whose float32 temporaries pass :data:`SCRATCH_MIN_BYTES` (the cast
+    and folded readers, ``W_O`` in float64, the blocks of the unembed and of the writers) is
+    computed in mapped scratch memory reused across blocks. With sizes that leave short last
+    blocks (d_model 100: the unembed's blocks of 64 and 8 rows; a vocabulary past one block of
+    the embedding's centering), the output is still float32 processing rounded once, bit for
+    bit, and the input is left as it was."""
+    from circuitmath import Config, process_weights, random_state_dict
+
+    cfg = Config(n_layers=2, d_model=100, n_heads=4, d_head=48, d_vocab=5300, n_ctx=9, d_mlp=300)
+    half = {k: v.to(dtype) for k, v in random_state_dict(cfg, seed=1, dtype=torch.float32).items()}
+    assert cfg.d_vocab * cfg.d_model * dtype.itemsize > 1 << 20  # the embedding is centered in 2 blocks
+    kept = {k: v.clone() for k, v in half.items()}
+    expected, expected_cfg = process_weights({k: v.float() for k, v in half.items()}, cfg)
+    got, got_cfg = process_weights(half, cfg)
+    assert got_cfg == expected_cfg and set(got) == set(expected)
+    for name, tensor in got.items():
+        assert tensor.dtype == dtype and torch.equal(tensor, expected[name].to(dtype)), name
+    assert all(torch.equal(half[k], kept[k]) for k in kept)
