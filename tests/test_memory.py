@@ -67,3 +67,17 @@ def test_half_precision_through_mapped_temporaries_is_float32_processing_rounded
     for name, tensor in got.items():
         assert tensor.dtype == dtype and torch.equal(tensor, expected[name].to(dtype)), name
     assert all(torch.equal(half[k], kept[k]) for k in kept)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_the_value_bias_is_the_same_bits_whatever_the_layout_of_W_O(kv_heads):
+    """The fused steps hand ``value_bias_through_output`` a ``W_O`` laid out ``[d_head, n_heads,
+    d_model]`` (so its einsum copies nothing): the bits must be those of a contiguous ``W_O``."""
+    from circuitmath._processing.attention import value_bias_through_output
+
+    g = torch.Generator().manual_seed(0)
+    W_O = torch.randn(4, 48, 100, dtype=torch.float64, generator=g)
+    b_V = torch.randn(kv_heads, 48, dtype=torch.float64, generator=g)
+    laid_out = W_O.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not laid_out.is_contiguous()
+    assert torch.equal(value_bias_through_output(b_V, laid_out), value_bias_through_output(b_V, W_O))

@@ -92,7 +92,11 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
         p = f"blocks.{layer}.attn"
         b_V = out[f"{p}.{b_V_name}"]  # ln1.b @ W_V included by the fold, in the compute dtype
         b_O = state_dict[f"{p}.b_O"]
-        W_O = converted(state_dict[f"{p}.W_O"], torch.float64, mapped_from=SCRATCH_MIN_BYTES)
+        # W_O in float64 laid out [d_head, n_heads, d_model], the order in which the einsum of
+        # value_bias_through_output contracts it (its transposed view is passed), so the einsum
+        # takes it without a copy; mapped, so that no 4.7 MB copy per layer is freed into the heap
+        W_O = state_dict[f"{p}.W_O"].transpose(0, 1)
+        W_O = scratch(W_O.shape, torch.float64, W_O.device).copy_(W_O).transpose(0, 1)
         out[f"{p}.b_O"] = (b_O.double() + value_bias_through_output(b_V, W_O)).to(compute)
         del W_O
         sums.append(b_V.sum())  # the folded b_V, zeroed below, carries any NaN of ln1.b or W_V into b_O too
