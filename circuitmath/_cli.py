@@ -1,5 +1,6 @@
 """``python -m circuitmath prove [NAME ...] [--json]``,
-``python -m circuitmath check MODEL.safetensors [--config CFG.json] [--processed OTHER.safetensors] [--json]`` and
+``python -m circuitmath check MODEL.safetensors [--config CFG.json] [--processed OTHER.safetensors] [--device DEV]
+[--json]`` and
 ``python -m circuitmath process IN OUT [--steps ...] [--dtype ...] [--device ...]``."""
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ rewrite that reproduced OTHER ("exact" or a named wrong rewrite) and, when anyth
 the change in log-probs it causes; "residual" lists tensors no identity explains, and
 "before -> after" compares the two models. A file written by circuitmath.io.save carries its
 config; otherwise pass --config: a circuitmath Config as JSON, or a Hugging Face config.json
-(the weights are then converted). Exit status: 0 all holds, 1 an identity is violated, 2 bad
+(the weights are then converted). --device runs the forward passes, the certificates and the
+diagnosis on another device (default cpu; e.g. cuda): the files are read onto the CPU and
+moved there. Exit status: 0 all holds, 1 an identity is violated, 2 bad
 input (nothing is computed or written). --json prints a list with one object per row (name,
 kind, applicable, reason, rewrite, max_abs_error, tolerance, status, explanation, parameters)."""
 
@@ -104,6 +107,19 @@ class _ProgressLine:
             self.stream.flush()
 
 
+def _device(option: str, text: str | None) -> torch.device:
+    """``text`` (``None``: the CPU) as a device this machine can compute on; else an
+    :class:`InputError` naming ``option``, raised before anything is read or written."""
+    try:
+        device = torch.device(text or "cpu")
+        if device.type == "meta":
+            raise RuntimeError("a meta tensor holds no values to compute with")
+        torch.empty(1, device=device)  # a device this torch build or machine lacks is refused here
+    except (RuntimeError, AssertionError) as error:
+        raise InputError(f"{option} {text}: not a device this machine can compute on ({error})") from None
+    return device
+
+
 #: The most activation entries (batch x positions x the widest layer) a check may ask for: 2**28
 #: float64 entries are 2 GiB, several times what a check of GPT-2-small on 4 x 128 tokens needs.
 MAX_ACTIVATIONS = 1 << 28
@@ -114,6 +130,7 @@ def _check(args) -> int:
 
     if not (1 <= args.batch and 1 <= args.seq_len):
         raise InputError("--batch and --seq-len must be at least 1")
+    device = _device("--device", args.device)
 
     def tokens(cfg: Config) -> torch.Tensor:
         positions = min(cfg.n_ctx, args.seq_len)
@@ -133,11 +150,13 @@ def _check(args) -> int:
         if args.processed and (Path(args.processed).is_dir() or (Path(args.model) / INDEX).exists()):
             from ._streaming_check import check_processed  # checkpoint folders: read a block at a time
 
-            report = check_processed(args.model, args.processed, cfg, tokens=tokens, progress=progress)
+            report = check_processed(
+                args.model, args.processed, cfg, tokens=tokens, progress=progress, device=device)
         elif args.processed:
-            report = _diagnosis.diagnose(args.model, args.processed, cfg, tokens=tokens, progress=progress)
+            report = _diagnosis.diagnose(
+                args.model, args.processed, cfg, tokens=tokens, progress=progress, device=device)
         else:
-            report = _diagnosis.check_model(args.model, cfg, tokens=tokens, progress=progress)
+            report = _diagnosis.check_model(args.model, cfg, tokens=tokens, progress=progress, device=device)
     finally:
         if progress is not None:
             progress.close()
@@ -202,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--batch", type=int, default=4, help="sequences of random tokens (default 4)")
     check.add_argument("--seq-len", type=int, default=128, help="positions per sequence, at most n_ctx (default 128)")
     check.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
+    check.add_argument("--device", default=None,
+                       help="where the check computes: cpu (default), cuda, cuda:1, ... (the files are read onto the CPU)")
     check.set_defaults(run=_check)
     process = commands.add_parser("process", help="process a checkpoint layer by layer into a new sharded checkpoint",
                                   description=PROCESS_HELP)

@@ -41,19 +41,21 @@ class _Weights(Mapping):
     one tensor at a time)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, nudge: float = 0.0,
-                 seeds: Mapping[str, int] | None = None):
+                 seeds: Mapping[str, int] | None = None, device: torch.device | None = None):
         self.tensors, self.dtype, self.nudge, self.seeds = tensors, dtype, nudge, seeds or {}
+        self.device = device
 
     def __contains__(self, name) -> bool:
         return name in self.tensors
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tensor = self.tensors[name]
-        converted = tensor.to(self.dtype)
+        converted = tensor.to(device=self.device, dtype=self.dtype)
         if not self.nudge:
             return converted
         g = torch.Generator().manual_seed(self.seeds.get(name, 0) + zlib.crc32(name.encode()))
-        return converted + torch.randn(tensor.shape, generator=g, dtype=torch.float32).mul_(self.nudge).mul_(tensor.float())
+        noise = torch.randn(tensor.shape, generator=g, dtype=torch.float32).mul_(self.nudge).mul_(tensor.float())
+        return converted + noise.to(converted.device)  # drawn on the CPU: the same noise on every device
 
     def __iter__(self):
         return iter(self.tensors)
@@ -74,17 +76,18 @@ class _Pass:
 
     dtype: torch.dtype
     nudge: float = 0.0
+    device: torch.device | None = None
     x: torch.Tensor | None = None
     pos: torch.Tensor | None = None
 
     def weights(self, tensors) -> _Weights:
-        return _Weights(tensors, self.dtype, self.nudge)
+        return _Weights(tensors, self.dtype, self.nudge, device=self.device)
 
     def start(self, ends: Mapping[str, torch.Tensor], cfg: Config, tokens: torch.Tensor) -> None:
         # Only the rows of W_E the tokens use are read and converted.
         used, inverse = torch.unique(tokens, return_inverse=True)
         params = dict(ends, **{"embed.W_E": ends["embed.W_E"][used]})
-        self.x, self.pos = embed(self.weights(params), cfg, inverse)
+        self.x, self.pos = embed(self.weights(params), cfg, inverse.to(self.device))
 
     def step(self, tensors: Mapping[str, torch.Tensor], layer: int, cfg: Config) -> None:
         self.x = block(self.weights(tensors), layer, cfg, self.x, self.pos)
@@ -94,7 +97,8 @@ class _Pass:
         for start in range(0, cfg.d_vocab, UNEMBED_COLUMNS):
             columns = slice(start, start + UNEMBED_COLUMNS)
             params = dict(ends, **{"unembed.W_U": ends["unembed.W_U"][:, columns], "unembed.b_U": ends["unembed.b_U"][columns]})
-            weights = _Weights(params, self.dtype, self.nudge, seeds={"unembed.W_U": start, "unembed.b_U": start})
+            weights = _Weights(params, self.dtype, self.nudge, seeds={"unembed.W_U": start, "unembed.b_U": start},
+                               device=self.device)
             logits.append(unembed(weights, cfg, self.x))
         return torch.log_softmax(torch.cat(logits, dim=-1), dim=-1)
 
@@ -136,12 +140,16 @@ def _replay_keywords(before_cfg: Config, after_cfg: Config) -> dict[str, bool] |
     return {keyword: keyword in wanted for keyword in STEPS}
 
 
-def _log_prob_row(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress, total: int) -> dict:
-    """The largest |Δ log-prob| of the two checkpoints and its tolerance, computed block by block."""
+def _log_prob_row(
+    before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress, total: int, device=None
+) -> dict:
+    """The largest |Δ log-prob| of the two checkpoints and its tolerance, computed block by block
+    on ``device``."""
     coarse = max((before.dtype, after.dtype), key=lambda d: torch.finfo(d).eps)
     run_in = compute_dtype(coarse)
-    ours, theirs = _Pass(run_in), _Pass(run_in)
-    exact, nudged = _Pass(torch.float64), _Pass(torch.float64, nudge=_unit_roundoff(coarse))
+    ours, theirs = _Pass(run_in, device=device), _Pass(run_in, device=device)
+    exact = _Pass(torch.float64, device=device)
+    nudged = _Pass(torch.float64, nudge=_unit_roundoff(coarse), device=device)
     mine = (ours, exact, nudged)
     before_ends, after_ends = before.ends(), after.ends()
     for p in mine:
@@ -176,8 +184,9 @@ def _log_prob_row(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, p
     }
 
 
-def _tensor_row(before: Checkpoint, after: Checkpoint, progress, done: int, total: int) -> dict:
-    """``after``'s tensors against the exact rewrite of ``before``, replayed a part at a time."""
+def _tensor_row(before: Checkpoint, after: Checkpoint, progress, done: int, total: int, device=None) -> dict:
+    """``after``'s tensors against the exact rewrite of ``before``, replayed a part at a time on
+    ``device``."""
     keywords = _replay_keywords(before.cfg, after.cfg)
     row = {"name": "tensors", "kind": "rewrite", "max_abs_error": None, "tolerance": None}
     if keywords is None:
@@ -186,7 +195,7 @@ def _tensor_row(before: Checkpoint, after: Checkpoint, progress, done: int, tota
             f" {process_weights.__name__} steps")}
     thresholds = _Thresholds.of(after.dtype, before.cfg)
     compute = compute_dtype(after.dtype)
-    parts = checkpoint_parts(before, compute)  # replayed unrounded: the certificate rounds
+    parts = checkpoint_parts(before, compute, device)  # replayed unrounded: the certificate rounds
     wrong, equal, count, worst = [], 0, 0, 0.0
 
     def transform(state_dict, part_cfg):
@@ -202,7 +211,7 @@ def _tensor_row(before: Checkpoint, after: Checkpoint, progress, done: int, tota
                 wrong.append((name, math.inf))
                 continue
             count += 1
-            ours, processed = replayed[name], theirs[name]
+            ours, processed = replayed[name], theirs[name].to(replayed[name].device)
             equal += torch.equal(ours.to(processed.dtype), processed)
             if torch.equal(ours, processed):
                 ratio = 0.0
@@ -230,7 +239,9 @@ def _tensor_row(before: Checkpoint, after: Checkpoint, progress, done: int, tota
         f" in {compute} ({equal} equal to it rounded, bit for bit; the worst entry at {worst:.3g} of the bound)")}
 
 
-def check_processed(before, after, config=None, *, tokens, progress: Progress | None = None) -> StreamingReport:
+def check_processed(
+    before, after, config=None, *, tokens, progress: Progress | None = None, device=None
+) -> StreamingReport:
     """Check that the checkpoint ``after`` is a valid processing of ``before``, reading each
     a block at a time (anything :func:`~circuitmath.io.open_checkpoint` opens; ``config`` is
     ``before``'s when its files do not carry one).
@@ -241,7 +252,7 @@ def check_processed(before, after, config=None, *, tokens, progress: Progress | 
     ``tensors``, every processed tensor against :func:`~circuitmath.process_weights` of
     ``before`` with the steps ``after`` records, replayed part by part (``"not compared"`` when
     ``after`` records steps that are not pipeline steps). ``progress(done, total, what)`` is
-    called after each block.
+    called after each block. ``device``: where the passes and the replay run (default the CPU).
     """
     before, after = opened(before, config), opened(after)
     shape = ("n_layers", "d_model", "n_heads", "d_head", "d_vocab", "n_ctx")
@@ -252,6 +263,6 @@ def check_processed(before, after, config=None, *, tokens, progress: Progress | 
     tokens = check_tokens(before.cfg, tokens)
     total = 2 * before.cfg.n_layers + 1
     with torch.no_grad():
-        rows = [_log_prob_row(before, after, tokens, progress, total)]
-        rows.append(_tensor_row(before, after, progress, before.cfg.n_layers + 1, total))
+        rows = [_log_prob_row(before, after, tokens, progress, total, device)]
+        rows.append(_tensor_row(before, after, progress, before.cfg.n_layers + 1, total, device))
     return StreamingReport(rows)

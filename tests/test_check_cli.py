@@ -209,6 +209,14 @@ BAD_INPUTS = {
 }
 
 
+if not torch.cuda.is_available():
+    BAD_INPUTS["cuda without a GPU"] = (lambda tmp: [_write_model(tmp), "--device", "cuda"], "--device cuda")
+BAD_INPUTS["unknown device"] = (lambda tmp: [_write_model(tmp), "--device", "nonsense:0"], "--device nonsense:0")
+BAD_INPUTS["meta device"] = (lambda tmp: [_write_model(tmp), "--device", "meta"], "holds no values")
+# the device is refused before any file is read: the missing file is not what is reported
+BAD_INPUTS["device before files"] = (lambda tmp: [tmp / "absent.safetensors", "--device", "nonsense"], "--device nonsense")
+
+
 def _write(path, text):
     path.write_text(text)
     return path
@@ -233,3 +241,48 @@ def test_bad_input_exits_2_with_a_clear_error_and_writes_nothing(case, tmp_path,
     assert status == 2, (out, err)
     assert out == "" and err.startswith("error: ") and message in err, err
     assert sorted(tmp_path.iterdir()) == before
+
+
+def _three_paths(files, tmp_path):
+    """The argument lists of check's three paths: one model, a processed file, a processed
+    checkpoint folder (read a block at a time)."""
+    assert _cli.main(["process", str(files["model"]), str(tmp_path / "folder")]) == 0
+    return {
+        "model": [files["model"]],
+        "processed file": [files["model"], "--processed", files["wrong"]],
+        "processed folder": [files["model"], "--processed", tmp_path / "folder"],
+    }
+
+
+def test_device_cpu_gives_what_the_default_gives(files, tmp_path, capsys):
+    paths = _three_paths(files, tmp_path)
+    capsys.readouterr()
+    for name, args in paths.items():
+        default = _run(capsys, *args, "--json")
+        on_cpu = _run(capsys, *args, "--json", "--device", "cpu")
+        assert default == on_cpu and default[0] == (1 if name == "processed file" else 0), name
+
+
+def test_the_device_reaches_every_path(files, tmp_path, capsys, monkeypatch):
+    """Negative control for the plumbing: with the option's validation patched to let ``meta``
+    (a device whose tensors hold no values) through, every path stops at the first tensor it
+    checks or computes with, so each one works on the device it is given, not on the CPU the
+    files are read onto."""
+    paths = _three_paths(files, tmp_path)
+    monkeypatch.setattr(_cli, "_device", lambda option, text: torch.device(text or "cpu"))
+    for name, args in paths.items():
+        assert _run(capsys, *args, "--device", "cpu")[0] in (0, 1), name
+        try:
+            status, _out, err = _run(capsys, *args, "--device", "meta")
+        except (NotImplementedError, RuntimeError) as error:  # a computation met a meta tensor
+            status, err = None, str(error)
+        assert status in (None, 2) and "meta" in err, (name, status, err[:300])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_device_cuda_gives_the_same_verdicts(files, tmp_path, capsys):
+    for name, args in _three_paths(files, tmp_path).items():
+        status, out, _ = _run(capsys, *args, "--json")
+        on_gpu, gpu_out, _ = _run(capsys, *args, "--json", "--device", "cuda")
+        rows, gpu_rows = json.loads(out), json.loads(gpu_out)
+        assert on_gpu == status and [r["status"] for r in gpu_rows] == [r["status"] for r in rows], name

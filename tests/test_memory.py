@@ -45,3 +45,39 @@ def test_the_memory_is_returned_when_the_last_view_goes():
     del view
     gc.collect()
     assert _rss_bytes() - before < 32 << 20
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_through_mapped_temporaries_is_float32_processing_rounded_once(dtype):
+    """A half-precision model whose float32 temporaries pass :data:`SCRATCH_MIN_BYTES` (the cast
+    and folded readers, ``W_O`` in float64, the blocks of the unembed and of the writers) is
+    computed in mapped scratch memory reused across blocks. With sizes that leave short last
+    blocks (d_model 100: the unembed's blocks of 64 and 8 rows; a vocabulary past one block of
+    the embedding's centering), the output is still float32 processing rounded once, bit for
+    bit, and the input is left as it was."""
+    from circuitmath import Config, process_weights, random_state_dict
+
+    cfg = Config(n_layers=2, d_model=100, n_heads=4, d_head=48, d_vocab=5300, n_ctx=9, d_mlp=300)
+    half = {k: v.to(dtype) for k, v in random_state_dict(cfg, seed=1, dtype=torch.float32).items()}
+    assert cfg.d_vocab * cfg.d_model * dtype.itemsize > 1 << 20  # the embedding is centered in 2 blocks
+    kept = {k: v.clone() for k, v in half.items()}
+    expected, expected_cfg = process_weights({k: v.float() for k, v in half.items()}, cfg)
+    got, got_cfg = process_weights(half, cfg)
+    assert got_cfg == expected_cfg and set(got) == set(expected)
+    for name, tensor in got.items():
+        assert tensor.dtype == dtype and torch.equal(tensor, expected[name].to(dtype)), name
+    assert all(torch.equal(half[k], kept[k]) for k in kept)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_the_value_bias_is_the_same_bits_whatever_the_layout_of_W_O(kv_heads):
+    """The fused steps hand ``value_bias_through_output`` a ``W_O`` laid out ``[d_head, n_heads,
+    d_model]`` (so its einsum copies nothing): the bits must be those of a contiguous ``W_O``."""
+    from circuitmath._processing.attention import value_bias_through_output
+
+    g = torch.Generator().manual_seed(0)
+    W_O = torch.randn(4, 48, 100, dtype=torch.float64, generator=g)
+    b_V = torch.randn(kv_heads, 48, dtype=torch.float64, generator=g)
+    laid_out = W_O.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not laid_out.is_contiguous()
+    assert torch.equal(value_bias_through_output(b_V, laid_out), value_bias_through_output(b_V, W_O))

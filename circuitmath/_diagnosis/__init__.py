@@ -169,7 +169,9 @@ def _recorded_plan(before_cfg: Config, after_cfg: Config, notes: list[str]):
 
 
 @torch.no_grad()  # weights that require grad are compared as plain tensors
-def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress: Progress | None = None) -> Diagnosis:
+def diagnose(
+    before, after, cfg=None, *, after_cfg=None, tokens=None, progress: Progress | None = None, device=None
+) -> Diagnosis:
     """Explain ``after`` as a processing of ``before``: which identities, which went wrong, where.
 
     ``before`` and ``after`` are state dicts (TransformerLens or Hugging Face format) or paths of
@@ -178,7 +180,8 @@ def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress: 
     ``before``'s config or the first processed form of it the tensors fit (a folded LayerNorm is
     ``"LNPre"``; a norm kept with unit gain and zero bias is read as none). ``tokens``
     ``[batch, pos]`` default to :func:`~circuitmath.testing.default_tokens`. ``progress(done,
-    total, what)`` is called as the work proceeds.
+    total, what)`` is called as the work proceeds. ``device``: where the check runs (default:
+    where the tensors are; a file is read onto the CPU).
 
     Rows: one per replayed identity; ``residual`` (tensors no replayed rewrite reproduces, each
     naming the identity that last rewrote it) when there is any; ``before -> after`` last. See
@@ -186,6 +189,7 @@ def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress: 
     """
     with validated_once():
         first, second, notes = resolve_pair(before, after, cfg, after_cfg)
+        first, second = _on(first, device), _on(second, device)
         plan = _recorded_plan(first.cfg, second.cfg, notes)
         return replay_and_explain(first, second, resolve_tokens(tokens, first.cfg), plan, notes, progress)
 
@@ -254,17 +258,24 @@ def _in_compute_dtype(state_dict, dtype: torch.dtype):
 
 
 @torch.no_grad()  # weights that require grad are compared as plain tensors
-def check_model(model, cfg=None, *, tokens=None, progress: Progress | None = None) -> Diagnosis:
+def check_model(model, cfg=None, *, tokens=None, progress: Progress | None = None, device=None) -> Diagnosis:
     """Apply every weight identity that applies to ``model`` and compare log-probs, one row each.
 
     ``model`` and ``cfg`` as for :func:`diagnose`. Each identity runs on the model after its own
     preparation (e.g. centering the reading weights after the LayerNorm fold); an identity that
     refuses the model is ``"not applicable"``, with the broken precondition as its reason. The
     tolerance is the model's (:class:`_LogProbs`). ``progress(done, total, what)`` is called
-    before each identity.
+    before each identity; ``device`` as for :func:`diagnose`.
     """
     with validated_once():
-        return _check_resolved(resolve(model, cfg), tokens, progress)
+        return _check_resolved(_on(resolve(model, cfg), device), tokens, progress)
+
+
+def _on(model: Model, device) -> Model:
+    """``model`` with its tensors on ``device`` (``None``: where they are)."""
+    if device is None:
+        return model
+    return dataclasses.replace(model, state_dict={name: t.to(device) for name, t in model.state_dict.items()})
 
 
 def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagnosis:

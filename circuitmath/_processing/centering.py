@@ -9,7 +9,7 @@ from .._config import Config
 from .._errors import Precondition
 from .._state import StateDict, validate_state_dict
 from ._common import PRE_NORM, refuse_reapplication, require, rewrite
-from ._memory import new_tensor
+from ._memory import new_tensor, scratch
 
 __all__ = ["writers", "center_writing_weights", "center_unembed", "centered_last_axis", "CENTERING_NORM"]
 
@@ -105,12 +105,17 @@ def centered_last_axis(
     rows = W.reshape(-1, W.shape[-1]) if W.dim() > 1 else W[None]
     per_block = max(1, block_bytes // (rows.shape[1] * rows.element_size()))
     out = new_tensor(rows.shape, dtype, W.device)
+    # a half-precision input or output is computed a block at a time in one reused scratch
+    up = None if compute == W.dtype == dtype else scratch(
+        (min(per_block, rows.shape[0]), rows.shape[1]), compute, W.device)
     for start in range(0, rows.shape[0], per_block):
-        block = rows[start : start + per_block].to(compute)
+        block = rows[start : start + per_block]
+        if up is not None:
+            block = up[: block.shape[0]].copy_(block)
         if compute == dtype:
             torch.sub(block, block.mean(dim=-1, keepdim=True), out=out[start : start + per_block])
-        else:
-            out[start : start + per_block] = block - block.mean(dim=-1, keepdim=True)
+        else:  # block is the scratch
+            out[start : start + per_block] = block.sub_(block.mean(dim=-1, keepdim=True))
         if sums is not None:
             sums.append(out[start : start + per_block].sum())
     return out.view(W.shape)

@@ -25,7 +25,7 @@ from .._compare import compute_dtype
 from .._config import Config
 from .._state import StateDict, attention_names
 from ._common import readers
-from ._memory import converted, new_tensor
+from ._memory import SCRATCH_MIN_BYTES, converted, new_tensor, scratch
 from .attention import fold_value_biases, value_bias_through_output
 from .centering import center_unembed, center_writing_weights, centered_last_axis, writers
 from .layer_norm import center_reading_weights, fold_layer_norm, fold_reader
@@ -69,7 +69,8 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
     compute = compute_dtype(dtype)
 
     def up(tensor: torch.Tensor) -> torch.Tensor:
-        return converted(tensor, compute)  # the tensor itself when it is in the compute dtype already
+        # the tensor itself when it is in the compute dtype already, else a mapped temporary (see scratch)
+        return converted(tensor, compute, mapped_from=SCRATCH_MIN_BYTES)
 
     sums: list[torch.Tensor] = []
     out = dict(state_dict)
@@ -79,7 +80,11 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
             if weight == "unembed.W_U":
                 out[weight], out[bias] = _fold_centered_unembed(state_dict[weight], w, b, state_dict[bias], sums=sums)
             else:
-                folded, out[bias] = fold_reader(up(state_dict[weight]), w, b, up(state_dict[bias]), center=True)
+                W = up(state_dict[weight])
+                # a half-precision reader is folded into a mapped float32 temporary (see scratch)
+                into = None if W is state_dict[weight] else scratch(W.shape, compute, W.device)
+                folded, out[bias] = fold_reader(W, w, b, up(state_dict[bias]), center=True, out=into)
+                del W, into
                 out[weight] = converted(folded, dtype)
                 sums.append(out[weight].sum())  # the folded reader is still in cache
                 del folded
@@ -88,7 +93,13 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
         p = f"blocks.{layer}.attn"
         b_V = out[f"{p}.{b_V_name}"]  # ln1.b @ W_V included by the fold, in the compute dtype
         b_O = state_dict[f"{p}.b_O"]
-        out[f"{p}.b_O"] = (b_O.double() + value_bias_through_output(b_V, state_dict[f"{p}.W_O"])).to(compute)
+        # W_O in float64 laid out [d_head, n_heads, d_model], the order in which the einsum of
+        # value_bias_through_output contracts it (its transposed view is passed), so the einsum
+        # takes it without a copy; mapped, so that no 4.7 MB copy per layer is freed into the heap
+        W_O = state_dict[f"{p}.W_O"].transpose(0, 1)
+        W_O = scratch(W_O.shape, torch.float64, W_O.device).copy_(W_O).transpose(0, 1)
+        out[f"{p}.b_O"] = (b_O.double() + value_bias_through_output(b_V, W_O)).to(compute)
+        del W_O
         sums.append(b_V.sum())  # the folded b_V, zeroed below, carries any NaN of ln1.b or W_V into b_O too
         out[f"{p}.{b_V_name}"] = torch.zeros(b_V.shape, dtype=dtype, device=b_V.device)
     for name in writers(cfg):
@@ -120,8 +131,11 @@ def _fold_centered_unembed(
     gain_and_bias = torch.stack([w, b])  # [2, d_model]
     through = torch.zeros(2, d_vocab, dtype=torch.float64, device=W_U.device)
     row_sums = torch.empty(d_model, dtype=torch.float64, device=W_U.device)
+    up = None if compute == W_U.dtype else scratch(
+        (max(min(rows, d_model), 2 * rows_out), d_vocab), compute, W_U.device)
     for start in range(0, d_model, rows):
-        block = W_U[start : start + rows].to(compute)
+        block = W_U[start : start + rows]
+        block = block if up is None else up[: block.shape[0]].copy_(block)  # cast into the reused scratch
         through += torch.matmul(gain_and_bias[:, start : start + rows], block)
         row_sums[start : start + rows] = block.sum(dim=-1)
     column_mean = through[0] / d_model
@@ -133,9 +147,11 @@ def _fold_centered_unembed(
         if compute == W_U.dtype:
             torch.addcmul(minus_column_mean, W_U[start:stop], w[start:stop, None], out=out[start:stop])
             out[start:stop].add_(minus_row_mean[start:stop, None])
-        else:
-            block = torch.addcmul(minus_column_mean, W_U[start:stop].to(compute), w[start:stop, None])
-            out[start:stop] = block.add_(minus_row_mean[start:stop, None])
+        else:  # the block cast into the scratch's first rows_out rows, the result in its next ones
+            count = min(stop, d_model) - start
+            block, result = up[:count].copy_(W_U[start:stop]), up[rows_out : rows_out + count]
+            torch.addcmul(minus_column_mean, block, w[start:stop, None], out=result)
+            out[start:stop] = result.add_(minus_row_mean[start:stop, None])
         if sums is not None:
             sums.append(out[start:stop].sum())
     bias = b_U.double() + through[1]

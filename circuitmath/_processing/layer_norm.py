@@ -107,17 +107,19 @@ def fold_layer_norm(
 
 
 def fold_reader(
-    W: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_W: torch.Tensor | None, *, center: bool
+    W: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_W: torch.Tensor | None, *, center: bool,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One reader ``W: [..., d_model, m]`` with bias ``b_W: [..., m]`` (or ``None``) folded with
     the gain ``w`` and bias ``b`` (``[d_model]``): ``(w[:, None] * W, b_W + b @ W)``.
 
     With ``center=True`` the weight is also centered over ``d_model``
     (:func:`center_reading_weights`): ``w_i W_ij - mean_i(w_i W_ij)``, the mean taken from the
-    same pass over ``W`` as ``b @ W``, so the result is written once.
+    same pass over ``W`` as ``b @ W``, so the result is written once. The folded weight is
+    written into ``out`` (``W``'s shape and dtype) when given, else into a new tensor.
     """
     through = products_through(torch.stack([w, b]), W)  # [..., 2, m]: w @ W and b @ W
-    folded = new_tensor(W.shape, W.dtype, W.device)
+    folded = new_tensor(W.shape, W.dtype, W.device) if out is None else out
     if center:
         mean = (through[..., 0, :] / W.shape[-2]).to(W.dtype).unsqueeze(-2)
         torch.addcmul(mean.neg_(), W, w[:, None], out=folded)
