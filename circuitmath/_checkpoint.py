@@ -30,10 +30,8 @@ import torch
 from ._config import Config
 from ._errors import ConfigError, InputError, StateDictError
 from ._state import entries_checked_elsewhere, expected_shapes, validate_state_dict
-from ._files import (
-    CONFIG_KEY, PICKLE_SUFFIXES, Layout, UnsafeFormatError, _about, _Source, hf_layout, read_config, read_header,
-    read_json,
-)
+from ._files import CONFIG_KEY, PICKLE_SUFFIXES, UnsafeFormatError, _about, read_config, read_header, read_json
+from ._hf import Layout, _Source, hf_layout
 
 __all__ = ["Checkpoint", "open_checkpoint", "CheckpointWriter", "INDEX", "circuitmath_layout"]
 

@@ -37,12 +37,6 @@ from ._errors import InputError
 from ._files import (
     CONFIG_KEY,
     UnsafeFormatError,
-    UnsupportedArchitectureError,
-    from_hf,
-    from_hf_bert,
-    from_hf_gpt2,
-    from_hf_gpt_neox,
-    from_hf_llama,
     load,
     load_tensors,
     read_config,
@@ -51,6 +45,7 @@ from ._files import (
     save,
     stored_config,
 )
+from ._hf import UnsupportedArchitectureError, from_hf, from_hf_bert, from_hf_gpt2, from_hf_gpt_neox, from_hf_llama
 from ._streaming import process_checkpoint
 
 __all__ = [

@@ -94,7 +94,6 @@ def test_no_import_cycle_in_circuitmath():
 #: Modules allowed over :data:`MAX_LINES`, each one cohesive thing.
 COHESIVE = {
     "circuitmath._identities.composition": "one family of proofs: composition scores, SVDs and their invariances",
-    "circuitmath._files": "one converter per supported architecture and the safetensors reader",
 }
 MAX_LINES = 600
 

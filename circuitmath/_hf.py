@@ -1,0 +1,468 @@
+"""The Hugging Face converters beneath :mod:`circuitmath.io`: one :class:`Layout` of names and
+shapes per architecture (GPT-2, GPT-NeoX, LLaMA, BERT), used whole (``from_hf_*``) or a part at a
+time (:mod:`circuitmath._checkpoint`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ._config import Config
+from ._errors import ConfigError, InputError, StateDictError
+from ._state import StateDict, attention_names, validate_state_dict
+
+# No __all__: circuitmath.io lists the public names (one list), and the package imports the rest by name.
+
+
+class UnsupportedArchitectureError(InputError):
+    """A Hugging Face config uses an option the reference forward pass does not reproduce."""
+
+
+
+def _option(config, name: str, default=None):
+    """``config[name]`` for a dict (a config.json), ``config.name`` for a transformers config."""
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+_MISSING = object()
+
+
+def _int(config, name: str, architecture: str, default=_MISSING, *, floor: int = 1) -> int:
+    """The integer field ``name`` of a Hugging Face config (``ConfigError`` naming it otherwise)."""
+    value = _option(config, name, default)
+    if value is _MISSING:
+        raise ConfigError(f"{architecture} config: the field {name!r} is missing")
+    if value is None and default is None:  # an optional field (n_inner, head_dim) left unset
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < floor:
+        raise ConfigError(f"{architecture} config: {name} must be an int >= {floor}, got {value!r}")
+    return value
+
+
+def _number(config, name: str, architecture: str, default: float) -> float:
+    """The finite number field ``name`` of a Hugging Face config."""
+    value = _option(config, name, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ConfigError(f"{architecture} config: {name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+class _Source:
+    """A Hugging Face state dict being consumed: every tensor taken is ticked off, so that
+    :meth:`finish` can refuse tensors nobody converted."""
+
+    def __init__(self, state_dict: StateDict, prefixes: tuple[str, ...], ignored: str | None = None):
+        if not isinstance(state_dict, Mapping):
+            raise StateDictError(f"expected a mapping of names to tensors, got {type(state_dict).__name__}")
+        if not all(isinstance(name, str) for name in state_dict):
+            raise StateDictError("the checkpoint's tensor names must be strings")
+        names = {n: n for n in state_dict}
+        for prefix in prefixes:  # a task model (GPT2LMHeadModel, BertForX) nests the base model
+            if any(n.startswith(prefix) for n in names):
+                stripped = [n[len(prefix):] if n.startswith(prefix) else n for n in names]
+                twice = sorted(n for n, count in Counter(stripped).items() if count > 1)
+                if twice:
+                    raise StateDictError(f"the checkpoint has {twice} both with and without the prefix {prefix!r}")
+                names = dict(zip(stripped, names))
+                break
+        skip = re.compile(ignored) if ignored else None
+        # Tensors are looked up when taken, so a lazy mapping (a checkpoint read from disk,
+        # circuitmath.io.open_checkpoint) is read one part at a time.
+        self.state_dict, self.names = state_dict, {n: o for n, o in names.items() if not (skip and skip.fullmatch(n))}
+        self.unused = set(self.names)
+        floats = {t.dtype for t in map(state_dict.get, self.names.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        if len(floats) != 1:
+            raise StateDictError(f"expected one floating dtype in the checkpoint, found {sorted(map(str, floats)) or 'none'}")
+        self.dtype = floats.pop()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def take(self, name: str, *shape: int) -> torch.Tensor:
+        """The tensor ``name``, checked to have ``shape`` when one is given (before any reshape)."""
+        if name not in self.names:
+            raise StateDictError(f"the checkpoint has no tensor {name!r}")
+        tensor = self.state_dict[self.names[name]]
+        if not isinstance(tensor, torch.Tensor):
+            raise StateDictError(f"the checkpoint's {name!r} is a {type(tensor).__name__}, not a tensor")
+        if shape and tuple(tensor.shape) != shape:
+            raise StateDictError(f"the checkpoint's {name!r} has shape {tuple(tensor.shape)}, the config implies {shape}")
+        self.unused.discard(name)
+        return tensor.detach()
+
+    def linear(self, name: str, out_features: int, in_features: int) -> torch.Tensor:
+        """A ``torch.nn.Linear`` weight ``[out, in]`` as the row-vector map ``[in, out]``."""
+        return self.take(name, out_features, in_features).T
+
+    def zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype)
+
+    def finish(self, out: dict[str, torch.Tensor], cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+        self.all_used()
+        out = {name: tensor.contiguous() for name, tensor in out.items()}
+        validate_state_dict(out, cfg)
+        return out, cfg
+
+    def all_used(self) -> None:
+        """Refuse tensors no part of the conversion took."""
+        if self.unused:
+            raise StateDictError(
+                f"the checkpoint has tensors this converter does not use: {sorted(self.unused)}; the config"
+                " does not describe the weights, or the architecture has a part the reference lacks"
+            )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a checkpoint's tensors become a state dict in the reference conventions, part by part.
+
+    ``cfg`` is the converted model's config; ``prefixes`` and ``ignored`` are those of
+    :class:`_Source`. ``embed(source)`` returns the tensors before the first block (``embed.*``,
+    ``pos_embed.*``), ``block(source, layer)`` those of ``blocks.{layer}``, ``final(source)``
+    those after the last (``ln_final.*``, ``unembed.*``), each taken from the source by the
+    checkpoint's names and checked against the shapes the config implies. The one mapping of
+    names and shapes serves a whole model in memory (:meth:`convert`, behind
+    :func:`from_hf_gpt2` and the others) and one layer at a time
+    (:func:`circuitmath.io.open_checkpoint`).
+    """
+
+    cfg: Config
+    prefixes: tuple[str, ...]
+    ignored: str | None
+    embed: Callable[[_Source], dict]
+    block: Callable[[_Source, int], dict]
+    final: Callable[[_Source], dict]
+
+    def source(self, tensors: StateDict) -> _Source:
+        return _Source(tensors, self.prefixes, self.ignored)
+
+    def convert(self, tensors: StateDict) -> tuple[dict[str, torch.Tensor], Config]:
+        """The whole state dict, validated, with every tensor of ``tensors`` used."""
+        src = self.source(tensors)
+        out = self.embed(src)
+        for layer in range(self.cfg.n_layers):
+            out |= self.block(src, layer)
+        out |= self.final(src)
+        return src.finish(out, self.cfg)
+
+
+def _activation(hf_name: str, architecture: str) -> str:
+    known = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
+    if hf_name not in known:
+        raise UnsupportedArchitectureError(
+            f"{architecture}: activation {hf_name!r} is not one the reference has ({sorted(set(known.values()))})"
+        )
+    return known[hf_name]
+
+
+def _require(holds: bool, architecture: str, detail: str) -> None:
+    if not holds:
+        raise UnsupportedArchitectureError(f"{architecture}: {detail}")
+
+
+def _heads_from_columns(weight: torch.Tensor, heads: int, d_head: int) -> torch.Tensor:
+    """``[d_model, heads * d_head]`` (columns grouped by head) to ``[heads, d_model, d_head]``."""
+    return weight.reshape(weight.shape[0], heads, d_head).permute(1, 0, 2)
+
+
+def _linear_heads(source: _Source, prefix: str, heads: int, d_head: int, d_model: int, bias: bool):
+    """A ``torch.nn.Linear`` projecting to ``heads * d_head`` as per-head weight and bias."""
+    weight = _heads_from_columns(source.linear(f"{prefix}.weight", heads * d_head, d_model), heads, d_head)
+    b = source.take(f"{prefix}.bias", heads * d_head).reshape(heads, d_head) if bias else source.zeros(heads, d_head)
+    return weight, b
+
+
+def _rotary(config, d_head: int, architecture: str) -> tuple[float, int]:
+    """``(base, rotary_dim)`` from ``rope_parameters`` (transformers 5) or the older fields."""
+    rope = _option(config, "rope_parameters") or {}
+    scaling = _option(config, "rope_scaling") or {}
+    if not isinstance(rope, Mapping) or not isinstance(scaling, Mapping):
+        raise ConfigError(f"{architecture} config: rope_parameters and rope_scaling must be objects")
+    kind = rope.get("rope_type", scaling.get("rope_type", "default"))
+    _require(kind == "default", architecture, f"rope_type {kind!r}; only the default rotary embedding is in the reference")
+    base = rope.get("rope_theta", _option(config, "rope_theta", _option(config, "rotary_emb_base", 10000.0)))
+    fraction = rope.get("partial_rotary_factor", _option(config, "rotary_pct", 1.0))
+    for name, value in (("rope_theta", base), ("partial_rotary_factor", fraction)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{architecture} config: {name} must be a finite number > 0, got {value!r}")
+    rotary_dim = int(d_head * fraction)
+    _require(rotary_dim % 2 == 0 and rotary_dim > 0, architecture, f"rotary dimension {rotary_dim} is not even and positive")
+    return float(base), rotary_dim
+
+
+def _dimensions(config, architecture: str) -> tuple[int, int, int]:
+    """``(hidden_size, num_attention_heads, num_hidden_layers)``, the heads dividing the width."""
+    d, heads = _int(config, "hidden_size", architecture), _int(config, "num_attention_heads", architecture)
+    layers = _int(config, "num_hidden_layers", architecture, floor=0)
+    _require(d % heads == 0, architecture, f"hidden_size={d} is not a multiple of num_attention_heads={heads}")
+    return d, heads, layers
+
+
+def from_hf_gpt2(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face GPT-2 checkpoint (``GPT2Model`` or ``GPT2LMHeadModel``).
+
+    GPT-2 stores its projections as ``Conv1D`` (``x @ W + b``, already row-vector). ``c_attn``
+    holds ``[W_Q | W_K | W_V]`` side by side, each with its heads side by side. Without an
+    ``lm_head.weight`` the unembed is the tied ``wte``; ``b_U`` is zero.
+    """
+    return _gpt2_layout(config).convert(state_dict)
+
+
+def _gpt2_layout(config) -> Layout:
+    arch = "GPT-2"
+    d, heads, layers = _int(config, "n_embd", arch), _int(config, "n_head", arch), _int(config, "n_layer", arch, floor=0)
+    _require(d % heads == 0, arch, f"n_embd={d} is not a multiple of n_head={heads}")
+    d_head, d_mlp = d // heads, _int(config, "n_inner", arch, None) or 4 * d
+    _require(_option(config, "scale_attn_weights", True), arch, "scale_attn_weights=False (no 1/sqrt(d_head))")
+    _require(not _option(config, "scale_attn_by_inverse_layer_idx", False), arch,
+             "scale_attn_by_inverse_layer_idx=True divides scores by the layer number")
+    _require(not _option(config, "add_cross_attention", False), arch, "cross-attention")
+    cfg = Config(
+        n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
+        n_ctx=_int(config, "n_positions", arch), d_mlp=d_mlp,
+        act_fn=_activation(_option(config, "activation_function", "gelu_new"), arch),
+        eps=_number(config, "layer_norm_epsilon", arch, 1e-5),
+    )
+
+    def embed(src: _Source) -> dict:
+        return {"embed.W_E": src.take("wte.weight", cfg.d_vocab, d), "pos_embed.W_pos": src.take("wpe.weight", cfg.n_ctx, d)}
+
+    def block(src: _Source, layer: int) -> dict:
+        h, p, out = f"h.{layer}", f"blocks.{layer}", {}
+        out[f"{p}.ln1.w"], out[f"{p}.ln1.b"] = src.take(f"{h}.ln_1.weight"), src.take(f"{h}.ln_1.bias")
+        qkv_w, qkv_b = src.take(f"{h}.attn.c_attn.weight", d, 3 * d), src.take(f"{h}.attn.c_attn.bias", 3 * d)
+        for i, name in enumerate("QKV"):
+            out[f"{p}.attn.W_{name}"] = _heads_from_columns(qkv_w[:, i * d:(i + 1) * d], heads, d_head)
+            out[f"{p}.attn.b_{name}"] = qkv_b[i * d:(i + 1) * d].reshape(heads, d_head)
+        out[f"{p}.attn.W_O"] = src.take(f"{h}.attn.c_proj.weight", d, d).reshape(heads, d_head, d)
+        out[f"{p}.attn.b_O"] = src.take(f"{h}.attn.c_proj.bias")
+        out[f"{p}.ln2.w"], out[f"{p}.ln2.b"] = src.take(f"{h}.ln_2.weight"), src.take(f"{h}.ln_2.bias")
+        out[f"{p}.mlp.W_in"], out[f"{p}.mlp.b_in"] = src.take(f"{h}.mlp.c_fc.weight"), src.take(f"{h}.mlp.c_fc.bias")
+        out[f"{p}.mlp.W_out"] = src.take(f"{h}.mlp.c_proj.weight")
+        out[f"{p}.mlp.b_out"] = src.take(f"{h}.mlp.c_proj.bias")
+        return out
+
+    def final(src: _Source) -> dict:
+        tied = "lm_head.weight" not in src
+        return {
+            "ln_final.w": src.take("ln_f.weight"), "ln_final.b": src.take("ln_f.bias"),
+            "unembed.W_U": src.take("wte.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
+            "unembed.b_U": src.zeros(cfg.d_vocab),
+        }
+
+    # causal-mask buffers
+    return Layout(cfg, ("transformer.",), r"h\.\d+\.attn\.(masked_)?bias", embed, block, final)
+
+
+def from_hf_gpt_neox(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face GPT-NeoX checkpoint (``GPTNeoXModel`` or ``GPTNeoXForCausalLM``).
+
+    ``query_key_value`` is a ``Linear`` whose output is laid out per head as ``[q | k | v]``
+    (``3 * d_head`` rows per head). ``use_parallel_residual`` maps to ``parallel_attn_mlp``;
+    ``rotary_pct`` / ``partial_rotary_factor`` to ``rotary_dim``. The unembed (``embed_out``,
+    named ``lm_head`` by transformers 5) has no bias (``b_U`` is zero).
+    """
+    return _gpt_neox_layout(config).convert(state_dict)
+
+
+def _gpt_neox_layout(config) -> Layout:
+    arch = "GPT-NeoX"
+    d, heads, layers = _dimensions(config, arch)
+    d_head = d // heads
+    base, rotary_dim = _rotary(config, d_head, arch)
+    bias = bool(_option(config, "attention_bias", True))
+    cfg = Config(
+        n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
+        n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "intermediate_size", arch),
+        act_fn=_activation(_option(config, "hidden_act", "gelu"), arch), eps=_number(config, "layer_norm_eps", arch, 1e-5),
+        positional_embedding_type="rotary", rotary_dim=rotary_dim, rotary_base=base,
+        parallel_attn_mlp=bool(_option(config, "use_parallel_residual", True)),
+    )
+    m = cfg.d_mlp
+
+    def embed(src: _Source) -> dict:
+        return {"embed.W_E": src.take("embed_in.weight", cfg.d_vocab, d)}
+
+    def block(src: _Source, layer: int) -> dict:
+        h, p, out = f"layers.{layer}", f"blocks.{layer}", {}
+        out[f"{p}.ln1.w"], out[f"{p}.ln1.b"] = src.take(f"{h}.input_layernorm.weight"), src.take(f"{h}.input_layernorm.bias")
+        qkv = src.linear(f"{h}.attention.query_key_value.weight", 3 * d, d).reshape(d, heads, 3, d_head)
+        qkv_b = src.take(f"{h}.attention.query_key_value.bias", 3 * d).reshape(heads, 3, d_head) if bias else None
+        for i, name in enumerate("QKV"):
+            out[f"{p}.attn.W_{name}"] = qkv[:, :, i, :].permute(1, 0, 2)
+            out[f"{p}.attn.b_{name}"] = qkv_b[:, i, :] if bias else src.zeros(heads, d_head)
+        out[f"{p}.attn.W_O"] = src.linear(f"{h}.attention.dense.weight", d, d).reshape(heads, d_head, d)
+        out[f"{p}.attn.b_O"] = src.take(f"{h}.attention.dense.bias") if bias else src.zeros(d)
+        out[f"{p}.ln2.w"] = src.take(f"{h}.post_attention_layernorm.weight")
+        out[f"{p}.ln2.b"] = src.take(f"{h}.post_attention_layernorm.bias")
+        out[f"{p}.mlp.W_in"], out[f"{p}.mlp.b_in"] = src.linear(f"{h}.mlp.dense_h_to_4h.weight", m, d), src.take(f"{h}.mlp.dense_h_to_4h.bias")
+        out[f"{p}.mlp.W_out"], out[f"{p}.mlp.b_out"] = src.linear(f"{h}.mlp.dense_4h_to_h.weight", d, m), src.take(f"{h}.mlp.dense_4h_to_h.bias")
+        return out
+
+    def final(src: _Source) -> dict:
+        head = next((n for n in ("embed_out.weight", "lm_head.weight") if n in src), None)  # transformers 4 / 5 name
+        _require(head is not None or _option(config, "tie_word_embeddings", False), arch, "no unembed and untied embeddings")
+        return {
+            "ln_final.w": src.take("final_layer_norm.weight"), "ln_final.b": src.take("final_layer_norm.bias"),
+            "unembed.W_U": src.linear(head, cfg.d_vocab, d) if head else src.take("embed_in.weight", cfg.d_vocab, d).T,
+            "unembed.b_U": src.zeros(cfg.d_vocab),
+        }
+
+    ignored = r"(layers\.\d+\.attention\.)?(rotary_emb\.inv_freq|(masked_)?bias)"
+    return Layout(cfg, ("gpt_neox.",), ignored, embed, block, final)
+
+
+def from_hf_llama(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face LLaMA checkpoint (``LlamaModel`` or ``LlamaForCausalLM``).
+
+    RMSNorm gains become ``ln1.w``, ``ln2.w``, ``ln_final.w``; ``up_proj`` is ``W_in`` and
+    ``gate_proj`` is ``W_gate`` (``silu(x W_gate) * (x W_in)``); with fewer key/value heads than
+    query heads the keys and values are ``_W_K``, ``_W_V`` (grouped-query attention). Missing
+    biases (``attention_bias=False``) are zero. ``mlp_bias=True`` is refused: the reference's
+    ``W_gate`` has no bias.
+    """
+    return _llama_layout(config).convert(state_dict)
+
+
+def _llama_layout(config) -> Layout:
+    arch = "LLaMA"
+    d, heads, layers = _int(config, "hidden_size", arch), _int(config, "num_attention_heads", arch), _int(config, "num_hidden_layers", arch, floor=0)
+    d_head = _int(config, "head_dim", arch, None) or d // heads
+    _require(d_head >= 1, arch, f"hidden_size={d} is smaller than num_attention_heads={heads} and no head_dim is given")
+    kv_heads = _int(config, "num_key_value_heads", arch, None) or heads
+    base, rotary_dim = _rotary(config, d_head, arch)
+    _require(rotary_dim == d_head, arch, "partial rotary (LLaMA rotates every query/key dimension)")
+    _require(not _option(config, "mlp_bias", False), arch, "mlp_bias=True puts a bias inside the gate, which the reference lacks")
+    bias = bool(_option(config, "attention_bias", False))
+    cfg = Config(
+        n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
+        n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "intermediate_size", arch),
+        act_fn=_activation(_option(config, "hidden_act", "silu"), arch), normalization_type="RMS",
+        eps=_number(config, "rms_norm_eps", arch, 1e-6), positional_embedding_type="rotary", rotary_base=base,
+        gated_mlp=True, n_key_value_heads=kv_heads if kv_heads != heads else None,
+    )
+    m = cfg.d_mlp
+
+    def embed(src: _Source) -> dict:
+        return {"embed.W_E": src.take("embed_tokens.weight", cfg.d_vocab, d)}
+
+    def block(src: _Source, layer: int) -> dict:
+        h, p, out = f"layers.{layer}", f"blocks.{layer}", {}
+        out[f"{p}.ln1.w"] = src.take(f"{h}.input_layernorm.weight")
+        for name, proj in (("Q", "q_proj"), ("K", "k_proj"), ("V", "v_proj")):
+            weight, b, n = attention_names(cfg, name)
+            out[f"{p}.attn.{weight}"], out[f"{p}.attn.{b}"] = _linear_heads(src, f"{h}.self_attn.{proj}", n, d_head, d, bias)
+        out[f"{p}.attn.W_O"] = src.linear(f"{h}.self_attn.o_proj.weight", d, heads * d_head).reshape(heads, d_head, d)
+        out[f"{p}.attn.b_O"] = src.take(f"{h}.self_attn.o_proj.bias") if bias else src.zeros(d)
+        out[f"{p}.ln2.w"] = src.take(f"{h}.post_attention_layernorm.weight")
+        out[f"{p}.mlp.W_in"] = src.linear(f"{h}.mlp.up_proj.weight", m, d)
+        out[f"{p}.mlp.W_gate"] = src.linear(f"{h}.mlp.gate_proj.weight", m, d)
+        out[f"{p}.mlp.b_in"] = src.zeros(cfg.d_mlp)
+        out[f"{p}.mlp.W_out"] = src.linear(f"{h}.mlp.down_proj.weight", d, m)
+        out[f"{p}.mlp.b_out"] = src.zeros(d)
+        return out
+
+    def final(src: _Source) -> dict:
+        tied = "lm_head.weight" not in src
+        _require(not tied or _option(config, "tie_word_embeddings", False), arch, "no lm_head.weight and untied embeddings")
+        return {
+            "ln_final.w": src.take("norm.weight"),
+            "unembed.W_U": src.take("embed_tokens.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
+            "unembed.b_U": src.zeros(cfg.d_vocab),
+        }
+
+    return Layout(cfg, ("model.",), r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", embed, block, final)
+
+
+def from_hf_bert(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face BERT encoder (``BertModel``, or the ``bert.`` part of a task model).
+
+    Post-LN: each block is ``x = LN1(x + attn(x)); x = LN2(x + mlp(x))`` with bidirectional
+    attention, after an embedding LayerNorm (``embed.ln``). Two choices make it fit the
+    reference, both exact for the inputs they cover:
+
+    - token type 0 (a single segment, every sentence-embedding input) is folded into ``W_pos``:
+      ``W_pos + token_type_embeddings[0]``; segment-pair inputs are not represented;
+    - the unembed is the tied word embedding, ``W_U = W_E^T``, ``b_U = 0`` (the matrix of BERT's
+      masked-LM decoder), so logits are ``hidden @ W_E^T``: the encoder's last hidden state is
+      reproduced, and the log-probs the identity checks compare are a function of all of it.
+
+    The pooler and task heads (``pooler.*``, ``cls.*``) are outside the encoder and are not
+    converted.
+    """
+    return _bert_layout(config).convert(state_dict)
+
+
+def _bert_layout(config) -> Layout:
+    arch = "BERT"
+    d, heads, layers = _dimensions(config, arch)
+    _require(_option(config, "position_embedding_type", "absolute") == "absolute", arch,
+             f"position_embedding_type={_option(config, 'position_embedding_type')!r}; only absolute positions")
+    _require(not _option(config, "is_decoder", False), arch, "is_decoder=True (a causal BERT)")
+    d_head = d // heads
+    cfg = Config(
+        n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
+        n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "intermediate_size", arch),
+        act_fn=_activation(_option(config, "hidden_act", "gelu"), arch), eps=_number(config, "layer_norm_eps", arch, 1e-12),
+        norm_position="post", causal=False, embedding_norm=True,
+    )
+    e, m = "embeddings", cfg.d_mlp
+
+    def embed(src: _Source) -> dict:
+        token_types = src.take(f"{e}.token_type_embeddings.weight")
+        _require(token_types.ndim == 2 and token_types.shape[0] >= 1 and token_types.shape[1] == d, arch,
+                 f"token_type_embeddings has shape {tuple(token_types.shape)}, expected [type_vocab_size, {d}]")
+        return {
+            "embed.W_E": src.take(f"{e}.word_embeddings.weight", cfg.d_vocab, d),
+            "pos_embed.W_pos": src.take(f"{e}.position_embeddings.weight", cfg.n_ctx, d) + token_types[0],
+            "embed.ln.w": src.take(f"{e}.LayerNorm.weight"),
+            "embed.ln.b": src.take(f"{e}.LayerNorm.bias"),
+        }
+
+    def block(src: _Source, layer: int) -> dict:
+        h, p, out = f"encoder.layer.{layer}", f"blocks.{layer}", {}
+        for name, proj in (("Q", "query"), ("K", "key"), ("V", "value")):
+            out[f"{p}.attn.W_{name}"], out[f"{p}.attn.b_{name}"] = _linear_heads(
+                src, f"{h}.attention.self.{proj}", heads, d_head, d, bias=True)
+        out[f"{p}.attn.W_O"] = src.linear(f"{h}.attention.output.dense.weight", d, d).reshape(heads, d_head, d)
+        out[f"{p}.attn.b_O"] = src.take(f"{h}.attention.output.dense.bias")
+        out[f"{p}.ln1.w"] = src.take(f"{h}.attention.output.LayerNorm.weight")
+        out[f"{p}.ln1.b"] = src.take(f"{h}.attention.output.LayerNorm.bias")
+        out[f"{p}.mlp.W_in"] = src.linear(f"{h}.intermediate.dense.weight", m, d)
+        out[f"{p}.mlp.b_in"] = src.take(f"{h}.intermediate.dense.bias")
+        out[f"{p}.mlp.W_out"] = src.linear(f"{h}.output.dense.weight", d, m)
+        out[f"{p}.mlp.b_out"] = src.take(f"{h}.output.dense.bias")
+        out[f"{p}.ln2.w"] = src.take(f"{h}.output.LayerNorm.weight")
+        out[f"{p}.ln2.b"] = src.take(f"{h}.output.LayerNorm.bias")
+        return out
+
+    def final(src: _Source) -> dict:
+        return {"unembed.W_U": src.take(f"{e}.word_embeddings.weight", cfg.d_vocab, d).T, "unembed.b_U": src.zeros(cfg.d_vocab)}
+
+    ignored = r"(pooler|cls)\..*|embeddings\.(position|token_type)_ids"
+    return Layout(cfg, ("bert.",), ignored, embed, block, final)
+
+
+CONVERTERS = {"gpt2": from_hf_gpt2, "gpt_neox": from_hf_gpt_neox, "llama": from_hf_llama, "bert": from_hf_bert}
+_LAYOUTS = {"gpt2": _gpt2_layout, "gpt_neox": _gpt_neox_layout, "llama": _llama_layout, "bert": _bert_layout}
+
+
+def hf_layout(config) -> Layout:
+    """The :class:`Layout` of ``config``'s ``model_type`` (gpt2, gpt_neox, llama, bert)."""
+    model_type = _option(config, "model_type")
+    if not isinstance(model_type, str) or model_type not in _LAYOUTS:
+        raise UnsupportedArchitectureError(f"model_type {model_type!r}: converters exist for {sorted(_LAYOUTS)}")
+    return _LAYOUTS[model_type](config)
+
+
+def from_hf(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert with the converter for ``config``'s ``model_type`` (gpt2, gpt_neox, llama, bert)."""
+    return hf_layout(config).convert(state_dict)
