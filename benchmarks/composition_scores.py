@@ -18,7 +18,9 @@ Measured in the same run, on the same float32 weights:
   d_head, d_model]`` (4 GB each in float32), so it is timed on the heads of one writer layer
   (all readers) and scaled by ``n_layers``; each writer layer costs the same.
 
-All scores are compared with the float64 default on the sampled pairs.
+All scores are compared with the float64 default on the sampled pairs. Exits 1 when the default
+is not faster than materialise-once scoring and than TransformerLens, or a method's scores are
+1e-4 or more off.
 
 Usage: ``python benchmarks/composition_scores.py [--repeats N] [--sample PAIRS]``.
 
@@ -160,7 +162,20 @@ def main() -> int:
         peer_gap = max(float((peer_scores[k][:, 1:].double() - exact[k][0, :, 1:]).abs().max()) for k in KINDS)
         print(f"TransformerLens all-pairs scores (scaled):    {peer:8.3f} s  ratio {peer / default:6.1f} x"
               f"  ({peer_layer:.1f} s for the writers of layer 0)  largest difference {peer_gap:.1e}")
-    return 0 if max(gap(scores), gap(core_scores), naive_gap, peer_gap) < 1e-4 else 1
+    # The targets. Materialising alone scores no pair: it is a lower bound of the materialise-once
+    # method, not a method, and the default cannot be faster than it at this shape (it forms as
+    # many d_model x d_model products per head, then scores the pairs), so it is printed, not a
+    # target.
+    missed = [f"{name} {seconds:.2f} s <= default {default:.2f} s"
+              for name, seconds in (("materialise once, then all pairs", naive_total), ("TransformerLens", peer))
+              if peer_scores is not None or name != "TransformerLens" if seconds <= default]
+    print(f"materialising alone, a lower bound that scores no pair: default {default / materialise:.1f}x of it")
+    for line in missed:
+        print(f"MISSED: {line}")
+    if max(gap(scores), gap(core_scores), naive_gap, peer_gap) >= 1e-4:
+        print("MISSED: a method's scores differ from the float64 default by 1e-4 or more")
+        missed.append("accuracy")
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
