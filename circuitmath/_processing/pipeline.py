@@ -16,7 +16,7 @@ from .centering import center_unembed as _center_unembed
 from .centering import center_writing_weights as _center_writing_weights
 from ._memory import converted
 from ._parts import InMemory, Parts
-from .fused import fusable, fused_default_steps
+from .fused import fusable, fused_default_steps, rms_fusable
 from .layer_norm import center_reading_weights, fold_layer_norm
 from ._common import refuse_reapplication, rewrite
 from .norms import fold_rms_norm
@@ -165,7 +165,11 @@ def process_weights(
 
 def _fused(cfg: Config, requested: dict) -> bool:
     """Whether the first four steps run fused (``fused.py``): all of them asked for or left to
-    apply where they can, on a model where they all apply whatever its weights."""
+    apply where they can, on a model where they all apply whatever its weights; on a pre-RMSNorm
+    model, the three of them that apply (the centering of the writers left out, not asked for)."""
+    if rms_fusable(cfg):
+        return requested["center_writing_weights"] is not True and all(
+            requested[keyword] is not False for keyword in ("fold_ln", "fold_value_biases", "center_unembed"))
     return fusable(cfg) and all(requested[keyword] is not False for keyword, _ in PIPELINE_STEPS[:4])
 
 
