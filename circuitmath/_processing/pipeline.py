@@ -121,7 +121,11 @@ def process_weights(
     processed state dict and a config whose ``applied`` lists every identity used, in order.
     When steps 1–4 all apply whatever the weights (a pre-LN model without shortformer positions
     or gated MLP, nothing applied yet), they run composed, each weight read and written in one
-    go (``circuitmath/_processing/fused.py``); the result is the chain's up to rounding.
+    go (``circuitmath/_processing/fused.py``); the result is the chain's up to rounding. So do
+    steps 1, 2 and 4 of a pre-RMSNorm model (nothing applied yet, no shortformer positions,
+    ``center_writing_weights`` not asked for), bit for bit the chain's; the tensors they leave
+    alone are passed through. Fused, half precision is computed in float32 a block of rows at a
+    time, not a part at a time.
 
     >>> import torch
     >>> from circuitmath import Config, process_weights, random_state_dict
