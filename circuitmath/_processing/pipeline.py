@@ -226,7 +226,9 @@ def _half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple
 
     Each part (``_parts.Parts``: the embedding and unembedding, then each block) is cast to
     float32 on the model's device, processed there and rounded once to the model's dtype, so the
-    memory added beyond the output is one part in float32, never the whole model. The parts'
+    memory added beyond the output is one part in float32, never the whole model; the
+    embedding and unembedding, the largest part, are not cast where the fused steps process them
+    (in float32 a block of rows at a time: the same bits), so then the most is one block. The parts'
     outputs are the whole model's, bit for bit. Where a step left to apply if it can (``None``)
     applies to some parts and not to others, it is left out of all of them, as the whole model's
     refusal would leave it out, and the parts are processed again.
@@ -234,11 +236,14 @@ def _half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple
     dtype = next(iter(state_dict.values())).dtype
     device = next(iter(state_dict.values())).device
     parts = Parts(InMemory(state_dict), cfg, torch.float32, device)
+    ends = Parts(InMemory(state_dict), cfg, dtype, device)  # not cast: for the fused steps
     requested = dict(requested)
     while True:
         out, applied = {}, {}
         for layer in parts.names():
-            part, part_cfg = parts.run(layer, lambda sd, c: _process(sd, c, requested))
+            # the ends run fused in their own dtype where they can (float32 a block of rows at a time)
+            source = ends if layer is None and _fused(parts.ends_cfg, requested) else parts
+            part, part_cfg = source.run(layer, lambda sd, c: _process(sd, c, requested))
             applied[layer] = part_cfg.applied
             out |= rounded_once(part, dtype)
             if layer is None:
