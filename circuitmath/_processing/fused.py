@@ -15,6 +15,11 @@ The chain of public transforms writes ``W_U`` twice and reads it four times; her
 is written once, and the big ones are processed in blocks that stay in cache. Each formula is
 the chain's, through the same helpers; ``tests/test_pipeline.py`` checks that both give the
 same weights.
+
+A pre-RMSNorm model's default chain (``fold_rms_norm``, ``fold_value_biases``,
+``center_unembed``) runs fused too (:func:`_fused_rms_steps`): each reader ``diag(w) W``, ``W_U``
+``diag(w) W_U C_V``, ``b_O`` with the value biases, every other tensor passed through; bit for
+bit the chain's (``tests/test_accuracy.py``).
 """
 
 from __future__ import annotations
