@@ -172,8 +172,9 @@ def _fused(cfg: Config, requested: dict) -> bool:
     apply where they can, on a model where they all apply whatever its weights; on a pre-RMSNorm
     model, the three of them that apply (the centering of the writers left out, not asked for)."""
     if rms_fusable(cfg):
-        return requested["center_writing_weights"] is not True and all(
-            requested[keyword] is not False for keyword in ("fold_ln", "fold_value_biases", "center_unembed"))
+        fold, value_biases, center_writers, unembed = STEPS[:4]
+        return requested[center_writers] is not True and all(
+            requested[keyword] is not False for keyword in (fold, value_biases, unembed))
     return fusable(cfg) and all(requested[keyword] is not False for keyword, _ in PIPELINE_STEPS[:4])
 
 
