@@ -161,3 +161,82 @@ def test_half_precision_equality_is_able_to_fail():
     folded, folded_cfg = fold_layer_norm(half, cfg, center_reading_weights=True)  # rounded after the fold...
     twice, _ = process_weights(folded, folded_cfg)  # ...and again after the rest
     assert any(not torch.equal(twice[k], once[k].to(torch.bfloat16)) for k in twice)
+
+
+def _rms_chain(sd, cfg):
+    """The public transforms that process_weights applies by default to a pre-RMSNorm model."""
+    from circuitmath import center_unembed, fold_rms_norm, fold_value_biases
+
+    for step in (fold_rms_norm, fold_value_biases, center_unembed):
+        sd, cfg = step(sd, cfg)
+    return sd, cfg
+
+
+_PRE_RMS = dict(normalization_types=("RMS",), norm_positions=("pre",), positional_embedding_types=("standard", "rotary"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(models(max_layers=2, min_layers=0, grouped_query=(False, True), dtype=torch.float32, **_PRE_RMS),
+       st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16]))
+def test_the_fused_rms_steps_are_the_chains_bits(model, dtype):
+    """Fused (``fused._fused_rms_steps``), a pre-RMSNorm model gets the chain's weights bit for
+    bit: in its own dtype for float32 and float64, the chain in float32 rounded once for half
+    precision; the input is left as it was."""
+    cfg, sd = model
+    sd = {k: v.to(dtype) for k, v in sd.items()}
+    kept = {k: v.clone() for k, v in sd.items()}
+    compute = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    try:
+        expected, expected_cfg = _rms_chain({k: v.to(compute) for k, v in sd.items()}, cfg)
+    except CircuitMathError as error:  # a half model whose float32 processing overflows when rounded
+        event(f"refused: {type(error).__name__}")
+        return
+    try:
+        got, got_cfg = process_weights(sd, cfg)
+    except OverflowedError:
+        assert any(not torch.isfinite(t.to(dtype)).all() for t in expected.values())
+        return
+    assert got_cfg == expected_cfg and set(got) == set(expected)
+    for name, tensor in got.items():
+        assert tensor.dtype == dtype and torch.equal(tensor, expected[name].to(dtype)), name
+    assert all(torch.equal(sd[k], kept[k]) for k in kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_rms_unembed_keeps_the_chains_row_means_past_a_reduction_grain(dtype):
+    """A vocabulary beyond torch's parallel grain (32768) and a d_model leaving a 1-row last
+    block (merged into the previous one, see ``_row_blocks``), at 2 threads: the vocabulary mean
+    of each row is the chain's, bit for bit. Negative control: leaving out the centering differs."""
+    cfg = Config(n_layers=1, d_model=17, n_heads=2, d_head=4, d_vocab=40001, n_ctx=4, d_mlp=8, normalization_type="RMS",
+                 gated_mlp=True, act_fn="silu", n_key_value_heads=1, positional_embedding_type="rotary")
+    sd = {k: v.to(dtype) for k, v in random_state_dict(cfg, seed=2, dtype=torch.float32).items()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got, _ = process_weights(sd, cfg)
+        expected, _ = _rms_chain({k: v.float() for k, v in sd.items()}, cfg)
+    finally:
+        torch.set_num_threads(threads)
+    for name in got:
+        assert torch.equal(got[name], expected[name].to(dtype)), name
+    from circuitmath import fold_rms_norm
+
+    uncentered, _ = fold_rms_norm({k: v.float() for k, v in sd.items()}, cfg)
+    assert not torch.equal(got["unembed.W_U"], uncentered["unembed.W_U"].to(dtype))
+
+
+@settings(max_examples=40, deadline=None)
+@given(models(max_layers=2, grouped_query=(False, True), dtype=torch.float32, **_PRE_RMS), st.data())
+def test_a_nan_or_inf_anywhere_in_the_input_is_named_when_the_rms_steps_run_fused(model, data):
+    """The fused steps check only their output's entries (tensors passed through included):
+    every input entry must reach one."""
+    from circuitmath import StateDictError
+
+    cfg, sd = model
+    name = data.draw(st.sampled_from(sorted(sd)))
+    broken = dict(sd)
+    broken[name] = sd[name].clone()
+    broken[name].view(-1)[data.draw(st.integers(0, sd[name].numel() - 1))] = data.draw(
+        st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+    with pytest.raises(StateDictError, match=rf"{name} has 1 NaN or Inf entries"):
+        process_weights(broken, cfg)

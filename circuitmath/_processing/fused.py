@@ -15,6 +15,11 @@ The chain of public transforms writes ``W_U`` twice and reads it four times; her
 is written once, and the big ones are processed in blocks that stay in cache. Each formula is
 the chain's, through the same helpers; ``tests/test_pipeline.py`` checks that both give the
 same weights.
+
+A pre-RMSNorm model's default chain (``fold_rms_norm``, ``fold_value_biases``,
+``center_unembed``) runs fused too (:func:`_fused_rms_steps`): each reader ``diag(w) W``, ``W_U``
+``diag(w) W_U C_V``, ``b_O`` with the value biases, every other tensor passed through; bit for
+bit the chain's (``tests/test_accuracy.py``).
 """
 
 from __future__ import annotations
@@ -29,14 +34,19 @@ from ._memory import SCRATCH_MIN_BYTES, converted, new_tensor, scratch
 from .attention import fold_value_biases, value_bias_through_output
 from .centering import center_unembed, center_writing_weights, centered_last_axis, writers
 from .layer_norm import center_reading_weights, fold_layer_norm, fold_reader
+from .norms import fold_rms_norm
 
-__all__ = ["FUSED_STEPS", "fusable", "fused_default_steps"]
+__all__ = ["FUSED_STEPS", "FUSED_RMS_STEPS", "fusable", "rms_fusable", "fused_default_steps"]
 
 #: What :func:`fused_default_steps` records in ``cfg.applied``: the chain's identities, in its order.
 FUSED_STEPS = tuple(
     step.identity
     for step in (fold_layer_norm, center_reading_weights, fold_value_biases, center_writing_weights, center_unembed)
 )
+
+
+#: What :func:`fused_default_steps` records for a :func:`rms_fusable` model: the chain's identities, in its order.
+FUSED_RMS_STEPS = tuple(step.identity for step in (fold_rms_norm, fold_value_biases, center_unembed))
 
 
 def fusable(cfg: Config) -> bool:
@@ -55,8 +65,22 @@ def fusable(cfg: Config) -> bool:
     )
 
 
+def rms_fusable(cfg: Config) -> bool:
+    """Whether the default chain of a pre-RMSNorm model, :data:`FUSED_RMS_STEPS`, applies to
+    ``cfg`` whatever the weights: nothing applied yet and no shortformer positions (gated MLPs
+    and grouped-query attention included: an RMSNorm has no bias to absorb). The centering of
+    the writers is not in it: RMSNorm does not center."""
+    return (
+        not cfg.applied
+        and cfg.normalization_type == "RMS"
+        and cfg.norm_position == "pre"
+        and cfg.positional_embedding_type in ("standard", "rotary")
+    )
+
+
 def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config, bool]:
-    """The chain :data:`FUSED_STEPS` applied to a :func:`fusable` model, each tensor written once.
+    """The chain :data:`FUSED_STEPS` applied to a :func:`fusable` model, each tensor written once
+    (:data:`FUSED_RMS_STEPS` to an :func:`rms_fusable` one: see :func:`_fused_rms_steps`).
 
     Same shapes and dtype as the input; the caller validates the input's structure. A bfloat16 or
     float16 model is computed in float32 a tensor (or, for the embedding and unembedding, a block
@@ -65,6 +89,8 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
     is finite, taken from sums of each block while it is in cache (``False`` may also mean a sum
     overflowed: then check the entries).
     """
+    if cfg.normalization_type == "RMS":
+        return _fused_rms_steps(state_dict, cfg)
     dtype = next(iter(state_dict.values())).dtype
     compute = compute_dtype(dtype)
 
@@ -92,14 +118,7 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}.attn"
         b_V = out[f"{p}.{b_V_name}"]  # ln1.b @ W_V included by the fold, in the compute dtype
-        b_O = state_dict[f"{p}.b_O"]
-        # W_O in float64 laid out [d_head, n_heads, d_model], the order in which the einsum of
-        # value_bias_through_output contracts it (its transposed view is passed), so the einsum
-        # takes it without a copy; mapped, so that no 4.7 MB copy per layer is freed into the heap
-        W_O = state_dict[f"{p}.W_O"].transpose(0, 1)
-        W_O = scratch(W_O.shape, torch.float64, W_O.device).copy_(W_O).transpose(0, 1)
-        out[f"{p}.b_O"] = (b_O.double() + value_bias_through_output(b_V, W_O)).to(compute)
-        del W_O
+        out[f"{p}.b_O"] = _with_value_bias(state_dict[f"{p}.b_O"], b_V, state_dict[f"{p}.W_O"]).to(compute)
         sums.append(b_V.sum())  # the folded b_V, zeroed below, carries any NaN of ln1.b or W_V into b_O too
         out[f"{p}.{b_V_name}"] = torch.zeros(b_V.shape, dtype=dtype, device=b_V.device)
     for name in writers(cfg):
@@ -156,3 +175,108 @@ def _fold_centered_unembed(
             sums.append(out[start:stop].sum())
     bias = b_U.double() + through[1]
     return out, (bias - bias.mean()).to(b_U.dtype)
+
+
+def _with_value_bias(b_O: torch.Tensor, b_V: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
+    """``b_O + Σ_h b_V[group(h)] W_O[h]`` in float64 (``b_O: [d_model]``), the bits of
+    :func:`~circuitmath.fold_value_biases` before its rounding.
+
+    ``W_O`` (``[n_heads, d_head, d_model]``) is copied to float64 laid out ``[d_head, n_heads,
+    d_model]``, the order in which the einsum of ``value_bias_through_output`` contracts it (its
+    transposed view is passed), so the einsum takes it without a copy; mapped, so that no copy
+    per layer is freed into the heap.
+    """
+    W_O = W_O.transpose(0, 1)
+    W_O = scratch(W_O.shape, torch.float64, W_O.device).copy_(W_O).transpose(0, 1)
+    return b_O.double() + value_bias_through_output(b_V, W_O)
+
+
+def _fused_rms_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config, bool]:
+    """:data:`FUSED_RMS_STEPS` (``fold_rms_norm``, ``fold_value_biases``, ``center_unembed``) on
+    an :func:`rms_fusable` model, each written tensor written once, the others passed through.
+
+    Composed: every reader ``W`` of a gain ``w`` becomes ``diag(w) W``, ``b_O`` becomes ``b_O +
+    Σ_h b_V[group(h)] W_O[h]`` (``b_V`` zero), and ``W_U`` becomes ``diag(w) W_U C_V``, ``b_U``
+    ``b_U C_V``. Each output has the bits of the chain's in the compute dtype (float32 for a half
+    precision model), rounded once: the products are elementwise, ``b_O`` is the chain's float64
+    sum, and the vocabulary mean of ``W_U`` is taken per row as the chain's. Half-precision
+    readers and the unembed are computed a block of rows at a time in one mapped float32 scratch,
+    so nothing of a whole weight's size is held in float32. The value biases go first, while
+    little output is held: their float64 ``W_O`` is the largest temporary. Returns
+    ``(state_dict, cfg, finite)`` as :func:`fused_default_steps`.
+    """
+    dtype = next(iter(state_dict.values())).dtype
+    compute = compute_dtype(dtype)
+    sums: list[torch.Tensor] = []
+    out = dict(state_dict)
+    _weight, b_V_name, _heads = attention_names(cfg, "V")
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}.attn"
+        b_V, b_O = state_dict[f"{p}.{b_V_name}"], state_dict[f"{p}.b_O"]
+        out[f"{p}.b_O"] = _with_value_bias(b_O, b_V, state_dict[f"{p}.W_O"]).to(compute).to(dtype)
+        out[f"{p}.{b_V_name}"] = torch.zeros_like(b_V)
+        sums += [b_V.sum(), out[f"{p}.b_O"].sum()]  # b_V's NaN reaches b_O; a sum of b_O's rounding too
+    written = set()
+    for norm, pairs in readers(cfg):
+        w = out.pop(f"{norm}.w").to(compute)
+        for weight, _bias in pairs:
+            if weight == "unembed.W_U":
+                out[weight] = _scaled_and_centered_rows(state_dict[weight], w, sums=sums)
+                b_U = converted(state_dict["unembed.b_U"], compute)
+                out["unembed.b_U"] = (b_U - b_U.mean()).to(dtype)
+            else:
+                out[weight] = _scaled_rows(state_dict[weight], w, sums=sums)
+            written.add(weight)
+    sums += [tensor.sum() for name, tensor in out.items() if name not in written]  # passed through, or small
+    finite = bool(torch.isfinite(torch.stack([s.double() for s in sums]).sum())) if sums else True
+    return out, cfg.replace(normalization_type="RMSPre", applied=FUSED_RMS_STEPS), finite
+
+
+def _row_blocks(count: int, rows: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` blocks of ``rows`` rows covering ``count``, none of 1 row unless ``count``
+    is 1 (a 1-row mean is a reduction with one output, which torch may split over threads, so
+    its bits could differ from those of the same row's mean in a larger tensor)."""
+    bounds = [*range(0, count, rows), count]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _scaled_rows(W: torch.Tensor, w: torch.Tensor, *, sums: list, block_bytes: int = 1 << 20) -> torch.Tensor:
+    """``W * w[:, None]`` for ``W: [..., d_model, n]``, ``w: [d_model]`` in the compute dtype, a
+    new tensor in ``W``'s dtype, written a block of rows at a time (a half-precision block
+    computed in a reused float32 scratch and rounded once); each block's sum is appended to ``sums``.
+
+    A temporary made per block and freed while the sums made after it are kept would fragment
+    the C heap (see :func:`~circuitmath._processing._memory.scratch`): measured on LLaMA-shaped
+    layers, a mixed-dtype ``torch.mul`` (its cast of each block) left twice ``W_Q``'s size resident."""
+    rows = W.reshape(-1, W.shape[-1])
+    gains = w.repeat(rows.shape[0] // w.shape[0])
+    out = new_tensor(rows.shape, W.dtype, W.device)
+    per_block = max(2, block_bytes // max(1, rows.shape[1] * w.element_size()))
+    up = None if w.dtype == W.dtype else scratch((min(per_block + 1, rows.shape[0]), rows.shape[1]), w.dtype, W.device)
+    for start, stop in _row_blocks(rows.shape[0], per_block):
+        if up is None:
+            torch.mul(rows[start:stop], gains[start:stop, None], out=out[start:stop])
+        else:  # cast into the scratch first: a mixed-dtype product would allocate a cast temporary per block
+            out[start:stop] = up[: stop - start].copy_(rows[start:stop]).mul_(gains[start:stop, None])
+        sums.append(out[start:stop].sum())
+    return out.view(W.shape)
+
+
+def _scaled_and_centered_rows(W_U: torch.Tensor, w: torch.Tensor, *, sums: list, rows: int = 8) -> torch.Tensor:
+    """``V - V.mean(-1, keepdim=True)`` with ``V = W_U * w[:, None]`` (``W_U: [d_model, d_vocab]``,
+    ``w`` in the compute dtype), in ``W_U``'s dtype, a block of ``rows`` rows at a time: each
+    block scaled, centered over the vocabulary and summed into ``sums`` while in cache."""
+    out = new_tensor(W_U.shape, W_U.dtype, W_U.device)
+    up = None if w.dtype == W_U.dtype else scratch((min(rows + 1, W_U.shape[0]), W_U.shape[1]), w.dtype, W_U.device)
+    for start, stop in _row_blocks(W_U.shape[0], rows):
+        if up is None:
+            block = torch.mul(W_U[start:stop], w[start:stop, None], out=out[start:stop])
+        else:  # cast into the scratch first, as in _scaled_rows
+            block = up[: stop - start].copy_(W_U[start:stop]).mul_(w[start:stop, None])
+        block.sub_(block.mean(dim=-1, keepdim=True))
+        if up is not None:
+            out[start:stop] = block
+        sums.append(out[start:stop].sum())
+    return out

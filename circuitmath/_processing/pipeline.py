@@ -16,7 +16,7 @@ from .centering import center_unembed as _center_unembed
 from .centering import center_writing_weights as _center_writing_weights
 from ._memory import converted
 from ._parts import InMemory, Parts
-from .fused import fusable, fused_default_steps
+from .fused import fusable, fused_default_steps, rms_fusable
 from .layer_norm import center_reading_weights, fold_layer_norm
 from ._common import refuse_reapplication, rewrite
 from .norms import fold_rms_norm
@@ -121,7 +121,11 @@ def process_weights(
     processed state dict and a config whose ``applied`` lists every identity used, in order.
     When steps 1–4 all apply whatever the weights (a pre-LN model without shortformer positions
     or gated MLP, nothing applied yet), they run composed, each weight read and written in one
-    go (``circuitmath/_processing/fused.py``); the result is the chain's up to rounding.
+    go (``circuitmath/_processing/fused.py``); the result is the chain's up to rounding. So do
+    steps 1, 2 and 4 of a pre-RMSNorm model (nothing applied yet, no shortformer positions,
+    ``center_writing_weights`` not asked for), bit for bit the chain's; the tensors they leave
+    alone are passed through. Fused, half precision is computed in float32 a block of rows at a
+    time, not a part at a time.
 
     >>> import torch
     >>> from circuitmath import Config, process_weights, random_state_dict
@@ -165,7 +169,12 @@ def process_weights(
 
 def _fused(cfg: Config, requested: dict) -> bool:
     """Whether the first four steps run fused (``fused.py``): all of them asked for or left to
-    apply where they can, on a model where they all apply whatever its weights."""
+    apply where they can, on a model where they all apply whatever its weights; on a pre-RMSNorm
+    model, the three of them that apply (the centering of the writers left out, not asked for)."""
+    if rms_fusable(cfg):
+        fold, value_biases, center_writers, unembed = STEPS[:4]
+        return requested[center_writers] is not True and all(
+            requested[keyword] is not False for keyword in (fold, value_biases, unembed))
     return fusable(cfg) and all(requested[keyword] is not False for keyword, _ in PIPELINE_STEPS[:4])
 
 
@@ -218,7 +227,9 @@ def _half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple
 
     Each part (``_parts.Parts``: the embedding and unembedding, then each block) is cast to
     float32 on the model's device, processed there and rounded once to the model's dtype, so the
-    memory added beyond the output is one part in float32, never the whole model. The parts'
+    memory added beyond the output is one part in float32, never the whole model; the
+    embedding and unembedding, the largest part, are not cast where the fused steps process them
+    (in float32 a block of rows at a time: the same bits), so then the most is one block. The parts'
     outputs are the whole model's, bit for bit. Where a step left to apply if it can (``None``)
     applies to some parts and not to others, it is left out of all of them, as the whole model's
     refusal would leave it out, and the parts are processed again.
@@ -226,11 +237,14 @@ def _half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple
     dtype = next(iter(state_dict.values())).dtype
     device = next(iter(state_dict.values())).device
     parts = Parts(InMemory(state_dict), cfg, torch.float32, device)
+    ends = Parts(InMemory(state_dict), cfg, dtype, device)  # not cast: for the fused steps
     requested = dict(requested)
     while True:
         out, applied = {}, {}
         for layer in parts.names():
-            part, part_cfg = parts.run(layer, lambda sd, c: _process(sd, c, requested))
+            # the ends run fused in their own dtype where they can (float32 a block of rows at a time)
+            source = ends if layer is None and _fused(parts.ends_cfg, requested) else parts
+            part, part_cfg = source.run(layer, lambda sd, c: _process(sd, c, requested))
             applied[layer] = part_cfg.applied
             out |= rounded_once(part, dtype)
             if layer is None:
