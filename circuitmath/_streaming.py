@@ -148,14 +148,17 @@ class PartReader:
     With ``untouched`` (``{True: ends, False: block}``, each an :class:`_Untouched`), an unread
     tensor is handed over as zeros of ``compute`` that hold no memory, unless it is not finite
     (then as it is, so that the processing refuses it as in memory), and ``natives`` keeps the
-    last part's kept tensors in the checkpoint's dtype, to be written in their place.
+    last part's kept tensors in the checkpoint's dtype, to be written in their place (with
+    ``keep_all``, every tensor of the last part, contiguous in the checkpoint's dtype).
     """
 
-    def __init__(self, checkpoint: Checkpoint, compute: torch.dtype | None, untouched: dict | None = None):
-        self.checkpoint, self.compute, self.untouched = checkpoint, compute, untouched
+    def __init__(self, checkpoint: Checkpoint, compute: torch.dtype | None, untouched: dict | None = None,
+                 keep_all: bool = False):
+        self.checkpoint, self.compute, self.untouched, self.keep_all = checkpoint, compute, untouched, keep_all
         self.buffers: dict[tuple[str, str], torch.Tensor] = {}
         self.natives: dict[str, torch.Tensor] = {}
         self.stand_ins: dict[str, torch.Tensor] = {}
+        self.handed: dict[str, torch.Tensor] = {}  # the last block, as handed over (in the reused buffers)
 
     def _buffer(self, kind: str, name: str | None, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         if name is None:  # the ends are read once: nothing to reuse
@@ -173,7 +176,7 @@ class PartReader:
             key = None if layer is None else "blocks.0." + name[len(prefix):] if name.startswith(prefix) else name
             part_name = name if layer is None else key
             native = in_memory(tensor, None if tensor.is_contiguous() else self._buffer("native", key, tensor, tensor.dtype))
-            if part_name in untouched.kept:
+            if self.keep_all or part_name in untouched.kept:
                 self.natives[name] = native
             if part_name in untouched.unread and not not_finite(native):
                 out[name] = self.stand_ins[name] = _zeros(native.shape, self.compute or native.dtype)
@@ -182,6 +185,7 @@ class PartReader:
             else:
                 converted = self._buffer("compute", key, native, self.compute)
                 out[name] = native.to(self.compute) if converted is None else converted.copy_(native)
+        self.handed = out if layer is not None else {}
         return out
 
     def ends(self) -> dict[str, torch.Tensor]:

@@ -260,6 +260,28 @@ def test_streaming_check_agrees_with_the_in_memory_check(tmp_path, name):
     assert "blocks.0." not in tensors["explanation"] and "blocks.2." not in tensors["explanation"]
 
 
+def test_tensors_off_the_rounding_are_certified_entry_by_entry(tmp_path):
+    """A processed tensor equal to the rounded rewrite passes without a certificate (the
+    rounding puts it within half a unit); one rounded otherwise (toward zero: within a unit) is
+    certified entry by entry and passes, and one moved a unit further fails."""
+    folder = _hf_folder(tmp_path, "llama-gqa", torch.bfloat16)
+    io.process_checkpoint(folder, tmp_path / "out", steps="applicable")
+    state_dict, cfg = io.load_hf_directory(folder)
+    exact, _ = cm.process_weights({k: v.float() for k, v in state_dict.items()}, cfg, **EVERYTHING)
+    processed, processed_cfg = io.open_checkpoint(tmp_path / "out").load()
+    name = "blocks.1.mlp.W_in"
+    toward_zero = (exact[name].view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+    further = (toward_zero.view(torch.int16) - 1).view(torch.bfloat16)  # one more unit toward zero
+    assert not torch.equal(toward_zero, processed[name])
+    for tensor, status in ((toward_zero, "holds"), (further, "violated")):
+        folder_name = f"changed-{status}"
+        with CheckpointWriter(tmp_path / folder_name, 1) as out:
+            out.write(dict(processed, **{name: tensor}), processed_cfg)
+        log_probs, tensors = check_processed(folder, tmp_path / folder_name, tokens=TOKENS).rows
+        assert log_probs["status"] == "holds" and tensors["status"] == status
+        assert ("1 certified entry by entry" if status == "holds" else name) in tensors["explanation"]
+
+
 def test_check_command_streams_checkpoint_folders(tmp_path, capsys):
     folder = _hf_folder(tmp_path, "gpt2")
     assert _cli.main(["process", str(folder), str(tmp_path / "out")]) == 0
