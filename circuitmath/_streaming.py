@@ -30,7 +30,7 @@ from ._processing._parts import InMemory, Parts
 from ._processing.pipeline import KEYWORD_OF, STEPS, process_weights, rounded_once
 from ._state import DTYPES, expected_shapes, not_finite
 
-__all__ = ["STEPS", "KEYWORD_OF", "checkpoint_parts", "process_checkpoint", "opened", "PartReader"]
+__all__ = ["STEPS", "KEYWORD_OF", "process_checkpoint", "opened", "PartReader"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -194,15 +194,6 @@ class PartReader:
 
     def block(self, layer: int) -> dict[str, torch.Tensor]:
         return self._prepared(self.checkpoint.block(layer), layer)
-
-
-def checkpoint_parts(checkpoint: Checkpoint, dtype: torch.dtype | None = None, device=None) -> Parts:
-    """``checkpoint`` cut into parts cast to ``dtype`` (default: its own) on ``device`` (default:
-    the CPU), read by a :class:`PartReader` (on the CPU, converted there)."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    dtype = dtype or checkpoint.dtype
-    reader = PartReader(checkpoint, dtype if device.type == "cpu" else None)
-    return Parts(reader, checkpoint.cfg, dtype, device, checkpoint.path)
 
 
 def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
