@@ -43,8 +43,15 @@ class _Weights(Mapping):
     one tensor at a time)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, nudge: float = 0.0,
-                 seeds: Mapping[str, int] | None = None):
+                 seeds: Mapping[str, int] | None = None, scratch: list | None = None):
         self.tensors, self.dtype, self.nudge, self.seeds = tensors, dtype, nudge, seeds or {}
+        self.scratch = [torch.empty(0)] if scratch is None else scratch  # memory for the noise, reused
+
+    def _noise(self, shape: torch.Size, g: torch.Generator) -> torch.Tensor:
+        count = math.prod(shape)
+        if self.scratch[0].numel() < count:
+            self.scratch[0] = torch.empty(count)
+        return torch.randn(shape, generator=g, out=self.scratch[0][:count].view(shape))
 
     def __contains__(self, name) -> bool:
         return name in self.tensors
@@ -57,7 +64,7 @@ class _Weights(Mapping):
         g = torch.Generator().manual_seed(self.seeds.get(name, 0) + zlib.crc32(name.encode()))
         # in place, without float32 and float64 temporaries of the tensor (the same numbers: a
         # half-precision factor is converted to float32 exactly inside the product)
-        change = torch.randn(tensor.shape, generator=g, dtype=torch.float32).mul_(self.nudge)
+        change = self._noise(tensor.shape, g).mul_(self.nudge)
         change.mul_(tensor if torch.finfo(tensor.dtype).bits <= 32 else tensor.float())
         return converted.add_(change) if converted is not tensor else converted + change
 
@@ -82,9 +89,10 @@ class _Pass:
     nudge: float = 0.0
     x: torch.Tensor | None = None
     pos: torch.Tensor | None = None
+    scratch: list = field(default_factory=lambda: [torch.empty(0)])
 
     def weights(self, tensors) -> _Weights:
-        return _Weights(tensors, self.dtype, self.nudge)
+        return _Weights(tensors, self.dtype, self.nudge, scratch=self.scratch)
 
     def start(self, ends: Mapping[str, torch.Tensor], cfg: Config, tokens: torch.Tensor) -> None:
         # Only the rows of W_E the tokens use are read and converted.
@@ -100,7 +108,8 @@ class _Pass:
         for start in range(0, cfg.d_vocab, UNEMBED_COLUMNS):
             columns = slice(start, start + UNEMBED_COLUMNS)
             params = dict(ends, **{"unembed.W_U": ends["unembed.W_U"][:, columns], "unembed.b_U": ends["unembed.b_U"][columns]})
-            weights = _Weights(params, self.dtype, self.nudge, seeds={"unembed.W_U": start, "unembed.b_U": start})
+            weights = _Weights(params, self.dtype, self.nudge, seeds={"unembed.W_U": start, "unembed.b_U": start},
+                               scratch=self.scratch)
             logits.append(unembed(weights, cfg, self.x))
         return torch.log_softmax(torch.cat(logits, dim=-1), dim=-1)
 
