@@ -9,7 +9,8 @@ Two measurements.
    cheapest generator torch has). Then, each in its own subprocess whose peak resident memory is
    read from ``wait4`` (``ru_maxrss``: file pages mapped in count too):
 
-   - ``cp -r`` of the folder (the yardstick: reading and writing the checkpoint once);
+   - ``cp -r`` of the folder (the yardstick: reading and writing the checkpoint once), after
+     reading it once so that both cp and process find it in the page cache (as far as it fits);
    - ``python -m circuitmath process IN OUT --steps applicable`` (for LLaMA: fold the RMSNorm
      gains, fold the value biases, center the unembed);
    - ``python -m circuitmath check IN --processed OUT`` on ``--batch`` x ``--seq-len`` tokens.
@@ -25,13 +26,18 @@ Targets: 7B ``process`` peak RSS at most 3 GB and time at most 2x ``cp``; ``chec
 peak RSS at most 4 GB; GPT-2-small streaming at most 1.5x in-memory. Exit status 1 if one is
 missed.
 
-Usage: ``python benchmarks/streaming.py [--skip-7b] [--skip-gpt2] [--rounds N] [--batch N] [--seq-len N]``.
+``--layers N`` measures a 7B-shaped checkpoint of N layers instead of 32 (cached beside the
+whole one; per-layer figures extrapolate to 32 layers: time(32) ~ time(N) + (32 - N) x the
+per-layer difference of two such runs).
+
+Usage: ``python benchmarks/streaming.py [--skip-7b] [--skip-gpt2] [--layers N] [--rounds N] [--batch N] [--seq-len N]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -111,7 +117,8 @@ def _write_llama(folder: Path, config: dict) -> None:
 
 
 def _measured(command: list[str]) -> tuple[float, float, str]:
-    """``(seconds, peak RSS in GB, output)`` of a subprocess (its own ``ru_maxrss``, from wait4)."""
+    """``(seconds, peak RSS in GB, output)`` of a subprocess (its own ``ru_maxrss``, from wait4;
+    Linux starts it from this process's resident size at fork, a few hundred MB)."""
     start = time.perf_counter()
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
                              env=os.environ | {"PYTHONPATH": str(ROOT)})
@@ -125,18 +132,28 @@ def _measured(command: list[str]) -> tuple[float, float, str]:
 
 
 def bench_7b(args) -> list[bool]:
-    folder = CACHE / "llama-7b-bf16"
+    layers = LLAMA_7B["num_hidden_layers"] if args.layers is None else args.layers
+    folder = CACHE / ("llama-7b-bf16" if layers == LLAMA_7B["num_hidden_layers"] else f"llama-7b-bf16-{layers}-layers")
     if not folder.exists():
         free = shutil.disk_usage(CACHE.parent if CACHE.parent.exists() else ROOT).free / 1e9
-        print(f"writing the 7B-shaped checkpoint to {folder} ({free:.0f} GB free) ...", flush=True)
+        print(f"writing the 7B-shaped checkpoint ({layers} layers) to {folder} ({free:.0f} GB free) ...", flush=True)
         start = time.perf_counter()
-        _write_llama(folder, LLAMA_7B)
+        # in a process of its own: a child's peak RSS (ru_maxrss) starts from its parent's at fork
+        writer = multiprocessing.get_context("spawn").Process(target=_write_llama, args=(folder, LLAMA_7B | {"num_hidden_layers": layers}))
+        writer.start()
+        writer.join()
+        if writer.exitcode:
+            raise SystemExit(f"writing {folder} failed (exit status {writer.exitcode})")
         print(f"  written in {time.perf_counter() - start:.0f} s", flush=True)
     size = sum(p.stat().st_size for p in folder.iterdir()) / 1e9
     copy, out = folder.with_name("copy.tmp"), folder.with_name("processed.tmp")
     for leftover in (copy, out):
         shutil.rmtree(leftover, ignore_errors=True)
     try:
+        for file in folder.iterdir():  # warm: the checkpoint in the page cache for cp as for process
+            with open(file, "rb") as handle:
+                while handle.read(1 << 24):
+                    pass
         cp_s, cp_rss, _ = _measured(["cp", "-r", str(folder), str(copy)])
         shutil.rmtree(copy)
         print(f"cp -r of the folder ({size:.1f} GB): {cp_s:.1f} s, peak RSS {cp_rss:.2f} GB", flush=True)
@@ -191,6 +208,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--skip-7b", action="store_true")
     parser.add_argument("--skip-gpt2", action="store_true")
+    parser.add_argument("--layers", type=int, default=None, help="layers of the 7B-shaped checkpoint (default 32)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=16)

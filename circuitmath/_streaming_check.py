@@ -7,8 +7,9 @@ block, keeping only the activations of the check tokens; the tolerance is
 :func:`~circuitmath.testing.rounding_sensitivity` measured as it does (the float64 forward pass
 against one with every weight nudged by a unit roundoff, plus the compute dtype's own rounding),
 every weight converted to float64 one tensor at a time as the pass reads it; and the processed
-tensors are compared one part at a time with the exact rewrite, replayed by
-:func:`~circuitmath.io.process_checkpoint`'s parts.
+tensors are compared one part at a time with the exact rewrite, replayed on the parts
+:func:`~circuitmath.io.process_checkpoint` processes. Each part of the original is read once
+(:class:`~circuitmath._streaming.PartReader`: contiguous, in its own dtype) for both.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from ._diagnosis._tensors import CERTIFICATE_ULPS, _certificate, _Thresholds
 from ._errors import InputError
 from ._processing.pipeline import process_weights
 from ._reference import block, check_tokens, embed, unembed
-from ._streaming import KEYWORD_OF, STEPS, checkpoint_parts, opened
+from ._processing._parts import Parts
+from ._streaming import KEYWORD_OF, STEPS, PartReader, _untouched, opened
 from ._compare import _unit_roundoff, compute_dtype, logprob_tolerance
 
 __all__ = ["check_processed", "StreamingReport"]
@@ -41,9 +43,16 @@ class _Weights(Mapping):
     one tensor at a time)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, nudge: float = 0.0,
-                 seeds: Mapping[str, int] | None = None, device: torch.device | None = None):
-        self.tensors, self.dtype, self.nudge, self.seeds = tensors, dtype, nudge, seeds or {}
-        self.device = device
+                 seeds: Mapping[str, int] | None = None, scratch: list | None = None,
+                 device: torch.device | None = None):
+        self.tensors, self.dtype, self.nudge, self.seeds, self.device = tensors, dtype, nudge, seeds or {}, device
+        self.scratch = [torch.empty(0)] if scratch is None else scratch  # memory for the noise, reused
+
+    def _noise(self, shape: torch.Size, g: torch.Generator) -> torch.Tensor:
+        count = math.prod(shape)
+        if self.scratch[0].numel() < count:
+            self.scratch[0] = torch.empty(count)
+        return torch.randn(shape, generator=g, out=self.scratch[0][:count].view(shape))
 
     def __contains__(self, name) -> bool:
         return name in self.tensors
@@ -54,8 +63,12 @@ class _Weights(Mapping):
         if not self.nudge:
             return converted
         g = torch.Generator().manual_seed(self.seeds.get(name, 0) + zlib.crc32(name.encode()))
-        noise = torch.randn(tensor.shape, generator=g, dtype=torch.float32).mul_(self.nudge).mul_(tensor.float())
-        return converted + noise.to(converted.device)  # drawn on the CPU: the same noise on every device
+        # in place, without float32 and float64 temporaries of the tensor (the same numbers: a
+        # half-precision factor is converted to float32 exactly inside the product)
+        # drawn on the CPU (the same noise on every device), then moved: no copy on the CPU
+        change = self._noise(tensor.shape, g).to(converted.device).mul_(self.nudge)
+        change.mul_((tensor if torch.finfo(tensor.dtype).bits <= 32 else tensor.float()).to(converted.device))
+        return converted.add_(change) if converted is not tensor else converted + change
 
     def __iter__(self):
         return iter(self.tensors)
@@ -79,9 +92,10 @@ class _Pass:
     device: torch.device | None = None
     x: torch.Tensor | None = None
     pos: torch.Tensor | None = None
+    scratch: list = field(default_factory=lambda: [torch.empty(0)])
 
     def weights(self, tensors) -> _Weights:
-        return _Weights(tensors, self.dtype, self.nudge, device=self.device)
+        return _Weights(tensors, self.dtype, self.nudge, scratch=self.scratch, device=self.device)
 
     def start(self, ends: Mapping[str, torch.Tensor], cfg: Config, tokens: torch.Tensor) -> None:
         # Only the rows of W_E the tokens use are read and converted.
@@ -98,7 +112,7 @@ class _Pass:
             columns = slice(start, start + UNEMBED_COLUMNS)
             params = dict(ends, **{"unembed.W_U": ends["unembed.W_U"][:, columns], "unembed.b_U": ends["unembed.b_U"][columns]})
             weights = _Weights(params, self.dtype, self.nudge, seeds={"unembed.W_U": start, "unembed.b_U": start},
-                               device=self.device)
+                               scratch=self.scratch, device=self.device)
             logits.append(unembed(weights, cfg, self.x))
         return torch.log_softmax(torch.cat(logits, dim=-1), dim=-1)
 
@@ -140,31 +154,124 @@ def _replay_keywords(before_cfg: Config, after_cfg: Config) -> dict[str, bool] |
     return {keyword: keyword in wanted for keyword in STEPS}
 
 
-def _log_prob_row(
-    before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress, total: int, device=None
-) -> dict:
-    """The largest |Δ log-prob| of the two checkpoints and its tolerance, computed block by block
-    on ``device``."""
+class _Tensors:
+    """The ``tensors`` row, built a part at a time: ``after``'s tensors against the exact rewrite
+    of ``before`` (``process_weights`` with ``keywords``, replayed on each part in ``compute``
+    and left unrounded).
+
+    A processed tensor equal, bit for bit, to the rewrite rounded to its dtype is within half a
+    unit in the last place of it by that rounding; any other is certified entry by entry
+    (:func:`~circuitmath._diagnosis._tensors._certificate`, in float64)."""
+
+    def __init__(self, before: Checkpoint, after: Checkpoint, keywords: dict[str, bool]):
+        self.after_cfg, self.keywords = after.cfg, keywords
+        self.thresholds = _Thresholds.of(after.dtype, before.cfg)
+        self.compute = compute_dtype(after.dtype)
+        self.wrong: list[tuple[str, float]] = []
+        self.count = self.equal = self.certified = 0
+        self.worst, self.rounded = 0.0, False
+        self.refused: str | None = None  # the replay's config differs from after's: nothing compared
+
+    def compare(self, replayed: dict, natives: dict, passed: set[int], theirs: dict) -> None:
+        """``replayed`` (a part's rewrite; a tensor whose id is in ``passed`` is the one given,
+        ``natives[name]`` as the checkpoint holds it) against ``theirs``, after's part."""
+        for name in sorted(set(replayed) | set(theirs)):
+            if name not in replayed or name not in theirs or replayed[name].shape != theirs[name].shape:
+                self.wrong.append((name, math.inf))
+                continue
+            self.count += 1
+            ours = natives[name] if id(replayed[name]) in passed and name in natives else replayed[name]
+            processed = theirs[name].to(ours.device)
+            if torch.equal(ours.to(processed.dtype), processed):
+                self.equal += 1
+                self.rounded = self.rounded or ours.dtype != processed.dtype  # then bounded by half a unit
+                continue
+            scale = max(float(ours.abs().max()), float(processed.abs().max())) if ours.numel() else 0.0
+            ratio = _certificate(processed, ours.to(self.compute), scale, self.thresholds)
+            self.certified += 1
+            self.worst = max(self.worst, ratio) if not math.isnan(ratio) else math.inf
+            if not ratio <= 1:
+                self.wrong.append((name, ratio))
+
+    def row(self, after_dtype: torch.dtype) -> dict:
+        row = {"name": "tensors", "kind": "rewrite", "max_abs_error": None, "tolerance": None}
+        if self.refused:
+            return row | {"status": "violated", "explanation": self.refused}
+        steps = [k for k, v in self.keywords.items() if v]
+        bound = f"{CERTIFICATE_ULPS} unit in the last place of {after_dtype} (and {self.compute}'s rounding of the rewrite)"
+        # bit for bit equal to the rounded rewrite: within half a unit, by that rounding
+        worst = max(self.worst, 0.5 if self.rounded else 0.0)
+        if self.wrong:
+            listed = ", ".join(f"{name} ({ratio:.3g}x)" for name, ratio in self.wrong[:8])
+            return row | {"status": "violated", "max_abs_error": worst, "tolerance": 1.0, "explanation": (
+                f"{len(self.wrong)} of {self.count} tensors have entries further from process_weights({', '.join(steps)})"
+                f" of before, computed in {self.compute}, than {bound}; the worst entry, as a multiple of that bound:"
+                f" {listed}{' ...' if len(self.wrong) > 8 else ''}")}
+        certified = (f"; {self.certified} certified entry by entry, the worst entry at {self.worst:.3g} of the bound"
+                     if self.certified else "")
+        return row | {"status": "holds", "max_abs_error": worst, "tolerance": 1.0, "explanation": (
+            f"{self.count} tensors within {bound} of process_weights({', '.join(steps)}) of before, replayed part by"
+            f" part in {self.compute} ({self.equal} equal to it rounded, bit for bit, so within half a unit{certified})")}
+
+
+def _rows(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress, device=None) -> list[dict]:
+    """The ``log-probs`` and ``tensors`` rows, from one pass over the parts: each part of
+    ``before`` is read once (contiguous, in its own dtype), replayed for the tensors and run
+    forward on the tokens, three times (in the compute dtype, in float64, and in float64 nudged),
+    beside ``after``'s part run forward once; the replay and the passes run on ``device``."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    keywords = _replay_keywords(before.cfg, after.cfg)
+    tensors = _Tensors(before, after, keywords) if keywords is not None else None
+    # the tensors the replay hands back unread come as zeros: compared as the checkpoint holds them
+    untouched = {True: _untouched(before.cfg, keywords, None), False: _untouched(before.cfg, keywords, 0)} if tensors else None
+    reader = PartReader(before, tensors.compute if tensors else None, untouched, keep_all=True)
+    parts = Parts(reader, before.cfg, tensors.compute if tensors else before.dtype, device, before.path)
     coarse = max((before.dtype, after.dtype), key=lambda d: torch.finfo(d).eps)
     run_in = compute_dtype(coarse)
     ours, theirs = _Pass(run_in, device=device), _Pass(run_in, device=device)
     exact = _Pass(torch.float64, device=device)
     nudged = _Pass(torch.float64, nudge=_unit_roundoff(coarse), device=device)
     mine = (ours, exact, nudged)
-    before_ends, after_ends = before.ends(), after.ends()
-    for p in mine:
-        p.start(before_ends, before.cfg, tokens)
-    theirs.start(after_ends, after.cfg, tokens)
-    del before_ends, after_ends
-    for layer in range(before.cfg.n_layers):
-        tensors, processed = before.block(layer), after.block(layer)
-        for p in mine:
-            p.step(tensors, layer, before.cfg)
-        theirs.step(processed, layer, after.cfg)
-        del tensors, processed
+    total = before.cfg.n_layers + 1
+    for layer in [None, *range(before.cfg.n_layers)]:
+        processed = after.ends() if layer is None else after.block(layer)
+        if tensors is not None and tensors.refused is None:
+            passed = set()
+
+            def transform(state_dict, part_cfg):
+                out, out_cfg = process_weights(state_dict, part_cfg, **keywords)
+                passed.update(id(t) for n, t in out.items() if t is state_dict.get(n))
+                return out, out_cfg
+
+            replayed, replayed_cfg = parts.run(layer, transform)
+            if layer is None and replayed_cfg != after.cfg:
+                tensors.refused = f"the replay of {keywords} gives {replayed_cfg}, after has {after.cfg}"
+            else:
+                tensors.compare(replayed, reader.natives, passed, processed)
+            del replayed
+            natives = reader.natives
+        else:
+            reader.ends() if layer is None else reader.block(layer)
+            natives = reader.natives
+        # the pass in the compute dtype reads a block's tensors as converted for the replay
+        handed = {n: natives[n] if n in reader.stand_ins else t for n, t in reader.handed.items()}
+        converted = [handed if handed and p.dtype == tensors.compute else natives for p in mine]
+        reader.handed = {}
+        if layer is None:
+            theirs.start(processed, after.cfg, tokens)
+            for p, weights in zip(mine, converted):
+                p.start(weights, before.cfg, tokens)
+            # kept for the unembedding; the embeddings go (their pages are mapped, some read)
+            before_ends, after_ends = ({n: t for n, t in ends.items() if not n.startswith(("embed.", "pos_embed."))}
+                                       for ends in (natives, processed))
+        else:
+            theirs.step(processed, layer, after.cfg)
+            del processed  # its pages are mapped: gone before the three passes over before's block
+            for p, weights in zip(mine, converted):
+                p.step(weights, layer, before.cfg)
+        del natives, handed, converted
         if progress:
-            progress(layer + 1, total, f"forward pass, block {layer}")
-    before_ends, after_ends = before.ends(), after.ends()
+            progress(1 if layer is None else layer + 2, total, "embedding and unembedding" if layer is None else f"block {layer}")
     a, reference, moved = (p.log_probs(before_ends, before.cfg).double() for p in mine)
     b = theirs.log_probs(after_ends, after.cfg).double()
     sensitivity = float((reference - moved).abs().max())
@@ -175,68 +282,19 @@ def _log_prob_row(
     where = [int(i) for i in torch.unravel_index(differences.argmax(), differences.shape)]
     tolerance = logprob_tolerance(before.cfg, coarse, float(a.abs().max()), sensitivity)
     holds = difference <= tolerance
-    return {
+    log_probs = {
         "name": "log-probs", "kind": "comparison", "status": "holds" if holds else "violated",
         "max_abs_error": difference, "tolerance": tolerance, "where": where,
         "explanation": f"before -> after on {tokens.shape[0]} x {tokens.shape[1]} tokens, block by block in {run_in}"
         f" (rounding sensitivity {sensitivity:.3g}, measured block by block in float64)"
         + ("" if holds else ": the processed model computes a different function"),
     }
-
-
-def _tensor_row(before: Checkpoint, after: Checkpoint, progress, done: int, total: int, device=None) -> dict:
-    """``after``'s tensors against the exact rewrite of ``before``, replayed a part at a time on
-    ``device``."""
-    keywords = _replay_keywords(before.cfg, after.cfg)
-    row = {"name": "tensors", "kind": "rewrite", "max_abs_error": None, "tolerance": None}
-    if keywords is None:
-        return row | {"status": "not compared", "explanation": (
-            f"after records {after.cfg.applied}, not {before.cfg.applied} followed by"
-            f" {process_weights.__name__} steps")}
-    thresholds = _Thresholds.of(after.dtype, before.cfg)
-    compute = compute_dtype(after.dtype)
-    parts = checkpoint_parts(before, compute, device)  # replayed unrounded: the certificate rounds
-    wrong, equal, count, worst = [], 0, 0, 0.0
-
-    def transform(state_dict, part_cfg):
-        return process_weights(state_dict, part_cfg, **keywords)
-
-    for layer in [None, *range(before.cfg.n_layers)]:
-        replayed, replayed_cfg = parts.run(layer, transform)
-        if layer is None and replayed_cfg != after.cfg:
-            return row | {"status": "violated", "explanation": f"the replay of {keywords} gives {replayed_cfg}, after has {after.cfg}"}
-        theirs = after.ends() if layer is None else after.block(layer)
-        for name in sorted(set(replayed) | set(theirs)):
-            if name not in replayed or name not in theirs or replayed[name].shape != theirs[name].shape:
-                wrong.append((name, math.inf))
-                continue
-            count += 1
-            ours, processed = replayed[name], theirs[name].to(replayed[name].device)
-            equal += torch.equal(ours.to(processed.dtype), processed)
-            if torch.equal(ours, processed):
-                ratio = 0.0
-            else:
-                scale = max(float(ours.abs().max()), float(processed.abs().max())) if ours.numel() else 0.0
-                ratio = _certificate(processed, ours, scale, thresholds)
-            worst = max(worst, ratio)
-            if ratio > 1:
-                wrong.append((name, ratio))
-        del replayed, theirs
-        if progress:
-            progress(done + (0 if layer is None else layer + 1), total, "tensors" if layer is None else f"tensors, block {layer}")
-    steps = [k for k, v in keywords.items() if v]
-    bound = (f"{CERTIFICATE_ULPS} unit in the last place of {after.dtype} (and {compute}'s rounding of the rewrite)")
-    if wrong:
-        listed = ", ".join(f"{name} ({ratio:.3g}x)" for name, ratio in wrong[:8])
-        return row | {"status": "violated", "max_abs_error": worst, "tolerance": 1.0, "explanation": (
-            f"{len(wrong)} of {count} tensors have entries further from"
-            f" {process_weights.__name__}({', '.join(steps)}) of before,"
-            f" computed in {compute}, than {bound}; the worst entry, as a multiple of that bound: {listed}"
-            f"{' ...' if len(wrong) > 8 else ''}")}
-    return row | {"status": "holds", "max_abs_error": worst, "tolerance": 1.0, "explanation": (
-        f"{count} tensors within {bound} of {process_weights.__name__}({', '.join(steps)}) of before,"
-        " replayed part by part"
-        f" in {compute} ({equal} equal to it rounded, bit for bit; the worst entry at {worst:.3g} of the bound)")}
+    if tensors is None:
+        return [log_probs, {"name": "tensors", "kind": "rewrite", "max_abs_error": None, "tolerance": None,
+                            "status": "not compared", "explanation": (
+                                f"after records {after.cfg.applied}, not {before.cfg.applied} followed by"
+                                " process_weights steps")}]
+    return [log_probs, tensors.row(after.dtype)]
 
 
 def check_processed(
@@ -252,7 +310,7 @@ def check_processed(
     ``tensors``, every processed tensor against :func:`~circuitmath.process_weights` of
     ``before`` with the steps ``after`` records, replayed part by part (``"not compared"`` when
     ``after`` records steps that are not pipeline steps). ``progress(done, total, what)`` is
-    called after each block. ``device``: where the passes and the replay run (default the CPU).
+    called after each block. ``device``: where the replay and the passes run (default the CPU).
     """
     before, after = opened(before, config), opened(after)
     shape = ("n_layers", "d_model", "n_heads", "d_head", "d_vocab", "n_ctx")
@@ -261,8 +319,5 @@ def check_processed(
         raise InputError(f"{after.path} is not a processing of {before.path}: {', '.join(differ)}")
     tokens = tokens(before.cfg) if callable(tokens) else tokens
     tokens = check_tokens(before.cfg, tokens)
-    total = 2 * before.cfg.n_layers + 1
     with torch.no_grad():
-        rows = [_log_prob_row(before, after, tokens, progress, total, device)]
-        rows.append(_tensor_row(before, after, progress, before.cfg.n_layers + 1, total, device))
-    return StreamingReport(rows)
+        return StreamingReport(_rows(before, after, tokens, progress, device))

@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 import circuitmath as cm
 from circuitmath import _cli, io
 from circuitmath._checkpoint import INDEX, CheckpointWriter
-from circuitmath._streaming import STEPS
+from circuitmath._hf import hf_layout
+from circuitmath._streaming import STEPS, _untouched
 from circuitmath._streaming_check import check_processed
 from circuitmath.testing import NotEquivalentError, assert_equivalent, compare_log_probs
 
@@ -44,7 +45,7 @@ EVERYTHING = dict.fromkeys(STEPS)
 TOKENS = torch.randint(0, VOCAB, (2, CTX), generator=torch.Generator().manual_seed(0))
 
 
-def _hf_folder(tmp_path, name: str):
+def _hf_folder(tmp_path, name: str, dtype: torch.dtype = torch.float32):
     """A Hugging Face folder of ``name`` with random weights of unit scale, in several shards."""
     model_class, config = HF[name]
     torch.manual_seed(0)
@@ -59,7 +60,7 @@ def _hf_folder(tmp_path, name: str):
                 value = value * param.shape[-1] ** -0.5
             param.copy_(value)
     folder = tmp_path / name
-    model.save_pretrained(folder, max_shard_size="8KB")
+    model.to(dtype).save_pretrained(folder, max_shard_size="8KB")
     return folder
 
 
@@ -83,6 +84,37 @@ def test_streaming_process_equals_the_in_memory_transform(tmp_path, name):
     assert out_cfg == got_cfg == expected_cfg
     assert got.keys() == expected.keys()
     assert all(got[k].dtype == expected[k].dtype and torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("name", sorted(HF))
+def test_half_precision_folders_stream_bit_for_bit(tmp_path, name):
+    """bfloat16 Hugging Face folders: the streaming path transposes each stored matrix in
+    bfloat16, and writes the tensors the processing passes through (W_O, W_out, W_E for LLaMA)
+    as stored; the result is still the in-memory transform's, bit for bit."""
+    folder = _hf_folder(tmp_path, name, torch.bfloat16)
+    state_dict, cfg = io.load_hf_directory(folder)
+    assert next(iter(state_dict.values())).dtype == torch.bfloat16
+    expected, expected_cfg = cm.process_weights(state_dict, cfg, **EVERYTHING)
+    io.process_checkpoint(folder, tmp_path / "out", steps="applicable")
+    got, got_cfg = io.open_checkpoint(tmp_path / "out").load()
+    assert got_cfg == expected_cfg and got.keys() == expected.keys()
+    assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_untouched_tensors_are_found_on_a_small_model():
+    """What process_checkpoint writes unconverted: for LLaMA, W_O comes back as it went in but
+    b_O is computed from it (fold_value_biases), so it is read; W_out and W_E are neither
+    rewritten nor read. GPT-2's fused steps rewrite every tensor."""
+    _, llama = HF["llama-gqa"]
+    cfg = hf_layout(llama.to_dict()).cfg
+    block, ends = (_untouched(cfg, EVERYTHING, layer) for layer in (0, None))
+    assert "blocks.0.attn.W_O" in block.kept and "blocks.0.attn.W_O" not in block.unread
+    assert {"blocks.0.mlp.W_out", "blocks.0.mlp.b_out"} <= block.unread
+    assert not {"blocks.0.attn.W_Q", "blocks.0.mlp.W_in", "blocks.0.mlp.W_gate", "blocks.0.attn.b_O"} & block.kept
+    assert ends.unread == {"embed.W_E"}
+    _, gpt2 = HF["gpt2"]
+    cfg = hf_layout(gpt2.to_dict()).cfg
+    assert _untouched(cfg, EVERYTHING, 0).kept == _untouched(cfg, EVERYTHING, None).kept == frozenset()
 
 
 @pytest.mark.parametrize("cfg", [
@@ -136,6 +168,14 @@ def test_a_nan_in_a_late_layer_is_named_and_nothing_is_written(tmp_path):
     _corrupt(folder, "transformer.h.2.mlp.c_fc.weight", float("nan"))
     with pytest.raises(cm.StateDictError, match=r"gpt2: .*blocks\.2\.mlp\.W_in has 1 NaN"):
         io.process_checkpoint(folder, tmp_path / "out")
+    assert _left_behind(tmp_path) == []
+
+
+def test_a_nan_in_an_unread_tensor_is_named_and_nothing_is_written(tmp_path):
+    folder = _hf_folder(tmp_path, "llama-gqa", torch.bfloat16)
+    _corrupt(folder, "model.layers.1.mlp.down_proj.weight", float("nan"))  # W_out: written unconverted
+    with pytest.raises(cm.StateDictError, match=r"llama-gqa: .*blocks\.1\.mlp\.W_out has 1 NaN"):
+        io.process_checkpoint(folder, tmp_path / "out", steps="applicable")
     assert _left_behind(tmp_path) == []
 
 
@@ -218,6 +258,28 @@ def test_streaming_check_agrees_with_the_in_memory_check(tmp_path, name):
     assert log_probs["status"] == "violated" and log_probs["max_abs_error"] == pytest.approx(in_memory.max_abs_error, rel=1e-3)
     assert tensors["status"] == "violated" and "blocks.1.attn.W_Q" in tensors["explanation"]
     assert "blocks.0." not in tensors["explanation"] and "blocks.2." not in tensors["explanation"]
+
+
+def test_tensors_off_the_rounding_are_certified_entry_by_entry(tmp_path):
+    """A processed tensor equal to the rounded rewrite passes without a certificate (the
+    rounding puts it within half a unit); one rounded otherwise (toward zero: within a unit) is
+    certified entry by entry and passes, and one moved a unit further fails."""
+    folder = _hf_folder(tmp_path, "llama-gqa", torch.bfloat16)
+    io.process_checkpoint(folder, tmp_path / "out", steps="applicable")
+    state_dict, cfg = io.load_hf_directory(folder)
+    exact, _ = cm.process_weights({k: v.float() for k, v in state_dict.items()}, cfg, **EVERYTHING)
+    processed, processed_cfg = io.open_checkpoint(tmp_path / "out").load()
+    name = "blocks.1.mlp.W_in"
+    toward_zero = (exact[name].view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+    further = (toward_zero.view(torch.int16) - 1).view(torch.bfloat16)  # one more unit toward zero
+    assert not torch.equal(toward_zero, processed[name])
+    for tensor, status in ((toward_zero, "holds"), (further, "violated")):
+        folder_name = f"changed-{status}"
+        with CheckpointWriter(tmp_path / folder_name, 1) as out:
+            out.write(dict(processed, **{name: tensor}), processed_cfg)
+        log_probs, tensors = check_processed(folder, tmp_path / folder_name, tokens=TOKENS).rows
+        assert log_probs["status"] == "holds" and tensors["status"] == status
+        assert ("1 certified entry by entry" if status == "holds" else name) in tensors["explanation"]
 
 
 def test_check_command_streams_checkpoint_folders(tmp_path, capsys):
