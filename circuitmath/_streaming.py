@@ -30,7 +30,7 @@ from ._processing._parts import InMemory, Parts
 from ._processing.pipeline import KEYWORD_OF, STEPS, process_weights, rounded_once
 from ._state import DTYPES, expected_shapes, not_finite
 
-__all__ = ["STEPS", "KEYWORD_OF", "process_checkpoint", "opened", "PartReader"]
+__all__ = ["STEPS", "KEYWORD_OF", "process_checkpoint", "opened", "PartReader", "replayed"]
 
 Progress = Callable[[int, int, str], None]
 
@@ -196,6 +196,20 @@ class PartReader:
         return self._prepared(self.checkpoint.block(layer), layer)
 
 
+def replayed(parts: Parts, layer: int | None, keywords: dict) -> tuple[dict[str, torch.Tensor], Config, set[int]]:
+    """Part ``layer`` (``None``: the ends) of ``parts`` through :func:`process_weights` with
+    ``keywords``: its tensors, its config, and the ids of the tensors handed back as given."""
+    same: set[int] = set()
+
+    def transform(state_dict, part_cfg):
+        out, out_cfg = process_weights(state_dict, part_cfg, **keywords)
+        same.update(id(t) for n, t in out.items() if t is state_dict.get(n))
+        return out, out_cfg
+
+    out, out_cfg = parts.run(layer, transform)
+    return out, out_cfg, same
+
+
 def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: t.cpu().contiguous() for n, t in tensors.items()}
 
@@ -257,16 +271,9 @@ def process_checkpoint(
     parts = Parts(reader, cfg, compute, device, checkpoint.path)
 
     def run(layer: int | None) -> tuple[dict[str, torch.Tensor], Config]:
-        same = set()
-
-        def transform(state_dict, part_cfg):
-            out, out_cfg = process_weights(state_dict, part_cfg, **keywords)
-            same.update(id(t) for n, t in out.items() if t is state_dict.get(n))
-            return out, out_cfg
-
-        out, out_cfg = parts.run(layer, transform)
+        out, out_cfg, same = replayed(parts, layer, keywords)
         if any(out.get(n) is not t for n, t in reader.stand_ins.items()):  # _untouched found them passed through
-            raise RuntimeError(f"process_checkpoint: process_weights rewrote {sorted(reader.stand_ins)}, found untouched")
+            raise RuntimeError(f"process_checkpoint: {process_weights.__name__} rewrote {sorted(reader.stand_ins)}, found untouched")
         native = {n for n, t in out.items() if id(t) in same and n in reader.natives}
         rounded = rounded_once({n: t for n, t in out.items() if n not in native}, target) if half else out
         written = {n: reader.natives[n] if n in native else rounded[n] for n in out}

@@ -28,7 +28,7 @@ from ._errors import InputError
 from ._processing.pipeline import process_weights
 from ._reference import block, check_tokens, embed, unembed
 from ._processing._parts import Parts
-from ._streaming import KEYWORD_OF, STEPS, PartReader, _untouched, opened
+from ._streaming import KEYWORD_OF, STEPS, PartReader, _untouched, opened, replayed
 from ._compare import _unit_roundoff, compute_dtype, logprob_tolerance
 
 __all__ = ["check_processed", "StreamingReport"]
@@ -204,13 +204,13 @@ class _Tensors:
         if self.wrong:
             listed = ", ".join(f"{name} ({ratio:.3g}x)" for name, ratio in self.wrong[:8])
             return row | {"status": "violated", "max_abs_error": worst, "tolerance": 1.0, "explanation": (
-                f"{len(self.wrong)} of {self.count} tensors have entries further from process_weights({', '.join(steps)})"
+                f"{len(self.wrong)} of {self.count} tensors have entries further from {process_weights.__name__}({', '.join(steps)})"
                 f" of before, computed in {self.compute}, than {bound}; the worst entry, as a multiple of that bound:"
                 f" {listed}{' ...' if len(self.wrong) > 8 else ''}")}
         certified = (f"; {self.certified} certified entry by entry, the worst entry at {self.worst:.3g} of the bound"
                      if self.certified else "")
         return row | {"status": "holds", "max_abs_error": worst, "tolerance": 1.0, "explanation": (
-            f"{self.count} tensors within {bound} of process_weights({', '.join(steps)}) of before, replayed part by"
+            f"{self.count} tensors within {bound} of {process_weights.__name__}({', '.join(steps)}) of before, replayed part by"
             f" part in {self.compute} ({self.equal} equal to it rounded, bit for bit, so within half a unit{certified})")}
 
 
@@ -222,9 +222,12 @@ def _rows(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress,
     device = torch.device("cpu") if device is None else torch.device(device)
     keywords = _replay_keywords(before.cfg, after.cfg)
     tensors = _Tensors(before, after, keywords) if keywords is not None else None
-    # the tensors the replay hands back unread come as zeros: compared as the checkpoint holds them
-    untouched = {True: _untouched(before.cfg, keywords, None), False: _untouched(before.cfg, keywords, 0)} if tensors else None
-    reader = PartReader(before, tensors.compute if tensors else None, untouched, keep_all=True)
+    # On the CPU the tensors the replay hands back unread come as zeros (compared as the
+    # checkpoint holds them), and a block is converted once for the replay and the compute-dtype
+    # pass; on another device the parts are converted there, as process_checkpoint does.
+    on_cpu = tensors is not None and device.type == "cpu"
+    untouched = {True: _untouched(before.cfg, keywords, None), False: _untouched(before.cfg, keywords, 0)} if on_cpu else None
+    reader = PartReader(before, tensors.compute if on_cpu else None, untouched, keep_all=True)
     parts = Parts(reader, before.cfg, tensors.compute if tensors else before.dtype, device, before.path)
     coarse = max((before.dtype, after.dtype), key=lambda d: torch.finfo(d).eps)
     run_in = compute_dtype(coarse)
@@ -236,19 +239,12 @@ def _rows(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress,
     for layer in [None, *range(before.cfg.n_layers)]:
         processed = after.ends() if layer is None else after.block(layer)
         if tensors is not None and tensors.refused is None:
-            passed = set()
-
-            def transform(state_dict, part_cfg):
-                out, out_cfg = process_weights(state_dict, part_cfg, **keywords)
-                passed.update(id(t) for n, t in out.items() if t is state_dict.get(n))
-                return out, out_cfg
-
-            replayed, replayed_cfg = parts.run(layer, transform)
-            if layer is None and replayed_cfg != after.cfg:
-                tensors.refused = f"the replay of {keywords} gives {replayed_cfg}, after has {after.cfg}"
+            rewrite, rewrite_cfg, passed = replayed(parts, layer, keywords)
+            if layer is None and rewrite_cfg != after.cfg:
+                tensors.refused = f"the replay of {keywords} gives {rewrite_cfg}, after has {after.cfg}"
             else:
-                tensors.compare(replayed, reader.natives, passed, processed)
-            del replayed
+                tensors.compare(rewrite, reader.natives, passed, processed)
+            del rewrite
             natives = reader.natives
         else:
             reader.ends() if layer is None else reader.block(layer)
@@ -293,7 +289,7 @@ def _rows(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress,
         return [log_probs, {"name": "tensors", "kind": "rewrite", "max_abs_error": None, "tolerance": None,
                             "status": "not compared", "explanation": (
                                 f"after records {after.cfg.applied}, not {before.cfg.applied} followed by"
-                                " process_weights steps")}]
+                                f" {process_weights.__name__} steps")}]
     return [log_probs, tensors.row(after.dtype)]
 
 
