@@ -21,6 +21,7 @@ from ._config import Config
 from ._errors import CircuitMathError, InputError
 from ._identities import get_identity, identities
 from ._processing.pipeline import PIPELINE_STEPS, process_weights
+from ._state import usable_device
 
 COLUMNS = ("identity", "symbolic dims", "steps", "seconds", "twins rejected", "status")
 
@@ -107,19 +108,6 @@ class _ProgressLine:
             self.stream.flush()
 
 
-def _device(option: str, text: str | None) -> torch.device:
-    """``text`` (``None``: the CPU) as a device this machine can compute on; else an
-    :class:`InputError` naming ``option``, raised before anything is read or written."""
-    try:
-        device = torch.device(text or "cpu")
-        if device.type == "meta":
-            raise RuntimeError("a meta tensor holds no values to compute with")
-        torch.empty(1, device=device)  # a device this torch build or machine lacks is refused here
-    except (RuntimeError, AssertionError) as error:
-        raise InputError(f"{option} {text}: not a device this machine can compute on ({error})") from None
-    return device
-
-
 #: The most activation entries (batch x positions x the widest layer) a check may ask for: 2**28
 #: float64 entries are 2 GiB, several times what a check of GPT-2-small on 4 x 128 tokens needs.
 MAX_ACTIVATIONS = 1 << 28
@@ -130,7 +118,7 @@ def _check(args) -> int:
 
     if not (1 <= args.batch and 1 <= args.seq_len):
         raise InputError("--batch and --seq-len must be at least 1")
-    device = _device("--device", args.device)
+    device = usable_device(args.device, "--device")
 
     def tokens(cfg: Config) -> torch.Tensor:
         positions = min(cfg.n_ctx, args.seq_len)
@@ -186,9 +174,10 @@ def _process(args) -> int:
     progress = _ProgressLine(sys.stderr, label="process") if sys.stderr.isatty() else None
     # A termination request unwinds like Ctrl-C, so the temporary output is removed.
     signal.signal(signal.SIGTERM, _interrupt)
+    device = usable_device(args.device, "--device")
     try:
         cfg = io.process_checkpoint(
-            args.input, args.output, steps=steps, dtype=DTYPE_NAMES.get(args.dtype), device=args.device, progress=progress)
+            args.input, args.output, steps=steps, dtype=DTYPE_NAMES.get(args.dtype), device=device, progress=progress)
     except KeyboardInterrupt:
         print(f"interrupted: {args.output} not written", file=sys.stderr)
         return 130

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from ._config import Config
-from ._errors import StateDictError
+from ._errors import InputError, StateDictError
 
 __all__ = [
     "attention_names",
@@ -22,10 +22,33 @@ __all__ = [
     "check_config_fits",
     "validated_once",
     "not_finite",
+    "usable_device",
     "StateDict",
 ]
 
 StateDict = Mapping[str, torch.Tensor]
+
+def usable_device(device, option: str) -> torch.device:
+    """``device`` (a name or a :class:`torch.device`; ``None``: the CPU) as a device this machine
+    can compute on, else an :class:`InputError` naming ``option`` (the CLI's ``--device``, a
+    function's ``device``), raised before anything is read or written.
+
+    >>> usable_device(None, "device")
+    device(type='cpu')
+    >>> usable_device("meta", "--device")
+    Traceback (most recent call last):
+    ...
+    circuitmath._errors.InputError: --device meta: not a device this machine can compute on (a meta tensor holds no values to compute with)
+    """
+    try:
+        chosen = torch.device("cpu" if device is None else device)
+        if chosen.type == "meta":
+            raise RuntimeError("a meta tensor holds no values to compute with")
+        torch.empty(1, device=chosen)  # a device this torch build or machine lacks is refused here
+    except Exception as error:  # noqa: BLE001 - torch raises RuntimeError, AssertionError, ImportError, ...
+        raise InputError(f"{option} {device}: not a device this machine can compute on ({error})") from None
+    return chosen
+
 
 _CHECK_ENTRIES = contextvars.ContextVar("circuitmath_check_entries", default=True)
 

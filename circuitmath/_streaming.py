@@ -28,7 +28,7 @@ from ._errors import CircuitMathError, InputError
 from ._processing._memory import new_tensor
 from ._processing._parts import InMemory, Parts
 from ._processing.pipeline import KEYWORD_OF, STEPS, process_weights, rounded_once
-from ._state import DTYPES, expected_shapes, not_finite
+from ._state import DTYPES, expected_shapes, not_finite, usable_device
 
 __all__ = ["STEPS", "KEYWORD_OF", "process_checkpoint", "opened", "PartReader", "replayed"]
 
@@ -248,11 +248,7 @@ def process_checkpoint(
     keywords = _keywords(steps)
     if dtype is not None and dtype not in DTYPES:
         raise InputError(f"dtype {dtype}: circuitmath computes in {', '.join(map(str, DTYPES))}")
-    try:
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        torch.empty(0, device=device)  # a device this torch build cannot use is refused here
-    except (RuntimeError, AssertionError) as error:
-        raise InputError(f"device {device!r} cannot be used: {error}") from None
+    device = usable_device(device, "device")
     checkpoint = opened(source, config)
     cfg, target = checkpoint.cfg, dtype or checkpoint.dtype
     # a half-precision checkpoint kept in its dtype: each part read straight into float32 and

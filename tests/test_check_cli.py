@@ -212,6 +212,7 @@ BAD_INPUTS = {
 if not torch.cuda.is_available():
     BAD_INPUTS["cuda without a GPU"] = (lambda tmp: [_write_model(tmp), "--device", "cuda"], "--device cuda")
 BAD_INPUTS["unknown device"] = (lambda tmp: [_write_model(tmp), "--device", "nonsense:0"], "--device nonsense:0")
+BAD_INPUTS["a device torch cannot import"] = (lambda tmp: [_write_model(tmp), "--device", "hpu"], "--device hpu")
 BAD_INPUTS["meta device"] = (lambda tmp: [_write_model(tmp), "--device", "meta"], "holds no values")
 # the device is refused before any file is read: the missing file is not what is reported
 BAD_INPUTS["device before files"] = (lambda tmp: [tmp / "absent.safetensors", "--device", "nonsense"], "--device nonsense")
@@ -269,7 +270,7 @@ def test_the_device_reaches_every_path(files, tmp_path, capsys, monkeypatch):
     checks or computes with, so each one works on the device it is given, not on the CPU the
     files are read onto."""
     paths = _three_paths(files, tmp_path)
-    monkeypatch.setattr(_cli, "_device", lambda option, text: torch.device(text or "cpu"))
+    monkeypatch.setattr(_cli, "usable_device", lambda text, option: torch.device(text or "cpu"))
     for name, args in paths.items():
         assert _run(capsys, *args, "--device", "cpu")[0] in (0, 1), name
         try:

@@ -315,7 +315,14 @@ BAD_INPUTS = {
                                                                   or str(folder), str(tmp / "out")], "does not hold"),
     "nan in block 1": (lambda tmp, folder: [_corrupt(folder, "model.layers.1.self_attn.o_proj.weight", float("inf"))
                                             or str(folder), str(tmp / "out")], r"blocks\.1\.attn\.W_O has 1 NaN or Inf"),
-    "unusable device": (lambda tmp, folder: [str(folder), str(tmp / "out"), "--device", "nonsense:0"], "device"),
+    "unusable device": (lambda tmp, folder: [str(folder), str(tmp / "out"), "--device", "nonsense:0"],
+                        "--device nonsense:0: not a device"),
+    "a device torch cannot import": (lambda tmp, folder: [str(folder), str(tmp / "out"), "--device", "hpu"],
+                                     "--device hpu: not a device"),
+    "meta device": (lambda tmp, folder: [str(folder), str(tmp / "out"), "--device", "meta"],
+                    "--device meta: .*holds no values"),
+    "device before files": (lambda tmp, folder: [str(tmp / "absent"), str(tmp / "out"), "--device", "nonsense"],
+                            "--device nonsense: not a device"),
     "bad shape": (lambda tmp, folder: [_reshaped_config(folder) or str(folder), str(tmp / "out")], "has shape"),
 }
 
