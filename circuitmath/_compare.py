@@ -112,13 +112,15 @@ def _float64_passes(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, u:
     """Float64 log-probs ``[batch, pos, d_vocab]`` of ``state_dict`` and of it with every weight
     multiplied by ``1 + u * xi``, a part of the model at a time (see :func:`rounding_sensitivity`)."""
     device = state_dict["embed.W_E"].device
-    g = torch.Generator(device=device).manual_seed(seed)  # the noise is drawn where the weights are
+    # The noise is drawn on the CPU and moved, as the checkpoint check draws it: the same numbers,
+    # so the same tolerance, on every device.
+    g = torch.Generator().manual_seed(seed)
 
     def both(part: dict[str, torch.Tensor]) -> tuple[dict, dict]:
         exact = {k: v.double() for k, v in part.items()}
         # The change u * xi * w is computed in float32 (several times faster than float64) and
         # added in float64: it is of the order of u, so its own rounding does not matter.
-        noise = {k: torch.randn(v.shape, generator=g, dtype=torch.float32, device=device) for k, v in part.items()}
+        noise = {k: torch.randn(v.shape, generator=g, dtype=torch.float32, device="cpu").to(device) for k, v in part.items()}
         return exact, {k: exact[k].add(noise[k].mul_(v.float()), alpha=u) for k, v in part.items()}
 
     def named(prefix: str) -> dict[str, torch.Tensor]:

@@ -46,12 +46,12 @@ class _Weights(Mapping):
                  seeds: Mapping[str, int] | None = None, scratch: list | None = None,
                  device: torch.device | None = None):
         self.tensors, self.dtype, self.nudge, self.seeds, self.device = tensors, dtype, nudge, seeds or {}, device
-        self.scratch = [torch.empty(0)] if scratch is None else scratch  # memory for the noise, reused
+        self.scratch = [torch.empty(0, device="cpu")] if scratch is None else scratch  # memory for the noise, reused
 
     def _noise(self, shape: torch.Size, g: torch.Generator) -> torch.Tensor:
         count = math.prod(shape)
         if self.scratch[0].numel() < count:
-            self.scratch[0] = torch.empty(count)
+            self.scratch[0] = torch.empty(count, device="cpu")
         return torch.randn(shape, generator=g, out=self.scratch[0][:count].view(shape))
 
     def __contains__(self, name) -> bool:
@@ -92,7 +92,7 @@ class _Pass:
     device: torch.device | None = None
     x: torch.Tensor | None = None
     pos: torch.Tensor | None = None
-    scratch: list = field(default_factory=lambda: [torch.empty(0)])
+    scratch: list = field(default_factory=lambda: [torch.empty(0, device="cpu")])
 
     def weights(self, tensors) -> _Weights:
         return _Weights(tensors, self.dtype, self.nudge, scratch=self.scratch, device=self.device)
