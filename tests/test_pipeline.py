@@ -8,7 +8,8 @@ from hypothesis import given, strategies as st
 
 import circuitmath as cm
 from circuitmath._identities.pipeline import EVERYTHING_APPLICABLE
-from circuitmath._processing.fused import FUSED_STEPS, fusable
+from circuitmath._processing import fused as fused_module
+from circuitmath._processing.fused import FUSED_RMS_STEPS, FUSED_STEPS, fusable, rms_fusable
 from circuitmath._processing.pipeline import PIPELINE_STEPS
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
@@ -150,6 +151,29 @@ def test_the_fused_pass_is_taken_exactly_when_every_default_step_applies_whateve
     else:
         assert cfg.normalization_type != "LN" or cfg.norm_position != "pre" or cfg.gated_mlp \
             or cfg.positional_embedding_type == "shortformer"
+
+
+@given(models(**wide(normalization_types=("RMS", "RMSPre", "LN"), **EVERY_ARCHITECTURE)))
+def test_the_fused_rms_pass_is_taken_exactly_when_its_steps_apply_whatever_the_weights(model):
+    """Equal bits alone cannot tell that the fused pass ran (the chain gives them too): a spy does."""
+    cfg, sd = model
+    calls = []
+    original = fused_module._fused_rms_steps
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    fused_module._fused_rms_steps = spy
+    try:
+        _out, out_cfg = cm.process_weights(sd, cfg, refactor_factored_attn_matrices=False)
+    finally:
+        fused_module._fused_rms_steps = original
+    assert bool(calls) == rms_fusable(cfg), (cfg.normalization_type, cfg.norm_position, cfg.applied)
+    if rms_fusable(cfg):
+        assert out_cfg.applied == FUSED_RMS_STEPS
+        steps = [PIPELINE_STEPS[i] for i in (0, 1, 3)]  # RMSNorm does not center the writers
+        assert _chain(sd, cfg, steps)[1].applied == FUSED_RMS_STEPS  # the chain applies the same steps
 
 
 REFUSALS = [

@@ -19,7 +19,9 @@ same weights.
 A pre-RMSNorm model's default chain (``fold_rms_norm``, ``fold_value_biases``,
 ``center_unembed``) runs fused too (:func:`_fused_rms_steps`): each reader ``diag(w) W``, ``W_U``
 ``diag(w) W_U C_V``, ``b_O`` with the value biases, every other tensor passed through; bit for
-bit the chain's (``tests/test_accuracy.py``).
+bit the chain's for contiguous weights (``tests/test_accuracy.py``). A non-contiguous ``W_U``
+(a transposed view) is the same model, but the chain then sums its vocabulary mean in another
+order, so a few entries may differ from the chain's in the last bit.
 """
 
 from __future__ import annotations

@@ -123,7 +123,8 @@ def process_weights(
     or gated MLP, nothing applied yet), they run composed, each weight read and written in one
     go (``circuitmath/_processing/fused.py``); the result is the chain's up to rounding. So do
     steps 1, 2 and 4 of a pre-RMSNorm model (nothing applied yet, no shortformer positions,
-    ``center_writing_weights`` not asked for), bit for bit the chain's; the tensors they leave
+    ``center_writing_weights`` not asked for), bit for bit the chain's for contiguous weights
+    (a transposed view is summed in another order: the last bit may differ); the tensors they leave
     alone are passed through. Fused, half precision is computed in float32 a block of rows at a
     time, not a part at a time.
 
