@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sympy
 import torch
-from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, OneMatrix, Transpose
+from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, Transpose
 
 from .._errors import Precondition
 from .._processing import permute_heads, permute_neurons
@@ -19,19 +19,7 @@ from .._processing.rotation import A_HEAD_PERMUTATION, A_NEURON_PERMUTATION, GRO
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names
-from ._circuit_checks import dim
-from .rotation import _forgetting
-
-n, d, e, m, k = (dim(s) for s in ("n", "d", "e", "m", "k"))
-ones_n = OneMatrix(n, 1)
-W_in, W_gate = MatrixSymbol(r"W_{in}", d, m), MatrixSymbol(r"W_{gate}", d, m)
-b_in = MatrixSymbol(r"b_{in}", 1, m)
-F = MatrixSymbol("F", n, m)
-W_out = MatrixSymbol(r"W_{out}", m, d)
-
-
-def _T(name, rows):
-    return MatrixSymbol(name, rows, k)
+from .rotation import F, W_gate, W_in, W_out, b_in, d, e, forgetting, free_matrix, k, m, n, ones_n
 
 
 # -- the heads of a layer ---------------------------------------------------------------------
@@ -47,8 +35,8 @@ PV = {j: (MatrixSymbol(f"W_{{V,{j}}}", d, e), MatrixSymbol(f"b_{{V,{j}}}", 1, e)
 PO = {h: MatrixSymbol(f"W_{{O,{h}}}", e, d) for h in HEADS}
 PA = {h: MatrixSymbol(f"A_{h}", n, n) for h in HEADS}
 PS = {h: MatrixSymbol(f"S_{h}", n, n) for h in HEADS}
-PT = {h: _T(f"T_{h}", n) for h in HEADS}
-T_out = _T(r"T_{out}", d)
+PT = {h: free_matrix(f"T_{h}", n) for h in HEADS}
+T_out = free_matrix(r"T_{out}", d)
 
 
 def _affine(weight_bias):
@@ -110,7 +98,7 @@ def _heads_proof() -> Proof:
 
 Pm = MatrixSymbol("P", m, m)
 Xm = MatrixSymbol(r"\hat{X}", n, d)
-T_in, T_gate, T_mlp = _T(r"T_{in}", m), _T(r"T_{gate}", m), _T(r"T_{out}", d)
+T_in, T_gate, T_mlp = free_matrix(r"T_{in}", m), free_matrix(r"T_{gate}", m), free_matrix(r"T_{out}", d)
 
 
 def _neurons_claim(*, bias=True, gate=True, out=Pm.T):
@@ -171,7 +159,7 @@ def _permute_heads(state_dict, cfg):
 
 def _heads_but(kept):
     """Permute the heads, then put back the tensors ``kept(cfg, layer)`` names."""
-    return _forgetting(_permute_heads, lambda cfg: [name for layer in range(cfg.n_layers) for name in kept(cfg, layer)])
+    return forgetting(_permute_heads, lambda cfg: [name for layer in range(cfg.n_layers) for name in kept(cfg, layer)])
 
 
 def _permute_neurons(state_dict, cfg):
@@ -180,7 +168,7 @@ def _permute_neurons(state_dict, cfg):
 
 def _neurons_but(leaf):
     """Permute the neurons, then put back every layer's ``mlp.<leaf>``."""
-    return _forgetting(_permute_neurons, lambda cfg: [f"blocks.{layer}.mlp.{leaf}" for layer in range(cfg.n_layers)])
+    return forgetting(_permute_neurons, lambda cfg: [f"blocks.{layer}.mlp.{leaf}" for layer in range(cfg.n_layers)])
 
 
 ENTRYWISE_ACTIVATION = Precondition("the activation (and the gate) acts entry by entry")

@@ -67,7 +67,8 @@ def _orthogonal(rng, shape):
     return rational_orthogonal(rng, shape[0])
 
 
-def _T(name, rows):
+def free_matrix(name, rows):
+    """A free test matrix ``[rows, k]``: several conclusions proved as one sum, each term ending in its own."""
     return MatrixSymbol(name, rows, k)
 
 
@@ -79,7 +80,7 @@ def _gram(Y):
 
 x = MatrixSymbol("x", 1, d)
 w = MatrixSymbol("w", d, 1)
-T_1, T_2 = _T("T_1", 1), _T("T_2", d)
+T_1, T_2 = free_matrix("T_1", 1), free_matrix("T_2", d)
 
 
 def _norm_claim(rotation, *, center=False, gain=False, back=None):
@@ -205,7 +206,7 @@ E_, S_, V_, Y_, P_, H_, Z_, L_ = (
         ("E", (n, d)), ("S", (n, n)), ("V", (n, e)), ("Y", (n, d)), ("P", (n, m)), ("H", (n, m)), ("Z", (n, d)), ("L", (n, v))
     )
 )
-TESTS = {name: _T(rf"T_{{{name}}}", rows) for name, rows in (
+TESTS = {name: free_matrix(rf"T_{{{name}}}", rows) for name, rows in (
     ("E", d), ("X", n), ("S", n), ("V", e), ("Y", d), ("YY", n), ("P", m), ("H", m), ("Z", d), ("L", v)
 )}
 MODEL_DEFINITIONS = (
@@ -292,7 +293,7 @@ def _model_rotation_proof() -> Proof:
 # -- the SliceGPT route -----------------------------------------------------------------------
 
 W_r, b_r, b_ln = MatrixSymbol("W", d, m), MatrixSymbol("b_W", 1, m), MatrixSymbol("b", 1, d)
-T_3 = _T("T_3", m)
+T_3 = free_matrix("T_3", m)
 
 
 def _route_claim(stream, normed, reader):
@@ -389,7 +390,7 @@ def _rotate_non_orthogonal(state_dict, cfg):
     return _by_hand(state_dict, cfg, lambda W: W @ G_, lambda W: G_inv @ W), new_cfg
 
 
-def _forgetting(transform, names_of):
+def forgetting(transform, names_of):
     """A wrong rewrite: ``transform``, then the tensors ``names_of(cfg)`` names put back as they
     were (a ``ValueError`` if there are none: a model without them cannot make this mistake)."""
     def wrong(state_dict, cfg):
@@ -527,9 +528,9 @@ ROTATION_INVARIANCE = register(
         transform=_rotate,
         wrong_rewrites={
             "non_orthogonal": _rotate_non_orthogonal,
-            "forget_W_pos": _forgetting(
+            "forget_W_pos": forgetting(
                 _rotate, lambda cfg: ["pos_embed.W_pos"] if cfg.positional_embedding_type in ("standard", "shortformer") else []),
-            "forget_writer_bias": _forgetting(_rotate, lambda cfg: [f"blocks.{l}.attn.b_O" for l in range(cfg.n_layers)]),
+            "forget_writer_bias": forgetting(_rotate, lambda cfg: [f"blocks.{l}.attn.b_O" for l in range(cfg.n_layers)]),
             "readers_not_transposed": _readers_not_transposed,
         },
         prepare=to_rms_pre,
