@@ -84,7 +84,7 @@ def read_json(path: str | os.PathLike, what: str = "JSON file"):
 
 def read_config(path: str | os.PathLike):
     """A model's config from a JSON file: a :class:`~circuitmath.Config` (its :meth:`to_json`), or a
-    Hugging Face ``config.json`` returned as a dict (it has a ``model_type``) for :func:`from_hf`."""
+    Hugging Face ``config.json`` returned as a dict (it has a ``model_type``) for :func:`~circuitmath._hf.from_hf`."""
     path = Path(path)
     data = read_json(path, "config")
     if not isinstance(data, dict):

@@ -25,7 +25,6 @@ READS_LNPRE = Precondition(
 )
 
 
-
 def reader_preconditions(identity: str, cfg: Config) -> None:
     """What every rewrite of the norms' readers (:func:`fold_layer_norm`,
     :func:`center_reading_weights`, :func:`~circuitmath.fold_rms_norm`) needs: not applied yet,
@@ -43,6 +42,7 @@ def reader_preconditions(identity: str, cfg: Config) -> None:
         " so rewriting W_Q and W_K would rewrite W_pos's contribution too; move W_pos into"
         f" per-layer query and key tables first ({shortformer_to_tables.identity})",
     )
+
 
 @rewrite("fold_layer_norm")
 def fold_layer_norm(
