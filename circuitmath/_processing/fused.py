@@ -58,13 +58,7 @@ def fusable(cfg: Config) -> bool:
     per-layer tables by the chain) and without a gated MLP (whose ``W_gate`` has no bias to absorb
     ``ln2.b @ W_gate``, a condition on the weights).
     """
-    return (
-        not cfg.applied
-        and cfg.normalization_type == "LN"
-        and cfg.norm_position == "pre"
-        and cfg.positional_embedding_type in ("standard", "rotary")
-        and not cfg.gated_mlp
-    )
+    return _fresh_pre_norm(cfg, "LN") and not cfg.gated_mlp
 
 
 def rms_fusable(cfg: Config) -> bool:
@@ -72,9 +66,14 @@ def rms_fusable(cfg: Config) -> bool:
     ``cfg`` whatever the weights: nothing applied yet and no shortformer positions (gated MLPs
     and grouped-query attention included: an RMSNorm has no bias to absorb). The centering of
     the writers is not in it: RMSNorm does not center."""
+    return _fresh_pre_norm(cfg, "RMS")
+
+
+def _fresh_pre_norm(cfg: Config, normalization_type: str) -> bool:
+    """Nothing applied yet, pre-norm of ``normalization_type``, no shortformer positions."""
     return (
         not cfg.applied
-        and cfg.normalization_type == "RMS"
+        and cfg.normalization_type == normalization_type
         and cfg.norm_position == "pre"
         and cfg.positional_embedding_type in ("standard", "rotary")
     )
@@ -223,7 +222,7 @@ def _fused_rms_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torc
         w = out.pop(f"{norm}.w").to(compute)
         for weight, _bias in pairs:
             if weight == "unembed.W_U":
-                out[weight] = _scaled_and_centered_rows(state_dict[weight], w, sums=sums)
+                out[weight] = _scaled_rows(state_dict[weight], w, sums=sums, center=True, rows=8)
                 b_U = converted(state_dict["unembed.b_U"], compute)
                 out["unembed.b_U"] = (b_U - b_U.mean()).to(dtype)
             else:
@@ -244,41 +243,32 @@ def _row_blocks(count: int, rows: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _scaled_rows(W: torch.Tensor, w: torch.Tensor, *, sums: list, block_bytes: int = 1 << 20) -> torch.Tensor:
+def _scaled_rows(
+    W: torch.Tensor, w: torch.Tensor, *, sums: list, center: bool = False, rows: int | None = None,
+    block_bytes: int = 1 << 20,
+) -> torch.Tensor:
     """``W * w[:, None]`` for ``W: [..., d_model, n]``, ``w: [d_model]`` in the compute dtype, a
-    new tensor in ``W``'s dtype, written a block of rows at a time (a half-precision block
-    computed in a reused float32 scratch and rounded once); each block's sum is appended to ``sums``.
+    new tensor in ``W``'s dtype, written a block of rows at a time (``rows`` rows, or as many as
+    fit in ``block_bytes``; a half-precision block computed in a reused float32 scratch and rounded
+    once); with ``center``, each row is then centered (``W_U`` over the vocabulary) while in
+    cache. Each block's sum is appended to ``sums``.
 
     A temporary made per block and freed while the sums made after it are kept would fragment
     the C heap (see :func:`~circuitmath._processing._memory.scratch`): measured on LLaMA-shaped
     layers, a mixed-dtype ``torch.mul`` (its cast of each block) left twice ``W_Q``'s size resident."""
-    rows = W.reshape(-1, W.shape[-1])
-    gains = w.repeat(rows.shape[0] // w.shape[0])
-    out = new_tensor(rows.shape, W.dtype, W.device)
-    per_block = max(2, block_bytes // max(1, rows.shape[1] * w.element_size()))
-    up = None if w.dtype == W.dtype else scratch((min(per_block + 1, rows.shape[0]), rows.shape[1]), w.dtype, W.device)
-    for start, stop in _row_blocks(rows.shape[0], per_block):
+    flat = W.reshape(-1, W.shape[-1])
+    gains = w.repeat(flat.shape[0] // w.shape[0])
+    out = new_tensor(flat.shape, W.dtype, W.device)
+    per_block = rows or max(2, block_bytes // max(1, flat.shape[1] * w.element_size()))
+    up = None if w.dtype == W.dtype else scratch((min(per_block + 1, flat.shape[0]), flat.shape[1]), w.dtype, W.device)
+    for start, stop in _row_blocks(flat.shape[0], per_block):
         if up is None:
-            torch.mul(rows[start:stop], gains[start:stop, None], out=out[start:stop])
+            block = torch.mul(flat[start:stop], gains[start:stop, None], out=out[start:stop])
         else:  # cast into the scratch first: a mixed-dtype product would allocate a cast temporary per block
-            out[start:stop] = up[: stop - start].copy_(rows[start:stop]).mul_(gains[start:stop, None])
-        sums.append(out[start:stop].sum())
-    return out.view(W.shape)
-
-
-def _scaled_and_centered_rows(W_U: torch.Tensor, w: torch.Tensor, *, sums: list, rows: int = 8) -> torch.Tensor:
-    """``V - V.mean(-1, keepdim=True)`` with ``V = W_U * w[:, None]`` (``W_U: [d_model, d_vocab]``,
-    ``w`` in the compute dtype), in ``W_U``'s dtype, a block of ``rows`` rows at a time: each
-    block scaled, centered over the vocabulary and summed into ``sums`` while in cache."""
-    out = new_tensor(W_U.shape, W_U.dtype, W_U.device)
-    up = None if w.dtype == W_U.dtype else scratch((min(rows + 1, W_U.shape[0]), W_U.shape[1]), w.dtype, W_U.device)
-    for start, stop in _row_blocks(W_U.shape[0], rows):
-        if up is None:
-            block = torch.mul(W_U[start:stop], w[start:stop, None], out=out[start:stop])
-        else:  # cast into the scratch first, as in _scaled_rows
-            block = up[: stop - start].copy_(W_U[start:stop]).mul_(w[start:stop, None])
-        block.sub_(block.mean(dim=-1, keepdim=True))
+            block = up[: stop - start].copy_(flat[start:stop]).mul_(gains[start:stop, None])
+        if center:
+            block.sub_(block.mean(dim=-1, keepdim=True))
         if up is not None:
             out[start:stop] = block
         sums.append(out[start:stop].sum())
-    return out
+    return out.view(W.shape)
