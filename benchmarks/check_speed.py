@@ -25,6 +25,14 @@ positions cost little); the diagnosis's tensor comparisons 1.8 s, of which 1.4 s
 faster: with it the ratio measured 1.88-1.90); replaying the recorded identities ~0.5 s; the
 log-prob comparison in float64 ~0.5 s.
 
+On the same machine with nothing else running (2026-11-23, one thread, 3 repeats) the ratio is
+2.32 (2.30-2.41; the code of 2026-11-22 measured 2.30-2.51 in the same conditions): the 1.88-1.90
+above were measured while other jobs slowed the forward passes more than the rest. cProfile of
+one 10.0 s check: the two float32 passes 4.5 s, the tensor certificates 2.0 s (float64 ``frexp``
+and ``ldexp`` for the unit in the last place of every entry of the 50 tensors that differ from
+the replay by rounding), the rounding sensitivity 2.0 s (0.55 s of it drawing normals), the replay
+0.5 s, the log-prob comparison 0.3 s. The target of 2 is not met.
+
 One reference forward pass of GPT-2-small on 4 x 128 tokens is about 127 GFLOP (85M block
 weights and the 38.6M unembedding, times 2 x 512 tokens): 2.4-2.6 s with one thread (~50
 GFLOP/s; a float32 matmul runs at ~60 GFLOP/s on one core here), matrix products 85% of it. The
