@@ -173,3 +173,11 @@ def assume_discriminates(identity, wrong_name: str, state_dict, cfg, tokens: tor
     for name, floor in minimum.items():
         assume_above(f"{identity.name}.{wrong_name}: {name}", getattr(found, name), floor)
     return found
+
+
+def assert_caught(identity, wrong_name: str, state_dict, cfg, tokens: torch.Tensor, what: str, **minimum: float):
+    """A registry-driven negative control: :func:`assume_discriminates` on the draw, then the
+    check of the wrong rewrite must fail (``what`` names the mistake in the failure message)."""
+    assume_discriminates(identity, wrong_name, state_dict, cfg, tokens, **minimum)
+    result = identity.check_wrong_rewrite(wrong_name, state_dict, cfg, tokens)
+    assert not result.passed, f"{what} went unnoticed: {result}"

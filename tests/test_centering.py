@@ -8,7 +8,7 @@ import circuitmath as cm
 from circuitmath._processing import writers
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens, logprob_tolerance
-from support import VISIBLE, assume_discriminates, same, snapshot, wide
+from support import VISIBLE, assert_caught, same, snapshot, wide
 
 WRITING = cm.get_identity("center_writing_weights")
 UNEMBED = cm.get_identity("center_unembed")
@@ -50,9 +50,7 @@ def test_centering_writing_weights_preserves_log_probs(dtype, data):
 def test_negative_control_W_O_centered_over_d_head_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
-    assume_discriminates(WRITING, "W_O_over_d_head", sd, cfg, toks, weights=VISIBLE)
-    result = WRITING.check_wrong_rewrite("W_O_over_d_head", sd, cfg, toks)
-    assert not result.passed, f"centering W_O over d_head went unnoticed: {result}"
+    assert_caught(WRITING, "W_O_over_d_head", sd, cfg, toks, "centering W_O over d_head", weights=VISIBLE)
 
 
 # Centering a shortformer W_pos moves queries and keys; it shows when a query has two keys with
@@ -70,9 +68,7 @@ UNSATURATED = dict(min_gain_spread=0.3, max_gain_spread=0.5, min_bias_scale=0.5,
 def test_negative_control_centering_shortformer_W_pos_is_caught(model):
     cfg, sd = model
     toks = _distinct_tokens(cfg)
-    assume_discriminates(WRITING, "shortformer_W_pos", sd, cfg, toks, pattern=VISIBLE)
-    result = WRITING.check_wrong_rewrite("shortformer_W_pos", sd, cfg, toks)
-    assert not result.passed, f"centering the shortformer W_pos went unnoticed: {result}"
+    assert_caught(WRITING, "shortformer_W_pos", sd, cfg, toks, "centering the shortformer W_pos", pattern=VISIBLE)
 
 
 WRITING_REFUSALS = [
@@ -148,9 +144,7 @@ def test_negative_control_unembed_centered_over_d_model_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
     # what the wrong centering subtracts, mean_d(x) * mean_d(W_U), differs between tokens
-    assume_discriminates(UNEMBED, "over_d_model", sd, cfg, toks, logits=VISIBLE)
-    result = UNEMBED.check_wrong_rewrite("over_d_model", sd, cfg, toks)
-    assert not result.passed, f"centering W_U over d_model went unnoticed: {result}"
+    assert_caught(UNEMBED, "over_d_model", sd, cfg, toks, "centering W_U over d_model", logits=VISIBLE)
     wrong, wrong_cfg = UNEMBED.wrong_everywhere["over_d_model"](sd, cfg)
     error, tolerance = _shift_spread(sd, cfg, wrong, wrong_cfg, toks)
     assert error > tolerance, "the logit-shift property did not notice a shift that is not constant"

@@ -9,7 +9,7 @@ from circuitmath._identities.norms import with_explicit_eps
 from circuitmath._processing import writers
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
-from support import VISIBLE, assume_discriminates, same, snapshot, wide
+from support import VISIBLE, assert_caught, same, snapshot, wide
 
 RMS_FOLD = cm.get_identity("fold_rms_norm")
 LN_TO_RMS = cm.get_identity("layer_norm_to_rms_norm")
@@ -61,18 +61,14 @@ def test_rms_fold_reaches_W_gate(model):
     cfg, sd = model
     toks = default_tokens(cfg)
     assert RMS_FOLD.check(sd, cfg, toks).passed
-    assume_discriminates(RMS_FOLD, "forget_W_gate", sd, cfg, toks, weights=VISIBLE)
-    result = RMS_FOLD.check_wrong_rewrite("forget_W_gate", sd, cfg, toks)
-    assert not result.passed, f"a fold that forgets W_gate went unnoticed: {result}"
+    assert_caught(RMS_FOLD, "forget_W_gate", sd, cfg, toks, "a fold that forgets W_gate", weights=VISIBLE)
 
 
 @given(models(**wide(weights=DISCRIMINATING, **RMS_FOLDABLE)))
 def test_negative_control_centering_behind_rms_norm_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
-    assume_discriminates(RMS_FOLD, "center_reading_weights", sd, cfg, toks, weights=VISIBLE)
-    result = RMS_FOLD.check_wrong_rewrite("center_reading_weights", sd, cfg, toks)
-    assert not result.passed, f"centering readers behind RMSNorm went unnoticed: {result}"
+    assert_caught(RMS_FOLD, "center_reading_weights", sd, cfg, toks, "centering readers behind RMSNorm", weights=VISIBLE)
 
 
 RMS_FOLD_REFUSALS = [
@@ -118,9 +114,7 @@ def test_negative_control_rms_norm_with_another_eps_is_caught(model):
     toks = default_tokens(cfg)
     # no weight changes, only eps: its effect, about eps / mean(x^2) of each normed stream, must
     # reach the logits
-    assume_discriminates(LN_TO_RMS, "other_eps", sd, cfg, toks, logits=VISIBLE)
-    result = LN_TO_RMS.check_wrong_rewrite("other_eps", sd, cfg, toks)
-    assert not result.passed, f"switching eps went unnoticed: {result}"
+    assert_caught(LN_TO_RMS, "other_eps", sd, cfg, toks, "switching eps", logits=VISIBLE)
 
 
 @given(models(**wide(normalization_types=("LNPre",), weights=dict(max_outlier_dims=0))))
@@ -169,9 +163,7 @@ def test_projection_licenses_centering_writes_and_the_notes_slip_is_caught(model
     cfg, sd = model
     toks = default_tokens(cfg)
     assert PROJECTION.check(sd, cfg, toks).passed
-    assume_discriminates(PROJECTION, "keep_only_the_mean", sd, cfg, toks, weights=VISIBLE)
-    result = PROJECTION.check_wrong_rewrite("keep_only_the_mean", sd, cfg, toks)
-    assert not result.passed, f"keeping only the mean went unnoticed: {result}"
+    assert_caught(PROJECTION, "keep_only_the_mean", sd, cfg, toks, "keeping only the mean", weights=VISIBLE)
 
 
 # -- scale invariance --------------------------------------------------------------------------
@@ -210,9 +202,7 @@ def test_negative_control_negative_scale_is_caught(model):
     cfg, sd = model
     toks = default_tokens(cfg)
     # the writers always change sign; the flip must reach the logits (LNPre is odd, not even)
-    assume_discriminates(SCALE, "negative_scale", sd, cfg, toks, logits=VISIBLE)
-    result = SCALE.check_wrong_rewrite("negative_scale", sd, cfg, toks)
-    assert not result.passed, f"a sign flip of the stream went unnoticed: {result}"
+    assert_caught(SCALE, "negative_scale", sd, cfg, toks, "a sign flip of the stream", logits=VISIBLE)
 
 
 @given(models(**wide(**SCALABLE)), st.floats(1e-6, 1e-2))
