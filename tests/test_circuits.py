@@ -184,7 +184,7 @@ def test_patterns_are_causal_and_row_stochastic(data):
     toks = data.draw(tokens(cfg))
     patterns = circuits.attention_patterns(sd, cfg, toks)
     assert patterns.shape == (cfg.n_layers, toks.shape[0], cfg.n_heads, toks.shape[1], toks.shape[1])
-    torch.testing.assert_close(patterns.sum(-1), torch.ones(patterns.shape[:-1], dtype=FLOAT64))
+    torch.testing.assert_close(patterns.sum(-1), torch.ones_like(patterns[..., 0]))
     assert (patterns.triu(diagonal=1) == 0).all()
 
 

@@ -120,3 +120,35 @@ def test_the_strategies_draw_on_the_device_the_suite_names(monkeypatch):
         assert {t.device.type for t in on_cpu[1].values()} == {"cpu"}
 
     draws()
+
+
+_CIRCUIT_CONFIGS = {
+    "attention-only": cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5),
+    "with MLPs": cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16),
+    "one layer": cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5),
+    "no layer": cm.Config(n_layers=0, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5),
+    "rotary": cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5,
+                        positional_embedding_type="rotary"),
+    "RMSNorm, shortformer": cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5,
+                                      normalization_type="RMS", positional_embedding_type="shortformer"),
+    "RMSNorm": cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, normalization_type="RMS"),
+    "eps 0": cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, eps=0.0),
+    "no norm": cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, normalization_type=None),
+}
+
+
+@pytest.mark.parametrize("identity", list(cm.identities()), ids=lambda i: i.name)
+def test_the_numeric_checks_make_no_tensor_on_the_default_device(identity):
+    """Every registered identity's numeric check, on a model it applies to, under the trap: its
+    references, random directions and bases are made on the model's device."""
+    tokens = torch.tensor([[1, 4, 2, 7, 0]])
+    ran = 0
+    for cfg in _CIRCUIT_CONFIGS.values():
+        sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+        try:
+            result = _on_meta_by_default(identity.check, sd, cfg, tokens)
+        except cm.PreconditionError:
+            continue
+        assert result.passed, (identity.name, result)
+        ran += 1
+    assert ran, f"{identity.name} applies to none of the small configs: add one it applies to"

@@ -117,8 +117,9 @@ def test_any_change_of_basis_preserves_log_probs(model, seed):
     generator = torch.Generator().manual_seed(seed)
     kv_heads = cfg.n_key_value_heads or cfg.n_heads
     shape = (cfg.n_layers, kv_heads, cfg.d_head, cfg.d_head)
-    bases = {kind: torch.stack([_random_basis(generator, cfg.d_head) for _ in range(cfg.n_layers * kv_heads)]).reshape(shape)
-             if cfg.n_layers else torch.empty(shape, dtype=torch.float64) for kind in "NM"}
+    device = sd["embed.W_E"].device
+    bases = {kind: torch.stack([_random_basis(generator, cfg.d_head) for _ in range(cfg.n_layers * kv_heads)]).reshape(shape).to(device)
+             if cfg.n_layers else torch.empty(shape, dtype=torch.float64, device=device) for kind in "NM"}
     out = change_head_bases(sd, cfg, query_key=bases["N"], value=bases["M"])
     # W_V M and M^-1 W_O are each rounded: their product moves by up to cond(M) times what rounding
     # the weights alone does, the part of the tolerance measured by the rounding sensitivity.
@@ -201,3 +202,11 @@ def test_change_head_bases_names_a_wrong_shape():
     sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
     with pytest.raises(cm.InputError, match=r"value must be a tensor of shape \[2, 2, 4, 4\]"):
         change_head_bases(sd, cfg, value=torch.eye(4))
+
+
+def test_change_head_bases_names_a_basis_on_another_device():
+    cfg = cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=6, d_mlp=None)
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    basis = torch.eye(4, dtype=torch.float64, device="meta").expand(2, 2, 4, 4)
+    with pytest.raises(cm.InputError, match="query_key is on meta, the weights on cpu"):
+        change_head_bases(sd, cfg, query_key=basis)

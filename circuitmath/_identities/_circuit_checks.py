@@ -157,9 +157,9 @@ def worst(errors: torch.Tensor, tolerances: torch.Tensor) -> Comparison:
         return Comparison(0.0, 0.0, ())
     ratio = torch.where(errors == 0, torch.zeros_like(errors), errors / tolerances)
     ratio = torch.nan_to_num(ratio, nan=math.inf)
-    flat = int(ratio.argmax())
-    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), errors.shape))
-    return Comparison(float(errors.reshape(-1)[flat]), float(tolerances.reshape(-1)[flat]), where)
+    flat = ratio.argmax()
+    where = tuple(int(i) for i in torch.unravel_index(flat, errors.shape))
+    return Comparison(float(errors[where]), float(tolerances[where]), where)
 
 
 def compare_values(computed: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, size: int) -> Comparison:
@@ -179,7 +179,7 @@ def match_order(few: torch.Tensor, many: torch.Tensor) -> torch.Tensor:
     (``k <= n``; greedy: pairs are taken in order of increasing distance). Returns ``[..., k]``."""
     batch = few.shape[:-1]
     few2, many2 = few.reshape(-1, few.shape[-1]), many.reshape(-1, many.shape[-1])
-    out = torch.zeros(few2.shape, dtype=torch.long)
+    out = torch.zeros(few2.shape, dtype=torch.long, device=few.device)
     for b in range(few2.shape[0]):
         distances = (few2[b][:, None] - many2[b][None, :]).abs().double()
         for _ in range(few2.shape[1]):
@@ -195,18 +195,21 @@ def match_eigenvalues(few: torch.Tensor, many: torch.Tensor) -> torch.Tensor:
     return (few - torch.gather(many, -1, match_order(few, many))).abs()
 
 
-def random_invertible(generator: torch.Generator, batch: tuple, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Well-conditioned ``[*batch, n, n]`` matrices and their inverses, in float64.
+def random_invertible(
+    generator: torch.Generator, batch: tuple, n: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Well-conditioned ``[*batch, n, n]`` matrices and their inverses, in float64 on ``device``
+    (drawn with the CPU ``generator``, then moved: the same matrices on every device).
 
     ``Q1 diag(exp(z)) Q2`` with ``Q1, Q2`` orthogonal and ``z ~ N(0, 0.3)``: condition numbers
     of a few units, so a float32 model stays within its rounding tolerance.
     """
-    q1 = torch.linalg.qr(torch.randn(*batch, n, n, generator=generator, dtype=torch.float64))[0]
-    q2 = torch.linalg.qr(torch.randn(*batch, n, n, generator=generator, dtype=torch.float64))[0]
-    scale = torch.exp(0.3 * torch.randn(*batch, n, generator=generator, dtype=torch.float64))
+    q1 = torch.linalg.qr(torch.randn(*batch, n, n, generator=generator, dtype=torch.float64, device="cpu"))[0]
+    q2 = torch.linalg.qr(torch.randn(*batch, n, n, generator=generator, dtype=torch.float64, device="cpu"))[0]
+    scale = torch.exp(0.3 * torch.randn(*batch, n, generator=generator, dtype=torch.float64, device="cpu"))
     G = q1 @ torch.diag_embed(scale) @ q2
     G_inv = q2.transpose(-1, -2) @ torch.diag_embed(1 / scale) @ q1.transpose(-1, -2)
-    return G, G_inv
+    return G.to(device), G_inv.to(device)
 
 
 def logits_with_heads(state_dict: StateDict, cfg: Config, tokens, heads: Callable, identity: str) -> torch.Tensor:
@@ -247,15 +250,17 @@ def heads_route(compute: Callable, identity: str) -> Callable:
     return route
 
 
-def frozen_norm_operator(cfg: Config, norm: _Norm, positions: int, dtype: torch.dtype) -> TensorProduct:
+def frozen_norm_operator(
+    cfg: Config, norm: _Norm, positions: int, dtype: torch.dtype, device: torch.device
+) -> TensorProduct:
     """A frozen norm's linear part ``x -> s * (x P) * w`` as ``diag(s) ⊗ (P diag(w))^T``.
 
     ``P`` centers (LN, LNPre) or is the identity; ``w`` is the gain (LN, RMS) or 1; ``s`` the
-    frozen scale ``[batch, pos]`` (positions ``[batch, pos, pos]``), or 1 without a norm.
+    frozen scale ``[batch, pos]`` (positions ``[batch, pos, pos]``), or 1 without a norm; on ``device``.
     """
-    features = torch.eye(cfg.d_model, dtype=dtype)
+    features = torch.eye(cfg.d_model, dtype=dtype, device=device)
     if norm.kind is None:
-        return TensorProduct(torch.eye(positions, dtype=dtype), features)
+        return TensorProduct(torch.eye(positions, dtype=dtype, device=device), features)
     if norm.kind in ("LN", "LNPre"):
         features = features - 1 / cfg.d_model
     if norm.kind in ("LN", "RMS"):

@@ -74,13 +74,14 @@ def _unimodular_sampler(G, G_inv, dims):
 # -- random reparametrisations (the numeric side of the invariance identities) ------------------
 
 
-def _random_bases(cfg, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _random_bases(cfg, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Random well-conditioned ``[n_layers, kv_heads, d_head, d_head]`` matrices and their
-    inverses, drawn from ``seed``: one per key/value head, shared by its query heads."""
+    inverses on ``device``, drawn from ``seed``: one per key/value head, shared by its query heads."""
     generator = torch.Generator().manual_seed(seed)
-    pairs = [random_invertible(generator, (attention_names(cfg, "K")[2],), cfg.d_head) for _ in range(cfg.n_layers)]
+    heads = attention_names(cfg, "K")[2]
+    pairs = [random_invertible(generator, (heads,), cfg.d_head, device) for _ in range(cfg.n_layers)]
     if not pairs:
-        empty = torch.empty(0, attention_names(cfg, "K")[2], cfg.d_head, cfg.d_head, dtype=torch.float64)
+        empty = torch.empty(0, heads, cfg.d_head, cfg.d_head, dtype=torch.float64, device=device)
         return empty, empty
     return torch.stack([G for G, _ in pairs]), torch.stack([G_inv for _, G_inv in pairs])
 
@@ -90,7 +91,7 @@ def _reparametrise_ov(state_dict, cfg, *, seed: int = 0, wrong: str | None = Non
     from ``seed``: ``W_V G``, ``b_V G``, ``G^{-1} W_O``. ``wrong="output_times_G"`` multiplies
     ``W_O`` by ``G`` instead: a wrong rewrite."""
     validate_state_dict(state_dict, cfg)
-    G, G_inv = _random_bases(cfg, seed)
+    G, G_inv = _random_bases(cfg, seed, state_dict["embed.W_E"].device)
     return _change_bases(state_dict, cfg, value=G, output=G if wrong == "output_times_G" else G_inv), cfg
 
 
@@ -100,7 +101,7 @@ def _reparametrise_qk(state_dict, cfg, *, seed: int = 0, wrong: str | None = Non
     (``M`` does not commute with the rotation). ``wrong="key_times_M"`` multiplies ``W_K`` by
     ``M`` instead: a wrong rewrite."""
     validate_state_dict(state_dict, cfg)
-    M, M_inv = _random_bases(cfg, seed)
+    M, M_inv = _random_bases(cfg, seed, state_dict["embed.W_E"].device)
     return _change_bases(state_dict, cfg, query=M, key=M if wrong == "key_times_M" else M_inv.transpose(-1, -2)), cfg
 
 
@@ -207,7 +208,7 @@ def _compare_svd(state_dict, cfg, tokens, route) -> Comparison:
     if S.shape[-1] != r or U.shape[-1] != r or Vh.shape[-2] != r:
         return Comparison(math.inf, 0.0, (0,))
     expected_s = torch.linalg.svdvals(ov)[..., :r]
-    eye = torch.eye(r, dtype=torch.float64)
+    eye = torch.eye(r, dtype=torch.float64, device=ov.device)
     errors = torch.stack([
         (U.double() @ torch.diag_embed(S.double()) @ Vh.double() - ov).abs().amax(dim=(-1, -2)),
         (S.double() - expected_s).abs().amax(dim=-1),

@@ -134,15 +134,16 @@ def _path_operators(state_dict, cfg, tokens, combine):
     positions = tokens.shape[1]
     dtype = run.inputs[0].dtype
     W_U = state_dict["unembed.W_U"]
-    unembed = TensorProduct(torch.eye(positions, dtype=dtype), W_U.T)
+    on = dict(dtype=dtype, device=W_U.device)
+    unembed = TensorProduct(torch.eye(positions, **on), W_U.T)
     total = 0
     for source, heads in _path_sources(state_dict, cfg, tokens, run):
-        op = TensorProduct(torch.eye(positions, dtype=dtype), torch.eye(cfg.d_model, dtype=dtype))
+        op = TensorProduct(torch.eye(positions, **on), torch.eye(cfg.d_model, **on))
         for layer, head in heads:
-            norm = frozen_norm_operator(cfg, run.norms[layer], positions, dtype)
+            norm = frozen_norm_operator(cfg, run.norms[layer], positions, dtype, W_U.device)
             W_OV = _layer_weight(state_dict, cfg, layer, "V")[head] @ state_dict[f"blocks.{layer}.attn.W_O"][head]
             op = combine(TensorProduct(run.patterns[layer][:, head], W_OV.T), combine(norm, op))
-        op = combine(unembed, combine(frozen_norm_operator(cfg, run.norms[-1], positions, dtype), op))
+        op = combine(unembed, combine(frozen_norm_operator(cfg, run.norms[-1], positions, dtype, W_U.device), op))
         total = total + op.apply(source)
     return total + _constant_logits(state_dict, cfg, run)
 

@@ -147,7 +147,8 @@ def _bigram_route(transposed: bool):
         require("zero_layer_bigram", ZERO_LAYERS, cfg.n_layers == 0, f"the model has {cfg.n_layers} layers")
         run = _run(state_dict, cfg, tokens, "zero_layer_bigram")
         norm = run.norms[-1]
-        operator = frozen_norm_operator(cfg, norm, tokens.shape[1], state_dict["embed.W_E"].dtype)
+        W_E = state_dict["embed.W_E"]
+        operator = frozen_norm_operator(cfg, norm, tokens.shape[1], W_E.dtype, W_E.device)
         W_U = state_dict["unembed.W_U"]
         if cfg.normalization_type is None:
             table = bigram_table(state_dict, cfg)
@@ -398,17 +399,17 @@ def _virtual_weights_route(previous_only: bool):
 
     def route(state_dict, cfg, tokens):
         run = _run(state_dict, cfg, tokens, "virtual_weights")
-        dtype = state_dict["embed.W_E"].dtype
+        dtype, device = state_dict["embed.W_E"].dtype, state_dict["embed.W_E"].device
         positions = tokens.shape[1]
-        identity = torch.eye(cfg.d_model, dtype=dtype)
+        identity = torch.eye(cfg.d_model, dtype=dtype, device=device)
         embedding = sum(_embed(state_dict, cfg, tokens).values())
-        ones = torch.ones(*embedding.shape[:2], 1, dtype=dtype)
+        ones = torch.ones(*embedding.shape[:2], 1, dtype=dtype, device=device)
         writes = [(-1, embedding, identity)]  # (layer, r [b, p, *w, a], writer [*w, a, d_model])
 
         def read(layer, reader):
             """What ``reader [*r, d_model, b]`` sees: ``[b, p, *r, b]`` (``layer`` -1: the unembed)."""
             norm = run.norms[layer]
-            operator = frozen_norm_operator(cfg, norm, positions, dtype)
+            operator = frozen_norm_operator(cfg, norm, positions, dtype, device)
             total = 0
             for source, r, writer in writes:
                 if previous_only and source != (layer if layer >= 0 else cfg.n_layers) - 1:

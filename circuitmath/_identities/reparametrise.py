@@ -152,15 +152,16 @@ def _reparametrise_proof() -> Proof:
 # -- wrong rewrites: wrong transforms the numeric check must reject --------------------------
 
 
-def _skewed_basis(size: int) -> torch.Tensor:
-    """A fixed, well-conditioned, non-symmetric basis: ``I`` plus half the strict upper triangle."""
-    return torch.eye(size, dtype=torch.float64) + 0.5 * torch.ones(size, size, dtype=torch.float64).triu(1)
+def _skewed_basis(size: int, device: torch.device) -> torch.Tensor:
+    """A fixed, well-conditioned, non-symmetric basis on ``device``: ``I`` plus half the strict upper triangle."""
+    on = dict(dtype=torch.float64, device=device)
+    return torch.eye(size, **on) + 0.5 * torch.ones(size, size, **on).triu(1)
 
 
 def _key_inverse_not_transposed(state_dict, cfg):
     """Change bases with the keys multiplied by ``N^{-1}`` instead of ``N^{-T}``."""
     _unused, new_cfg = refactor_factored_attn_matrices(state_dict, cfg)
-    basis = _skewed_basis(cfg.d_head).expand(cfg.n_layers, attention_names(cfg, "K")[2], cfg.d_head, cfg.d_head)
+    basis = _skewed_basis(cfg.d_head, state_dict["embed.W_E"].device).expand(cfg.n_layers, attention_names(cfg, "K")[2], cfg.d_head, cfg.d_head)
     inverse = torch.linalg.inv(basis)
     return _change_bases(state_dict, cfg, query=basis, key=inverse, value=basis, output=inverse), new_cfg
 
