@@ -109,6 +109,20 @@ def entries_checked_here() -> bool:
     return _CHECK_ENTRIES.get()
 
 
+def all_finite(tensors) -> bool:
+    """Whether every one of ``tensors`` (any shapes, dtypes; one device) has only finite entries,
+    decided with one synchronisation with the device (sums; an overflowing sum answers ``False``,
+    so ``False`` may also mean "check the entries").
+
+    >>> all_finite([torch.ones(3), torch.tensor([1.0, float("inf")])])
+    False
+    >>> all_finite([])
+    True
+    """
+    sums = [tensor.sum() for tensor in tensors]
+    return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
+
+
 def not_finite(tensor: torch.Tensor) -> int:
     """How many entries of ``tensor`` are NaN or Inf (one sum decides when the answer is 0)."""
     with torch.no_grad():

@@ -304,3 +304,18 @@ def test_an_overflow_of_finite_weights_is_reported_as_such():
     sd["unembed.W_U"] = sd["unembed.W_U"] * 1e10
     with pytest.raises(cm.StateDictError, match="overflowed torch.float32: the input is finite"):
         cm.process_weights(sd, cfg)
+
+
+@pytest.mark.parametrize("normalization_type", ["LN", "RMS"])
+def test_a_half_precision_rounding_that_overflows_is_refused(normalization_type):
+    """The fused path computes a float16 model in float32: a folded reader finite in float32 but
+    beyond float16's range when rounded must be refused, not returned with Inf entries (the
+    in-cache sums are of the rounded outputs)."""
+    cfg = cm.Config(n_layers=1, d_model=4, n_heads=1, d_head=2, d_vocab=5, n_ctx=3, normalization_type=normalization_type)
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float16)
+    sd["blocks.0.ln1.w"] = torch.full((4,), 300.0, dtype=torch.float16)
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float16)[:, None]  # mean 0 over d_model
+    sd["blocks.0.attn.W_Q"] = (300 * signs).expand_as(sd["blocks.0.attn.W_Q"]).clone()  # 300 * 300 > 65504
+    assert all(torch.isfinite(t).all() for t in sd.values())
+    with pytest.raises(cm.OverflowedError, match=r"overflowed torch.float16: .*blocks.0.attn.W_Q has 8 NaN or Inf"):
+        cm.process_weights(sd, cfg)

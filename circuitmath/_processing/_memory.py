@@ -22,12 +22,39 @@ import mmap
 
 import torch
 
-__all__ = ["HUGE_PAGE_MIN_BYTES", "SCRATCH_MIN_BYTES", "new_tensor", "scratch", "converted"]
+__all__ = ["HUGE_PAGE_MIN_BYTES", "SCRATCH_MIN_BYTES", "new_tensor", "scratch", "converted", "rows_per_block"]
 
 HUGE_PAGE_MIN_BYTES = 4 << 20
 
 #: Temporaries of at least this size are mapped by :func:`scratch` (see there).
 SCRATCH_MIN_BYTES = 64 << 10
+
+
+#: A block of rows that a loop works on while it stays in a CPU core's cache.
+CACHE_BLOCK_BYTES = 1 << 20
+
+#: The most bytes of a block of rows on another device (a GPU pays for each block in kernel
+#: launches, not in cache misses), and the least number of blocks a tensor is cut into there, so
+#: that a float32 scratch for a half-precision tensor stays a small fraction of it.
+DEVICE_BLOCK_BYTES, DEVICE_MIN_BLOCKS = 64 << 20, 8
+
+
+def rows_per_block(count: int, row_bytes: int, device: torch.device, *, cpu_rows: int | None = None) -> int:
+    """How many of a tensor's ``count`` rows of ``row_bytes`` each a loop works on at a time
+    (at least 2, where there are 2): on the CPU ``cpu_rows``, or as many as fit in
+    :data:`CACHE_BLOCK_BYTES`; on any other device as many as fit in :data:`DEVICE_BLOCK_BYTES`
+    but no more than a :data:`DEVICE_MIN_BLOCKS`-th of the rows.
+
+    >>> rows_per_block(4096, 4096 * 4, torch.device("cpu"))
+    64
+    >>> rows_per_block(4096, 4096 * 4, torch.device("meta"))
+    512
+    """
+    if torch.device(device).type == "cpu":
+        rows = cpu_rows or CACHE_BLOCK_BYTES // max(1, row_bytes)
+    else:
+        rows = min(DEVICE_BLOCK_BYTES // max(1, row_bytes), -(-count // DEVICE_MIN_BLOCKS))
+    return max(2, rows)
 
 
 def new_tensor(

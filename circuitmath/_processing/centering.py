@@ -9,7 +9,7 @@ from .._config import Config
 from .._errors import Precondition
 from .._state import StateDict, validate_state_dict
 from ._common import PRE_NORM, refuse_reapplication, require, rewrite
-from ._memory import new_tensor, scratch
+from ._memory import new_tensor, rows_per_block, scratch
 
 __all__ = ["writers", "center_writing_weights", "center_unembed", "centered_last_axis", "CENTERING_NORM"]
 
@@ -90,20 +90,21 @@ def center_writing_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
 
 
 def centered_last_axis(
-    W: torch.Tensor, *, block_bytes: int = 1 << 20, sums: list | None = None, dtype: torch.dtype | None = None
+    W: torch.Tensor, *, sums: list | None = None, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """``W - W.mean(-1, keepdim=True)`` for ``W: [..., n]``, as a new tensor of ``W``'s shape in
     ``dtype`` (default ``W``'s).
 
-    Large tensors (an embedding) are centered in blocks of rows of about ``block_bytes``, so each
-    block's mean and difference are computed while the block is in cache: one read of ``W`` from
-    memory instead of two. A half-precision block is computed in float32 and rounded once to
+    Large tensors (an embedding) are centered in blocks of rows
+    (:func:`~circuitmath._processing._memory.rows_per_block`), so on the CPU each block's mean
+    and difference are computed while the block is in cache: one read of ``W`` from memory
+    instead of two. A half-precision block is computed in float32 and rounded once to
     ``dtype``. Given ``sums``, each block's sum is appended to it, taken in cache.
     """
     dtype = dtype or W.dtype
     compute = compute_dtype(W.dtype)
     rows = W.reshape(-1, W.shape[-1]) if W.dim() > 1 else W[None]
-    per_block = max(1, block_bytes // (rows.shape[1] * rows.element_size()))
+    per_block = rows_per_block(rows.shape[0], rows.shape[1] * rows.element_size(), W.device)
     out = new_tensor(rows.shape, dtype, W.device)
     # a half-precision input or output is computed a block at a time in one reused scratch
     up = None if compute == W.dtype == dtype else scratch(

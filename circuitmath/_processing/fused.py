@@ -30,9 +30,9 @@ import torch
 
 from .._compare import compute_dtype
 from .._config import Config
-from .._state import StateDict, attention_names
+from .._state import StateDict, all_finite, attention_names
 from ._common import readers
-from ._memory import SCRATCH_MIN_BYTES, converted, new_tensor, scratch
+from ._memory import SCRATCH_MIN_BYTES, converted, new_tensor, rows_per_block, scratch
 from .attention import fold_value_biases, value_bias_through_output
 from .centering import center_unembed, center_writing_weights, centered_last_axis, writers
 from .layer_norm import center_reading_weights, fold_layer_norm, fold_reader
@@ -127,27 +127,29 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
     summed = set(writers(cfg)) | {weight for _norm, pairs in readers(cfg) for weight, _bias in pairs}
     out = {name: tensor.to(dtype) for name, tensor in out.items()}  # the readers' biases
     sums += [tensor.sum() for name, tensor in out.items() if name not in summed]  # the biases: small
-    finite = bool(torch.isfinite(torch.stack([s.double() for s in sums]).sum())) if sums else True
-    return out, cfg.replace(normalization_type="LNPre", applied=FUSED_STEPS), finite
+    return out, cfg.replace(normalization_type="LNPre", applied=FUSED_STEPS), all_finite(sums)
 
 
 def _fold_centered_unembed(
-    W_U: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_U: torch.Tensor, *, rows: int = 64, rows_out: int = 8,
-    sums: list | None = None,
+    W_U: torch.Tensor, w: torch.Tensor, b: torch.Tensor, b_U: torch.Tensor, *, sums: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(C diag(w) W_U C_V, (b_U + b W_U) C_V)`` for ``W_U: [d_model, d_vocab]``, ``b_U: [d_vocab]``.
 
     With ``m_j = mean_i w_i W_ij`` (the reader centering) and ``r_i = w_i mean_j W_ij - mean_j m_j``
     (the vocabulary mean of what remains), the result is ``w_i W_ij - m_j - r_i``. A first pass
-    over blocks of ``rows`` rows accumulates ``w W_U`` and ``b W_U`` (blocks summed in float64, as
+    over blocks of rows (64 on the CPU; see :func:`~circuitmath._processing._memory.rows_per_block`)
+    accumulates ``w W_U`` and ``b W_U`` (blocks summed in float64, as
     :func:`~circuitmath._processing.layer_norm.products_through` does) and the row sums; a
-    second writes the result in blocks of ``rows_out`` rows, each finished while in cache (and,
+    second writes the result in blocks of rows (8 on the CPU), each finished while in cache (and,
     given ``sums``, summed there, appended to it). The arithmetic is in ``w``'s dtype (float32
     for a half-precision ``W_U``, each block cast as it is read) and each output entry is rounded
     to ``W_U``'s dtype once.
     """
     d_model, d_vocab = W_U.shape
     compute = w.dtype
+    row_bytes = d_vocab * compute.itemsize
+    rows = rows_per_block(d_model, row_bytes, W_U.device, cpu_rows=64)
+    rows_out = rows_per_block(d_model, 2 * row_bytes, W_U.device, cpu_rows=8)
     gain_and_bias = torch.stack([w, b])  # [2, d_model]
     through = torch.zeros(2, d_vocab, dtype=torch.float64, device=W_U.device)
     row_sums = torch.empty(d_model, dtype=torch.float64, device=W_U.device)
@@ -222,15 +224,14 @@ def _fused_rms_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torc
         w = out.pop(f"{norm}.w").to(compute)
         for weight, _bias in pairs:
             if weight == "unembed.W_U":
-                out[weight] = _scaled_rows(state_dict[weight], w, sums=sums, center=True, rows=8)
+                out[weight] = _scaled_rows(state_dict[weight], w, sums=sums, center=True, cpu_rows=8)
                 b_U = converted(state_dict["unembed.b_U"], compute)
                 out["unembed.b_U"] = (b_U - b_U.mean()).to(dtype)
             else:
                 out[weight] = _scaled_rows(state_dict[weight], w, sums=sums)
             written.add(weight)
     sums += [tensor.sum() for name, tensor in out.items() if name not in written]  # passed through, or small
-    finite = bool(torch.isfinite(torch.stack([s.double() for s in sums]).sum())) if sums else True
-    return out, cfg.replace(normalization_type="RMSPre", applied=FUSED_RMS_STEPS), finite
+    return out, cfg.replace(normalization_type="RMSPre", applied=FUSED_RMS_STEPS), all_finite(sums)
 
 
 def _row_blocks(count: int, rows: int) -> list[tuple[int, int]]:
@@ -244,23 +245,30 @@ def _row_blocks(count: int, rows: int) -> list[tuple[int, int]]:
 
 
 def _scaled_rows(
-    W: torch.Tensor, w: torch.Tensor, *, sums: list, center: bool = False, rows: int | None = None,
-    block_bytes: int = 1 << 20,
+    W: torch.Tensor, w: torch.Tensor, *, sums: list, center: bool = False, cpu_rows: int | None = None,
 ) -> torch.Tensor:
     """``W * w[:, None]`` for ``W: [..., d_model, n]``, ``w: [d_model]`` in the compute dtype, a
-    new tensor in ``W``'s dtype, written a block of rows at a time (``rows`` rows, or as many as
-    fit in ``block_bytes``; a half-precision block computed in a reused float32 scratch and rounded
+    new tensor in ``W``'s dtype, written a block of rows at a time (:func:`~circuitmath._processing.
+    _memory.rows_per_block`, ``cpu_rows`` on the CPU; a half-precision block computed in a reused float32 scratch and rounded
     once); with ``center``, each row is then centered (``W_U`` over the vocabulary) while in
     cache. Each block's sum is appended to ``sums``.
 
     A temporary made per block and freed while the sums made after it are kept would fragment
     the C heap (see :func:`~circuitmath._processing._memory.scratch`): measured on LLaMA-shaped
-    layers, a mixed-dtype ``torch.mul`` (its cast of each block) left twice ``W_Q``'s size resident."""
+    layers, a mixed-dtype ``torch.mul`` (its cast of each block) left twice ``W_Q``'s size resident.
+    On another device (a GPU) without ``center``, the whole weight is one mixed-dtype product, the
+    same bits: it computes in ``w``'s dtype and rounds once, with no temporary."""
     flat = W.reshape(-1, W.shape[-1])
     gains = w.repeat(flat.shape[0] // w.shape[0])
     out = new_tensor(flat.shape, W.dtype, W.device)
-    per_block = rows or max(2, block_bytes // max(1, flat.shape[1] * w.element_size()))
+    per_block = rows_per_block(flat.shape[0], flat.shape[1] * w.element_size(), W.device, cpu_rows=cpu_rows)
     up = None if w.dtype == W.dtype else scratch((min(per_block + 1, flat.shape[0]), flat.shape[1]), w.dtype, W.device)
+    if not center and W.device.type != "cpu":
+        # one kernel: a mixed-dtype product computes in w's dtype and rounds once into out
+        # (on the CPU it would allocate a cast of the whole weight first)
+        torch.mul(flat, gains[:, None], out=out)
+        sums.append(out.sum())
+        return out.view(W.shape)
     for start, stop in _row_blocks(flat.shape[0], per_block):
         if up is None:
             block = torch.mul(flat[start:stop], gains[start:stop, None], out=out[start:stop])

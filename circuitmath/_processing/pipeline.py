@@ -9,7 +9,7 @@ import torch
 
 from .._config import Config
 from .._errors import ArgumentTypeError, OverflowedError, PreconditionError
-from .._state import StateDict, entries_checked_elsewhere, not_finite, validate_state_dict
+from .._state import StateDict, all_finite, entries_checked_elsewhere, not_finite, validate_state_dict
 from .attention import fold_value_biases as _fold_value_biases
 from .attention import refactor_factored_attn_matrices as _refactor_factored_attn_matrices
 from .centering import center_unembed as _center_unembed
@@ -201,10 +201,9 @@ def _process(state_dict: StateDict, cfg: Config, requested: dict) -> tuple[dict[
                 if requested[keyword] is None:
                     continue
                 raise
-    # The fused steps summed every output block in cache: finite sums prove finite entries,
-    # unless a later step rewrote tensors or rounding to a half dtype may have overflowed.
-    half = torch.finfo(next(iter(state_dict.values())).dtype).bits < 32
-    if not (checked_in_cache and cfg.applied[-1] == _center_unembed.identity and not half):
+    # The fused steps summed every output block, rounded, in cache: finite sums prove finite
+    # entries (a half-precision rounding that overflowed included), unless a later step rewrote tensors.
+    if not (checked_in_cache and cfg.applied[-1] == _center_unembed.identity):
         _finite_or_explained(state_dict, cfg, given, given_cfg)
     return state_dict, cfg
 
@@ -266,6 +265,8 @@ def _finite_or_explained(state_dict: StateDict, cfg: Config, given: StateDict, g
     """Refuse processed weights with a NaN or Inf: name the input's when it has them (the fused
     steps pass a NaN or Inf of any input entry on to some output entry: each output is linear in
     its inputs, and NaN and Inf survive sums and products, 0 * Inf included), else the overflow."""
+    if all_finite(state_dict.values()):
+        return
     bad = {name: count for name, tensor in state_dict.items() if (count := not_finite(tensor))}
     if not bad:
         return
