@@ -110,17 +110,24 @@ def entries_checked_here() -> bool:
 
 
 def all_finite(tensors) -> bool:
-    """Whether every one of ``tensors`` (any shapes, dtypes; one device) has only finite entries,
-    decided with one synchronisation with the device (sums; an overflowing sum answers ``False``,
-    so ``False`` may also mean "check the entries").
+    """Whether every one of ``tensors`` (any shapes and dtypes, on one device) has only finite
+    entries, decided with one synchronisation with the device: from the sum of each tensor of
+    more than one dimension (an overflowing sum answers ``False``, so ``False`` may also mean
+    "check the entries"), and from the value of each scalar (a sum taken already).
 
     >>> all_finite([torch.ones(3), torch.tensor([1.0, float("inf")])])
     False
+    >>> all_finite([torch.tensor(1.0), torch.tensor(2.0, dtype=torch.float64)])
+    True
     >>> all_finite([])
     True
     """
-    sums = [tensor.sum() for tensor in tensors]
-    return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        value = tensor if tensor.dim() == 0 else tensor.sum()
+        groups.setdefault(value.dtype, []).append(value)
+    flags = [torch.isfinite(torch.stack(values)).all() for values in groups.values()]
+    return bool(torch.stack(flags).all()) if flags else True
 
 
 def not_finite(tensor: torch.Tensor) -> int:
