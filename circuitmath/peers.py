@@ -14,8 +14,8 @@ from ._state import StateDict, validate_state_dict
 __all__ = ["transformer_lens_config", "transformer_lens_process_weights"]
 
 
-def transformer_lens_config(cfg: Config, dtype):
-    """``cfg`` as a ``transformer_lens.config.TransformerLensConfig`` on the CPU, for weights of ``dtype``.
+def transformer_lens_config(cfg: Config, dtype, device="cpu"):
+    """``cfg`` as a ``transformer_lens.config.TransformerLensConfig`` for weights of ``dtype`` on ``device``.
 
     TransformerLensConfig has no field for the norm's position (every model is pre-norm to it),
     for parallel attention and MLP (which it handles by finding ``ln2`` in the state dict, as
@@ -32,7 +32,7 @@ def transformer_lens_config(cfg: Config, dtype):
         n_heads=cfg.n_heads,
         d_mlp=cfg.d_mlp,
         d_vocab=cfg.d_vocab,
-        device="cpu",
+        device=str(device),
         positional_embedding_type=cfg.positional_embedding_type,
         n_key_value_heads=cfg.n_key_value_heads,
         attn_only=cfg.attn_only,
