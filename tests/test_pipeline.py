@@ -4,7 +4,7 @@ import inspect
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 import circuitmath as cm
 from circuitmath._identities.pipeline import EVERYTHING_APPLICABLE
@@ -319,3 +319,19 @@ def test_a_half_precision_rounding_that_overflows_is_refused(normalization_type)
     assert all(torch.isfinite(t).all() for t in sd.values())
     with pytest.raises(cm.OverflowedError, match=r"overflowed torch.float16: .*blocks.0.attn.W_Q has 8 NaN or Inf"):
         cm.process_weights(sd, cfg)
+
+
+@settings(max_examples=30, deadline=None)
+@given(models(max_layers=3, min_layers=1, positional_embedding_types=("standard",), grouped_query=(False, True),
+              norm_positions=("pre",)).filter(lambda model: fusable(model[0]) or rms_fusable(model[0])))
+def test_the_refactor_after_the_fused_steps_is_the_whole_model_step(model):
+    """After the fused steps the refactor runs a block at a time (so that one block, not the
+    attention of the whole model, is held twice): the same bits as the public transform on the
+    whole model."""
+    cfg, sd = model
+    got, got_cfg = cm.process_weights(sd, cfg, refactor_factored_attn_matrices=True)
+    expected, expected_cfg = cm.refactor_factored_attn_matrices(*cm.process_weights(sd, cfg))
+    assert got_cfg == expected_cfg
+    assert set(got) == set(expected)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, expected[name]), name

@@ -196,7 +196,9 @@ def _process(state_dict: StateDict, cfg: Config, requested: dict) -> tuple[dict[
             if requested[keyword] is False:
                 continue
             try:
-                state_dict, cfg = step(state_dict, cfg)
+                # after the fused steps the state dict is this function's own: a local step may
+                # replace it a block at a time, so that only one block is held twice
+                state_dict, cfg = _block_by_block(state_dict, cfg, step) if fused else step(state_dict, cfg)
             except PreconditionError:
                 if requested[keyword] is None:
                     continue
@@ -206,6 +208,27 @@ def _process(state_dict: StateDict, cfg: Config, requested: dict) -> tuple[dict[
     if not (checked_in_cache and cfg.applied[-1] == _center_unembed.identity):
         _finite_or_explained(state_dict, cfg, given, given_cfg)
     return state_dict, cfg
+
+
+def _block_by_block(state_dict: dict[str, torch.Tensor], cfg: Config, step: Transform) -> tuple[dict[str, torch.Tensor], Config]:
+    """``step(state_dict, cfg)`` for a step that rewrites each block from that block alone (the
+    refactor of W_Q W_K^T and W_V W_O after the fused steps), run on the ends and then on each
+    block (:class:`~circuitmath._processing._parts.Parts`), each block's old tensors dropped from
+    ``state_dict`` (emptied: it must be the caller's own) as soon as its new ones are made. The
+    bits are the whole model's (the parts are); a refusal is raised by the ends, whose
+    config it is, or else names the block."""
+    tensor = next(iter(state_dict.values()))
+    parts = Parts(InMemory(state_dict), cfg, tensor.dtype, tensor.device)
+    out, out_cfg = parts.run(None, step)
+    for layer in range(cfg.n_layers):
+        block, block_cfg = parts.run(layer, step)
+        for name in [n for n in state_dict if n.startswith(f"blocks.{layer}.")]:
+            del state_dict[name]
+        out |= block
+        if block_cfg.applied != out_cfg.applied:  # cannot happen: the step's preconditions are the config's
+            raise RuntimeError(f"{step.identity}: block {layer} applied {block_cfg.applied}, the ends {out_cfg.applied}")
+    state_dict.clear()
+    return out, out_cfg
 
 
 def rounded_once(processed: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
