@@ -77,6 +77,8 @@ LLAMA_SHAPED = cm.Config(
     normalization_type="RMS", positional_embedding_type="rotary", gated_mlp=True, n_key_value_heads=8, eps=1e-6,
 )
 LIBRARIES = ("circuitmath", "transformer_lens")
+#: circuitmath with the refactor of W_Q W_K^T and W_V W_O too: its memory is measured, against the same target.
+REFACTOR = "circuitmath+refactor"
 #: The GPU section's models: GPT-2-small, and LLaMA-7B's shapes with all of its layers.
 GPU_MODELS = {"gpt2-small": GPT2_SMALL, "llama-7b": LLAMA_SHAPED.replace(n_layers=32)}
 #: Faster than TransformerLens (at every thread count, and on a GPU); time within this many
@@ -100,6 +102,8 @@ def _reset_peak_rss() -> None:
 def _processor(library: str, cfg: cm.Config, dtype: torch.dtype, device="cpu"):
     if library == "circuitmath":
         return lambda state_dict: cm.process_weights(state_dict, cfg)[0]
+    if library == REFACTOR:
+        return lambda state_dict: cm.process_weights(state_dict, cfg, refactor_factored_attn_matrices=True)[0]
     from circuitmath.peers import transformer_lens_config
     from transformer_lens.weight_processing import ProcessWeights
 
@@ -363,6 +367,12 @@ def main() -> int:
                     failures.append(f"circuitmath turned {dtype} into {ours['run']['out_dtypes']}")
                 if ours["memory"] > TARGET_MEMORY:
                     failures.append(f"{dtype} memory {ours['memory']:.2f}x > {TARGET_MEMORY:g}x")
+            refactor = _run("--child", REFACTOR, paths[dtype], "1", str(threads[0]))
+            added = (refactor["peak_rss_bytes"] - refactor["rss_loaded_bytes"]) / refactor["weights_bytes"]
+            print(f"  with the refactor too: {min(refactor['times_s']):.2f} s, adds {added:.2f}x the weights"
+                  f" (target <= {TARGET_MEMORY:g}x)")
+            if added > TARGET_MEMORY:
+                failures.append(f"{dtype} memory with the refactor {added:.2f}x > {TARGET_MEMORY:g}x")
                 if summary.get("speedup", math.inf) < TARGET_SPEEDUP:
                     failures.append(f"{dtype} slower than TransformerLens ({summary['speedup']:.2f}x) at {count} thread(s)")
                 if dtype == torch.float32:
