@@ -233,7 +233,7 @@ def _gpu_section(device: str, repeats: int, failures: list[str]) -> None:
         line = f"  device-to-device copy of the weights: {copy * 1e3:.1f} ms"
         if "transformer_lens" in runs:
             speedup = min(runs["transformer_lens"]["times_s"]) / min(ours["times_s"])
-            line += f"; circuitmath is {speedup:.1f}x faster than TransformerLens"
+            line += f"; circuitmath runs at {speedup:.2f}x TransformerLens's speed"
             if speedup < TARGET_SPEEDUP:
                 failures.append(f"{model} {dtype} on {device}: {speedup:.2f}x TransformerLens's speed")
         print(line)
