@@ -335,3 +335,26 @@ def test_the_refactor_after_the_fused_steps_is_the_whole_model_step(model):
     assert set(got) == set(expected)
     for name, tensor in got.items():
         assert torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.parametrize("normalization_type", ["LN", "RMS"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_bits_do_not_depend_on_the_block_sizes_of_a_device(monkeypatch, normalization_type, dtype):
+    """Off the CPU the fused steps cut weights into other blocks of rows (few, large ones): each
+    block's rows are computed alone, and the unembed's products are summed in blocks of 64 rows
+    as on the CPU, so the result has the same bits. Here the CPU computes with the blocks a GPU gets."""
+    from circuitmath._processing import _memory, centering
+
+    cfg = cm.Config(n_layers=2, d_model=192, n_heads=4, d_head=16, d_vocab=300, n_ctx=8, d_mlp=384,
+                    normalization_type=normalization_type)
+    sd = cm.random_state_dict(cfg, seed=0, dtype=dtype)
+    expected, _cfg = cm.process_weights(sd, cfg)
+
+    def on_a_device(count, row_bytes, device, *, cpu_rows=None, staged=True):
+        return _memory.rows_per_block(count, row_bytes, torch.device("meta"), staged=staged)
+
+    monkeypatch.setattr(fused_module, "rows_per_block", on_a_device)
+    monkeypatch.setattr(centering, "rows_per_block", on_a_device)
+    got, _cfg = cm.process_weights(sd, cfg)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, expected[name]), name

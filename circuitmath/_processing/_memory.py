@@ -39,19 +39,26 @@ CACHE_BLOCK_BYTES = 1 << 20
 DEVICE_BLOCK_BYTES, DEVICE_MIN_BLOCKS = 64 << 20, 8
 
 
-def rows_per_block(count: int, row_bytes: int, device: torch.device, *, cpu_rows: int | None = None) -> int:
+def rows_per_block(
+    count: int, row_bytes: int, device: torch.device, *, cpu_rows: int | None = None, staged: bool = True
+) -> int:
     """How many of a tensor's ``count`` rows of ``row_bytes`` each a loop works on at a time
     (at least 2, where there are 2): on the CPU ``cpu_rows``, or as many as fit in
-    :data:`CACHE_BLOCK_BYTES`; on any other device as many as fit in :data:`DEVICE_BLOCK_BYTES`
-    but no more than a :data:`DEVICE_MIN_BLOCKS`-th of the rows.
+    :data:`CACHE_BLOCK_BYTES`; on any other device, all of them when a block is not ``staged``
+    in a scratch, else as many as fit in :data:`DEVICE_BLOCK_BYTES` but no more than a
+    :data:`DEVICE_MIN_BLOCKS`-th of the rows.
 
     >>> rows_per_block(4096, 4096 * 4, torch.device("cpu"))
     64
     >>> rows_per_block(4096, 4096 * 4, torch.device("meta"))
     512
+    >>> rows_per_block(4096, 4096 * 4, torch.device("meta"), staged=False)
+    4096
     """
     if torch.device(device).type == "cpu":
         rows = cpu_rows or CACHE_BLOCK_BYTES // max(1, row_bytes)
+    elif not staged:
+        rows = count
     else:
         rows = min(DEVICE_BLOCK_BYTES // max(1, row_bytes), -(-count // DEVICE_MIN_BLOCKS))
     return max(2, rows)

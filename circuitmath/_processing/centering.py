@@ -104,10 +104,11 @@ def centered_last_axis(
     dtype = dtype or W.dtype
     compute = compute_dtype(W.dtype)
     rows = W.reshape(-1, W.shape[-1]) if W.dim() > 1 else W[None]
-    per_block = rows_per_block(rows.shape[0], rows.shape[1] * rows.element_size(), W.device)
-    out = new_tensor(rows.shape, dtype, W.device)
     # a half-precision input or output is computed a block at a time in one reused scratch
-    up = None if compute == W.dtype == dtype else scratch(
+    staged = not compute == W.dtype == dtype
+    per_block = rows_per_block(rows.shape[0], rows.shape[1] * rows.element_size(), W.device, staged=staged)
+    out = new_tensor(rows.shape, dtype, W.device)
+    up = None if not staged else scratch(
         (min(per_block, rows.shape[0]), rows.shape[1]), compute, W.device)
     for start in range(0, rows.shape[0], per_block):
         block = rows[start : start + per_block]

@@ -137,19 +137,19 @@ def _fold_centered_unembed(
 
     With ``m_j = mean_i w_i W_ij`` (the reader centering) and ``r_i = w_i mean_j W_ij - mean_j m_j``
     (the vocabulary mean of what remains), the result is ``w_i W_ij - m_j - r_i``. A first pass
-    over blocks of rows (64 on the CPU; see :func:`~circuitmath._processing._memory.rows_per_block`)
-    accumulates ``w W_U`` and ``b W_U`` (blocks summed in float64, as
+    over blocks of 64 rows accumulates ``w W_U`` and ``b W_U`` (blocks summed in float64, as
     :func:`~circuitmath._processing.layer_norm.products_through` does) and the row sums; a
-    second writes the result in blocks of rows (8 on the CPU), each finished while in cache (and,
+    second writes the result in blocks of rows (8 on the CPU; see
+    :func:`~circuitmath._processing._memory.rows_per_block`), each finished while in cache (and,
     given ``sums``, summed there, appended to it). The arithmetic is in ``w``'s dtype (float32
     for a half-precision ``W_U``, each block cast as it is read) and each output entry is rounded
     to ``W_U``'s dtype once.
     """
     d_model, d_vocab = W_U.shape
     compute = w.dtype
-    row_bytes = d_vocab * compute.itemsize
-    rows = rows_per_block(d_model, row_bytes, W_U.device, cpu_rows=64)
-    rows_out = rows_per_block(d_model, 2 * row_bytes, W_U.device, cpu_rows=8)
+    rows = 64  # the blocks whose float32 products are summed in float64: products_through's, on any device
+    rows_out = rows_per_block(d_model, 2 * d_vocab * compute.itemsize, W_U.device, cpu_rows=8,
+                              staged=compute != W_U.dtype)
     gain_and_bias = torch.stack([w, b])  # [2, d_model]
     through = torch.zeros(2, d_vocab, dtype=torch.float64, device=W_U.device)
     row_sums = torch.empty(d_model, dtype=torch.float64, device=W_U.device)
