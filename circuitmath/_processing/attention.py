@@ -154,7 +154,7 @@ class _Side:
     def __init__(self, state_dict: StateDict, *names: str):
         self.names = names
         self.dtype = state_dict[names[0]].dtype
-        self.weight, self.bias, *table = (state_dict[n].double().clone() for n in names)
+        self.weight, self.bias, *table = (state_dict[n].to(torch.float64, copy=True) for n in names)
         self.table = table[0] if table else None
 
     def extends(self, heads) -> bool:
@@ -205,7 +205,7 @@ def _refactor_qk(state_dict: StateDict, cfg: Config, p: str) -> dict[str, torch.
 def _refactor_ov(state_dict: StateDict, cfg: Config, p: str) -> dict[str, torch.Tensor]:
     """``[W_V; b_V] = U S`` and ``W_O = V^T`` from the SVD of ``[W_V; b_V] [W_O[h] for h in group]``."""
     values = _Side(state_dict, *(f"{p}.{n}" for n in attention_names(cfg, "V")[:2]))
-    W_O = state_dict[f"{p}.W_O"].double().clone()  # [n_heads, d_head, d_model]
+    W_O = state_dict[f"{p}.W_O"].to(torch.float64, copy=True)  # [n_heads, d_head, d_model]
     for j, heads in enumerate(key_value_groups(cfg)):
         side_by_side = torch.cat([W_O[h] for h in heads], dim=1)  # [d_head, group * d_model]
         U, S, Vh = _svd_of_product(values.rows(j, values.extends([j])), side_by_side)
