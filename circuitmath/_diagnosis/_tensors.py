@@ -204,10 +204,25 @@ def _relative_difference(a: torch.Tensor, b: torch.Tensor, reference: torch.Tens
     """
     if a is b or torch.equal(a, b):
         return 0.0, 0.0
-    dtype = torch.promote_types(a.dtype, b.dtype)
-    difference = _largest_entry(a.to(dtype) - b.to(dtype))
+    difference = _largest_difference(a, b)
     scale = max(largest(t) for t in (a, b) + ((reference,) if reference is not None else ()))
     return difference, (difference / scale if scale > 0 else math.inf)
+
+
+def _largest_difference(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 18) -> float:
+    """``_largest_entry(a - b)`` in the promoted dtype (NaN if any difference is), ``chunk``
+    entries at a time where the shapes agree: no temporary the size of the tensors."""
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    if a.shape != b.shape:  # broadcast
+        return _largest_entry(a.to(dtype) - b.to(dtype))
+    a, b = a.reshape(-1), b.reshape(-1)
+    worst = 0.0
+    for start in range(0, a.numel(), chunk):
+        largest = _largest_entry(a[start:start + chunk].to(dtype) - b[start:start + chunk].to(dtype))
+        if math.isnan(largest):
+            return largest
+        worst = max(worst, largest)
+    return worst
 
 
 def _natural_order(names: Iterable[str]) -> list[str]:
