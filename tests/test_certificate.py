@@ -10,6 +10,7 @@ zero to beyond float32's range (the screen declines where it cannot be trusted).
 """
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from circuitmath import Config
+from circuitmath._diagnosis import _tensors
 from circuitmath._diagnosis._tensors import (
     _MANTISSA_BITS, CERTIFICATE_ULPS, _certificate, _Thresholds,
 )
@@ -75,8 +77,9 @@ def nearby(g: torch.Generator, e: torch.Tensor, dtype: torch.dtype, finite: bool
 @given(seed=st.integers(0, 2**31 - 1), got_dtype=st.sampled_from(DTYPES), expected_dtype=st.sampled_from(DTYPES),
        target=st.sampled_from(DTYPES + [torch.float64]), finite=st.booleans(), size=st.sampled_from(["any", "ordinary", "tiny"]),
        scale_kind=st.sampled_from(["largest", "zero", "tiny", "huge", "random", "subnormal floor"]),
-       chunk=st.sampled_from([7, 64, 1 << 20]))
-def test_screen_gives_the_float64_number(seed, got_dtype, expected_dtype, target, finite, size, scale_kind, chunk):
+       chunk=st.sampled_from([7, 64, 1 << 20]), piece=st.sampled_from([3, 1 << 18]))
+def test_screen_gives_the_float64_number(seed, got_dtype, expected_dtype, target, finite, size, scale_kind, chunk,
+                                         piece):
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(0, 300, (), generator=g))
     expected = values(g, n, expected_dtype)
@@ -94,7 +97,8 @@ def test_screen_gives_the_float64_number(seed, got_dtype, expected_dtype, target
              "subnormal floor": 2.0 ** float(torch.empty(()).uniform_(-150, -99, generator=g)) / thresholds.floor,
              }[scale_kind]
     for thresholds in (thresholds, _Thresholds(1e-3, 1e-4, 1e-4, target)):  # the second: floor 0
-        new = _certificate(got, expected, scale, thresholds, chunk)
+        with mock.patch.object(_tensors, "_SCREEN_PIECE", piece):  # a chunk screened in pieces, or whole
+            new = _certificate(got, expected, scale, thresholds, chunk)
         old = float64_certificate(got, expected, scale, thresholds, chunk)
         assert new == old or math.isnan(new) and math.isnan(old), (new.hex(), old.hex())
 

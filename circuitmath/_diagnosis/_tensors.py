@@ -146,6 +146,9 @@ _SCREENED = (torch.float32, torch.bfloat16, torch.float16)
 #: unit in the last place flushed to zero in float32 (at most 2**-127) moves it by under 2**-27.
 _SCREEN_FLOOR = 2.0**-100
 
+#: Entries the screen handles in one piece (1 MiB of float32).
+_SCREEN_PIECE = 1 << 18
+
 
 def _ratios_float64(x: torch.Tensor, e: torch.Tensor, bits: int, floor: float) -> torch.Tensor:
     """``|x - e| / (CERTIFICATE_ULPS * ulp(e) + floor)`` entry by entry, in float64: ``ulp(e) =
@@ -172,10 +175,14 @@ def _screen(x: torch.Tensor, e: torch.Tensor, bits: int, floor: float) -> float 
     largest screened value and is among those computed in float64.
     """
     x32, e32 = x.float(), e.float()  # exact for these dtypes
-    ratio = torch.sub(x32, e32).abs_()
-    exponent = e32.view(torch.int32).bitwise_and(0x7F800000)
-    unit = exponent.sub_(bits << 23).clamp_min_(0).view(torch.float32)  # 2**(floor(log2|e|) - bits), or 0
-    ratio.div_((unit if CERTIFICATE_ULPS == 1 else unit.mul_(CERTIFICATE_ULPS)).add_(floor))
+    ratio = torch.empty_like(x32)
+    exponent = torch.empty(min(x32.numel(), _SCREEN_PIECE), dtype=torch.int32, device=x32.device)
+    for start in range(0, x32.numel(), _SCREEN_PIECE):  # pieces that stay in the cache
+        piece, e_piece = ratio[start:start + _SCREEN_PIECE], e32[start:start + _SCREEN_PIECE]
+        torch.sub(x32[start:start + _SCREEN_PIECE], e_piece, out=piece).abs_()
+        bits_of = torch.bitwise_and(e_piece.view(torch.int32), 0x7F800000, out=exponent[:piece.numel()])
+        unit = bits_of.sub_(bits << 23).clamp_min_(0).view(torch.float32)  # 2**(floor(log2|e|) - bits), or 0
+        piece.div_((unit if CERTIFICATE_ULPS == 1 else unit.mul_(CERTIFICATE_ULPS)).add_(floor))
     largest = float(ratio.max())
     if not math.isfinite(largest):
         return None
