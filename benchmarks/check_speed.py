@@ -11,7 +11,8 @@ and the median of the per-repeat ratios is reported (the machine is shared: the 
 times measured together is steadier than either time). Exits 1 when that median exceeds the
 target of 2.
 
-Usage: ``python benchmarks/check_speed.py [--repeats N] [--layers L] [--threads T]``.
+Usage: ``python benchmarks/check_speed.py [--repeats N] [--layers L] [--threads T]`` (one thread
+unless ``--threads`` says otherwise; 0: torch's default).
 
 Measured on the shared 2-core machine (2026-11-22, other jobs running), 12 layers, 3 repeats:
 with one thread 2.39x before (whole-model float64 copies for the rounding sensitivity, every
@@ -88,7 +89,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (the median ratio is reported)")
     parser.add_argument("--layers", type=int, default=12, help="number of layers (12: GPT-2 small)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
