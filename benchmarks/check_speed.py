@@ -23,9 +23,8 @@ Now (2026-11-23, one thread, 3 repeats, runs alternated with the code before the
 1.84 and 1.92 (repeats 1.82-2.00) against 2.35 and 2.38 before (2.34-2.53), load about 1-2;
 1.92 and 1.96 against 2.43 and 2.38 with other jobs running (load about 3). The target is met, by
 less than 10 %. cProfile of one warm check (7.2 s): the two float32 passes 4.2 s; the rounding
-sensitivity 1.66 s (0.55 s of it drawing
-124M normals, ~1 s the two float64 passes on 32 positions); the replay 1.05 s, of which the
-tensor certificates 0.31 s (screened in float32, :func:`circuitmath._diagnosis._tensors._screen`:
+sensitivity 1.66 s (0.55 s of it drawing 124M normals, ~1 s the two float64 passes on 32
+positions); the replay 1.05 s, of which the tensor certificates 0.31 s (screened in float32, :func:`circuitmath._diagnosis._tensors._screen`:
 the float64 ``frexp``/``ldexp`` of every entry took 2.0 s) and the relative differences 0.2 s;
 the log-prob comparison 0.13 s. The certificate's numbers are the float64 computation's, bit for
 bit (tests/test_certificate.py); the sensitivity draws the same noise and gives the same value

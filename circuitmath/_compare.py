@@ -149,6 +149,8 @@ def _float64_passes(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, u:
     for layer in range(cfg.n_layers):
         params = both(named(f"blocks.{layer}."))
         streams = [(block(p, layer, cfg, x, pos), pos) for p, (x, pos) in zip(params, streams)]
+    params = None  # (set by the loop unless there are no blocks)
+    scratch.clear()  # the blocks' memory goes before the unembedding's: one part's at a time, as before
     final = named("ln_final.")
     logits = [[], []]
     for start in range(0, cfg.d_vocab, UNEMBED_COLUMNS):
