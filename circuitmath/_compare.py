@@ -133,7 +133,7 @@ def _float64_passes(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, u:
             exact[k] = buffer("exact", k, v.shape, torch.float64, device).copy_(v)
             # The change u * xi * w is computed in float32 (several times faster than float64) and
             # added in float64: it is of the order of u, so its own rounding does not matter.
-            noise = torch.randn(v.shape, generator=g, out=buffer("noise", k, v.shape, torch.float32, torch.device("cpu")))
+            noise = buffer("noise", k, v.shape, torch.float32, torch.device("cpu")).normal_(generator=g)  # as randn draws
             change = buffer("nudged", k, v.shape, torch.float64, device).copy_(noise.to(device).mul_(v.float()))
             nudged[k] = torch.add(exact[k], change, alpha=u, out=change)  # float64 + float64: the fast kernel
         return exact, nudged
