@@ -11,27 +11,24 @@ and the median of the per-repeat ratios is reported (the machine is shared: the 
 times measured together is steadier than either time). Exits 1 when that median exceeds the
 target of 2.
 
-Usage: ``python benchmarks/check_speed.py [--repeats N] [--layers L] [--threads T]``.
+Usage: ``python benchmarks/check_speed.py [--repeats N] [--layers L] [--threads T]`` (one thread
+unless ``--threads`` says otherwise; 0: torch's default).
 
-Measured on the shared 2-core machine (2026-11-22, other jobs running), 12 layers, 3 repeats:
-with one thread 2.39x before (whole-model float64 copies for the rounding sensitivity, every
-converted state dict's entries summed again) and 2.11x after (repeats 2.02-2.25); with two threads 2.57x before and 2.38x after, where both libraries'
-threads compete with the other jobs (two forward passes took 13-19 s against 5.2-6.2 s with one
-thread). Where the rest goes (cProfile, one thread, 10.8 s check against 4.8 s for the two
-passes): the two float32 forward passes ~4.8 s; the rounding sensitivity ~2 s (a float64 copy
-and a nudged copy of every weight the tokens read, 124M normal draws; its two passes on 32
-positions cost little); the diagnosis's tensor comparisons 1.8 s, of which 1.4 s is
-``torch.linalg.vector_norm(t, inf)`` (``torch.aminmax`` finds the same largest entry about 9x
-faster: with it the ratio measured 1.88-1.90); replaying the recorded identities ~0.5 s; the
-log-prob comparison in float64 ~0.5 s.
+History (shared 2-core machine, 12 layers, one thread unless said): 2.39x on 2026-11-22 with whole-model
+float64 copies for the rounding sensitivity, 2.11x after removing them (1.88-1.90 measured while
+other jobs slowed the forward passes more than the rest; with two threads 2.57x -> 2.38x, both
+libraries' threads competing with those jobs); 2.32x (2.30-2.41) on 2026-11-23 with the machine quiet.
 
-On the same machine with nothing else running (2026-11-23, one thread, 3 repeats) the ratio is
-2.32 (2.30-2.41; the code of 2026-11-22 measured 2.30-2.51 in the same conditions): the 1.88-1.90
-above were measured while other jobs slowed the forward passes more than the rest. cProfile of
-one 10.0 s check: the two float32 passes 4.5 s, the tensor certificates 2.0 s (float64 ``frexp``
-and ``ldexp`` for the unit in the last place of every entry of the 50 tensors that differ from
-the replay by rounding), the rounding sensitivity 2.0 s (0.55 s of it drawing normals), the replay
-0.5 s, the log-prob comparison 0.3 s. The target of 2 is not met.
+Now (2026-11-23, one thread, 3 repeats, runs alternated with the code before these changes):
+1.84 and 1.92 (repeats 1.82-2.00) against 2.35 and 2.38 before (2.34-2.53), load about 1-2;
+1.92 and 1.96 against 2.43 and 2.38 with other jobs running (load about 3). The target is met, by
+less than 10 %. cProfile of one warm check (7.2 s): the two float32 passes 4.2 s; the rounding
+sensitivity 1.66 s (0.55 s of it drawing 124M normals, ~1 s the two float64 passes on 32
+positions); the replay 1.05 s, of which the tensor certificates 0.31 s (screened in float32, :func:`circuitmath._diagnosis._tensors._screen`:
+the float64 ``frexp``/``ldexp`` of every entry took 2.0 s) and the relative differences 0.2 s;
+the log-prob comparison 0.13 s. The certificate's numbers are the float64 computation's, bit for
+bit (tests/test_certificate.py); the sensitivity draws the same noise and gives the same value
+(its float64 copies reuse memory, its nudge is added float64 to float64).
 
 One reference forward pass of GPT-2-small on 4 x 128 tokens is about 127 GFLOP (85M block
 weights and the 38.6M unembedding, times 2 x 512 tokens): 2.4-2.6 s with one thread (~50
@@ -88,7 +85,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (the median ratio is reported)")
     parser.add_argument("--layers", type=int, default=12, help="number of layers (12: GPT-2 small)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -10,6 +10,7 @@ reference forward pass.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -116,12 +117,26 @@ def _float64_passes(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, u:
     # so the same tolerance, on every device.
     g = torch.Generator().manual_seed(seed)
 
+    # Memory for the float64 copies and the noise, reused by every block (the same shapes):
+    # fresh memory of this size is mapped and zeroed page by page, as slow as the copy itself.
+    scratch: dict[tuple, torch.Tensor] = {}
+
+    def buffer(role: str, name: str, shape: torch.Size, dtype: torch.dtype, on: torch.device) -> torch.Tensor:
+        key = (role, re.sub(r"^blocks\.\d+\.", "", name), shape)
+        if key not in scratch:
+            scratch[key] = torch.empty(shape, dtype=dtype, device=on)
+        return scratch[key]
+
     def both(part: dict[str, torch.Tensor]) -> tuple[dict, dict]:
-        exact = {k: v.double() for k, v in part.items()}
-        # The change u * xi * w is computed in float32 (several times faster than float64) and
-        # added in float64: it is of the order of u, so its own rounding does not matter.
-        noise = {k: torch.randn(v.shape, generator=g, dtype=torch.float32, device="cpu").to(device) for k, v in part.items()}
-        return exact, {k: exact[k].add(noise[k].mul_(v.float()), alpha=u) for k, v in part.items()}
+        exact, nudged = {}, {}
+        for k, v in part.items():
+            exact[k] = buffer("exact", k, v.shape, torch.float64, device).copy_(v)
+            # The change u * xi * w is computed in float32 (several times faster than float64) and
+            # added in float64: it is of the order of u, so its own rounding does not matter.
+            noise = buffer("noise", k, v.shape, torch.float32, torch.device("cpu")).normal_(generator=g)  # as randn draws
+            change = buffer("nudged", k, v.shape, torch.float64, device).copy_(noise.to(device).mul_(v.float()))
+            nudged[k] = torch.add(exact[k], change, alpha=u, out=change)  # float64 + float64: the fast kernel
+        return exact, nudged
 
     def named(prefix: str) -> dict[str, torch.Tensor]:
         return {k: v for k, v in state_dict.items() if k.startswith(prefix)}
@@ -134,6 +149,8 @@ def _float64_passes(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, u:
     for layer in range(cfg.n_layers):
         params = both(named(f"blocks.{layer}."))
         streams = [(block(p, layer, cfg, x, pos), pos) for p, (x, pos) in zip(params, streams)]
+    params = None  # (set by the loop unless there are no blocks)
+    scratch.clear()  # the blocks' memory goes before the unembedding's: one part's at a time, as before
     final = named("ln_final.")
     logits = [[], []]
     for start in range(0, cfg.d_vocab, UNEMBED_COLUMNS):

@@ -37,7 +37,7 @@ from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
 from ._logprobs import _coarser, _LogProbs
 from ._replay import _Replay, weight_identities
 from ._report import Diagnosis, Finding, _config_differences, _identity_finding, _residual_finding
-from ._tensors import ParameterMismatch, _mismatch, _relative_difference, _Thresholds
+from ._tensors import ParameterMismatch, _mismatch, _Thresholds
 
 __all__ = [
     "ParameterMismatch",
@@ -100,7 +100,7 @@ def replay_and_explain(first: Model, second: Model, tokens, plan, notes, progres
     residual_error = {}
     for name in set(final) & set(after):
         if name in last_writer and name not in residual:
-            residual_error[name] = _relative_difference(after[name], final[name], before.get(name), replay.largest)[1]
+            residual_error[name] = replay.relative(name, final[name], before.get(name))
     findings = []
     states = [(before, before_cfg)] + [(s.state, s.cfg) for s in stages]
     unexplained = _unexplained(residual, final, before, after, replay, last_writer)

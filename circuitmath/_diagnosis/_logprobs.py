@@ -9,6 +9,7 @@ import torch
 from .._compare import Comparison, compute_dtype, logprob_tolerance, rounding_sensitivity
 from .._config import Config
 from .._reference import log_probs
+from ._tensors import _largest_entry
 
 __all__ = ["SENSITIVITY_POSITIONS"]
 
@@ -60,11 +61,12 @@ class _LogProbs:
 
     def compare(self, a: Mapping, a_cfg: Config, b: Mapping, b_cfg: Config) -> Comparison:
         first, second = self(a, a_cfg), self(b, b_cfg)
-        difference = (first - second).abs()
-        where = tuple(int(i) for i in torch.unravel_index(difference.argmax(), difference.shape))
-        scale = float(first.abs().max())
+        difference = torch.sub(first, second).abs_()
+        at = difference.argmax()  # the largest entry (NaN if any), as difference.max() gives it
+        where = tuple(int(i) for i in torch.unravel_index(at, difference.shape))
+        scale = _largest_entry(first)
         tolerance = logprob_tolerance(self.cfg or a_cfg, self.dtype, scale, self.sensitivity)
-        return Comparison(max_abs_error=float(difference.max()), tolerance=tolerance, where=where)
+        return Comparison(max_abs_error=float(difference.reshape(-1)[at]), tolerance=tolerance, where=where)
 
 
 def _coarser(*dtypes: torch.dtype) -> torch.dtype:

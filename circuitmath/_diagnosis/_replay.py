@@ -93,6 +93,7 @@ class _Replay:
         self._wrong_cache: dict = {}  # (id(state), cfg) -> (state, wrong rewrites); keeps state alive
         self._verdicts: dict = {}  # (name, id(tensor), id(reference), level) -> (tensor, reference, verdict)
         self._largest: dict = {}  # id(tensor) -> (tensor, largest |entry|)
+        self._relative: dict = {}  # (name, id(tensor), id(reference)) -> (tensor, reference, relative difference)
 
     def same(self, name: str, tensor, reference, level: str = "recognise") -> bool:
         """Whether ``tensor`` (``None``: absent) is ``after``'s tensor ``name``.
@@ -108,13 +109,23 @@ class _Replay:
         key = (name, id(tensor), id(reference), level)
         hit = self._verdicts.get(key)
         if hit is None or hit[0] is not tensor or hit[1] is not reference:
-            relative = _relative_difference(theirs, tensor, reference, self.largest)[1]
+            relative = self.relative(name, tensor, reference)
             verdict = relative <= getattr(self.thresholds, level)
             if level == "exact" and relative <= self.thresholds.recognise:  # entry by entry
                 scale = max(self.largest(t) for t in (theirs, tensor) + ((reference,) if reference is not None else ()))
                 verdict = relative == 0 or _certificate(theirs, tensor, scale, self.thresholds) <= 1
             hit = (tensor, reference, verdict)
             self._verdicts[key] = hit
+        return hit[2]
+
+    def relative(self, name: str, tensor: torch.Tensor, reference: torch.Tensor | None) -> float:
+        """``after``'s tensor ``name`` against ``tensor`` (of its shape): the relative difference of
+        :func:`_relative_difference`, computed once per pair of tensors."""
+        key = (name, id(tensor), id(reference))
+        hit = self._relative.get(key)
+        if hit is None or hit[0] is not tensor or hit[1] is not reference:
+            hit = (tensor, reference, _relative_difference(self.after[name], tensor, reference, self.largest)[1])
+            self._relative[key] = hit
         return hit[2]
 
     def largest(self, tensor: torch.Tensor) -> float:

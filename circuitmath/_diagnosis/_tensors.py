@@ -117,19 +117,81 @@ def _certificate(got: torch.Tensor, expected: torch.Tensor, scale: float, thresh
                  chunk: int = 1 << 20) -> float:
     """The largest ``|got - expected|`` over its bound (see :class:`_Thresholds`): at most 1 when
     ``got`` is certified as ``expected`` rounded to ``thresholds.dtype``. ``scale``: the largest
-    |entry| of the tensors compared. Computed in float64, ``chunk`` entries at a time."""
+    |entry| of the tensors compared. ``chunk`` entries at a time, each chunk's largest ratio
+    that of :func:`_ratios_float64` (NaN, from non-finite entries, counts as no ratio).
+
+    Where both tensors are in float32 or half precision, a chunk is first screened in float32
+    (:func:`_screen`) and only the entries within a relative ``2**-14`` of its largest screened
+    ratio are computed in float64: the same number, to the last bit, at a fraction of the cost."""
     bits = _MANTISSA_BITS.get(thresholds.dtype, 52)
     floor = thresholds.floor * scale
+    screened = (got.dtype in _SCREENED and expected.dtype in _SCREENED and _SCREEN_FLOOR <= floor <= 2.0**100)
     worst = 0.0
     a, b = got.reshape(-1), expected.reshape(-1)
     for start in range(0, a.numel(), chunk):
-        x, e = a[start:start + chunk].double(), b[start:start + chunk].double()
-        _mantissa, exponent = torch.frexp(e)  # |e| = m 2**exponent, 0.5 <= m < 1
-        unit = torch.ldexp(torch.ones_like(e), exponent - 1 - bits)
-        bound = CERTIFICATE_ULPS * torch.where(e == 0, 0.0, unit) + floor
-        ratio = (x - e).abs() / bound.clamp_min(torch.finfo(torch.float64).tiny)
-        worst = max(worst, float(ratio.max())) if ratio.numel() else worst
+        x, e = a[start:start + chunk], b[start:start + chunk]
+        if not x.numel():
+            continue
+        largest = _screen(x, e, bits, floor) if screened else None
+        if largest is None:
+            largest = float(_ratios_float64(x, e, bits, floor).max())
+        worst = max(worst, largest)
     return worst
+
+
+#: Dtypes whose values float32 holds exactly (the screen of :func:`_certificate` runs in float32).
+_SCREENED = (torch.float32, torch.bfloat16, torch.float16)
+
+#: Smallest ``floor`` (absolute) the float32 screen takes: every bound is at least this, so a
+#: unit in the last place flushed to zero in float32 (at most 2**-127) moves it by under 2**-27.
+_SCREEN_FLOOR = 2.0**-100
+
+#: Entries the screen handles in one piece (1 MiB of float32).
+_SCREEN_PIECE = 1 << 18
+
+
+def _ratios_float64(x: torch.Tensor, e: torch.Tensor, bits: int, floor: float) -> torch.Tensor:
+    """``|x - e| / (CERTIFICATE_ULPS * ulp(e) + floor)`` entry by entry, in float64: ``ulp(e) =
+    2**(floor(log2|e|) - bits)`` (0 for ``e == 0``), the bound kept above float64's smallest normal."""
+    x, e = x.double(), e.double()
+    _mantissa, exponent = torch.frexp(e)  # |e| = m 2**exponent, 0.5 <= m < 1
+    unit = torch.ldexp(torch.ones_like(e), exponent - 1 - bits)
+    bound = CERTIFICATE_ULPS * torch.where(e == 0, 0.0, unit) + floor
+    return (x - e).abs() / bound.clamp_min(torch.finfo(torch.float64).tiny)
+
+
+def _screen(x: torch.Tensor, e: torch.Tensor, bits: int, floor: float) -> float | None:
+    """The largest of :func:`_ratios_float64` over a chunk, computed in float64 only where a
+    float32 estimate is near its largest; ``None`` when the estimate cannot be trusted (a
+    non-finite entry or estimate, or ratios so small that float32 loses them).
+
+    In float32: ``|x - e|`` (exact for float32 and half-precision entries up to one rounding),
+    ``ulp(e)`` from the exponent bits of ``e`` (the bits of ``e``'s exponent field minus
+    ``bits``, zero where that is not positive: ``e`` zero, subnormal or below ``2**(bits - 126)``,
+    where the unit is below ``2**-127``), the bound and the quotient: each within a relative
+    ``2**-24`` of the exact value for bounds of at least :data:`_SCREEN_FLOOR` and quotients of
+    at least ``2**-60``, so all together within ``2**-21``, as the float64 ratio is (within
+    ``2**-51``). The entry of the largest float64 ratio then screens within ``2**-20`` of the
+    largest screened value and is among those computed in float64.
+    """
+    x32, e32 = x.float(), e.float()  # exact for these dtypes
+    ratio = torch.empty_like(x32)
+    exponent = torch.empty(min(x32.numel(), _SCREEN_PIECE), dtype=torch.int32, device=x32.device)
+    for start in range(0, x32.numel(), _SCREEN_PIECE):  # pieces that stay in the cache
+        piece, e_piece = ratio[start:start + _SCREEN_PIECE], e32[start:start + _SCREEN_PIECE]
+        torch.sub(x32[start:start + _SCREEN_PIECE], e_piece, out=piece).abs_()
+        bits_of = torch.bitwise_and(e_piece.view(torch.int32), 0x7F800000, out=exponent[:piece.numel()])
+        unit = bits_of.sub_(bits << 23).clamp_min_(0).view(torch.float32)  # 2**(floor(log2|e|) - bits), or 0
+        piece.div_((unit if CERTIFICATE_ULPS == 1 else unit.mul_(CERTIFICATE_ULPS)).add_(floor))
+    largest = float(ratio.max())
+    if not math.isfinite(largest):
+        return None
+    if largest < 2.0**-60:
+        return 0.0 if torch.equal(x32, e32) else None
+    near = torch.nonzero(ratio >= largest * (1 - 2.0**-14)).flatten()
+    if near.numel() > x.numel() // 4:  # many near ties: the float64 pass over the chunk is as cheap
+        return None
+    return float(_ratios_float64(x[near], e[near], bits, floor).max())
 
 
 def _largest_entry(tensor: torch.Tensor) -> float:
@@ -149,10 +211,25 @@ def _relative_difference(a: torch.Tensor, b: torch.Tensor, reference: torch.Tens
     """
     if a is b or torch.equal(a, b):
         return 0.0, 0.0
-    dtype = torch.promote_types(a.dtype, b.dtype)
-    difference = _largest_entry(a.to(dtype) - b.to(dtype))
+    difference = _largest_difference(a, b)
     scale = max(largest(t) for t in (a, b) + ((reference,) if reference is not None else ()))
     return difference, (difference / scale if scale > 0 else math.inf)
+
+
+def _largest_difference(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 18) -> float:
+    """``_largest_entry(a - b)`` in the promoted dtype (NaN if any difference is), ``chunk``
+    entries at a time where the shapes agree: no temporary the size of the tensors."""
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    if a.shape != b.shape:  # broadcast
+        return _largest_entry(a.to(dtype) - b.to(dtype))
+    a, b = a.reshape(-1), b.reshape(-1)
+    worst = 0.0
+    for start in range(0, a.numel(), chunk):
+        largest = _largest_entry(a[start:start + chunk].to(dtype) - b[start:start + chunk].to(dtype))
+        if math.isnan(largest):
+            return largest
+        worst = max(worst, largest)
+    return worst
 
 
 def _natural_order(names: Iterable[str]) -> list[str]:

@@ -1,0 +1,142 @@
+"""The tensor certificate's float32 screen gives the float64 computation's number, bit for bit.
+
+``_certificate`` screens each chunk in float32 and computes in float64 only the entries near the
+chunk's largest ratio; :func:`float64_certificate` below is the computation it replaces (every
+entry in float64, the unit in the last place from ``frexp``/``ldexp``), kept here as the
+reference. Drawn: every pairing of float32/bfloat16/float16 tensors, values over the whole range
+(zeros of both signs, subnormals, the smallest normals, the largest finite values, NaN and
+infinities), entries equal, a few units apart, far apart or of the other sign, and scales from
+zero to beyond float32's range (the screen declines where it cannot be trusted).
+"""
+
+import math
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from circuitmath import Config
+from circuitmath._diagnosis import _tensors
+from circuitmath._diagnosis._tensors import (
+    _MANTISSA_BITS, CERTIFICATE_ULPS, _certificate, _Thresholds,
+)
+
+CFG = Config(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=50, n_ctx=4, d_mlp=32)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def float64_certificate(got, expected, scale, thresholds, chunk=1 << 20) -> float:
+    """The certificate as computed before the screen (float64, every entry)."""
+    bits = _MANTISSA_BITS.get(thresholds.dtype, 52)
+    floor = thresholds.floor * scale
+    worst = 0.0
+    a, b = got.reshape(-1), expected.reshape(-1)
+    for start in range(0, a.numel(), chunk):
+        x, e = a[start:start + chunk].double(), b[start:start + chunk].double()
+        _mantissa, exponent = torch.frexp(e)
+        unit = torch.ldexp(torch.ones_like(e), exponent - 1 - bits)
+        bound = CERTIFICATE_ULPS * torch.where(e == 0, 0.0, unit) + floor
+        ratio = (x - e).abs() / bound.clamp_min(torch.finfo(torch.float64).tiny)
+        worst = max(worst, float(ratio.max())) if ratio.numel() else worst
+    return worst
+
+
+def values(g: torch.Generator, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` values of ``dtype`` from all over its range."""
+    info = torch.finfo(dtype)
+    magnitudes = torch.exp2(torch.empty(n).uniform_(math.log2(info.smallest_normal) - 12, math.log2(info.max), generator=g))
+    out = magnitudes * torch.randn(n, generator=g).sign()
+    special = torch.tensor([0.0, -0.0, info.max, -info.max, info.smallest_normal, -info.smallest_normal,
+                            info.smallest_normal * 2.0**-3, info.smallest_normal * info.eps, 1.0, -1.0,
+                            math.inf, -math.inf, math.nan])
+    pick = torch.randint(0, 3, (n,), generator=g) == 0
+    out[pick] = special[torch.randint(0, len(special), (int(pick.sum()),), generator=g)]
+    return out.to(dtype)
+
+
+def nearby(g: torch.Generator, e: torch.Tensor, dtype: torch.dtype, finite: bool) -> torch.Tensor:
+    """Entries equal to ``e``, a few units in the last place of ``dtype`` from it, or anything."""
+    x = e.to(dtype)
+    steps = torch.randint(-3, 4, e.shape, generator=g)
+    for _ in range(3):
+        toward = torch.where(steps > 0, math.inf, -math.inf).to(dtype)
+        x = torch.where(steps != 0, torch.nextafter(x, toward), x)
+        steps = steps - steps.sign()
+    kind = torch.randint(0, 6, e.shape, generator=g)
+    x = torch.where(kind == 0, e.to(dtype), x)
+    x = torch.where(kind == 1, values(g, e.numel(), dtype).reshape(e.shape), x)
+    x = torch.where(kind == 2, -x, x)
+    if finite:
+        x = torch.where(x.isfinite(), x, torch.zeros_like(x))
+    return x
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), got_dtype=st.sampled_from(DTYPES), expected_dtype=st.sampled_from(DTYPES),
+       target=st.sampled_from(DTYPES + [torch.float64]), finite=st.booleans(), size=st.sampled_from(["any", "ordinary", "tiny"]),
+       scale_kind=st.sampled_from(["largest", "zero", "tiny", "huge", "random", "subnormal floor"]),
+       chunk=st.sampled_from([7, 64, 1 << 20]), piece=st.sampled_from([3, 1 << 18]))
+def test_screen_gives_the_float64_number(seed, got_dtype, expected_dtype, target, finite, size, scale_kind, chunk,
+                                         piece):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(0, 300, (), generator=g))
+    expected = values(g, n, expected_dtype)
+    if finite:
+        expected = torch.where(expected.isfinite(), expected, torch.ones_like(expected))
+    if size != "any":  # values near one another, as processing gives: ordinary ones, or around float32's subnormals
+        exponent = float(torch.randint(-140, -110, (), generator=g)) if size == "tiny" else float(torch.randint(-10, 10, (), generator=g))
+        expected = (torch.randn(n, generator=g) * 2.0**exponent).to(expected_dtype)
+    got = nearby(g, expected, got_dtype, finite)
+    largest = max((float(t.float().abs().max()) if t.numel() else 0.0) for t in (got, expected))
+    thresholds = _Thresholds.of(target, CFG)
+    scale = {"largest": largest, "zero": 0.0, "tiny": 1e-35, "huge": 1e38,
+             "random": 10.0 ** float(torch.empty(()).uniform_(-40, 40, generator=g)),
+             # a bound (floor) among float32's subnormals and smallest normals
+             "subnormal floor": 2.0 ** float(torch.empty(()).uniform_(-150, -99, generator=g)) / thresholds.floor,
+             }[scale_kind]
+    for thresholds in (thresholds, _Thresholds(1e-3, 1e-4, 1e-4, target)):  # the second: floor 0
+        with mock.patch.object(_tensors, "_SCREEN_PIECE", piece):  # a chunk screened in pieces, or whole
+            new = _certificate(got, expected, scale, thresholds, chunk)
+        old = float64_certificate(got, expected, scale, thresholds, chunk)
+        assert new == old or math.isnan(new) and math.isnan(old), (new.hex(), old.hex())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_screen_on_a_rounded_rewrite(dtype):
+    """Processing-like tensors (a float32 rewrite against its rounding, a unit off here and
+    there, a few entries far off): many chunks, the screen taken in every one."""
+    g = torch.Generator().manual_seed(0)
+    expected = torch.randn(300_000, generator=g) * 0.05
+    got = expected.to(dtype, copy=True)
+    off = torch.randint(0, got.numel(), (50,), generator=g)
+    got[off] = torch.nextafter(got[off], torch.full_like(got[off], math.inf))
+    got[off[:3]] = got[off[:3]] * 1.01
+    scale = float(expected.abs().max())
+    thresholds = _Thresholds.of(dtype, CFG)
+    new = _certificate(got, expected, scale, thresholds, chunk=1 << 14)
+    assert new == float64_certificate(got, expected, scale, thresholds, chunk=1 << 14)
+    assert new > 1  # the 1 % change leaves the bound
+
+
+def test_screen_where_float32_misorders_the_ratios():
+    """Two entries whose ratios float32 orders the other way from float64 (bounds from different
+    binades: a bfloat16 unit in the last place plus a float32 floor, each rounded): the
+    certificate still gives the float64 number (the screen's margin keeps both)."""
+    g = torch.Generator().manual_seed(0)
+    thresholds = _Thresholds.of(torch.bfloat16, CFG)
+    n = 200_000
+    expected = torch.exp2(torch.randint(-20, 20, (n,), generator=g).float()) * (1 + torch.rand(n, generator=g))
+    unit = torch.exp2(torch.floor(torch.log2(expected.double())) - 7)
+    floor = thresholds.floor * 1.0
+    got = (expected.double() + (0.5 + 0.5 * torch.rand(n, generator=g, dtype=torch.float64)) * (unit + floor)).float()
+    exact = (got.double() - expected.double()).abs() / (unit + floor)
+    estimate = (got - expected).abs() / (unit.float() + floor)
+    order = exact.argsort()
+    reversed_ = (estimate[order[1:]] < estimate[order[:-1]]).nonzero().flatten()
+    assert reversed_.numel()  # the draw discriminates
+    pair = order[reversed_[:1] + torch.tensor([0, 1])]  # exact ratios ascending, estimates descending
+    # among entries equal to the rewrite (a chunk the screen is taken on)
+    got, expected = torch.cat([got[pair], expected[:1000]]), torch.cat([expected[pair], expected[:1000]])
+    assert _certificate(got, expected, 1.0, thresholds) == float64_certificate(got, expected, 1.0, thresholds)
