@@ -136,26 +136,36 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
         try:
             return run.transformed(parts, layer)
         except PreconditionError as error:
-            run.refusal = error
+            # kept without its traceback, whose frames hold the part's tensors
+            run.refusal = error.with_traceback(None)
+            run.refusal.__context__ = None
             return None
 
     def validate(layer: int | None) -> None:  # bad input named by file and tensor, before any use
         parts.run(layer, lambda sd, part_cfg: (validate_state_dict(sd, part_cfg), ({}, part_cfg))[1])
 
-    # The first pass, for the identities that reach layer_norm_to_rms_norm's decision (seen on
-    # the ends: every part runs the same steps): the model's largest writer entry, recorded with
-    # the decision deferred. A refusal before the decision is final; one after it is decided
-    # again in the main pass, with the model's scale.
-    validate(None)
-    for run in runs:
-        transformed(run, None)
+    # Which identities apply, as in memory: each is tried on block 0 (a whole model's config, the
+    # ends as stand-ins: the preconditions on the blocks are met in the order a whole model
+    # meets them) and then on the ends; the first refusal stands. The identities that reach
+    # layer_norm_to_rms_norm's decision then record, on every part, the model's largest writer
+    # entry (the decision deferred); a refusal of theirs is decided again in the main pass, with
+    # the model's scale. Every part is validated before it is used: bad input names the file
+    # and the tensor.
+    first = [0, None] if cfg.n_layers else [None]
+    for layer in first:
+        validate(layer)
+    for layer in first:
+        for run in runs:
+            if run.refusal is None:
+                transformed(run, layer)
     recording = [run for run in runs if run.scale.largest]
-    total = cfg.n_layers + 2 + (cfg.n_layers if recording else 0)
+    total = cfg.n_layers + 2 + (cfg.n_layers - 1 if recording else 0)
     done = 1
     report(done, total, "embedding and unembedding")
-    for layer in range(cfg.n_layers) if recording else ():
+    for layer in range(1, cfg.n_layers) if recording else ():
         validate(layer)
         for run in recording:
+            run.refusal = None
             transformed(run, layer)
         done += 1
         report(done, total, f"largest writer entry, block {layer}")
@@ -179,7 +189,7 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
             run.processed.start(processed, processed_cfg, tokens)
         got = prepared = processed = None
     for layer in range(cfg.n_layers):
-        if not recording:
+        if not recording and layer:
             validate(layer)
         for p in reference:
             p.step(source.block(layer), layer, cfg)
