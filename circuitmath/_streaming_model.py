@@ -130,9 +130,17 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
     runs = [_Run(identity, _Pass(run_in, device=device), _Pass(run_in, device=device))
             for identity in weight_identities(symmetries=True)]
     report = progress or (lambda done, total, what: None)
+    validated: set = set()
+
+    def validate(layer: int | None) -> None:
+        """Each part validated once, before its first use: bad input names the file and the tensor."""
+        if layer not in validated:
+            parts.run(layer, lambda sd, part_cfg: (validate_state_dict(sd, part_cfg), ({}, part_cfg))[1])
+            validated.add(layer)
 
     def transformed(run: _Run, layer: int | None) -> tuple | None:
         """The part prepared and transformed (``None``, and ``run.refusal`` set, on a refusal)."""
+        validate(layer)
         try:
             return run.transformed(parts, layer)
         except PreconditionError as error:
@@ -141,38 +149,41 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
             run.refusal.__context__ = None
             return None
 
-    def validate(layer: int | None) -> None:  # bad input named by file and tensor, before any use
-        parts.run(layer, lambda sd, part_cfg: (validate_state_dict(sd, part_cfg), ({}, part_cfg))[1])
+    def start(run: _Run, got) -> None:
+        prepared, prepared_cfg, processed, processed_cfg = got
+        run.prepared.start(prepared, prepared_cfg, tokens)
+        run.processed.start(processed, processed_cfg, tokens)
+        run.cfgs = (prepared_cfg, processed_cfg)
 
-    # Which identities apply, as in memory: each is tried on block 0 (a whole model's config, the
-    # ends as stand-ins: the preconditions on the blocks are met in the order a whole model
-    # meets them) and then on the ends; the first refusal stands. The identities that reach
-    # layer_norm_to_rms_norm's decision then record, on every part, the model's largest writer
-    # entry (the decision deferred); a refusal of theirs is decided again in the main pass, with
-    # the model's scale. Every part is validated before it is used: bad input names the file
-    # and the tensor.
-    first = [0, None] if cfg.n_layers else [None]
-    for layer in first:
-        validate(layer)
-    for layer in first:
-        for run in runs:
-            if run.refusal is None:
-                transformed(run, layer)
+    # Which identities apply, as in memory. Each is tried on the ends; when they refuse, on
+    # block 0 too, whose refusal comes first (a block part has the whole model's config, the ends
+    # as stand-ins: it meets the preconditions in a whole model's order). The identities that
+    # reach layer_norm_to_rms_norm's decision (every part takes the same steps) record on every
+    # part the model's largest writer entry, the decision deferred, and are decided again in the
+    # main pass with the model's scale; the others start their passes on the ends at once.
+    for run in runs:
+        got = transformed(run, None)
+        if got is None and cfg.n_layers and not run.scale.largest:
+            refusal, run.refusal = run.refusal, None
+            if transformed(run, 0) is not None:
+                run.refusal = refusal
+        elif got is not None and not run.scale.largest:
+            start(run, got)
+        got = None
     recording = [run for run in runs if run.scale.largest]
-    total = cfg.n_layers + 2 + (cfg.n_layers - 1 if recording else 0)
+    total = cfg.n_layers + 2 + (cfg.n_layers if recording else 0)
     done = 1
     report(done, total, "embedding and unembedding")
-    for layer in range(1, cfg.n_layers) if recording else ():
-        validate(layer)
+    for layer in range(cfg.n_layers) if recording else ():
         for run in recording:
-            run.refusal = None
             transformed(run, layer)
         done += 1
         report(done, total, f"largest writer entry, block {layer}")
-    for run in runs:
-        run.scale.recording = False
-        if run in recording:
-            run.refusal = None
+    for run in recording:
+        run.scale.recording, run.refusal = False, None
+        if (got := transformed(run, None)) is not None:
+            start(run, got)
+        got = None
 
     # The main pass: the original on the sensitivity tokens (float64, float64 nudged, and the
     # compute dtype), in its own names, and each identity's two passes, a part at a time.
@@ -182,23 +193,16 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
         reference.append(_Pass(run_in, device=device))
     for p in reference:
         p.start(source.ends(), cfg, sensitivity_tokens)
-    for run in runs:
-        if run.refusal is None and (got := transformed(run, None)) is not None:
-            prepared, prepared_cfg, processed, processed_cfg = got
-            run.prepared.start(prepared, prepared_cfg, tokens)
-            run.processed.start(processed, processed_cfg, tokens)
-        got = prepared = processed = None
     for layer in range(cfg.n_layers):
-        if not recording and layer:
-            validate(layer)
-        for p in reference:
-            p.step(source.block(layer), layer, cfg)
         for run in runs:
             if run.refusal is None and (got := transformed(run, layer)) is not None:
                 prepared, prepared_cfg, processed, processed_cfg = got
                 run.prepared.step(prepared, 0, prepared_cfg)
                 run.processed.step(processed, 0, processed_cfg)
             got = prepared = processed = None
+        validate(layer)  # when every identity refused, still checked
+        for p in reference:
+            p.step(source.block(layer), layer, cfg)
         done += 1
         report(done, total, f"block {layer}")
     exact, nudged, *computed = (p.log_probs(source.ends(), cfg).double() for p in reference)
