@@ -407,20 +407,23 @@ def _model_folder(tmp_path, name):
     return tmp_path / name, io.open_checkpoint(tmp_path / name).load()
 
 
-def _same_rows(streamed, in_memory):
+def _same_rows(streamed, in_memory, tolerances=0.2):
     """The two checks' rows agree: the same identities, statuses, refusals (precondition and
     reason) and rewrites; the same |Δ log-prob| up to a thousandth of the tolerance (the same
-    tensors run through the same reference blocks; only a reduction order may differ); and
-    tolerances within 20 % (the rounding sensitivity is the same measurement, but the streaming
-    pass draws each tensor's noise from a generator seeded by its name, the in-memory one from
-    one generator: two samples of the same quantity, observed within 0.3 % on these models)."""
+    tensors run through the same reference blocks; only a reduction order may differ: equal,
+    bit for bit, on every model here); and tolerances within ``tolerances`` (relative). The
+    rounding sensitivity is the same measurement, but the streaming pass draws each tensor's
+    noise from a generator seeded by its name, the in-memory one from one generator: two
+    samples of the same quantity. In float32, where the a-priori term dominates, they agreed
+    within 0.3 % on these models; in bfloat16, where the measured sensitivity dominates, within
+    25 % (the bound asserted there is 50 %)."""
     assert [f.name for f in streamed.findings] == [f.name for f in in_memory.findings]
     for s, m in zip(streamed.findings, in_memory.findings):
         assert (s.status, s.applicable, s.precondition, s.reason, s.rewrite) == \
                (m.status, m.applicable, m.precondition, m.reason, m.rewrite), s.name
         if m.tolerance is not None:
             assert abs(s.max_abs_error - m.max_abs_error) <= 1e-3 * m.tolerance, s.name
-            assert s.tolerance == pytest.approx(m.tolerance, rel=0.2), s.name
+            assert s.tolerance == pytest.approx(m.tolerance, rel=tolerances), s.name
 
 
 STREAMED_MODELS = sorted(HF) + ["gpt2-processed", "shortformer"]
@@ -434,6 +437,19 @@ def test_check_model_streams_the_in_memory_rows(tmp_path, name):
     _same_rows(streamed, in_memory)
     assert streamed.ok and sum(f.status == "holds" for f in streamed.findings) >= 4
     assert any(f.status == "not applicable" for f in streamed.findings)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa"])
+def test_check_model_streams_bfloat16_folders(tmp_path, name):
+    """In bfloat16 each identity runs in the model's dtype on each part, as in memory on the
+    whole model: the same rows, the same |Δ log-prob| (the tolerance, a nudged pass's sample,
+    within 50 %)."""
+    folder = _hf_folder(tmp_path, name, torch.bfloat16)
+    state_dict, cfg = io.load_hf_directory(folder)
+    in_memory = diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS)
+    streamed = check_model_streaming(folder, tokens=TOKENS)
+    _same_rows(streamed, in_memory, tolerances=0.5)
+    assert streamed.ok
 
 
 class _Identity:
