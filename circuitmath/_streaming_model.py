@@ -3,12 +3,15 @@
 :func:`check_model_streaming` gives the rows of :func:`~circuitmath._diagnosis.check_model`
 (one per identity of ``weight_identities(symmetries=True)``: holds, violated, or not applicable
 with the precondition it breaks) without loading the model. Each part of the checkpoint (the
-embedding, each block, the unembedding) is read once, contiguous in its own dtype, and every
-identity still applicable runs its preparation and its transform on it
-(:meth:`~circuitmath._processing._parts.Parts.run`: the whole model's tensors, bit for bit, since
-every identity is local); two forward passes per identity (the prepared model and its transform,
-in :func:`~circuitmath.testing.compute_dtype`) advance by that part, keeping only the check
-tokens' activations. The tolerance is :func:`~circuitmath.testing.logprob_tolerance` with the
+embedding and unembedding, each block) is read, contiguous in its own dtype, once per pass
+(the ends twice: for the embedding, and for the unembedding at the end), and every identity
+still applicable runs its preparation and its transform on it, in the model's dtype as in
+memory (:meth:`~circuitmath._processing._parts.Parts.run`: every identity is local, so a part's
+tensors are the whole model's; the tests find the in-memory |Δ log-prob| bit for bit); two
+forward passes per identity (the prepared model and its transform, in
+:func:`~circuitmath.testing.compute_dtype`) advance by that part, keeping only the check
+tokens' activations. Peak memory: one part, read and converted, and one identity's prepared
+and transformed part with its temporaries. The tolerance is :func:`~circuitmath.testing.logprob_tolerance` with the
 rounding sensitivity measured as :class:`~circuitmath._streaming_check._Pass` measures it for
 ``check --processed`` (float64 against float64 nudged, plus the compute dtype's own rounding),
 on the first ``SENSITIVITY_POSITIONS`` positions of the first sequence, as the in-memory check.
@@ -95,13 +98,12 @@ class _ModelScale:
 @dataclass
 class _Run:
     """One identity checked along the parts: the prepared model's and the transform's forward
-    passes, the ends' configs, and the refusal, when a part refuses."""
+    passes, and the refusal, when a part refuses."""
 
     identity: object
     prepared: _Pass
     processed: _Pass
     scale: _ModelScale = field(default_factory=_ModelScale)
-    cfgs: tuple[Config, Config] | None = None
     refusal: PreconditionError | None = None
 
     def transformed(self, parts: Parts, layer: int | None) -> tuple[dict, Config, dict, Config]:
@@ -122,6 +124,7 @@ class _Run:
 
 
 def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | None, device) -> list[Finding]:
+    """The rows of :func:`check_model_streaming`, one per identity, in the registry's order."""
     cfg, dtype = checkpoint.cfg, checkpoint.dtype
     device = torch.device("cpu") if device is None else torch.device(device)
     source = _OnePart(checkpoint)
@@ -153,7 +156,6 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
         prepared, prepared_cfg, processed, processed_cfg = got
         run.prepared.start(prepared, prepared_cfg, tokens)
         run.processed.start(processed, processed_cfg, tokens)
-        run.cfgs = (prepared_cfg, processed_cfg)
 
     # Which identities apply, as in memory. Each is tried on the ends; when they refuse, on
     # block 0 too, whose refusal comes first (a block part has the whole model's config, the ends
