@@ -13,7 +13,11 @@ Two measurements.
      reading it once so that both cp and process find it in the page cache (as far as it fits);
    - ``python -m circuitmath process IN OUT --steps applicable`` (for LLaMA: fold the RMSNorm
      gains, fold the value biases, center the unembed);
-   - ``python -m circuitmath check IN --processed OUT`` on ``--batch`` x ``--seq-len`` tokens.
+   - ``python -m circuitmath check IN --processed OUT`` on ``--batch`` x ``--seq-len`` tokens;
+   - ``python -m circuitmath check IN`` on the same tokens: every weight identity checked a
+     layer at a time (for LLaMA: center_unembed, fold_rms_norm, fold_value_biases, the rotation
+     of the residual stream, which multiplies every matrix by a d_model x d_model ``Q`` in
+     float64, the permutations and process_weights; the others are refused).
 
    Outputs are removed afterwards; the input stays cached. Needs about 40 GB of free disk.
 
@@ -28,9 +32,12 @@ missed.
 
 ``--layers N`` measures a 7B-shaped checkpoint of N layers instead of 32 (cached beside the
 whole one; per-layer figures extrapolate to 32 layers: time(32) ~ time(N) + (32 - N) x the
-per-layer difference of two such runs).
+per-layer difference of two such runs). ``--check-model-only`` measures ``check IN`` alone;
+with ``--layers N`` and the whole checkpoint cached, on a temporary copy of its first N layers
+(written under the system's temporary folder and removed afterwards).
 
-Usage: ``python benchmarks/streaming.py [--skip-7b] [--skip-gpt2] [--layers N] [--rounds N] [--batch N] [--seq-len N]``.
+Usage: ``python benchmarks/streaming.py [--skip-7b] [--skip-gpt2] [--layers N] [--rounds N] [--batch N] [--seq-len N]
+[--check-model-only]``.
 """
 
 from __future__ import annotations
@@ -65,6 +72,9 @@ GPT2_SMALL = cm.Config(
 )
 SHARD_BYTES = 2 << 30
 TARGET_PROCESS_RSS, TARGET_PROCESS_VS_CP, TARGET_CHECK_RSS, TARGET_GPT2 = 3.0, 2.0, 4.0, 1.5
+#: ``check IN`` holds a layer (in bfloat16 and its transforms' float32/float64 temporaries): the
+#: same bound as ``check --processed``.
+TARGET_CHECK_MODEL_RSS = 4.0
 
 
 def _llama_tensors(config: dict):
@@ -131,7 +141,63 @@ def _measured(command: list[str]) -> tuple[float, float, str]:
     return seconds, usage.ru_maxrss / 1e6, output  # ru_maxrss is in KiB on Linux
 
 
+def _check_model(folder: Path, args, layers: int) -> list[tuple[str, bool]]:
+    """``check IN`` timed in a subprocess: seconds and peak RSS."""
+    command = [sys.executable, "-m", "circuitmath", "check", str(folder), "--batch", str(args.batch),
+               "--seq-len", str(args.seq_len)]
+    try:
+        seconds, rss, output = _measured(command)
+    except SystemExit as failed:  # exit status 1: an identity violated (the rows say which)
+        raise SystemExit(f"check IN failed: {failed}") from None
+    print(f"check IN, {layers} layers ({args.batch} x {args.seq_len} tokens): {seconds:.1f} s, peak RSS {rss:.2f} GB", flush=True)
+    print("  " + output.strip().replace("\n", "\n  "), flush=True)
+    return [(f"7B check IN peak RSS {rss:.2f} GB <= {TARGET_CHECK_MODEL_RSS} GB", rss <= TARGET_CHECK_MODEL_RSS)]
+
+
+def _layer_view(folder: Path, layers: int, where: Path) -> Path:
+    """The first ``layers`` layers of ``folder`` (and its embedding and unembedding) copied to
+    a checkpoint of their own under ``where``: one shard per layer, read from ``folder``'s."""
+    from safetensors import safe_open
+
+    view = where / f"{folder.name}-{layers}-layers"
+    view.mkdir()
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    groups: dict[str, dict[str, str]] = {}
+    for name, shard in index["weight_map"].items():
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        if layer < layers:
+            groups.setdefault(f"part-{layer + 1:05d}.safetensors", {})[name] = shard
+    weight_map = {}
+    for file, names in groups.items():
+        tensors = {}
+        for name, shard in names.items():
+            with safe_open(str(folder / shard), framework="pt") as handle:
+                tensors[name] = handle.get_tensor(name)
+        save_file(tensors, str(view / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(names, file)
+    (view / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((folder / "config.json").read_text())
+    (view / "config.json").write_text(json.dumps(config | {"num_hidden_layers": layers}))
+    return view
+
+
+def bench_7b_check_model(args) -> list[bool]:
+    whole = CACHE / "llama-7b-bf16"
+    if not whole.exists():
+        print(f"no {whole}: run without --check-model-only first to write it")
+        return [False]
+    layers = LLAMA_7B["num_hidden_layers"] if args.layers is None else args.layers
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = whole if args.layers is None else _layer_view(whole, layers, Path(tmp))
+        results = _check_model(folder, args, layers)
+    for text, met in results:
+        print(("met:    " if met else "MISSED: ") + text)
+    return [met for _, met in results]
+
+
 def bench_7b(args) -> list[bool]:
+    if args.check_model_only:
+        return bench_7b_check_model(args)
     layers = LLAMA_7B["num_hidden_layers"] if args.layers is None else args.layers
     folder = CACHE / ("llama-7b-bf16" if layers == LLAMA_7B["num_hidden_layers"] else f"llama-7b-bf16-{layers}-layers")
     if not folder.exists():
@@ -164,6 +230,7 @@ def bench_7b(args) -> list[bool]:
                                                 "--seq-len", str(args.seq_len)])
         print(f"check --processed ({args.batch} x {args.seq_len} tokens): {c_s:.1f} s, peak RSS {c_rss:.2f} GB", flush=True)
         print("  " + c_out.strip().replace("\n", "\n  "), flush=True)
+        checked_model = _check_model(folder, args, layers)
     finally:
         for leftover in (copy, out):
             shutil.rmtree(leftover, ignore_errors=True)
@@ -171,6 +238,7 @@ def bench_7b(args) -> list[bool]:
         (f"7B process peak RSS {p_rss:.2f} GB <= {TARGET_PROCESS_RSS} GB", p_rss <= TARGET_PROCESS_RSS),
         (f"7B process {p_s / cp_s:.2f}x cp <= {TARGET_PROCESS_VS_CP}x", p_s / cp_s <= TARGET_PROCESS_VS_CP),
         (f"7B check --processed peak RSS {c_rss:.2f} GB <= {TARGET_CHECK_RSS} GB", c_rss <= TARGET_CHECK_RSS),
+        *checked_model,
     ]
     for text, met in results:
         print(("met:    " if met else "MISSED: ") + text)
@@ -212,6 +280,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--check-model-only", action="store_true", help="measure only check IN on the 7B-shaped checkpoint")
     args = parser.parse_args()
     CACHE.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(min(2, torch.get_num_threads()))

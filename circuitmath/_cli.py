@@ -143,6 +143,10 @@ def _check(args) -> int:
         elif args.processed:
             report = _diagnosis.diagnose(
                 args.model, args.processed, cfg, tokens=tokens, progress=progress, device=device)
+        elif Path(args.model).is_dir():
+            from ._streaming_model import check_model_streaming  # a checkpoint folder: read a block at a time
+
+            report = check_model_streaming(args.model, cfg, tokens=tokens, progress=progress, device=device)
         else:
             report = _diagnosis.check_model(args.model, cfg, tokens=tokens, progress=progress, device=device)
     finally:

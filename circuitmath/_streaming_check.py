@@ -101,7 +101,8 @@ class _Pass:
         # Only the rows of W_E the tokens use are read and converted.
         used, inverse = torch.unique(tokens, return_inverse=True)
         params = dict(ends, **{"embed.W_E": ends["embed.W_E"][used]})
-        self.x, self.pos = embed(self.weights(params), cfg, inverse.to(self.device))
+        self.x, pos = embed(self.weights(params), cfg, inverse.to(self.device))
+        self.pos = None if pos is None else pos.clone()  # not a view that keeps the ends' W_pos
 
     def step(self, tensors: Mapping[str, torch.Tensor], layer: int, cfg: Config) -> None:
         self.x = block(self.weights(tensors), layer, cfg, self.x, self.pos)

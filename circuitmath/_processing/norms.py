@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -13,7 +16,8 @@ from ._common import readers, refuse_reapplication, require, rewrite
 from .centering import center_writing_weights, require_pre_norm, writers
 from .layer_norm import fold_layer_norm, reader_preconditions
 
-__all__ = ["fold_rms_norm", "layer_norm_to_rms_norm", "rescale_residual_stream", "uncentered_writers", "IS_RMS",
+__all__ = ["fold_rms_norm", "layer_norm_to_rms_norm", "rescale_residual_stream", "uncentered_writers", "writer_scale",
+           "writer_scale_given", "IS_RMS",
            "IS_LNPRE", "WRITES_CENTERED", "SCALE_POSITIVE", "BEHIND_A_NORM", "EPS_ZERO"]
 
 IS_RMS = Precondition("normalization_type is RMS")
@@ -74,15 +78,40 @@ def uncentered_writers(state_dict: StateDict, cfg: Config) -> dict[str, float]:
     stream (a small bias with a large common offset keeps a rounding error of the offset's size,
     so its own size is no yardstick).
     """
-    names = writers(cfg)
-    scale = max(float(state_dict[name].double().abs().max()) for name in names)
+    scale = writer_scale(state_dict, cfg)
+    given = _GIVEN_SCALE.get()
+    scale = scale if given is None else given(scale)
     out = {}
-    for name in names:
+    for name in writers(cfg):
         W = state_dict[name]
         mean = float(W.double().mean(dim=-1).abs().max())
         if mean > cfg.d_model * torch.finfo(W.dtype).eps * scale:
             out[name] = mean
     return out
+
+
+def writer_scale(state_dict: StateDict, cfg: Config) -> float:
+    """``M`` of :func:`uncentered_writers`: the largest ``|entry|`` of any writer of ``state_dict``.
+    A model cut into parts has as ``M`` the largest of its parts' (a part's stand-ins are zeros)."""
+    return max(float(state_dict[name].double().abs().max()) for name in writers(cfg))
+
+
+#: Within :func:`writer_scale_given`: maps the :func:`writer_scale` of the state at hand to the
+#: ``M`` that :func:`uncentered_writers` measures against.
+_GIVEN_SCALE: ContextVar[Callable[[float], float] | None] = ContextVar("circuitmath_writer_scale", default=None)
+
+
+@contextmanager
+def writer_scale_given(scale: Callable[[float], float]):
+    """Within this block :func:`uncentered_writers` (so :func:`layer_norm_to_rms_norm`) measures
+    means against ``scale(M)`` instead of the state's own ``M`` (:func:`writer_scale`). For a
+    caller that transforms a model a part at a time (``circuitmath._streaming_model``): each part
+    is then judged against the whole model's ``M``, as the whole model is in memory."""
+    token = _GIVEN_SCALE.set(scale)
+    try:
+        yield
+    finally:
+        _GIVEN_SCALE.reset(token)
 
 
 @rewrite("layer_norm_to_rms_norm")

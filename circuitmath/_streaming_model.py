@@ -1,0 +1,244 @@
+"""``check MODEL`` on a checkpoint folder: every weight identity checked one layer at a time.
+
+:func:`check_model_streaming` gives the rows of :func:`~circuitmath._diagnosis.check_model`
+(one per identity of ``weight_identities(symmetries=True)``: holds, violated, or not applicable
+with the precondition it breaks) without loading the model. Each part of the checkpoint (the
+embedding and unembedding, each block) is read, contiguous in its own dtype, once per pass
+(the ends twice: for the embedding, and for the unembedding at the end), and every identity
+still applicable runs its preparation and its transform on it, in the model's dtype as in
+memory (:meth:`~circuitmath._processing._parts.Parts.run`: every identity is local, so a part's
+tensors are the whole model's; the tests find the in-memory |Δ log-prob| bit for bit); two
+forward passes per identity (the prepared model and its transform, in
+:func:`~circuitmath.testing.compute_dtype`) advance by that part, keeping only the check
+tokens' activations. Peak memory: one part, read and converted, and one identity's prepared
+and transformed part with its temporaries. The tolerance is :func:`~circuitmath.testing.logprob_tolerance` with the
+rounding sensitivity measured as :class:`~circuitmath._streaming_check._Pass` measures it for
+``check --processed`` (float64 against float64 nudged, plus the compute dtype's own rounding),
+on the first ``SENSITIVITY_POSITIONS`` positions of the first sequence, as the in-memory check.
+
+Two things are model-wide. The random draws of the symmetries (the rotation ``Q``, the
+permutations) are functions of the config's shapes, the same in every part. The decision of
+:func:`~circuitmath.layer_norm_to_rms_norm` that the writes are centered measures each writer's
+mean against the largest entry of any writer of the whole model
+(:func:`~circuitmath._processing.norms.writer_scale`): for the identities that reach it, a first
+pass over the parts records that largest entry, and the main pass gives it to every part
+(:func:`~circuitmath._processing.norms.writer_scale_given`), so each part decides as the whole
+model does in memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ._checkpoint import Checkpoint
+from ._compare import _unit_roundoff, compute_dtype, logprob_tolerance
+from ._config import Config
+from ._diagnosis import Diagnosis, Finding, weight_identities
+from ._diagnosis._logprobs import SENSITIVITY_POSITIONS
+from ._errors import PreconditionError
+from ._processing._parts import Parts
+from ._processing.norms import writer_scale_given
+from ._reference import check_tokens
+from ._state import validate_state_dict
+from ._streaming import in_memory, opened
+from ._streaming_check import _Pass
+
+__all__ = ["check_model_streaming"]
+
+Progress = Callable[[int, int, str], None]
+
+
+class _OnePart:
+    """A checkpoint as a source of parts that keeps the last part read (contiguous, in the
+    checkpoint's dtype) for every identity to take in turn: one part in memory at a time."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint, self.which, self.tensors = checkpoint, None, {}
+
+    def _part(self, which, read) -> dict[str, torch.Tensor]:
+        if which != self.which:
+            self.which, self.tensors = None, {}  # the last part goes before the next is read
+            self.tensors, self.which = {n: in_memory(t) for n, t in read().items()}, which
+        return self.tensors
+
+    def ends(self) -> dict[str, torch.Tensor]:
+        return self._part("ends", self.checkpoint.ends)
+
+    def block(self, layer: int) -> dict[str, torch.Tensor]:
+        return self._part(layer, lambda: self.checkpoint.block(layer))
+
+    def drop(self) -> None:
+        self.which, self.tensors = None, {}
+
+
+class _ModelScale:
+    """The whole model's :func:`~circuitmath._processing.norms.writer_scale`, for each call of
+    it in one identity's preparation and transform (in order). ``recording``: each part's is
+    kept (the largest over parts) and the decision deferred (every writer counts as centered);
+    afterwards each call is answered with the model's."""
+
+    def __init__(self):
+        self.largest: list[float] = []
+        self.recording, self.calls = True, 0
+
+    def __call__(self, part_scale: float) -> float:
+        i, self.calls = self.calls, self.calls + 1
+        if not self.recording:
+            return self.largest[i]
+        if i == len(self.largest):
+            self.largest.append(part_scale)
+        self.largest[i] = max(self.largest[i], part_scale)
+        return math.inf
+
+
+@dataclass
+class _Run:
+    """One identity checked along the parts: the prepared model's and the transform's forward
+    passes, and the refusal, when a part refuses."""
+
+    identity: object
+    prepared: _Pass
+    processed: _Pass
+    scale: _ModelScale = field(default_factory=_ModelScale)
+    refusal: PreconditionError | None = None
+
+    def transformed(self, parts: Parts, layer: int | None) -> tuple[dict, Config, dict, Config]:
+        """Part ``layer`` (``None``: the ends) prepared and transformed, in the part's names."""
+        got = []
+
+        def transform(state_dict, cfg):
+            self.scale.calls = 0
+            prepare = self.identity.prepare
+            prepared, prepared_cfg = prepare(state_dict, cfg) if prepare else (state_dict, cfg)
+            processed, processed_cfg = self.identity.transform(prepared, prepared_cfg)
+            got.extend((prepared, prepared_cfg, processed, processed_cfg))
+            return {}, processed_cfg
+
+        with writer_scale_given(self.scale):
+            parts.run(layer, transform)
+        return tuple(got)
+
+
+def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | None, device) -> list[Finding]:
+    """The rows of :func:`check_model_streaming`, one per identity, in the registry's order."""
+    cfg, dtype = checkpoint.cfg, checkpoint.dtype
+    device = torch.device("cpu") if device is None else torch.device(device)
+    source = _OnePart(checkpoint)
+    parts = Parts(source, cfg, dtype, device, checkpoint.path)
+    run_in = compute_dtype(dtype)
+    runs = [_Run(identity, _Pass(run_in, device=device), _Pass(run_in, device=device))
+            for identity in weight_identities(symmetries=True)]
+    report = progress or (lambda done, total, what: None)
+    validated: set = set()
+
+    def validate(layer: int | None) -> None:
+        """Each part validated once, before its first use: bad input names the file and the tensor."""
+        if layer not in validated:
+            parts.run(layer, lambda sd, part_cfg: (validate_state_dict(sd, part_cfg), ({}, part_cfg))[1])
+            validated.add(layer)
+
+    def transformed(run: _Run, layer: int | None) -> tuple | None:
+        """The part prepared and transformed (``None``, and ``run.refusal`` set, on a refusal)."""
+        validate(layer)
+        try:
+            return run.transformed(parts, layer)
+        except PreconditionError as error:
+            # kept without its traceback, whose frames hold the part's tensors
+            run.refusal = error.with_traceback(None)
+            run.refusal.__context__ = None
+            return None
+
+    def start(run: _Run, got) -> None:
+        prepared, prepared_cfg, processed, processed_cfg = got
+        run.prepared.start(prepared, prepared_cfg, tokens)
+        run.processed.start(processed, processed_cfg, tokens)
+
+    # Which identities apply, as in memory. Each is tried on the ends; when they refuse, on
+    # block 0 too, whose refusal comes first (a block part has the whole model's config, the ends
+    # as stand-ins: it meets the preconditions in a whole model's order). The identities that
+    # reach layer_norm_to_rms_norm's decision (every part takes the same steps) record on every
+    # part the model's largest writer entry, the decision deferred, and are decided again in the
+    # main pass with the model's scale; the others start their passes on the ends at once.
+    for run in runs:
+        got = transformed(run, None)
+        if got is None and cfg.n_layers and not run.scale.largest:
+            refusal, run.refusal = run.refusal, None
+            if transformed(run, 0) is not None:
+                run.refusal = refusal
+        elif got is not None and not run.scale.largest:
+            start(run, got)
+        got = None
+    recording = [run for run in runs if run.scale.largest]
+    total = cfg.n_layers + 2 + (cfg.n_layers if recording else 0)
+    done = 1
+    report(done, total, "embedding and unembedding")
+    for layer in range(cfg.n_layers) if recording else ():
+        for run in recording:
+            transformed(run, layer)
+        done += 1
+        report(done, total, f"largest writer entry, block {layer}")
+    for run in recording:
+        run.scale.recording, run.refusal = False, None
+        if (got := transformed(run, None)) is not None:
+            start(run, got)
+        got = None
+
+    # The main pass: the original on the sensitivity tokens (float64, float64 nudged, and the
+    # compute dtype), in its own names, and each identity's two passes, a part at a time.
+    sensitivity_tokens = tokens[:1, :min(tokens.shape[1], SENSITIVITY_POSITIONS)]
+    reference = [_Pass(torch.float64, device=device), _Pass(torch.float64, nudge=_unit_roundoff(dtype), device=device)]
+    if run_in != torch.float64:
+        reference.append(_Pass(run_in, device=device))
+    for p in reference:
+        p.start(source.ends(), cfg, sensitivity_tokens)
+    for layer in range(cfg.n_layers):
+        for run in runs:
+            if run.refusal is None and (got := transformed(run, layer)) is not None:
+                prepared, prepared_cfg, processed, processed_cfg = got
+                run.prepared.step(prepared, 0, prepared_cfg)
+                run.processed.step(processed, 0, processed_cfg)
+            got = prepared = processed = None
+        validate(layer)  # when every identity refused, still checked
+        for p in reference:
+            p.step(source.block(layer), layer, cfg)
+        done += 1
+        report(done, total, f"block {layer}")
+    exact, nudged, *computed = (p.log_probs(source.ends(), cfg).double() for p in reference)
+    sensitivity = float((exact - nudged).abs().max())
+    if computed:
+        sensitivity += float((computed[0] - exact).abs().max())
+    findings = []
+    for run in runs:
+        got = transformed(run, None) if run.refusal is None else None
+        if got is None:
+            findings.append(Finding(run.identity.name, "identity", False, "not applicable", reason=str(run.refusal),
+                                    precondition=run.refusal.precondition))
+            continue
+        prepared, prepared_cfg, processed, processed_cfg = got
+        a = run.prepared.log_probs(prepared, prepared_cfg).double()
+        b = run.processed.log_probs(processed, processed_cfg).double()
+        got = prepared = processed = None
+        error = float((a - b).abs().max())
+        tolerance = logprob_tolerance(cfg, dtype, float(a.abs().max()), sensitivity)
+        findings.append(Finding(run.identity.name, "identity", True, "holds" if error <= tolerance else "violated",
+                                rewrite="exact", max_abs_error=error, tolerance=tolerance))
+    source.drop()
+    report(total, total, "done")
+    return findings
+
+
+def check_model_streaming(model, config=None, *, tokens, progress: Progress | None = None, device=None) -> Diagnosis:
+    """:func:`~circuitmath._diagnosis.check_model` of a checkpoint (anything
+    :func:`~circuitmath.io.open_checkpoint` opens; ``config`` when its files carry none), read
+    one part at a time (see the module's docstring). ``tokens`` is ``[batch, pos]`` or a function
+    of the model's config returning them; ``progress(done, total, what)`` is called after each
+    part; ``device``: where the transforms and the passes run (default the CPU)."""
+    checkpoint = opened(model, config)
+    tokens = tokens(checkpoint.cfg) if callable(tokens) else tokens
+    tokens = check_tokens(checkpoint.cfg, tokens)
+    with torch.no_grad():
+        return Diagnosis(tuple(_rows(checkpoint, tokens, progress, device)))
