@@ -218,9 +218,10 @@ def _relative_difference(a: torch.Tensor, b: torch.Tensor, reference: torch.Tens
 
 def _largest_difference(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 18) -> float:
     """``_largest_entry(a - b)`` in the promoted dtype (NaN if any difference is), ``chunk``
-    entries at a time where the shapes agree: no temporary the size of the tensors."""
+    entries at a time where the shapes agree, on the CPU: no temporary the size of the tensors
+    (on another device, one pass: a synchronisation per chunk would cost more there)."""
     dtype = torch.promote_types(a.dtype, b.dtype)
-    if a.shape != b.shape:  # broadcast
+    if a.shape != b.shape or a.device.type != "cpu":  # broadcast, or off the CPU
         return _largest_entry(a.to(dtype) - b.to(dtype))
     a, b = a.reshape(-1), b.reshape(-1)
     worst = 0.0
