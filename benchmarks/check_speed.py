@@ -21,8 +21,9 @@ libraries' threads competing with those jobs); 2.32x (2.30-2.41) on 2026-11-23 w
 
 Now (2026-11-23, one thread, 3 repeats, runs alternated with the code before these changes):
 1.84 and 1.92 (repeats 1.82-2.00) against 2.35 and 2.38 before (2.34-2.53), load about 1-2;
-1.92 and 1.96 against 2.43 and 2.38 with other jobs running (load about 3). The target is met, by
-less than 10 %. cProfile of one warm check (7.2 s): the two float32 passes 4.2 s; the rounding
+1.92 and 1.96 against 2.43 and 2.38 with other jobs running (load about 3); a last run of the
+new code alone with other jobs running: 1.93 (repeats 1.80-2.16). The target is met, by less
+than 10 %, and single repeats can exceed it on a busy machine. cProfile of one warm check (7.2 s): the two float32 passes 4.2 s; the rounding
 sensitivity 1.66 s (0.55 s of it drawing 124M normals, ~1 s the two float64 passes on 32
 positions); the replay 1.05 s, of which the tensor certificates 0.31 s (screened in float32, :func:`circuitmath._diagnosis._tensors._screen`:
 the float64 ``frexp``/``ldexp`` of every entry took 2.0 s) and the relative differences 0.2 s;

@@ -111,8 +111,8 @@ def entries_checked_here() -> bool:
 
 def all_finite(tensors) -> bool:
     """Whether every one of ``tensors`` (any shapes and dtypes, on one device) has only finite
-    entries, decided with one synchronisation with the device: from the sum of each tensor of
-    more than one dimension (an overflowing sum answers ``False``, so ``False`` may also mean
+    entries, decided with one synchronisation with the device: from the sum of each tensor of at
+    least one dimension (an overflowing sum answers ``False``, so ``False`` may also mean
     "check the entries"), and from the value of each scalar (a sum taken already).
 
     >>> all_finite([torch.ones(3), torch.tensor([1.0, float("inf")])])

@@ -7,7 +7,7 @@ embedding and unembedding, each block) is read, contiguous in its own dtype, onc
 (the ends twice: for the embedding, and for the unembedding at the end), and every identity
 still applicable runs its preparation and its transform on it, in the model's dtype as in
 memory (:meth:`~circuitmath._processing._parts.Parts.run`: every identity is local, so a part's
-tensors are the whole model's; the tests find the in-memory |Δ log-prob| bit for bit); two
+tensors are the whole model's; the tests find the in-memory |Δ log-prob|, within 1e-3 of the tolerance); two
 forward passes per identity (the prepared model and its transform, in
 :func:`~circuitmath.testing.compute_dtype`) advance by that part, keeping only the check
 tokens' activations. Peak memory: one part, read and converted, and one identity's prepared
@@ -23,7 +23,8 @@ mean against the largest entry of any writer of the whole model
 (:func:`~circuitmath._processing.norms.writer_scale`): for the identities that reach it, a first
 pass over the parts records that largest entry, and the main pass gives it to every part
 (:func:`~circuitmath._processing.norms.writer_scale_given`), so each part decides as the whole
-model does in memory.
+model does in memory. Its refusal names the uncentered writers of the first part that has
+some, where the whole model's names those of every part (the same precondition).
 """
 
 from __future__ import annotations

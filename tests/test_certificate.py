@@ -104,9 +104,16 @@ def test_screen_gives_the_float64_number(seed, got_dtype, expected_dtype, target
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_screen_on_a_rounded_rewrite(dtype):
+def test_screen_on_a_rounded_rewrite(dtype, monkeypatch):
     """Processing-like tensors (a float32 rewrite against its rounding, a unit off here and
-    there, a few entries far off): many chunks, the screen taken in every one."""
+    there, a few entries far off): many chunks, the screen taken in every one (a spy counts the
+    chunks it decides, and the entries left to float64 are a few per chunk)."""
+    import circuitmath._diagnosis._tensors as tensors
+
+    decided, in_float64 = [], []
+    real_screen, real_ratios = tensors._screen, tensors._ratios_float64
+    monkeypatch.setattr(tensors, "_screen", lambda *a: decided.append(r := real_screen(*a)) or r)
+    monkeypatch.setattr(tensors, "_ratios_float64", lambda x, *a: in_float64.append(x.numel()) or real_ratios(x, *a))
     g = torch.Generator().manual_seed(0)
     expected = torch.randn(300_000, generator=g) * 0.05
     got = expected.to(dtype, copy=True)
@@ -116,6 +123,9 @@ def test_screen_on_a_rounded_rewrite(dtype):
     scale = float(expected.abs().max())
     thresholds = _Thresholds.of(dtype, CFG)
     new = _certificate(got, expected, scale, thresholds, chunk=1 << 14)
+    chunks = -(-got.numel() // (1 << 14))
+    assert len(decided) == chunks and None not in decided  # the screen decided every chunk
+    assert sum(in_float64) < chunks * 100  # a few entries per chunk in float64, not 16384
     assert new == float64_certificate(got, expected, scale, thresholds, chunk=1 << 14)
     assert new > 1  # the 1 % change leaves the bound
 

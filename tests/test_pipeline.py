@@ -342,7 +342,10 @@ def test_the_refactor_after_the_fused_steps_is_the_whole_model_step(model):
 def test_the_fused_bits_do_not_depend_on_the_block_sizes_of_a_device(monkeypatch, normalization_type, dtype):
     """Off the CPU the fused steps cut weights into other blocks of rows (few, large ones): each
     block's rows are computed alone, and the unembed's products are summed in blocks of 64 rows
-    as on the CPU, so the result has the same bits. Here the CPU computes with the blocks a GPU gets."""
+    as on the CPU, so the result has the same bits. Here the CPU computes with the blocks a GPU gets
+    (the CPU's own kernels: this pins the blocking, not CUDA's reductions, which the suite checks
+    under ``pytest --device cuda``; nor the single mixed-dtype kernel a GPU takes for an unscaled
+    reader, which the CPU never takes)."""
     from circuitmath._processing import _memory, centering
 
     cfg = cm.Config(n_layers=2, d_model=192, n_heads=4, d_head=16, d_vocab=300, n_ctx=8, d_mlp=384,

@@ -120,12 +120,16 @@ def _certificate(got: torch.Tensor, expected: torch.Tensor, scale: float, thresh
     |entry| of the tensors compared. ``chunk`` entries at a time, each chunk's largest ratio
     that of :func:`_ratios_float64` (NaN, from non-finite entries, counts as no ratio).
 
-    Where both tensors are in float32 or half precision, a chunk is first screened in float32
-    (:func:`_screen`) and only the entries within a relative ``2**-14`` of its largest screened
-    ratio are computed in float64: the same number, to the last bit, at a fraction of the cost."""
+    Where both tensors are in float32 or half precision, on the CPU, a chunk is first screened in
+    float32 (:func:`_screen`) and only the entries within a relative ``2**-14`` of its largest
+    screened ratio are computed in float64: the same number, to the last bit, at a fraction of
+    the cost. On another device the screen's synchronisations would cost more than it saves."""
     bits = _MANTISSA_BITS.get(thresholds.dtype, 52)
     floor = thresholds.floor * scale
-    screened = (got.dtype in _SCREENED and expected.dtype in _SCREENED and _SCREEN_FLOOR <= floor <= 2.0**100)
+    screened = (got.dtype in _SCREENED and expected.dtype in _SCREENED and _SCREEN_FLOOR <= floor <= 2.0**100
+                and got.device.type == "cpu")
+    if got.device.type != "cpu":  # few large chunks, unscreened: each chunk costs a synchronisation there
+        chunk = max(chunk, 1 << 24)
     worst = 0.0
     a, b = got.reshape(-1), expected.reshape(-1)
     for start in range(0, a.numel(), chunk):

@@ -261,14 +261,14 @@ def _scaled_rows(
     flat = W.reshape(-1, W.shape[-1])
     gains = w.repeat(flat.shape[0] // w.shape[0])
     out = new_tensor(flat.shape, W.dtype, W.device)
-    per_block = rows_per_block(flat.shape[0], flat.shape[1] * w.element_size(), W.device, cpu_rows=cpu_rows)
-    up = None if w.dtype == W.dtype else scratch((min(per_block + 1, flat.shape[0]), flat.shape[1]), w.dtype, W.device)
     if not center and W.device.type != "cpu":
         # one kernel: a mixed-dtype product computes in w's dtype and rounds once into out
         # (on the CPU it would allocate a cast of the whole weight first)
         torch.mul(flat, gains[:, None], out=out)
         sums.append(out.sum())
         return out.view(W.shape)
+    per_block = rows_per_block(flat.shape[0], flat.shape[1] * w.element_size(), W.device, cpu_rows=cpu_rows)
+    up = None if w.dtype == W.dtype else scratch((min(per_block + 1, flat.shape[0]), flat.shape[1]), w.dtype, W.device)
     for start, stop in _row_blocks(flat.shape[0], per_block):
         if up is None:
             block = torch.mul(flat[start:stop], gains[start:stop, None], out=out[start:stop])
