@@ -35,7 +35,7 @@ from ._common import readers
 from ._memory import SCRATCH_MIN_BYTES, converted, new_tensor, rows_per_block, scratch
 from .attention import fold_value_biases, value_bias_through_output
 from .centering import center_unembed, center_writing_weights, centered_last_axis, writers
-from .layer_norm import center_reading_weights, fold_layer_norm, fold_reader
+from .layer_norm import PRODUCT_ROWS, center_reading_weights, fold_layer_norm, fold_reader
 from .norms import fold_rms_norm
 
 __all__ = ["FUSED_STEPS", "FUSED_RMS_STEPS", "fusable", "rms_fusable", "fused_default_steps"]
@@ -126,8 +126,8 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
         out[name] = centered_last_axis(out[name], sums=sums, dtype=dtype)
     summed = set(writers(cfg)) | {weight for _norm, pairs in readers(cfg) for weight, _bias in pairs}
     out = {name: tensor.to(dtype) for name, tensor in out.items()}  # the readers' biases
-    sums += [tensor.sum() for name, tensor in out.items() if name not in summed]  # the biases: small
-    return out, cfg.replace(normalization_type="LNPre", applied=FUSED_STEPS), all_finite(sums)
+    finite = all_finite([*sums, *(tensor for name, tensor in out.items() if name not in summed)])  # + the biases
+    return out, cfg.replace(normalization_type="LNPre", applied=FUSED_STEPS), finite
 
 
 def _fold_centered_unembed(
@@ -137,7 +137,7 @@ def _fold_centered_unembed(
 
     With ``m_j = mean_i w_i W_ij`` (the reader centering) and ``r_i = w_i mean_j W_ij - mean_j m_j``
     (the vocabulary mean of what remains), the result is ``w_i W_ij - m_j - r_i``. A first pass
-    over blocks of 64 rows accumulates ``w W_U`` and ``b W_U`` (blocks summed in float64, as
+    over blocks of :data:`~circuitmath._processing.layer_norm.PRODUCT_ROWS` rows accumulates ``w W_U`` and ``b W_U`` (blocks summed in float64, as
     :func:`~circuitmath._processing.layer_norm.products_through` does) and the row sums; a
     second writes the result in blocks of rows (8 on the CPU; see
     :func:`~circuitmath._processing._memory.rows_per_block`), each finished while in cache (and,
@@ -147,7 +147,7 @@ def _fold_centered_unembed(
     """
     d_model, d_vocab = W_U.shape
     compute = w.dtype
-    rows = 64  # the blocks whose float32 products are summed in float64: products_through's, on any device
+    rows = PRODUCT_ROWS  # the blocks whose products are summed in float64: products_through's, on any device
     rows_out = rows_per_block(d_model, 2 * d_vocab * compute.itemsize, W_U.device, cpu_rows=8,
                               staged=compute != W_U.dtype)
     gain_and_bias = torch.stack([w, b])  # [2, d_model]
@@ -230,8 +230,8 @@ def _fused_rms_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torc
             else:
                 out[weight] = _scaled_rows(state_dict[weight], w, sums=sums)
             written.add(weight)
-    sums += [tensor.sum() for name, tensor in out.items() if name not in written]  # passed through, or small
-    return out, cfg.replace(normalization_type="RMSPre", applied=FUSED_RMS_STEPS), all_finite(sums)
+    finite = all_finite([*sums, *(tensor for name, tensor in out.items() if name not in written)])  # + the others
+    return out, cfg.replace(normalization_type="RMSPre", applied=FUSED_RMS_STEPS), finite
 
 
 def _row_blocks(count: int, rows: int) -> list[tuple[int, int]]:

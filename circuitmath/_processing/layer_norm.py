@@ -11,7 +11,7 @@ from ._common import NORM_READ_LINEARLY, PRE_NORM, readers, refuse_reapplication
 from ._memory import new_tensor
 from .shortformer import shortformer_to_tables
 
-__all__ = ["fold_layer_norm", "center_reading_weights", "fold_reader", "products_through", "reader_preconditions",
+__all__ = ["fold_layer_norm", "center_reading_weights", "fold_reader", "products_through", "PRODUCT_ROWS", "reader_preconditions",
            "IS_LN", "READER_HAS_BIAS", "READS_LNPRE"]
 
 IS_LN = Precondition("normalization_type is LN")
@@ -129,7 +129,11 @@ def fold_reader(
     return folded, bias
 
 
-def products_through(V: torch.Tensor, W: torch.Tensor, *, rows: int = 64) -> torch.Tensor:
+#: Terms of a float64 bias product summed in the weight's dtype before the float64 sum (:func:`products_through`).
+PRODUCT_ROWS = 64
+
+
+def products_through(V: torch.Tensor, W: torch.Tensor, *, rows: int = PRODUCT_ROWS) -> torch.Tensor:
     """``V @ W`` in float64 for ``V: [k, d_model]`` and ``W: [..., d_model, m]``: ``[..., k, m]``.
 
     A float32 product accumulates all ``d_model`` terms in float32, and the folded biases feed

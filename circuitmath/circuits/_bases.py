@@ -90,11 +90,11 @@ def change_head_bases(
     """
     validate_state_dict(state_dict, cfg)
     shape = (cfg.n_layers, attention_names(cfg, "K")[2], cfg.d_head, cfg.d_head)
+    device = state_dict["embed.W_E"].device
     for name, matrices in (("query_key", query_key), ("value", value)):
         if matrices is not None and (not isinstance(matrices, torch.Tensor) or tuple(matrices.shape) != shape):
             got = tuple(matrices.shape) if isinstance(matrices, torch.Tensor) else type(matrices).__name__
             raise InputError(f"change_head_bases: {name} must be a tensor of shape {list(shape)}, got {got}")
-        device = state_dict["embed.W_E"].device
         if matrices is not None and matrices.device != device:
             raise InputError(f"change_head_bases: {name} is on {matrices.device}, the weights on {device}")
     changes = {}
