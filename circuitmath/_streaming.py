@@ -27,7 +27,7 @@ from ._config import Config
 from ._errors import CircuitMathError, InputError
 from ._processing._memory import new_tensor
 from ._processing._parts import InMemory, Parts
-from ._processing.pipeline import KEYWORD_OF, STEPS, process_weights, rounded_once
+from ._processing.pipeline import KEYWORD_OF, STEPS, process_weights
 from ._state import DTYPES, expected_shapes, not_finite, usable_device
 
 __all__ = ["STEPS", "KEYWORD_OF", "process_checkpoint", "opened", "PartReader", "replayed"]
@@ -95,11 +95,12 @@ class _Untouched:
     unread: frozenset[str] = frozenset()
 
 
-def _untouched(cfg: Config, keywords: dict, layer: int | None) -> _Untouched:
+def _untouched(cfg: Config, keywords: dict, layer: int | None, dtype: torch.dtype) -> _Untouched:
     """:class:`_Untouched` of the part ``layer`` (``None``: the ends) of a model of ``cfg``'s
-    kind, found by processing one: ``cfg`` with ``d_model``, ``d_mlp``, ``d_vocab`` and ``n_ctx``
-    shrunk (every flag, head count and ``d_head`` as they are) and random weights, no entry
-    zero. A kept tensor is unread when redrawing it, alone and then together with the other
+    kind processed in ``dtype``, found by processing one: ``cfg`` with ``d_model``, ``d_mlp``,
+    ``d_vocab`` and ``n_ctx`` shrunk (every flag, head count and ``d_head`` as they are) and
+    random weights in ``dtype``, no entry zero (a half-precision part that process_weights casts
+    to float32 hands nothing back as it got it). A kept tensor is unread when redrawing it, alone and then together with the other
     unread ones, leaves every other output as it was, bit for bit. Which steps apply, and what
     each reads and writes, depends on the config only, so a model's parts of that kind share the
     answer (the tests compare every architecture's streamed output with the in-memory one). A
@@ -107,14 +108,14 @@ def _untouched(cfg: Config, keywords: dict, layer: int | None) -> _Untouched:
     meets its refusal, or is processed with every tensor converted."""
     small = cfg.replace(n_layers=1, d_model=4, d_mlp=None if cfg.d_mlp is None else 4, d_vocab=3, n_ctx=min(cfg.n_ctx, 3))
     g = torch.Generator().manual_seed(0)
-    weights = {n: torch.randn(shape, generator=g) + 0.5 for n, shape in expected_shapes(small).items()}
-    parts = Parts(InMemory(weights), small, torch.float32, torch.device("cpu"))
+    weights = {n: (torch.randn(shape, generator=g) + 0.5).to(dtype) for n, shape in expected_shapes(small).items()}
+    parts = Parts(InMemory(weights), small, dtype, torch.device("cpu"))
 
     def processed(redrawn: frozenset[str] = frozenset()):
         given = {}
 
         def transform(state_dict, part_cfg):
-            state_dict = dict(state_dict, **{n: torch.randn(state_dict[n].shape, generator=g) * 3 - 1 for n in redrawn})
+            state_dict = dict(state_dict, **{n: (torch.randn(state_dict[n].shape, generator=g) * 3 - 1).to(dtype) for n in redrawn})
             given.update(state_dict)
             return process_weights(state_dict, part_cfg, **keywords)
 
@@ -250,29 +251,23 @@ def process_checkpoint(
         raise InputError(f"dtype {dtype}: circuitmath computes in {', '.join(map(str, DTYPES))}")
     device = usable_device(device, "device")
     checkpoint = opened(source, config)
+    # each part in the target dtype: process_weights computes a half-precision one in float32
+    # itself (a block of rows at a time where the fused steps are all it applies), rounded once
     cfg, target = checkpoint.cfg, dtype or checkpoint.dtype
-    # a half-precision checkpoint kept in its dtype: each part read straight into float32 and
-    # rounded once at the end, as process_weights does with a half-precision model (the same
-    # bits), not cast twice; a cast to another dtype first rounds the weights to it (then
-    # process_weights computes a half-precision part in float32 itself)
-    half = torch.finfo(target).bits < 32 and target == checkpoint.dtype
-    compute = torch.float32 if half else target
     # In its own dtype, on the CPU, a tensor that the processing hands back as it got it is
     # written as the checkpoint holds it (the same bits: float32 holds every half-precision
     # number), and an unread one is neither converted nor rounded.
     untouched = None
     if target == checkpoint.dtype and device.type == "cpu":
-        untouched = {True: _untouched(cfg, keywords, None), False: _untouched(cfg, keywords, 0)}
-    reader = PartReader(checkpoint, compute if device.type == "cpu" else None, untouched)
-    parts = Parts(reader, cfg, compute, device, checkpoint.path)
+        untouched = {True: _untouched(cfg, keywords, None, target), False: _untouched(cfg, keywords, 0, target)}
+    reader = PartReader(checkpoint, target if device.type == "cpu" else None, untouched)
+    parts = Parts(reader, cfg, target, device, checkpoint.path)
 
     def run(layer: int | None) -> tuple[dict[str, torch.Tensor], Config]:
         out, out_cfg, same = replayed(parts, layer, keywords)
         if any(out.get(n) is not t for n, t in reader.stand_ins.items()):  # _untouched found them passed through
             raise RuntimeError(f"process_checkpoint: {process_weights.__name__} rewrote {sorted(reader.stand_ins)}, found untouched")
-        native = {n for n, t in out.items() if id(t) in same and n in reader.natives}
-        rounded = rounded_once({n: t for n, t in out.items() if n not in native}, target) if half else out
-        written = {n: reader.natives[n] if n in native else rounded[n] for n in out}
+        written = {n: reader.natives[n] if id(t) in same and n in reader.natives else t for n, t in out.items()}
         reader.natives, reader.stand_ins = {}, {}
         return written, out_cfg
 

@@ -227,7 +227,7 @@ def _rows(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress,
     # checkpoint holds them), and a block is converted once for the replay and the compute-dtype
     # pass; on another device the parts are converted there, as process_checkpoint does.
     on_cpu = tensors is not None and device.type == "cpu"
-    untouched = {True: _untouched(before.cfg, keywords, None), False: _untouched(before.cfg, keywords, 0)} if on_cpu else None
+    untouched = {layer is None: _untouched(before.cfg, keywords, layer, tensors.compute) for layer in (None, 0)} if on_cpu else None
     reader = PartReader(before, tensors.compute if on_cpu else None, untouched, keep_all=True)
     parts = Parts(reader, before.cfg, tensors.compute if tensors else before.dtype, device, before.path)
     coarse = max((before.dtype, after.dtype), key=lambda d: torch.finfo(d).eps)

@@ -155,6 +155,21 @@ def test_half_precision_equals_float32_processing_rounded_once(model, dtype, key
         assert torch.equal(tensor, expected[name].to(dtype)), name
 
 
+def test_half_precision_blocks_run_fused_in_their_dtype_when_nothing_follows():
+    """Every step left to apply where it can, on a rotary pre-RMSNorm model: the refactor is
+    refused (the ends say so), so each block runs the fused steps in bfloat16 itself (W_O, which
+    they pass through, comes back as the very tensor given, not a float32 round trip), with the
+    bits of float32 processing rounded once."""
+    cfg = Config(n_layers=2, d_model=8, n_heads=4, d_head=2, d_vocab=11, n_ctx=5, d_mlp=16, normalization_type="RMS",
+                 positional_embedding_type="rotary", gated_mlp=True, n_key_value_heads=2, act_fn="silu")
+    half = random_state_dict(cfg, seed=1, dtype=torch.bfloat16)
+    expected, expected_cfg = process_weights({k: v.float() for k, v in half.items()}, cfg, **dict.fromkeys(STEPS))
+    got, got_cfg = process_weights(half, cfg, **dict.fromkeys(STEPS))
+    assert got_cfg == expected_cfg and "refactor_factored_attn_matrices" not in got_cfg.applied
+    assert all(torch.equal(got[k], expected[k].to(torch.bfloat16)) for k in expected)
+    assert all(got[f"blocks.{layer}.attn.W_O"] is half[f"blocks.{layer}.attn.W_O"] for layer in range(2))
+
+
 def test_half_precision_equality_is_able_to_fail():
     """Negative control: rounding twice (after each step) is caught by the comparison above."""
     cfg = Config(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=20, n_ctx=4, d_mlp=32)

@@ -106,20 +106,22 @@ def test_half_precision_folders_stream_bit_for_bit(tmp_path, name):
     assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], expected[k]) for k in expected)
 
 
-def test_untouched_tensors_are_found_on_a_small_model():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_untouched_tensors_are_found_on_a_small_model(dtype):
     """What process_checkpoint writes unconverted: for LLaMA, W_O comes back as it went in but
     b_O is computed from it (fold_value_biases), so it is read; W_out and W_E are neither
-    rewritten nor read. GPT-2's fused steps rewrite every tensor."""
+    rewritten nor read (in bfloat16 too: its fused steps, all that apply, run in bfloat16).
+    GPT-2's fused steps rewrite every tensor; in bfloat16 its refactor casts the blocks to float32."""
     _, llama = HF["llama-gqa"]
     cfg = hf_layout(llama.to_dict()).cfg
-    block, ends = (_untouched(cfg, EVERYTHING, layer) for layer in (0, None))
+    block, ends = (_untouched(cfg, EVERYTHING, layer, dtype) for layer in (0, None))
     assert "blocks.0.attn.W_O" in block.kept and "blocks.0.attn.W_O" not in block.unread
     assert {"blocks.0.mlp.W_out", "blocks.0.mlp.b_out"} <= block.unread
     assert not {"blocks.0.attn.W_Q", "blocks.0.mlp.W_in", "blocks.0.mlp.W_gate", "blocks.0.attn.b_O"} & block.kept
     assert ends.unread == {"embed.W_E"}
     _, gpt2 = HF["gpt2"]
     cfg = hf_layout(gpt2.to_dict()).cfg
-    assert _untouched(cfg, EVERYTHING, 0).kept == _untouched(cfg, EVERYTHING, None).kept == frozenset()
+    assert _untouched(cfg, EVERYTHING, 0, dtype).kept == _untouched(cfg, EVERYTHING, None, dtype).kept == frozenset()
 
 
 @pytest.mark.parametrize("cfg", [

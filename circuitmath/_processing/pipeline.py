@@ -263,15 +263,22 @@ def _half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple
     ends = Parts(InMemory(state_dict), cfg, dtype, device)  # not cast: for the fused steps
     requested = dict(requested)
     while True:
-        out, applied = {}, {}
+        out, applied, asked = {}, {}, dict(requested)
         for layer in parts.names():
-            # the ends run fused in their own dtype where they can (float32 a block of rows at a time)
-            source = ends if layer is None and _fused(parts.ends_cfg, requested) else parts
-            part, part_cfg = source.run(layer, lambda sd, c: _process(sd, c, requested))
+            # Fused steps run in the model's dtype (float32 a block of rows at a time): on the ends
+            # where they can, on a block when no step after them applies (the ends decide that:
+            # whether the refactor applies depends on the config alone, and a step the ends
+            # refuse is left out of the whole model anyway); the bits are float32's, rounded once.
+            fused_only = _fused(parts.ends_cfg, asked) and all(asked[k] is False for k, _ in PIPELINE_STEPS[4:])
+            source = ends if fused_only or (layer is None and _fused(parts.ends_cfg, asked)) else parts
+            part, part_cfg = source.run(layer, lambda sd, c: _process(sd, c, asked))
             applied[layer] = part_cfg.applied
-            out |= rounded_once(part, dtype)
+            out |= part if source is ends and layer is not None else rounded_once(part, dtype)
             if layer is None:
                 out_cfg = part_cfg
+                for keyword, step in PIPELINE_STEPS[4:]:
+                    if asked[keyword] is None and step.identity not in part_cfg.applied:
+                        asked[keyword] = False
             elif part_cfg.applied != out_cfg.applied:
                 break
         else:
