@@ -4,11 +4,13 @@
 parts of ``circuitmath._processing._parts`` (the embedding and unembedding, then each block),
 read from the checkpoint as they are needed and written as one shard each. Each part's tensors
 are those the whole model's processing writes, bit for bit, and each refusal is the whole
-model's, naming the real layer. Memory holds one part at a time.
+model's, naming the real layer. Memory holds two parts at a time: one processed while the one
+before is written by a thread of its own.
 
 Most of the time goes into moving bytes, so :class:`PartReader` moves each only as much as it
-must: a stored ``[out, in]`` matrix is transposed in its own dtype (:func:`in_memory`), the
-blocks reuse one set of buffers (no fresh memory, and no page faults, for every layer), and a
+must: a stored ``[out, in]`` matrix is transposed in its own dtype (:func:`in_memory`; a part's
+transposes side by side, one per core), the blocks reuse two sets of buffers in turn (no fresh
+memory, and no page faults, for every layer), and a
 tensor the processing hands back as it got it is written as the checkpoint holds it, unconverted
 (:func:`_untouched` finds which, on a small model of the same kind).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -144,8 +147,8 @@ def _untouched(cfg: Config, keywords: dict, layer: int | None, dtype: torch.dtyp
 class PartReader:
     """A checkpoint's parts as :class:`~circuitmath._processing._parts.Parts` takes them from a
     source: every tensor :func:`in_memory`, then converted to ``compute`` (``None``: left in the
-    checkpoint's dtype). The blocks, all of one shape, are copied into the same buffers each
-    time: a block's tensors live until the next block is read.
+    checkpoint's dtype). The blocks, all of one shape, are copied into ``buffer_sets`` sets of
+    buffers in turn: a block's tensors live until ``buffer_sets`` more blocks are read.
 
     With ``untouched`` (``{True: ends, False: block}``, each an :class:`_Untouched`), an unread
     tensor is handed over as zeros of ``compute`` that hold no memory, unless it is not finite
@@ -155,9 +158,10 @@ class PartReader:
     """
 
     def __init__(self, checkpoint: Checkpoint, compute: torch.dtype | None, untouched: dict | None = None,
-                 keep_all: bool = False):
+                 keep_all: bool = False, buffer_sets: int = 1):
         self.checkpoint, self.compute, self.untouched, self.keep_all = checkpoint, compute, untouched, keep_all
-        self.buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self.buffers: dict[tuple[int, str, str], torch.Tensor] = {}
+        self.buffer_sets, self.blocks_read = buffer_sets, 0
         self.natives: dict[str, torch.Tensor] = {}
         self.stand_ins: dict[str, torch.Tensor] = {}
         self.handed: dict[str, torch.Tensor] = {}  # the last block, as handed over (in the reused buffers)
@@ -165,19 +169,24 @@ class PartReader:
     def _buffer(self, kind: str, name: str | None, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         if name is None:  # the ends are read once: nothing to reuse
             return None
-        buffer = self.buffers.get((kind, name))
+        key = (self.blocks_read % self.buffer_sets, kind, name)
+        buffer = self.buffers.get(key)
         if buffer is None or buffer.shape != like.shape or buffer.dtype != dtype:
-            buffer = self.buffers[kind, name] = new_tensor(like.shape, dtype, like.device)
+            buffer = self.buffers[key] = new_tensor(like.shape, dtype, like.device)
         return buffer
 
     def _prepared(self, tensors: dict[str, torch.Tensor], layer: int | None) -> dict[str, torch.Tensor]:
         untouched = _Untouched() if self.untouched is None else self.untouched[layer is None]
         prefix = f"blocks.{layer}."
         self.natives, self.stand_ins, out = {}, {}, {}
+        keys = {name: None if layer is None else "blocks.0." + name[len(prefix):] if name.startswith(prefix) else name
+                for name in tensors}
+        # the transposes, each on one core, run side by side (torch lets go of the GIL)
+        into = {name: None if t.is_contiguous() else self._buffer("native", keys[name], t, t.dtype) for name, t in tensors.items()}
+        natives = _side_by_side(lambda name: in_memory(tensors[name], into[name]), tensors, lambda name: tensors[name].numel())
         for name, tensor in tensors.items():
-            key = None if layer is None else "blocks.0." + name[len(prefix):] if name.startswith(prefix) else name
+            key, native = keys[name], natives[name]
             part_name = name if layer is None else key
-            native = in_memory(tensor, None if tensor.is_contiguous() else self._buffer("native", key, tensor, tensor.dtype))
             if self.keep_all or part_name in untouched.kept:
                 self.natives[name] = native
             if part_name in untouched.unread and not not_finite(native):
@@ -194,7 +203,20 @@ class PartReader:
         return self._prepared(self.checkpoint.ends(), None)
 
     def block(self, layer: int) -> dict[str, torch.Tensor]:
+        """Block ``layer``'s tensors, in the next of ``buffer_sets`` sets of buffers (with two, a
+        block's tensors live until the next but one block is read)."""
+        self.blocks_read += 1
         return self._prepared(self.checkpoint.block(layer), layer)
+
+
+def _side_by_side(work: Callable, names, size: Callable) -> dict:
+    """``{name: work(name)}``, run on torch's threads side by side, the largest first."""
+    names = sorted(names, key=size, reverse=True)
+    threads = torch.get_num_threads()
+    if threads < 2 or len(names) < 2:
+        return {name: work(name) for name in names}
+    with ThreadPoolExecutor(min(threads, len(names))) as pool:
+        return dict(zip(names, pool.map(work, names)))
 
 
 def replayed(parts: Parts, layer: int | None, keywords: dict) -> tuple[dict[str, torch.Tensor], Config, set[int]]:
@@ -244,7 +266,8 @@ def process_checkpoint(
     embedding and unembedding first), each carrying the processed config in its metadata, and
     ``model.safetensors.index.json``; it is written under a temporary name and renamed at the
     end, so a refusal, an error or an interruption leaves nothing. ``destination`` must not
-    exist. Peak memory is what :func:`process_weights` needs for the largest part.
+    exist. Peak memory is what :func:`process_weights` needs for the largest part, plus the part
+    before it (written meanwhile).
     """
     keywords = _keywords(steps)
     if dtype is not None and dtype not in DTYPES:
@@ -260,7 +283,8 @@ def process_checkpoint(
     untouched = None
     if target == checkpoint.dtype and device.type == "cpu":
         untouched = {True: _untouched(cfg, keywords, None, target), False: _untouched(cfg, keywords, 0, target)}
-    reader = PartReader(checkpoint, target if device.type == "cpu" else None, untouched)
+    # two sets of block buffers: a block's tensors are written while the next block is read
+    reader = PartReader(checkpoint, target if device.type == "cpu" else None, untouched, buffer_sets=2)
     parts = Parts(reader, cfg, target, device, checkpoint.path)
 
     def run(layer: int | None) -> tuple[dict[str, torch.Tensor], Config]:
@@ -271,12 +295,27 @@ def process_checkpoint(
         reader.natives, reader.stand_ins = {}, {}
         return written, out_cfg
 
-    with CheckpointWriter(destination, cfg.n_layers + 1) as writer:
+    total = cfg.n_layers + 1
+    # Each part is written by a thread of its own while the next is read and processed (a file's
+    # write lets go of the GIL); at most one write is under way, so at most two parts are held.
+    with CheckpointWriter(destination, total) as writer, ThreadPoolExecutor(1) as pool:
+        writing, written = None, []
+
+        def wait() -> None:
+            if writing is not None:
+                writing.result()  # the part before is on disk (its error raised here)
+                if progress:
+                    progress(len(written), total, written[-1])
+
+        def write(out: dict[str, torch.Tensor], what: str) -> None:
+            nonlocal writing
+            wait()
+            writing = pool.submit(writer.write, _on_cpu(out), out_cfg)
+            written.append(what)
+
         out, out_cfg = run(None)
-        writer.write(_on_cpu(out), out_cfg)
+        write(out, "embedding and unembedding")
         del out
-        if progress:
-            progress(1, cfg.n_layers + 1, "embedding and unembedding")
         for layer in range(cfg.n_layers):
             out, layer_cfg = run(layer)
             if layer_cfg != out_cfg.replace(n_layers=1, d_vocab=1):
@@ -284,8 +323,7 @@ def process_checkpoint(
                     f"{parts.path}: the steps that apply differ between parts: block {layer} gets"
                     f" {layer_cfg.applied}, the embedding and unembedding {out_cfg.applied}; name the steps to apply"
                 )
-            writer.write(_on_cpu(out), out_cfg)
+            write(out, f"block {layer}")
             del out
-            if progress:
-                progress(layer + 2, cfg.n_layers + 1, f"block {layer}")
+        wait()
     return out_cfg
