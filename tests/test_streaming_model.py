@@ -1,0 +1,106 @@
+"""``check MODEL`` streamed (circuitmath._streaming_model) against the in-memory check, where the
+two could part: the model-wide decision of layer_norm_to_rms_norm and its refusal's reason when
+writers of several parts are off-center."""
+
+import pytest
+import torch
+
+import circuitmath as cm
+from circuitmath import _diagnosis as diagnosis_module
+from circuitmath import _streaming_model as streaming_model
+from circuitmath import io
+from circuitmath._processing.norms import WRITES_CENTERED
+from circuitmath._streaming_model import check_model_streaming
+
+CFG = cm.Config(n_layers=4, d_model=16, n_heads=2, d_head=8, d_vocab=13, n_ctx=6, d_mlp=32,
+                normalization_type="LNPre")
+TOKENS = torch.randint(0, CFG.d_vocab, (2, CFG.n_ctx), generator=torch.Generator().manual_seed(0))
+
+
+class _Identity:
+    """An identity as the checks use it: a name, a preparation and a transform."""
+
+    def __init__(self, name, transform, prepare=None):
+        self.name, self.transform, self.prepare = name, transform, prepare
+
+
+def _with_identities(monkeypatch, *chosen):
+    """Both checks run ``chosen`` instead of the registry's identities."""
+    monkeypatch.setattr(diagnosis_module, "weight_identities", lambda symmetries: chosen)
+    monkeypatch.setattr(streaming_model, "weight_identities", lambda symmetries: chosen)
+
+
+def _folder(tmp_path, offsets: dict[str, float], dtype=torch.float32):
+    """A circuitmath folder of an ``LNPre`` model (``dtype``), every write centered, then each
+    writer named in ``offsets`` shifted by its value (its mean over d_model)."""
+    state_dict, cfg = cm.center_writing_weights(cm.random_state_dict(CFG, seed=0), CFG)
+    for name, offset in offsets.items():
+        state_dict[name] = state_dict[name] + offset
+    state_dict = {name: t.to(dtype) for name, t in state_dict.items()}
+    io.save(tmp_path / "m.safetensors", state_dict, cfg)
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "lnpre", steps=[])
+    return tmp_path / "lnpre", state_dict, cfg
+
+
+def _same_rows(streamed, in_memory):
+    """The same identities, statuses, refusals (precondition and reason) and rewrites; the same
+    |Δ log-prob| up to a thousandth of the tolerance (tests/test_streaming.py says why)."""
+    assert [f.name for f in streamed.findings] == [f.name for f in in_memory.findings]
+    for s, m in zip(streamed.findings, in_memory.findings):
+        assert (s.status, s.applicable, s.precondition, s.reason, s.rewrite) == \
+               (m.status, m.applicable, m.precondition, m.reason, m.rewrite), s.name
+        if m.tolerance is not None:
+            assert abs(s.max_abs_error - m.max_abs_error) <= 1e-3 * m.tolerance, s.name
+
+
+def _checked(tmp_path, monkeypatch, offsets, dtype=torch.float32):
+    """layer_norm_to_rms_norm without its preparation (so the writers stay as given), and
+    fold_value_biases, which holds: both checks' rows."""
+    folder, state_dict, cfg = _folder(tmp_path, offsets, dtype)
+    _with_identities(monkeypatch, _Identity("layer_norm_to_rms_norm", cm.layer_norm_to_rms_norm),
+                     _Identity("fold_value_biases", cm.fold_value_biases))
+    return (check_model_streaming(folder, tokens=TOKENS),
+            diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS))
+
+
+# Writers off-center in several parts. The ends and two blocks, the worst in the last part read
+# (block 3): the first part read (the ends) has one uncentered writer, not the worst. Two blocks,
+# the ends centered: the first block's is not the worst. The offsets exceed what bfloat16 rounding
+# may leave (16 eps(bfloat16) times the largest writer entry, 21.4: 2.7).
+SEVERAL_PARTS = {"embed.W_E": 3.0, "blocks.1.mlp.W_out": 5.0, "blocks.3.attn.b_O": 8.0}
+TWO_BLOCKS = {"blocks.0.mlp.W_out": 5.0, "blocks.2.attn.W_O": 8.0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offsets", [SEVERAL_PARTS, TWO_BLOCKS], ids=["ends-and-blocks", "two-blocks"])
+def test_a_refusal_names_the_uncentered_writers_of_every_part(tmp_path, monkeypatch, offsets, dtype):
+    """Streamed, the refusal's reason is the in-memory one: the count of every part's uncentered
+    writers and the worst of them all (the last one off-center here)."""
+    streamed, in_memory = _checked(tmp_path, monkeypatch, offsets, dtype)
+    _same_rows(streamed, in_memory)
+    refused, kept = streamed.findings
+    assert refused.status == "not applicable" and refused.precondition == WRITES_CENTERED
+    assert f"does not hold: {len(offsets)} writer(s)" in refused.reason
+    assert refused.reason.endswith(f" in {list(offsets)[-1]}; center them first (center_writing_weights)")
+    assert kept.status == "holds"
+
+
+@pytest.mark.parametrize("offsets", [SEVERAL_PARTS, TWO_BLOCKS], ids=["ends-and-blocks", "two-blocks"])
+def test_a_refusal_from_the_first_part_alone_is_caught(tmp_path, monkeypatch, offsets):
+    """Negative twin: each part judged on its own writers (against the whole model's largest
+    entry, as the streamed check did before its first pass recorded every writer's mean) refuses
+    with the first uncentered part's writers alone, and the rows differ."""
+    answer = streaming_model._ModelWriters.__call__
+
+    def own_writers(self, means, scale):
+        model_means, model_scale = answer(self, means, scale)
+        return model_means if self.recording else means, model_scale
+
+    monkeypatch.setattr(streaming_model._ModelWriters, "__call__", own_writers)
+    streamed, in_memory = _checked(tmp_path, monkeypatch, offsets)
+    first = list(offsets)[0]
+    assert streamed.findings[0].precondition == WRITES_CENTERED
+    assert streamed.findings[0].reason.endswith(f" in {first}; center them first (center_writing_weights)")
+    assert "does not hold: 1 writer(s)" in streamed.findings[0].reason
+    with pytest.raises(AssertionError, match="layer_norm_to_rms_norm"):
+        _same_rows(streamed, in_memory)
