@@ -120,6 +120,8 @@ class _Run:
     processed: _Pass
     writers: _ModelWriters = field(default_factory=_ModelWriters)
     refusal: PreconditionError | None = None
+    #: the first refusal of a block in the recording pass, with the decisions made before it
+    recorded: tuple[int, PreconditionError] | None = None
 
     def transformed(self, parts: Parts, layer: int | None) -> tuple[dict, Config, dict, Config]:
         """Part ``layer`` (``None``: the ends) prepared and transformed, in the part's names."""
@@ -177,8 +179,9 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
     # as stand-ins: it meets the preconditions in a whole model's order). The identities that
     # reach layer_norm_to_rms_norm's decision (every part takes the same steps) record on every
     # part its writers' means and largest entry, the decision deferred, and are decided again on
-    # the ends with the whole model's (a refusal there is the whole model's); the others start
-    # their passes on the ends at once.
+    # the ends with the whole model's (a refusal there is the whole model's, unless a block
+    # refused in the first pass before reaching that decision: in memory its refusal comes
+    # first); the others start their passes on the ends at once.
     for run in runs:
         got = transformed(run, None)
         if got is None and cfg.n_layers and not run.writers.largest:
@@ -194,14 +197,17 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
     report(done, total, "embedding and unembedding")
     for layer in range(cfg.n_layers) if recording else ():
         for run in recording:
-            transformed(run, layer)
+            if transformed(run, layer) is None and run.recorded is None:
+                run.recorded = run.writers.calls, run.refusal
         done += 1
         report(done, total, f"writers, block {layer}")
     for run in recording:
         run.writers.recording, run.refusal = False, None
         if (got := transformed(run, None)) is not None:
             start(run, got)
-        got = None
+        elif run.recorded and run.recorded[0] < run.writers.calls:
+            run.refusal = run.recorded[1]  # a block refused before the decision that the ends refuse
+        got = run.recorded = None
 
     # The main pass: the original on the sensitivity tokens (float64, float64 nudged, and the
     # compute dtype), in its own names, and each identity's two passes, a part at a time.

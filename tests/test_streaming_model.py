@@ -104,3 +104,37 @@ def test_a_refusal_from_the_first_part_alone_is_caught(tmp_path, monkeypatch, of
     assert "does not hold: 1 writer(s)" in streamed.findings[0].reason
     with pytest.raises(AssertionError, match="layer_norm_to_rms_norm"):
         _same_rows(streamed, in_memory)
+
+
+def _fold_then_switch(state_dict, cfg):
+    """The LayerNorm fold, then layer_norm_to_rms_norm with no centering in between."""
+    return cm.layer_norm_to_rms_norm(*cm.fold_layer_norm(state_dict, cfg))
+
+
+def test_a_refusal_before_the_decision_comes_first_as_in_memory(tmp_path, monkeypatch):
+    """An LN model with a gated MLP whose block 2 alone reads ln2's bias through W_gate (no bias
+    of its own to fold it into), and uncentered writers everywhere: in memory the fold refuses,
+    before layer_norm_to_rms_norm's decision is reached. Streamed, the recording pass meets that
+    refusal on block 2 only, after the ends have reached the decision, and the ends decide on the
+    whole model's writers: the fold's refusal still comes first."""
+    cfg = CFG.replace(normalization_type="LN", gated_mlp=True, act_fn="silu")
+    state_dict = cm.random_state_dict(cfg, seed=0)
+    for layer in (0, 1, 3):
+        state_dict[f"blocks.{layer}.ln2.b"] = torch.zeros_like(state_dict[f"blocks.{layer}.ln2.b"])
+    io.save(tmp_path / "m.safetensors", state_dict, cfg)
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "ln", steps=[])
+    _with_identities(monkeypatch, _Identity("fold_then_switch", _fold_then_switch),
+                     _Identity("switch", cm.layer_norm_to_rms_norm, prepare=cm.fold_layer_norm))
+    streamed = check_model_streaming(tmp_path / "ln", tokens=TOKENS)
+    in_memory = diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS)
+    _same_rows(streamed, in_memory)
+    for refused in streamed.findings:
+        assert refused.status == "not applicable" and "blocks.2.mlp.W_gate has no bias" in refused.reason
+    # negative twin: the block's refusal forgotten, the ends refuse on the writers
+    original = streaming_model._Run.__setattr__
+    monkeypatch.setattr(streaming_model._Run, "__setattr__",
+                        lambda self, name, value: original(self, name, None if name == "recorded" else value))
+    forgot = check_model_streaming(tmp_path / "ln", tokens=TOKENS)
+    assert all(f.precondition == WRITES_CENTERED for f in forgot.findings)
+    with pytest.raises(AssertionError, match="fold_then_switch"):
+        _same_rows(forgot, in_memory)
