@@ -138,3 +138,33 @@ def test_a_refusal_before_the_decision_comes_first_as_in_memory(tmp_path, monkey
     assert all(f.precondition == WRITES_CENTERED for f in forgot.findings)
     with pytest.raises(AssertionError, match="fold_then_switch"):
         _same_rows(forgot, in_memory)
+
+
+@pytest.mark.xfail(strict=True, reason="a step of process_weights left to apply where it can (None) is decided by"
+                   " each part: the ends and block 0 fold the LayerNorm that blocks 1 to 3 cannot, where in memory"
+                   " the whole model refuses the fold and leaves it out (process_weights needs a hook, as"
+                   " norms.writers_given, for the streamed check to leave it out of every part)")
+def test_process_weights_applies_the_whole_models_steps_in_every_part(tmp_path, monkeypatch):
+    """The process_weights row of an LN model with a gated MLP whose blocks 1 to 3 read ln2's
+    bias through W_gate (block 0's is zero): every part of the streamed check applies the steps
+    that process_weights applies to the whole model."""
+    cfg = CFG.replace(normalization_type="LN", gated_mlp=True, act_fn="silu")
+    state_dict = cm.random_state_dict(cfg, seed=0)
+    state_dict["blocks.0.ln2.b"] = torch.zeros_like(state_dict["blocks.0.ln2.b"])
+    io.save(tmp_path / "m.safetensors", state_dict, cfg)
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "ln", steps=[])
+    identity, = [i for i in diagnosis_module.weight_identities(symmetries=True) if i.name == "process_weights"]
+    _with_identities(monkeypatch, identity)
+    applied, transformed = {}, streaming_model._Run.transformed
+
+    def spy(self, parts, layer):
+        got = transformed(self, parts, layer)
+        applied[layer] = got[3].applied
+        return got
+
+    monkeypatch.setattr(streaming_model._Run, "transformed", spy)
+    streamed = check_model_streaming(tmp_path / "ln", tokens=TOKENS)
+    assert streamed.findings[0].status == "holds" and set(applied) == {None, *range(cfg.n_layers)}
+    whole = identity.transform(state_dict, cfg)[1].applied
+    assert "fold_layer_norm" not in whole
+    assert all(part == whole for part in applied.values()), applied
