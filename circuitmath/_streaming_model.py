@@ -20,16 +20,15 @@ Two things are model-wide. The random draws of the symmetries (the rotation ``Q`
 permutations) are functions of the config's shapes, the same in every part. The decision of
 :func:`~circuitmath.layer_norm_to_rms_norm` that the writes are centered measures each writer's
 mean against the largest entry of any writer of the whole model
-(:func:`~circuitmath._processing.norms.writer_scale`): for the identities that reach it, a first
-pass over the parts records that largest entry, and the main pass gives it to every part
-(:func:`~circuitmath._processing.norms.writer_scale_given`), so each part decides as the whole
-model does in memory. Its refusal names the uncentered writers of the first part that has
-some, where the whole model's names those of every part (the same precondition).
+(:func:`~circuitmath._processing.norms.writer_scale`), and its refusal counts the uncentered
+writers of the whole model and names the worst: for the identities that reach it, a first pass
+over the parts records every writer's mean and that largest entry, and the main pass gives them
+to every part (:func:`~circuitmath._processing.norms.writers_given`), so each part decides, and
+the first refuses, as the whole model does in memory.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,7 +41,7 @@ from ._diagnosis import Diagnosis, Finding, weight_identities
 from ._diagnosis._logprobs import SENSITIVITY_POSITIONS
 from ._errors import PreconditionError
 from ._processing._parts import Parts
-from ._processing.norms import writer_scale_given
+from ._processing.norms import writers_given
 from ._reference import check_tokens
 from ._state import validate_state_dict
 from ._streaming import in_memory, opened
@@ -76,24 +75,39 @@ class _OnePart:
         self.which, self.tensors = None, {}
 
 
-class _ModelScale:
-    """The whole model's :func:`~circuitmath._processing.norms.writer_scale`, for each call of
-    it in one identity's preparation and transform (in order). ``recording``: each part's is
-    kept (the largest over parts) and the decision deferred (every writer counts as centered);
-    afterwards each call is answered with the model's."""
+class _ModelWriters:
+    """The whole model's writers (:func:`~circuitmath._processing.norms.writer_means`, in its
+    names and order, and :func:`~circuitmath._processing.norms.writer_scale`), for each call of
+    :func:`~circuitmath._processing.norms.uncentered_writers` in one identity's preparation and
+    transform (in order). ``recording``: each part's own writers are kept (the largest scale over
+    parts) and the decision deferred (no writer counts as uncentered); afterwards each call, on
+    any part, is answered with the whole model's, so every part decides, and refuses, as the
+    whole model does in memory."""
 
     def __init__(self):
+        self.means: list[dict[str, tuple[float, float]]] = []
         self.largest: list[float] = []
-        self.recording, self.calls = True, 0
+        self.recording, self.calls, self.layer = True, 0, None
 
-    def __call__(self, part_scale: float) -> float:
+    def start(self, layer: int | None) -> None:
+        """Part ``layer`` (``None``: the ends) is transformed next."""
+        self.calls, self.layer = 0, layer
+
+    def __call__(self, part_means: dict, part_scale: float) -> tuple[dict, float]:
         i, self.calls = self.calls, self.calls + 1
         if not self.recording:
-            return self.largest[i]
+            return self.means[i], self.largest[i]
         if i == len(self.largest):
+            self.means.append({})
             self.largest.append(part_scale)
         self.largest[i] = max(self.largest[i], part_scale)
-        return math.inf
+        # the part's own writers, in the whole model's names (a block's are its blocks.0.*; the
+        # rest of it are stand-ins): the ends' first, then each block's, as writers(cfg) lists them
+        prefix = "blocks.0."
+        self.means[i].update(
+            {n: m for n, m in part_means.items() if not n.startswith("blocks.")} if self.layer is None else
+            {f"blocks.{self.layer}.{n[len(prefix):]}": m for n, m in part_means.items() if n.startswith(prefix)})
+        return {}, part_scale
 
 
 @dataclass
@@ -104,22 +118,24 @@ class _Run:
     identity: object
     prepared: _Pass
     processed: _Pass
-    scale: _ModelScale = field(default_factory=_ModelScale)
+    writers: _ModelWriters = field(default_factory=_ModelWriters)
     refusal: PreconditionError | None = None
+    #: the first refusal of a block in the recording pass, with the decisions made before it
+    recorded: tuple[int, PreconditionError] | None = None
 
     def transformed(self, parts: Parts, layer: int | None) -> tuple[dict, Config, dict, Config]:
         """Part ``layer`` (``None``: the ends) prepared and transformed, in the part's names."""
         got = []
 
         def transform(state_dict, cfg):
-            self.scale.calls = 0
+            self.writers.start(layer)
             prepare = self.identity.prepare
             prepared, prepared_cfg = prepare(state_dict, cfg) if prepare else (state_dict, cfg)
             processed, processed_cfg = self.identity.transform(prepared, prepared_cfg)
             got.extend((prepared, prepared_cfg, processed, processed_cfg))
             return {}, processed_cfg
 
-        with writer_scale_given(self.scale):
+        with writers_given(self.writers):
             parts.run(layer, transform)
         return tuple(got)
 
@@ -162,31 +178,36 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
     # block 0 too, whose refusal comes first (a block part has the whole model's config, the ends
     # as stand-ins: it meets the preconditions in a whole model's order). The identities that
     # reach layer_norm_to_rms_norm's decision (every part takes the same steps) record on every
-    # part the model's largest writer entry, the decision deferred, and are decided again in the
-    # main pass with the model's scale; the others start their passes on the ends at once.
+    # part its writers' means and largest entry, the decision deferred, and are decided again on
+    # the ends with the whole model's (a refusal there is the whole model's, unless a block
+    # refused in the first pass before reaching that decision: in memory its refusal comes
+    # first); the others start their passes on the ends at once.
     for run in runs:
         got = transformed(run, None)
-        if got is None and cfg.n_layers and not run.scale.largest:
+        if got is None and cfg.n_layers and not run.writers.largest:
             refusal, run.refusal = run.refusal, None
             if transformed(run, 0) is not None:
                 run.refusal = refusal
-        elif got is not None and not run.scale.largest:
+        elif got is not None and not run.writers.largest:
             start(run, got)
         got = None
-    recording = [run for run in runs if run.scale.largest]
+    recording = [run for run in runs if run.writers.largest]
     total = cfg.n_layers + 2 + (cfg.n_layers if recording else 0)
     done = 1
     report(done, total, "embedding and unembedding")
     for layer in range(cfg.n_layers) if recording else ():
         for run in recording:
-            transformed(run, layer)
+            if transformed(run, layer) is None and run.recorded is None:
+                run.recorded = run.writers.calls, run.refusal
         done += 1
-        report(done, total, f"largest writer entry, block {layer}")
+        report(done, total, f"writers, block {layer}")
     for run in recording:
-        run.scale.recording, run.refusal = False, None
+        run.writers.recording, run.refusal = False, None
         if (got := transformed(run, None)) is not None:
             start(run, got)
-        got = None
+        elif run.recorded and run.recorded[0] < run.writers.calls:
+            run.refusal = run.recorded[1]  # a block refused before the decision that the ends refuse
+        got = run.recorded = None
 
     # The main pass: the original on the sensitivity tokens (float64, float64 nudged, and the
     # compute dtype), in its own names, and each identity's two passes, a part at a time.

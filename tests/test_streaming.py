@@ -512,7 +512,7 @@ def test_the_centered_writes_are_decided_on_the_whole_model(tmp_path, monkeypatc
     streamed = check_model_streaming(folder, tokens=TOKENS_13)
     _same_rows(streamed, in_memory)
     assert streamed.findings[0].applicable
-    monkeypatch.setattr(streaming_model._ModelScale, "__call__", lambda self, part_scale: part_scale)
+    monkeypatch.setattr(streaming_model._ModelWriters, "__call__", lambda self, means, scale: (means, scale))
     per_part = check_model_streaming(folder, tokens=TOKENS_13).findings[0]
     assert per_part.status == "not applicable" and "blocks.0.attn.W_O" in per_part.reason
 

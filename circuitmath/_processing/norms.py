@@ -16,8 +16,8 @@ from ._common import readers, refuse_reapplication, require, rewrite
 from .centering import center_writing_weights, require_pre_norm, writers
 from .layer_norm import fold_layer_norm, reader_preconditions
 
-__all__ = ["fold_rms_norm", "layer_norm_to_rms_norm", "rescale_residual_stream", "uncentered_writers", "writer_scale",
-           "writer_scale_given", "IS_RMS",
+__all__ = ["fold_rms_norm", "layer_norm_to_rms_norm", "rescale_residual_stream", "uncentered_writers", "writer_means",
+           "writer_scale", "writers_given", "IS_RMS",
            "IS_LNPRE", "WRITES_CENTERED", "SCALE_POSITIVE", "BEHIND_A_NORM", "EPS_ZERO"]
 
 IS_RMS = Precondition("normalization_type is RMS")
@@ -78,16 +78,17 @@ def uncentered_writers(state_dict: StateDict, cfg: Config) -> dict[str, float]:
     stream (a small bias with a large common offset keeps a rounding error of the offset's size,
     so its own size is no yardstick).
     """
-    scale = writer_scale(state_dict, cfg)
-    given = _GIVEN_SCALE.get()
-    scale = scale if given is None else given(scale)
-    out = {}
-    for name in writers(cfg):
-        W = state_dict[name]
-        mean = float(W.double().mean(dim=-1).abs().max())
-        if mean > cfg.d_model * torch.finfo(W.dtype).eps * scale:
-            out[name] = mean
-    return out
+    means, scale = writer_means(state_dict, cfg), writer_scale(state_dict, cfg)
+    given = _GIVEN.get()
+    means, scale = (means, scale) if given is None else given(means, scale)
+    return {name: mean for name, (mean, eps) in means.items() if mean > cfg.d_model * eps * scale}
+
+
+def writer_means(state_dict: StateDict, cfg: Config) -> dict[str, tuple[float, float]]:
+    """Each writer's largest ``|mean over d_model|`` and its dtype's ``eps``, as
+    :func:`uncentered_writers` measures them, in the order of ``writers(cfg)``."""
+    return {name: (float(state_dict[name].double().mean(dim=-1).abs().max()),
+                   torch.finfo(state_dict[name].dtype).eps) for name in writers(cfg)}
 
 
 def writer_scale(state_dict: StateDict, cfg: Config) -> float:
@@ -96,22 +97,24 @@ def writer_scale(state_dict: StateDict, cfg: Config) -> float:
     return max(float(state_dict[name].double().abs().max()) for name in writers(cfg))
 
 
-#: Within :func:`writer_scale_given`: maps the :func:`writer_scale` of the state at hand to the
-#: ``M`` that :func:`uncentered_writers` measures against.
-_GIVEN_SCALE: ContextVar[Callable[[float], float] | None] = ContextVar("circuitmath_writer_scale", default=None)
+#: Within :func:`writers_given`: maps the :func:`writer_means` and :func:`writer_scale` of the
+#: state at hand to those that :func:`uncentered_writers` decides on.
+_GIVEN: ContextVar[Callable[[dict, float], tuple[dict, float]] | None] = ContextVar("circuitmath_writers",
+                                                                                    default=None)
 
 
 @contextmanager
-def writer_scale_given(scale: Callable[[float], float]):
-    """Within this block :func:`uncentered_writers` (so :func:`layer_norm_to_rms_norm`) measures
-    means against ``scale(M)`` instead of the state's own ``M`` (:func:`writer_scale`). For a
-    caller that transforms a model a part at a time (``circuitmath._streaming_model``): each part
-    is then judged against the whole model's ``M``, as the whole model is in memory."""
-    token = _GIVEN_SCALE.set(scale)
+def writers_given(given: Callable[[dict, float], tuple[dict, float]]):
+    """Within this block :func:`uncentered_writers` (so :func:`layer_norm_to_rms_norm`) decides on
+    ``given(means, M)`` instead of the state's own :func:`writer_means` and ``M``
+    (:func:`writer_scale`). For a caller that transforms a model a part at a time
+    (``circuitmath._streaming_model``): each part is then judged on the whole model's writers,
+    named as in the whole model, as the whole model is in memory."""
+    token = _GIVEN.set(given)
     try:
         yield
     finally:
-        _GIVEN_SCALE.reset(token)
+        _GIVEN.reset(token)
 
 
 @rewrite("layer_norm_to_rms_norm")
