@@ -24,7 +24,11 @@ mean against the largest entry of any writer of the whole model
 writers of the whole model and names the worst: for the identities that reach it, a first pass
 over the parts records every writer's mean and that largest entry, and the main pass gives them
 to every part (:func:`~circuitmath._processing.norms.writers_given`), so each part decides, and
-the first refuses, as the whole model does in memory.
+the first refuses, as the whole model does in memory. And a step that ``process_weights`` is
+asked to apply where it can applies to the whole model only where it applies to every part:
+when a block applies other steps than the ends, the steps one of them leaves out are left out of
+every part (:func:`~circuitmath._processing.pipeline.steps_left_out`) and that identity's
+passes start again.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from ._diagnosis._logprobs import SENSITIVITY_POSITIONS
 from ._errors import PreconditionError
 from ._processing._parts import Parts
 from ._processing.norms import writers_given
+from ._processing.pipeline import KEYWORD_OF, steps_left_out
 from ._reference import check_tokens
 from ._state import validate_state_dict
 from ._streaming import in_memory, opened
@@ -120,6 +125,12 @@ class _Run:
     processed: _Pass
     writers: _ModelWriters = field(default_factory=_ModelWriters)
     refusal: PreconditionError | None = None
+    #: the steps of process_weights left to apply where they can that some part does not apply:
+    #: left out of every part (:func:`~circuitmath._processing.pipeline.steps_left_out`)
+    left_out: frozenset[str] = frozenset()
+    #: what the transform of the ends applied, in the passes under way; ``None`` once a block
+    #: applied otherwise (the passes then start again, with ``left_out`` grown)
+    applied: tuple[str, ...] | None = None
     #: the first refusal of a block in the recording pass, with the decisions made before it
     recorded: tuple[int, PreconditionError] | None = None
 
@@ -135,9 +146,22 @@ class _Run:
             got.extend((prepared, prepared_cfg, processed, processed_cfg))
             return {}, processed_cfg
 
-        with writers_given(self.writers):
+        with writers_given(self.writers), steps_left_out(self.left_out):
             parts.run(layer, transform)
         return tuple(got)
+
+    def agrees(self, processed_cfg: Config) -> bool:
+        """Whether a block's transform applied what the ends' did; if not, the steps applied by
+        one and not the other join ``left_out`` (the whole model leaves them out) and the passes
+        must start again."""
+        if processed_cfg.applied == self.applied:
+            return True
+        differ = set(processed_cfg.applied) ^ set(self.applied)
+        if not differ <= KEYWORD_OF.keys():  # cannot happen: other transforms apply all or refuse
+            raise RuntimeError(f"{self.identity.name}: a block applied {processed_cfg.applied}, the ends {self.applied}")
+        self.left_out |= {KEYWORD_OF[name] for name in differ}
+        self.applied = None
+        return False
 
 
 def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | None, device) -> list[Finding]:
@@ -173,6 +197,15 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
         prepared, prepared_cfg, processed, processed_cfg = got
         run.prepared.start(prepared, prepared_cfg, tokens)
         run.processed.start(processed, processed_cfg, tokens)
+        run.applied = processed_cfg.applied
+
+    def step(run: _Run, layer: int) -> None:
+        """``run``'s passes advanced by block ``layer``, unless it refuses or applies other steps."""
+        if run.refusal is None and run.applied is not None and (got := transformed(run, layer)) is not None:
+            prepared, prepared_cfg, processed, processed_cfg = got
+            if run.agrees(processed_cfg):
+                run.prepared.step(prepared, 0, prepared_cfg)
+                run.processed.step(processed, 0, processed_cfg)
 
     # Which identities apply, as in memory. Each is tried on the ends; when they refuse, on
     # block 0 too, whose refusal comes first (a block part has the whole model's config, the ends
@@ -219,16 +252,22 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
         p.start(source.ends(), cfg, sensitivity_tokens)
     for layer in range(cfg.n_layers):
         for run in runs:
-            if run.refusal is None and (got := transformed(run, layer)) is not None:
-                prepared, prepared_cfg, processed, processed_cfg = got
-                run.prepared.step(prepared, 0, prepared_cfg)
-                run.processed.step(processed, 0, processed_cfg)
-            got = prepared = processed = None
+            step(run, layer)
         validate(layer)  # when every identity refused, still checked
         for p in reference:
             p.step(source.block(layer), layer, cfg)
         done += 1
         report(done, total, f"block {layer}")
+    # A step that process_weights applies to some parts and not to others: the whole model
+    # leaves it out, so its passes start again without it (rare: a condition on some block's weights).
+    while again := [run for run in runs if run.refusal is None and run.applied is None]:
+        for run in again:
+            if (got := transformed(run, None)) is not None:
+                start(run, got)
+            got = None
+        for layer in range(cfg.n_layers):
+            for run in again:
+                step(run, layer)
     exact, nudged, *computed = (p.log_probs(source.ends(), cfg).double() for p in reference)
     sensitivity = float((exact - nudged).abs().max())
     if computed:

@@ -10,7 +10,7 @@ import circuitmath as cm
 from circuitmath._identities.pipeline import EVERYTHING_APPLICABLE
 from circuitmath._processing import fused as fused_module
 from circuitmath._processing.fused import FUSED_RMS_STEPS, FUSED_STEPS, fusable, rms_fusable
-from circuitmath._processing.pipeline import PIPELINE_STEPS
+from circuitmath._processing.pipeline import PIPELINE_STEPS, steps_left_out
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
 from support import VISIBLE, assert_caught, assume_above, same, snapshot, wide
@@ -361,3 +361,16 @@ def test_the_fused_bits_do_not_depend_on_the_block_sizes_of_a_device(monkeypatch
     got, _cfg = cm.process_weights(sd, cfg)
     for name, tensor in got.items():
         assert torch.equal(tensor, expected[name]), name
+
+
+def test_steps_left_out_leaves_out_only_what_is_left_to_apply_where_it_can():
+    """The hook of the streamed check: a step asked for "if applicable" (None) is left out as if
+    it did not apply; asked for explicitly (True), it still applies; outside the block, as before."""
+    cfg = cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
+    sd = cm.random_state_dict(cfg, seed=0)
+    with steps_left_out(frozenset({"center_writing_weights"})):
+        left_out = cm.process_weights(sd, cfg)[1].applied
+        asked = cm.process_weights(sd, cfg, center_writing_weights=True)[1].applied
+    assert "center_writing_weights" not in left_out and "center_unembed" in left_out
+    assert "center_writing_weights" in asked
+    assert cm.process_weights(sd, cfg)[1].applied == FUSED_STEPS

@@ -140,17 +140,16 @@ def test_a_refusal_before_the_decision_comes_first_as_in_memory(tmp_path, monkey
         _same_rows(forgot, in_memory)
 
 
-@pytest.mark.xfail(strict=True, reason="a step of process_weights left to apply where it can (None) is decided by"
-                   " each part: the ends and block 0 fold the LayerNorm that blocks 1 to 3 cannot, where in memory"
-                   " the whole model refuses the fold and leaves it out (process_weights needs a hook, as"
-                   " norms.writers_given, for the streamed check to leave it out of every part)")
-def test_process_weights_applies_the_whole_models_steps_in_every_part(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_process_weights_applies_the_whole_models_steps_in_every_part(tmp_path, monkeypatch, dtype):
     """The process_weights row of an LN model with a gated MLP whose blocks 1 to 3 read ln2's
-    bias through W_gate (block 0's is zero): every part of the streamed check applies the steps
-    that process_weights applies to the whole model."""
+    bias through W_gate (block 0's is zero): the ends and block 0 could fold the LayerNorm, the
+    whole model cannot, so in the end every part of the streamed check applies the steps that
+    process_weights applies to the whole model (pipeline.steps_left_out), with the in-memory row."""
     cfg = CFG.replace(normalization_type="LN", gated_mlp=True, act_fn="silu")
     state_dict = cm.random_state_dict(cfg, seed=0)
     state_dict["blocks.0.ln2.b"] = torch.zeros_like(state_dict["blocks.0.ln2.b"])
+    state_dict = {name: t.to(dtype) for name, t in state_dict.items()}
     io.save(tmp_path / "m.safetensors", state_dict, cfg)
     io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "ln", steps=[])
     identity, = [i for i in diagnosis_module.weight_identities(symmetries=True) if i.name == "process_weights"]
@@ -168,3 +167,4 @@ def test_process_weights_applies_the_whole_models_steps_in_every_part(tmp_path, 
     whole = identity.transform(state_dict, cfg)[1].applied
     assert "fold_layer_norm" not in whole
     assert all(part == whole for part in applied.values()), applied
+    _same_rows(streamed, diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from contextvars import ContextVar
 
 import torch
 
@@ -22,7 +23,7 @@ from ._common import refuse_reapplication, rewrite
 from .norms import fold_rms_norm
 from .shortformer import shortformer_to_tables
 
-__all__ = ["process_weights", "PIPELINE_STEPS", "STEPS", "KEYWORD_OF", "rounded_once"]
+__all__ = ["process_weights", "PIPELINE_STEPS", "STEPS", "KEYWORD_OF", "rounded_once", "steps_left_out"]
 
 Transform = Callable[[StateDict, Config], tuple[dict[str, torch.Tensor], Config]]
 
@@ -63,6 +64,22 @@ KEYWORD_OF = {
     **{step.identity: STEPS[0] for step in _NORM_FOLD_RECORDS},
     **{keyword: keyword for keyword in STEPS[1:]},
 }
+
+
+_LEFT_OUT: ContextVar[frozenset[str]] = ContextVar("circuitmath_steps_left_out", default=frozenset())
+
+
+@contextlib.contextmanager
+def steps_left_out(keywords: frozenset[str]):
+    """Within this block :func:`process_weights` leaves out each step of ``keywords`` that it is
+    asked to apply where it can (``None``), as it would on a model where the step does not
+    apply. For a caller that processes a model a part at a time (``circuitmath._streaming_model``)
+    and has found a part where the step does not apply: the whole model leaves it out."""
+    token = _LEFT_OUT.set(frozenset(keywords))
+    try:
+        yield
+    finally:
+        _LEFT_OUT.reset(token)
 
 
 @rewrite("process_weights", check_output=False)  # no autograd; the output is checked below, once
@@ -158,6 +175,7 @@ def process_weights(
     for keyword, value in requested.items():
         if not any(value is allowed for allowed in (True, False, None)):
             raise ArgumentTypeError(f"{keyword} must be True, False or None (if applicable), got {value!r}")
+    requested |= {keyword: False for keyword in _LEFT_OUT.get() if requested[keyword] is None}
     fused = _fused(cfg, requested)
     with entries_checked_elsewhere() if fused else contextlib.nullcontext():
         # Fused, every entry of the input reaches the output, so only the output's are checked.
