@@ -21,6 +21,7 @@ import math
 import mmap
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from ._config import Config
 from ._errors import CircuitMathError, InputError
 from ._processing._memory import new_tensor
 from ._processing._parts import InMemory, Parts
-from ._processing.pipeline import KEYWORD_OF, STEPS, process_weights
+from ._processing.pipeline import KEYWORD_OF, STEPS, process_weights, steps_left_out
 from ._state import DTYPES, expected_shapes, not_finite, usable_device
 
 __all__ = ["STEPS", "KEYWORD_OF", "process_checkpoint", "opened", "PartReader", "replayed"]
@@ -96,6 +97,9 @@ class _Untouched:
 
     kept: frozenset[str] = frozenset()
     unread: frozenset[str] = frozenset()
+    #: the steps the small model's part applied: a part that applies others (a step that applies
+    #: or not by its weights, left to apply where it can) is read again whole
+    applied: tuple[str, ...] = ()
 
 
 def _untouched(cfg: Config, keywords: dict, layer: int | None, dtype: torch.dtype) -> _Untouched:
@@ -103,12 +107,14 @@ def _untouched(cfg: Config, keywords: dict, layer: int | None, dtype: torch.dtyp
     kind processed in ``dtype``, found by processing one: ``cfg`` with ``d_model``, ``d_mlp``,
     ``d_vocab`` and ``n_ctx`` shrunk (every flag, head count and ``d_head`` as they are) and
     random weights in ``dtype``, no entry zero (a half-precision part that process_weights casts
-    to float32 hands nothing back as it got it). A kept tensor is unread when redrawing it, alone and then together with the other
-    unread ones, leaves every other output as it was, bit for bit. Which steps apply, and what
-    each reads and writes, depends on the config only, so a model's parts of that kind share the
-    answer (the tests compare every architecture's streamed output with the in-memory one). A
-    refusal (or any failure) on the small model finds nothing untouched: the real part then
-    meets its refusal, or is processed with every tensor converted."""
+    to float32 hands nothing back as it got it). A kept tensor is unread when redrawing it, alone
+    and then together with the other unread ones, leaves every other output as it was, bit for
+    bit. What each step reads and writes depends on the config only, so a model's parts of that
+    kind that apply the same steps share the answer (the tests compare every architecture's
+    streamed output with the in-memory one); whether a step left to apply where it can applies
+    may depend on the weights, so the steps applied are part of the answer. A refusal (or any
+    failure) on the small model finds nothing untouched: the real part then meets its refusal,
+    or is processed with every tensor converted."""
     small = cfg.replace(n_layers=1, d_model=4, d_mlp=None if cfg.d_mlp is None else 4, d_vocab=3, n_ctx=min(cfg.n_ctx, 3))
     g = torch.Generator().manual_seed(0)
     weights = {n: (torch.randn(shape, generator=g) + 0.5).to(dtype) for n, shape in expected_shapes(small).items()}
@@ -122,12 +128,14 @@ def _untouched(cfg: Config, keywords: dict, layer: int | None, dtype: torch.dtyp
             given.update(state_dict)
             return process_weights(state_dict, part_cfg, **keywords)
 
-        out, _cfg = parts.run(layer, transform)
+        out, out_cfg = parts.run(layer, transform)
+        applied.append(out_cfg.applied)
         return out, {n for n, t in out.items() if t is given.get(n)}
 
     def others_unchanged(out, redrawn) -> bool:
         return all(torch.equal(out[n], base[n]) for n in base if n not in redrawn)
 
+    applied: list[tuple[str, ...]] = []
     try:
         base, kept = processed()
         unread = set()
@@ -141,7 +149,7 @@ def _untouched(cfg: Config, keywords: dict, layer: int | None, dtype: torch.dtyp
                 unread = set()
     except (CircuitMathError, RuntimeError, ValueError):  # nothing found: every tensor converted, always right
         return _Untouched()
-    return _Untouched(frozenset(kept), frozenset(unread))
+    return _Untouched(frozenset(kept), frozenset(unread), applied[0])
 
 
 class PartReader:
@@ -161,7 +169,7 @@ class PartReader:
                  keep_all: bool = False, buffer_sets: int = 1):
         self.checkpoint, self.compute, self.untouched, self.keep_all = checkpoint, compute, untouched, keep_all
         self.buffers: dict[tuple[int, str, str], torch.Tensor] = {}
-        self.buffer_sets, self.blocks_read = buffer_sets, 0
+        self.buffer_sets, self.blocks_read, self.again = buffer_sets, 0, False
         self.natives: dict[str, torch.Tensor] = {}
         self.stand_ins: dict[str, torch.Tensor] = {}
         self.handed: dict[str, torch.Tensor] = {}  # the last block, as handed over (in the reused buffers)
@@ -205,8 +213,18 @@ class PartReader:
     def block(self, layer: int) -> dict[str, torch.Tensor]:
         """Block ``layer``'s tensors, in the next of ``buffer_sets`` sets of buffers (with two, a
         block's tensors live until the next but one block is read)."""
-        self.blocks_read += 1
+        self.blocks_read += not self.again
         return self._prepared(self.checkpoint.block(layer), layer)
+
+    @contextmanager
+    def whole(self):
+        """Within this block the part last read is read again, into the same buffers, with no
+        stand-ins: every tensor as the checkpoint holds it."""
+        untouched, self.untouched, self.again = self.untouched, None, True
+        try:
+            yield
+        finally:
+            self.untouched, self.again = untouched, False
 
 
 def _side_by_side(work: Callable, names, size: Callable) -> dict:
@@ -274,9 +292,36 @@ def process_checkpoint(
         raise InputError(f"dtype {dtype}: circuitmath computes in {', '.join(map(str, DTYPES))}")
     device = usable_device(device, "device")
     checkpoint = opened(source, config)
+    # A step left to apply where it can (None) that some part does not apply is left out of the
+    # whole model, as process_weights leaves it out in memory: found on a part, it is left out
+    # of every part and the writing starts again (what was written is removed).
+    left_out: frozenset[str] = frozenset()
+    while True:
+        try:
+            with steps_left_out(left_out):
+                return _written(checkpoint, destination, keywords, dtype or checkpoint.dtype, device, progress)
+        except _PartsDisagree as disagreement:
+            if disagreement.keywords <= left_out:  # cannot happen: a step left out applies nowhere
+                raise RuntimeError(f"process_checkpoint: the parts disagree on {sorted(left_out)} left out") from None
+            left_out |= disagreement.keywords
+
+
+class _PartsDisagree(Exception):
+    """A block applied other steps than the ends: ``keywords``, the steps one of them left out."""
+
+    def __init__(self, keywords: frozenset[str]):
+        super().__init__(sorted(keywords))
+        self.keywords = keywords
+
+
+def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.dtype, device: torch.device,
+             progress: Progress | None) -> Config:
+    """The body of :func:`process_checkpoint`: ``checkpoint`` processed in ``target`` on ``device``
+    and written to ``destination``; raises :class:`_PartsDisagree` when a block applies other
+    steps than the ends."""
     # each part in the target dtype: process_weights computes a half-precision one in float32
     # itself (a block of rows at a time where the fused steps are all it applies), rounded once
-    cfg, target = checkpoint.cfg, dtype or checkpoint.dtype
+    cfg = checkpoint.cfg
     # In its own dtype, on the CPU, a tensor that the processing hands back as it got it is
     # written as the checkpoint holds it (the same bits: float32 holds every half-precision
     # number), and an unread one is neither converted nor rounded.
@@ -289,6 +334,12 @@ def process_checkpoint(
 
     def run(layer: int | None) -> tuple[dict[str, torch.Tensor], Config]:
         out, out_cfg, same = replayed(parts, layer, keywords)
+        if reader.stand_ins and out_cfg.applied != untouched[layer is None].applied:
+            # the part takes other steps than the small model did, so the stand-ins may have been
+            # read: read it again whole (the checkpoint's tensors, every one converted)
+            del out
+            with reader.whole():
+                out, out_cfg, same = replayed(parts, layer, keywords)
         if any(out.get(n) is not t for n, t in reader.stand_ins.items()):  # _untouched found them passed through
             raise RuntimeError(f"process_checkpoint: {process_weights.__name__} rewrote {sorted(reader.stand_ins)}, found untouched")
         written = {n: reader.natives[n] if id(t) in same and n in reader.natives else t for n, t in out.items()}
@@ -318,11 +369,11 @@ def process_checkpoint(
         del out
         for layer in range(cfg.n_layers):
             out, layer_cfg = run(layer)
-            if layer_cfg != out_cfg.replace(n_layers=1, d_vocab=1):
-                raise InputError(
-                    f"{parts.path}: the steps that apply differ between parts: block {layer} gets"
-                    f" {layer_cfg.applied}, the embedding and unembedding {out_cfg.applied}; name the steps to apply"
-                )
+            if layer_cfg.applied != out_cfg.applied:
+                differ = set(layer_cfg.applied) ^ set(out_cfg.applied)
+                raise _PartsDisagree(frozenset(KEYWORD_OF[name] for name in differ))
+            if layer_cfg != out_cfg.replace(n_layers=1, d_vocab=1):  # cannot happen: the same steps, the same config
+                raise RuntimeError(f"process_checkpoint: block {layer} gives {layer_cfg}, the ends {out_cfg}")
             write(out, f"block {layer}")
             del out
         wait()

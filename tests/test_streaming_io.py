@@ -8,7 +8,7 @@ import torch
 import circuitmath as cm
 from circuitmath import io
 from circuitmath._checkpoint import CheckpointWriter, open_checkpoint
-from circuitmath._streaming import PartReader, _side_by_side
+from circuitmath._streaming import STEPS, PartReader, _side_by_side
 
 CFG = cm.Config(n_layers=4, d_model=8, n_heads=4, d_head=2, d_vocab=11, n_ctx=5, d_mlp=16, normalization_type="RMS",
                 positional_embedding_type="rotary", gated_mlp=True, n_key_value_heads=2, act_fn="silu")
@@ -90,3 +90,24 @@ def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch, failing):
     with pytest.raises(OSError, match="disk full"):
         io.process_checkpoint(folder, tmp_path / "out")
     assert not any("out" in p.name for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("steps", [None, "applicable"])
+def test_a_step_that_some_block_cannot_take_is_left_out_of_every_part(tmp_path, steps):
+    """An LN model with a gated MLP whose ln2 bias is zero in block 0 only: the ends and block 0
+    could fold the LayerNorm, blocks 1 to 3 cannot (W_gate has no bias to take ln2.b), so the
+    whole model leaves the fold out in memory, and so does the streamed process (it starts again
+    once block 1 disagrees), where it used to refuse."""
+    cfg = CFG.replace(normalization_type="LN", positional_embedding_type="standard", gated_mlp=True,
+                      n_key_value_heads=None)
+    state_dict = cm.random_state_dict(cfg, seed=0)
+    state_dict["blocks.0.ln2.b"] = torch.zeros_like(state_dict["blocks.0.ln2.b"])
+    io.save(tmp_path / "m.safetensors", state_dict, cfg)
+    keywords = {} if steps is None else dict.fromkeys(STEPS)
+    expected, expected_cfg = cm.process_weights(state_dict, cfg, **keywords)
+    assert "fold_layer_norm" not in expected_cfg.applied and expected_cfg.applied
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "out", steps=steps)
+    got, got_cfg = open_checkpoint(tmp_path / "out").load()
+    assert got_cfg == expected_cfg and got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert [p.name for p in tmp_path.iterdir() if "out" in p.name] == ["out"]
