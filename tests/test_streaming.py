@@ -27,6 +27,7 @@ from circuitmath._streaming import in_memory as streaming_in_memory
 from circuitmath._streaming_check import check_processed
 from circuitmath._streaming_model import check_model_streaming
 from circuitmath.testing import NotEquivalentError, assert_equivalent, compare_log_probs
+from support import Identity, same_rows, with_identities
 
 VOCAB, CTX = 64, 12
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -409,25 +410,6 @@ def _model_folder(tmp_path, name):
     return tmp_path / name, io.open_checkpoint(tmp_path / name).load()
 
 
-def _same_rows(streamed, in_memory, tolerances=0.2):
-    """The two checks' rows agree: the same identities, statuses, refusals (precondition and
-    reason) and rewrites; the same |Δ log-prob| up to a thousandth of the tolerance (the same
-    tensors run through the same reference blocks; only a reduction order may differ: equal,
-    bit for bit, on every model here); and tolerances within ``tolerances`` (relative). The
-    rounding sensitivity is the same measurement, but the streaming pass draws each tensor's
-    noise from a generator seeded by its name, the in-memory one from one generator: two
-    samples of the same quantity. In float32, where the a-priori term dominates, they agreed
-    within 0.3 % on these models; in bfloat16, where the measured sensitivity dominates, within
-    25 % (the bound asserted there is 50 %)."""
-    assert [f.name for f in streamed.findings] == [f.name for f in in_memory.findings]
-    for s, m in zip(streamed.findings, in_memory.findings):
-        assert (s.status, s.applicable, s.precondition, s.reason, s.rewrite) == \
-               (m.status, m.applicable, m.precondition, m.reason, m.rewrite), s.name
-        if m.tolerance is not None:
-            assert abs(s.max_abs_error - m.max_abs_error) <= 1e-3 * m.tolerance, s.name
-            assert s.tolerance == pytest.approx(m.tolerance, rel=tolerances), s.name
-
-
 STREAMED_MODELS = sorted(HF) + ["gpt2-processed", "shortformer"]
 
 
@@ -436,7 +418,7 @@ def test_check_model_streams_the_in_memory_rows(tmp_path, name):
     folder, (state_dict, cfg) = _model_folder(tmp_path, name)
     in_memory = diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS[:, :cfg.n_ctx] % cfg.d_vocab)
     streamed = check_model_streaming(folder, tokens=TOKENS[:, :cfg.n_ctx] % cfg.d_vocab)
-    _same_rows(streamed, in_memory)
+    same_rows(streamed, in_memory, tolerances=0.2)
     assert streamed.ok and sum(f.status == "holds" for f in streamed.findings) >= 4
     assert any(f.status == "not applicable" for f in streamed.findings)
 
@@ -450,21 +432,8 @@ def test_check_model_streams_bfloat16_folders(tmp_path, name):
     state_dict, cfg = io.load_hf_directory(folder)
     in_memory = diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS)
     streamed = check_model_streaming(folder, tokens=TOKENS)
-    _same_rows(streamed, in_memory, tolerances=0.5)
+    same_rows(streamed, in_memory, tolerances=0.5)
     assert streamed.ok
-
-
-class _Identity:
-    """An identity as the checks use it: a name, a preparation and a transform."""
-
-    def __init__(self, name, transform, prepare=None):
-        self.name, self.transform, self.prepare = name, transform, prepare
-
-
-def _with_identities(monkeypatch, *chosen):
-    """Both checks run ``chosen`` instead of the registry's identities."""
-    monkeypatch.setattr(diagnosis_module, "weight_identities", lambda symmetries: chosen)
-    monkeypatch.setattr(streaming_model, "weight_identities", lambda symmetries: chosen)
 
 
 def _lnpre_folder(tmp_path, offsets: dict[int, float], scale: dict[int, float] = {}):
@@ -490,11 +459,11 @@ def test_a_precondition_broken_in_one_layer_is_refused_as_in_memory(tmp_path, mo
     """layer_norm_to_rms_norm without its preparation, on a model whose block 2 alone writes
     off-center: not applicable in both checks, naming that writer, with the same reason."""
     folder, state_dict, cfg = _lnpre_folder(tmp_path, {2: 0.1})
-    _with_identities(monkeypatch, _Identity("layer_norm_to_rms_norm", cm.layer_norm_to_rms_norm),
-                     _Identity("fold_value_biases", cm.fold_value_biases))
+    with_identities(monkeypatch, Identity("layer_norm_to_rms_norm", cm.layer_norm_to_rms_norm),
+                     Identity("fold_value_biases", cm.fold_value_biases))
     in_memory = diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS_13)
     streamed = check_model_streaming(folder, tokens=TOKENS_13)
-    _same_rows(streamed, in_memory)
+    same_rows(streamed, in_memory, tolerances=0.2)
     refused, kept = streamed.findings
     assert refused.status == "not applicable" and "blocks.2.attn.W_O" in refused.reason
     assert refused.precondition == WRITES_CENTERED
@@ -507,10 +476,10 @@ def test_the_centered_writes_are_decided_on_the_whole_model(tmp_path, monkeypatc
     each part measured against the whole model's largest writer entry. Measured against each
     part's own (the recording pass skipped), block 0 would be refused."""
     folder, state_dict, cfg = _lnpre_folder(tmp_path, {0: 1e-4}, {3: 100.0})
-    _with_identities(monkeypatch, _Identity("layer_norm_to_rms_norm", cm.layer_norm_to_rms_norm))
+    with_identities(monkeypatch, Identity("layer_norm_to_rms_norm", cm.layer_norm_to_rms_norm))
     in_memory = diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS_13)
     streamed = check_model_streaming(folder, tokens=TOKENS_13)
-    _same_rows(streamed, in_memory)
+    same_rows(streamed, in_memory, tolerances=0.2)
     assert streamed.findings[0].applicable
     monkeypatch.setattr(streaming_model._ModelWriters, "__call__", lambda self, means, scale: (means, scale))
     per_part = check_model_streaming(folder, tokens=TOKENS_13).findings[0]
@@ -530,11 +499,11 @@ def test_a_wrong_transform_in_one_layer_is_violated(tmp_path, monkeypatch):
                 out[f"blocks.{layer}.attn.W_V"] = out[f"blocks.{layer}.attn.W_V"] * 1.01
         return out, out_cfg
 
-    _with_identities(monkeypatch, _Identity("fold_layer_norm", cm.fold_layer_norm),
-                     _Identity("fold_layer_norm.wrong", slightly_wrong))
+    with_identities(monkeypatch, Identity("fold_layer_norm", cm.fold_layer_norm),
+                     Identity("fold_layer_norm.wrong", slightly_wrong))
     in_memory = diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS)
     streamed = check_model_streaming(folder, tokens=TOKENS)
-    _same_rows(streamed, in_memory)
+    same_rows(streamed, in_memory, tolerances=0.2)
     assert [f.status for f in streamed.findings] == ["holds", "violated"] and not streamed.ok
 
 

@@ -11,23 +11,11 @@ from circuitmath import _streaming_model as streaming_model
 from circuitmath import io
 from circuitmath._processing.norms import WRITES_CENTERED
 from circuitmath._streaming_model import check_model_streaming
+from support import Identity, same_rows, with_identities
 
 CFG = cm.Config(n_layers=4, d_model=16, n_heads=2, d_head=8, d_vocab=13, n_ctx=6, d_mlp=32,
                 normalization_type="LNPre")
 TOKENS = torch.randint(0, CFG.d_vocab, (2, CFG.n_ctx), generator=torch.Generator().manual_seed(0))
-
-
-class _Identity:
-    """An identity as the checks use it: a name, a preparation and a transform."""
-
-    def __init__(self, name, transform, prepare=None):
-        self.name, self.transform, self.prepare = name, transform, prepare
-
-
-def _with_identities(monkeypatch, *chosen):
-    """Both checks run ``chosen`` instead of the registry's identities."""
-    monkeypatch.setattr(diagnosis_module, "weight_identities", lambda symmetries: chosen)
-    monkeypatch.setattr(streaming_model, "weight_identities", lambda symmetries: chosen)
 
 
 def _folder(tmp_path, offsets: dict[str, float], dtype=torch.float32):
@@ -42,23 +30,12 @@ def _folder(tmp_path, offsets: dict[str, float], dtype=torch.float32):
     return tmp_path / "lnpre", state_dict, cfg
 
 
-def _same_rows(streamed, in_memory):
-    """The same identities, statuses, refusals (precondition and reason) and rewrites; the same
-    |Δ log-prob| up to a thousandth of the tolerance (tests/test_streaming.py says why)."""
-    assert [f.name for f in streamed.findings] == [f.name for f in in_memory.findings]
-    for s, m in zip(streamed.findings, in_memory.findings):
-        assert (s.status, s.applicable, s.precondition, s.reason, s.rewrite) == \
-               (m.status, m.applicable, m.precondition, m.reason, m.rewrite), s.name
-        if m.tolerance is not None:
-            assert abs(s.max_abs_error - m.max_abs_error) <= 1e-3 * m.tolerance, s.name
-
-
 def _checked(tmp_path, monkeypatch, offsets, dtype=torch.float32):
     """layer_norm_to_rms_norm without its preparation (so the writers stay as given), and
     fold_value_biases, which holds: both checks' rows."""
     folder, state_dict, cfg = _folder(tmp_path, offsets, dtype)
-    _with_identities(monkeypatch, _Identity("layer_norm_to_rms_norm", cm.layer_norm_to_rms_norm),
-                     _Identity("fold_value_biases", cm.fold_value_biases))
+    with_identities(monkeypatch, Identity("layer_norm_to_rms_norm", cm.layer_norm_to_rms_norm),
+                     Identity("fold_value_biases", cm.fold_value_biases))
     return (check_model_streaming(folder, tokens=TOKENS),
             diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS))
 
@@ -77,7 +54,7 @@ def test_a_refusal_names_the_uncentered_writers_of_every_part(tmp_path, monkeypa
     """Streamed, the refusal's reason is the in-memory one: the count of every part's uncentered
     writers and the worst of them all (the last one off-center here)."""
     streamed, in_memory = _checked(tmp_path, monkeypatch, offsets, dtype)
-    _same_rows(streamed, in_memory)
+    same_rows(streamed, in_memory)
     refused, kept = streamed.findings
     assert refused.status == "not applicable" and refused.precondition == WRITES_CENTERED
     assert f"does not hold: {len(offsets)} writer(s)" in refused.reason
@@ -103,7 +80,7 @@ def test_a_refusal_from_the_first_part_alone_is_caught(tmp_path, monkeypatch, of
     assert streamed.findings[0].reason.endswith(f" in {first}; center them first (center_writing_weights)")
     assert "does not hold: 1 writer(s)" in streamed.findings[0].reason
     with pytest.raises(AssertionError, match="layer_norm_to_rms_norm"):
-        _same_rows(streamed, in_memory)
+        same_rows(streamed, in_memory)
 
 
 def _fold_then_switch(state_dict, cfg):
@@ -123,11 +100,11 @@ def test_a_refusal_before_the_decision_comes_first_as_in_memory(tmp_path, monkey
         state_dict[f"blocks.{layer}.ln2.b"] = torch.zeros_like(state_dict[f"blocks.{layer}.ln2.b"])
     io.save(tmp_path / "m.safetensors", state_dict, cfg)
     io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "ln", steps=[])
-    _with_identities(monkeypatch, _Identity("fold_then_switch", _fold_then_switch),
-                     _Identity("switch", cm.layer_norm_to_rms_norm, prepare=cm.fold_layer_norm))
+    with_identities(monkeypatch, Identity("fold_then_switch", _fold_then_switch),
+                     Identity("switch", cm.layer_norm_to_rms_norm, prepare=cm.fold_layer_norm))
     streamed = check_model_streaming(tmp_path / "ln", tokens=TOKENS)
     in_memory = diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS)
-    _same_rows(streamed, in_memory)
+    same_rows(streamed, in_memory)
     for refused in streamed.findings:
         assert refused.status == "not applicable" and "blocks.2.mlp.W_gate has no bias" in refused.reason
     # negative twin: the block's refusal forgotten, the ends refuse on the writers
@@ -137,7 +114,7 @@ def test_a_refusal_before_the_decision_comes_first_as_in_memory(tmp_path, monkey
     forgot = check_model_streaming(tmp_path / "ln", tokens=TOKENS)
     assert all(f.precondition == WRITES_CENTERED for f in forgot.findings)
     with pytest.raises(AssertionError, match="fold_then_switch"):
-        _same_rows(forgot, in_memory)
+        same_rows(forgot, in_memory)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -153,7 +130,7 @@ def test_process_weights_applies_the_whole_models_steps_in_every_part(tmp_path, 
     io.save(tmp_path / "m.safetensors", state_dict, cfg)
     io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "ln", steps=[])
     identity, = [i for i in diagnosis_module.weight_identities(symmetries=True) if i.name == "process_weights"]
-    _with_identities(monkeypatch, identity)
+    with_identities(monkeypatch, identity)
     applied, transformed = {}, streaming_model._Run.transformed
 
     def spy(self, parts, layer):
@@ -167,4 +144,4 @@ def test_process_weights_applies_the_whole_models_steps_in_every_part(tmp_path, 
     whole = identity.transform(state_dict, cfg)[1].applied
     assert "fold_layer_norm" not in whole
     assert all(part == whole for part in applied.values()), applied
-    _same_rows(streamed, diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS))
+    same_rows(streamed, diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS))
