@@ -63,11 +63,11 @@ def _rounded_centering(u: float, seed: int = 0) -> Centering:
     off along ``1`` by as much as two forward passes rounding with unit roundoff ``u`` may differ.
 
     A computed mean is off by up to about ``u * mean(|x|)`` (exactly that bound for two entries,
-    one addition), an error along ``1`` that the exact centering would remove. Every other
-    operation of the forward pass computes the exact result of inputs off by a few units of
-    roundoff, as nudging the weights makes them; this one does not, and over two dimensions
-    nothing else reaches the output: ``LNPre`` of any two distinct entries is ``±(1, -1)``, up
-    to the rounding of their mean. So ``x - mean(x)`` is computed twice (the second mean removes
+    one addition), an error along ``1`` that the exact centering would remove. To first order
+    the other operations of the forward pass round as their inputs or outputs rounded by a few
+    units of roundoff would, which the nudged weights mimic; this error is of no such kind, and
+    over two dimensions nothing else reaches the output: ``LNPre`` of any two distinct entries
+    is ``±(1, -1)``, up to the rounding of their mean. So ``x - mean(x)`` is computed twice (the second mean removes
     the first's rounding, to ``u**2``), then shifted along ``1`` by ``2 * u * mean(|x|)``, as far
     as two passes' means may be apart, with a sign drawn per position (``x: [batch, pos,
     d_model]``). The reference pass keeps its own rounding (at most half the shift), so the
