@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 import re
+import zlib
 from dataclasses import dataclass
 
 import torch
 
 from ._config import Config
-from ._reference import block, check_tokens, embed, log_probs, unembed
+from ._reference import Centering, block, check_tokens, embed, log_probs, unembed
 from ._state import StateDict, entries_checked_elsewhere, validate_state_dict
 
 __all__ = [
@@ -51,6 +52,42 @@ def _unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
+def _computation_roundoff(weights: float) -> float:
+    """The unit roundoff of :func:`compute_dtype` of the dtype whose unit roundoff is ``weights``
+    (float32's for half precisions): the forward pass's, where the weights' is ``weights``."""
+    return min(weights, _unit_roundoff(torch.float32))
+
+
+def _rounded_centering(u: float, seed: int = 0) -> Centering:
+    """The LayerNorms' centering in the nudged pass of :func:`rounding_sensitivity`: ``x - mean(x)``
+    off along ``1`` by as much as two forward passes rounding with unit roundoff ``u`` may differ.
+
+    A computed mean is off by up to about ``u * mean(|x|)`` (exactly that bound for two entries,
+    one addition), an error along ``1`` that the exact centering would remove. To first order
+    the other operations of the forward pass round as their inputs or outputs rounded by a few
+    units of roundoff would, which the nudged weights mimic; this error is of no such kind, and
+    over two dimensions nothing else reaches the output: ``LNPre`` of any two distinct entries
+    is ``±(1, -1)``, up to the rounding of their mean. So ``x - mean(x)`` is computed twice (the second mean removes
+    the first's rounding, to ``u**2``), then shifted along ``1`` by ``2 * u * mean(|x|)``, as far
+    as two passes' means may be apart, with a sign drawn per position (``x: [batch, pos,
+    d_model]``). The reference pass keeps its own rounding (at most half the shift), so the
+    measured effect is at least that of one mean's worst rounding.
+
+    The signs are drawn on the CPU, as the weights' noise is, from a generator seeded by ``seed``
+    and the norm's name: every pass over the same tokens draws the same ones (in memory or
+    streamed, on any device)."""
+
+    def center(name: str, x: torch.Tensor) -> torch.Tensor:
+        centered = x - x.mean(dim=-1, keepdim=True)
+        centered = centered - centered.mean(dim=-1, keepdim=True)
+        g = torch.Generator().manual_seed(seed + zlib.crc32(f"{name}:centering".encode()))
+        signs = torch.randint(0, 2, (*x.shape[:-1], 1), generator=g).mul_(2).sub_(1)
+        shift = x.abs().mean(dim=-1, keepdim=True).mul_(2 * u)
+        return centered.add_(shift.mul_(signs.to(device=x.device, dtype=x.dtype)))
+
+    return center
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a comparison runs in: the state dicts' own, but float32 for half precisions.
 
@@ -77,10 +114,13 @@ def rounding_sensitivity(
 
     - rounding the weights once more: every weight is multiplied by ``1 + u * xi`` (``xi``
       standard normal, ``u`` the unit roundoff of ``dtype``) and both versions run in float64;
+      in the nudged version every LayerNorm's mean is also off by as much as two forward
+      passes in :func:`compute_dtype` may round it apart (:func:`_rounded_centering`): the one
+      rounding of the forward pass that no rounding of its inputs reproduces;
     - rounding the computation: the forward pass in :func:`compute_dtype` against float64
       (zero when that is float64).
 
-    Both measure the model's own conditioning: a LayerNorm over a nearly constant residual, a
+    They measure the model's own conditioning: a LayerNorm over a nearly constant residual, a
     sharp softmax or an outlier dimension amplify rounding, and an exact transform's result
     differs from the original by rounding of these kinds.
 
@@ -111,7 +151,8 @@ UNEMBED_COLUMNS = 8192
 
 def _float64_passes(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, u: float, seed: int):
     """Float64 log-probs ``[batch, pos, d_vocab]`` of ``state_dict`` and of it with every weight
-    multiplied by ``1 + u * xi``, a part of the model at a time (see :func:`rounding_sensitivity`)."""
+    multiplied by ``1 + u * xi`` and its LayerNorms' means rounded apart
+    (:func:`_rounded_centering`), a part of the model at a time (see :func:`rounding_sensitivity`)."""
     device = state_dict["embed.W_E"].device
     # The noise is drawn on the CPU and moved, as the checkpoint check draws it: the same numbers,
     # so the same tolerance, on every device.
@@ -145,10 +186,11 @@ def _float64_passes(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, u:
     part = named("embed.") | {"embed.W_E": state_dict["embed.W_E"][used]}
     if "pos_embed.W_pos" in state_dict:
         part["pos_embed.W_pos"] = state_dict["pos_embed.W_pos"][: tokens.shape[1]]
-    streams = [embed(params, cfg, index) for params in both(part)]  # (x, pos) of each pass
+    centerings = (None, _rounded_centering(_computation_roundoff(u), seed))  # the nudged pass's
+    streams = [embed(params, cfg, index, centering=c) for params, c in zip(both(part), centerings)]  # (x, pos) of each pass
     for layer in range(cfg.n_layers):
         params = both(named(f"blocks.{layer}."))
-        streams = [(block(p, layer, cfg, x, pos), pos) for p, (x, pos) in zip(params, streams)]
+        streams = [(block(p, layer, cfg, x, pos, centering=c), pos) for p, c, (x, pos) in zip(params, centerings, streams)]
     params = None  # (set by the loop unless there are no blocks)
     scratch.clear()  # the blocks' memory goes before the unembedding's: one part's at a time, as before
     final = named("ln_final.")
@@ -156,8 +198,8 @@ def _float64_passes(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, u:
     for start in range(0, cfg.d_vocab, UNEMBED_COLUMNS):
         columns = slice(start, start + UNEMBED_COLUMNS)
         part = final | {"unembed.W_U": state_dict["unembed.W_U"][:, columns], "unembed.b_U": state_dict["unembed.b_U"][columns]}
-        for out, params, (x, _pos) in zip(logits, both(part), streams):
-            out.append(unembed(params, cfg, x))
+        for out, params, c, (x, _pos) in zip(logits, both(part), centerings, streams):
+            out.append(unembed(params, cfg, x, centering=c))
     return tuple(torch.log_softmax(torch.cat(out, dim=-1), dim=-1) for out in logits)
 
 

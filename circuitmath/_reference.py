@@ -7,6 +7,7 @@ Written for clarity, not speed. Row-vector convention: a residual stream ``x`` o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -17,16 +18,18 @@ from ._state import StateDict, attention_names, per_query_head, validate_state_d
 __all__ = ["forward", "log_probs", "normalize", "pattern_from_scores", "embed", "block", "unembed"]
 
 
-def normalize(x: torch.Tensor, kind, w: torch.Tensor | None, b: torch.Tensor | None, eps: float) -> torch.Tensor:
+def normalize(x: torch.Tensor, kind, w: torch.Tensor | None, b: torch.Tensor | None, eps: float,
+              center: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Apply the norm ``kind`` over the last axis of ``x`` (``[..., d_model]`` to ``[..., d_model]``).
 
     ``LNPre(x) = (x - mean(x)) / sqrt(mean((x - mean(x))^2) + eps)``; ``LN`` then scales by ``w``
     and adds ``b``. ``RMSPre(x) = x / sqrt(mean(x^2) + eps)``; ``RMS`` then scales by ``w``.
+    ``center``: computes ``x - mean(x)`` in place of the plain formula (see :data:`Centering`).
     """
     if kind is None:
         return x
     if kind in ("LN", "LNPre"):
-        x = x - x.mean(dim=-1, keepdim=True)
+        x = x - x.mean(dim=-1, keepdim=True) if center is None else center(x)
     x = x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
     if kind in ("LN", "RMS"):
         x = x * w
@@ -35,8 +38,17 @@ def normalize(x: torch.Tensor, kind, w: torch.Tensor | None, b: torch.Tensor | N
     return x
 
 
-def _norm(params: StateDict, prefix: str, cfg: Config, x: torch.Tensor) -> torch.Tensor:
-    return normalize(x, cfg.normalization_type, params.get(f"{prefix}.w"), params.get(f"{prefix}.b"), cfg.eps)
+#: ``centering(name, x)``: ``x - mean(x)`` over the last axis of the residual stream ``x``
+#: ``[batch, pos, d_model]`` that the LayerNorm ``name`` (``"blocks.0.ln1"``, ``"ln_final"``, ...)
+#: reads, computed as the caller chooses. :func:`embed`, :func:`block` and :func:`unembed` take
+#: one for their LayerNorms: the rounding sensitivity
+#: (:func:`~circuitmath.testing.rounding_sensitivity`) models the rounding of the mean with it.
+Centering = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def _norm(params: StateDict, prefix: str, cfg: Config, x: torch.Tensor, centering: Centering | None = None) -> torch.Tensor:
+    center = None if centering is None else (lambda v: centering(prefix, v))
+    return normalize(x, cfg.normalization_type, params.get(f"{prefix}.w"), params.get(f"{prefix}.b"), cfg.eps, center)
 
 
 def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -159,45 +171,49 @@ def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, *, record:
     return unembed(state_dict, cfg, x)
 
 
-def embed(params: StateDict, cfg: Config, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def embed(params: StateDict, cfg: Config, tokens: torch.Tensor, *,
+          centering: Centering | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The residual stream before the first block, ``[batch, pos, d_model]``, and the positional
-    embeddings ``[pos, d_model]`` a shortformer block adds to its query and key inputs (or ``None``)."""
+    embeddings ``[pos, d_model]`` a shortformer block adds to its query and key inputs (or ``None``).
+    ``centering``: see :data:`Centering`."""
     positions = tokens.shape[1]
     x = params["embed.W_E"][tokens]
     pos = params["pos_embed.W_pos"][:positions] if "pos_embed.W_pos" in params else None
     if cfg.positional_embedding_type == "standard":
         x = x + pos
     if cfg.embedding_norm:
-        x = _norm(params, "embed.ln", cfg, x)
+        x = _norm(params, "embed.ln", cfg, x, centering)
     return x, pos
 
 
 def block(params: StateDict, layer: int, cfg: Config, x: torch.Tensor, pos: torch.Tensor | None,
-          record: dict | None = None) -> torch.Tensor:
-    """The residual stream ``[batch, pos, d_model]`` after block ``layer``; ``params`` needs only that block's tensors."""
+          record: dict | None = None, *, centering: Centering | None = None) -> torch.Tensor:
+    """The residual stream ``[batch, pos, d_model]`` after block ``layer``; ``params`` needs only
+    that block's tensors. ``centering``: see :data:`Centering`."""
     p = f"blocks.{layer}"
     if cfg.norm_position == "post":
-        x = _norm(params, f"{p}.ln1", cfg, x + _attention(params, f"{p}.attn", cfg, x, x, x, record))
+        x = _norm(params, f"{p}.ln1", cfg, x + _attention(params, f"{p}.attn", cfg, x, x, x, record), centering)
         if not cfg.attn_only:
-            x = _norm(params, f"{p}.ln2", cfg, x + _mlp(params, f"{p}.mlp", cfg, x))
+            x = _norm(params, f"{p}.ln2", cfg, x + _mlp(params, f"{p}.mlp", cfg, x), centering)
         return x
     if record is not None:
         record["residuals"].append(x)
-    normed = _norm(params, f"{p}.ln1", cfg, x)
+    normed = _norm(params, f"{p}.ln1", cfg, x, centering)
     qk_in = normed + pos if cfg.positional_embedding_type == "shortformer" else normed
     attn_out = _attention(params, f"{p}.attn", cfg, qk_in, qk_in, normed, record)
     if cfg.parallel_attn_mlp:
-        return x + attn_out + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x))
+        return x + attn_out + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x, centering))
     x = x + attn_out
     if not cfg.attn_only:
-        x = x + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x))
+        x = x + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x, centering))
     return x
 
 
-def unembed(params: StateDict, cfg: Config, x: torch.Tensor) -> torch.Tensor:
-    """Logits ``[batch, pos, d_vocab]`` from the residual stream after the last block."""
+def unembed(params: StateDict, cfg: Config, x: torch.Tensor, *, centering: Centering | None = None) -> torch.Tensor:
+    """Logits ``[batch, pos, d_vocab]`` from the residual stream after the last block.
+    ``centering``: see :data:`Centering`."""
     if cfg.norm_position == "pre":
-        x = _norm(params, "ln_final", cfg, x)
+        x = _norm(params, "ln_final", cfg, x, centering)
     return x @ params["unembed.W_U"] + params["unembed.b_U"]
 
 

@@ -5,7 +5,8 @@ loading either: the reference forward pass (:func:`~circuitmath._reference.block
 block, keeping only the activations of the check tokens; the tolerance is
 :func:`~circuitmath.testing.logprob_tolerance` with the rounding sensitivity of
 :func:`~circuitmath.testing.rounding_sensitivity` measured as it does (the float64 forward pass
-against one with every weight nudged by a unit roundoff, plus the compute dtype's own rounding),
+against one with every weight nudged by a unit roundoff and every LayerNorm's mean rounded apart,
+plus the compute dtype's own rounding),
 every weight converted to float64 one tensor at a time as the pass reads it; and the processed
 tensors are compared one part at a time with the exact rewrite, replayed on the parts
 :func:`~circuitmath.io.process_checkpoint` processes. Each part of the original is read once
@@ -29,7 +30,7 @@ from ._processing.pipeline import process_weights
 from ._reference import block, check_tokens, embed, unembed
 from ._processing._parts import Parts
 from ._streaming import KEYWORD_OF, STEPS, PartReader, _untouched, opened, replayed
-from ._compare import _unit_roundoff, compute_dtype, logprob_tolerance
+from ._compare import _computation_roundoff, _rounded_centering, _unit_roundoff, compute_dtype, logprob_tolerance
 
 __all__ = ["check_processed", "StreamingReport"]
 
@@ -85,7 +86,9 @@ UNEMBED_COLUMNS = 4096
 @dataclass
 class _Pass:
     """One forward pass of a checkpoint on the check tokens, block by block: weights read in
-    ``dtype`` (nudged by ``nudge``), activations of the tokens kept."""
+    ``dtype``, activations of the tokens kept. With ``nudge``, the nudged pass of
+    :func:`~circuitmath.testing.rounding_sensitivity`: weights nudged by ``nudge`` and the
+    LayerNorms' means rounded apart as there (the same signs: they are seeded by the norms' names)."""
 
     dtype: torch.dtype
     nudge: float = 0.0
@@ -94,6 +97,10 @@ class _Pass:
     pos: torch.Tensor | None = None
     scratch: list = field(default_factory=lambda: [torch.empty(0, device="cpu")])
 
+    @property
+    def centering(self):
+        return _rounded_centering(_computation_roundoff(self.nudge)) if self.nudge else None
+
     def weights(self, tensors) -> _Weights:
         return _Weights(tensors, self.dtype, self.nudge, scratch=self.scratch, device=self.device)
 
@@ -101,11 +108,11 @@ class _Pass:
         # Only the rows of W_E the tokens use are read and converted.
         used, inverse = torch.unique(tokens, return_inverse=True)
         params = dict(ends, **{"embed.W_E": ends["embed.W_E"][used]})
-        self.x, pos = embed(self.weights(params), cfg, inverse.to(self.device))
+        self.x, pos = embed(self.weights(params), cfg, inverse.to(self.device), centering=self.centering)
         self.pos = None if pos is None else pos.clone()  # not a view that keeps the ends' W_pos
 
     def step(self, tensors: Mapping[str, torch.Tensor], layer: int, cfg: Config) -> None:
-        self.x = block(self.weights(tensors), layer, cfg, self.x, self.pos)
+        self.x = block(self.weights(tensors), layer, cfg, self.x, self.pos, centering=self.centering)
 
     def log_probs(self, ends: Mapping[str, torch.Tensor], cfg: Config) -> torch.Tensor:
         logits = []
@@ -114,7 +121,7 @@ class _Pass:
             params = dict(ends, **{"unembed.W_U": ends["unembed.W_U"][:, columns], "unembed.b_U": ends["unembed.b_U"][columns]})
             weights = _Weights(params, self.dtype, self.nudge, seeds={"unembed.W_U": start, "unembed.b_U": start},
                                scratch=self.scratch, device=self.device)
-            logits.append(unembed(weights, cfg, self.x))
+            logits.append(unembed(weights, cfg, self.x, centering=self.centering))
         return torch.log_softmax(torch.cat(logits, dim=-1), dim=-1)
 
 

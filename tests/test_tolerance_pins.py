@@ -7,7 +7,8 @@
 - In half precision, where the tolerance is wide, the tensor certificate catches what it cannot:
   a 1 % change of any single tensor.
 - The measured sensitivity it adds is what it says: the forward pass's own rounding plus the
-  effect of rounding the weights once more, the latter compared with an independent nudge.
+  effect of rounding the weights once more, the latter compared with an independent nudge (its
+  third part, the LayerNorms' means rounded apart, is pinned in tests/test_rounding_sensitivity.py).
 """
 
 import math
