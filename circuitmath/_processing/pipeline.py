@@ -337,11 +337,12 @@ def _attention_then_block(
     """
     dtype = ends.dtype
     block = InMemory(state_dict).block(layer)
-    attention_cfg = cfg.replace(d_mlp=None, gated_mlp=False, parallel_attn_mlp=False)
+    # n_ctx sizes only W_pos (the fused steps take no shortformer positions), a zero stand-in here
+    attention_cfg = cfg.replace(d_mlp=None, gated_mlp=False, parallel_attn_mlp=False, n_ctx=1)
     in_attention = {_in_block(n) for n in expected_shapes(attention_cfg.replace(n_layers=1)) if n.startswith("blocks.")}
     attention = {n: t for n, t in block.items() if _in_block(n) in in_attention}
     # the rest: the block of a model with one head (and one key/value head), its attention zeros
-    rest_cfg = cfg.replace(n_heads=1, n_key_value_heads=None if cfg.n_key_value_heads is None else 1)
+    rest_cfg = cfg.replace(n_heads=1, n_key_value_heads=None if cfg.n_key_value_heads is None else 1, n_ctx=1)
     one_head = {_in_block(n): s for n, s in expected_shapes(rest_cfg.replace(n_layers=1)).items() if n.startswith("blocks.")}
     rest = {n: torch.zeros(one_head[_in_block(n)], dtype=dtype, device=parts.device) if n in attention else t
             for n, t in block.items()}
