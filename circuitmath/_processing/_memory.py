@@ -11,8 +11,9 @@ available (not Linux, or the kernel refuses it) the tensor comes from :func:`tor
 
 Temporaries that processing frees while it goes on (a half-precision weight cast to float32, a
 block of rows) are mapped from the smaller :data:`SCRATCH_MIN_BYTES` (:func:`scratch`), so that
-the C allocator's heap holds only small tensors and outputs; nothing here changes the
-allocator's process-wide settings.
+the C allocator's heap holds only small tensors and outputs; so are the outputs of code run
+within :func:`temporaries` (a half-precision part's float32 tensors, rounded once and freed).
+Nothing here changes the allocator's process-wide settings.
 """
 
 from __future__ import annotations

@@ -99,7 +99,8 @@ class Parts:
 
     def run(self, layer: int | None, transform: Callable) -> tuple[dict[str, torch.Tensor], Config]:
         """``transform(state_dict, cfg)`` on the part (``None``: the ends), its output in the
-        whole model's names (stand-ins dropped), on the part's device; errors name the real layer."""
+        whole model's names (stand-ins dropped), on the part's device; errors name the real layer.
+        The part's dict is made for the call and is the transform's own: it may empty it."""
         try:
             if layer is None:
                 out, out_cfg = transform(self.ends(), self.ends_cfg)

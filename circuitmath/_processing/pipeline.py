@@ -248,6 +248,7 @@ def rounded_once(processed: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
     rounding makes (a finite float32 entry beyond the half dtype's range) is refused."""
     out = {}
     for name in list(processed):
+        # mapped: made while the part's float32 tensors live, kept after they are freed (see _memory.scratch)
         rounded = out[name] = converted(processed.pop(name), dtype, mapped_from=SCRATCH_MIN_BYTES)
         if count := not_finite(rounded):
             raise OverflowedError(
