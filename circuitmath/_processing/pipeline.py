@@ -290,7 +290,7 @@ def _half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple
                 part, part_cfg = ends.run(layer, lambda sd, c: _process(sd, c, asked))
                 part = part if layer is not None else rounded_once(part, dtype)
             elif fused and later <= _ATTENTION_STEPS:
-                part, part_cfg = _attention_then_block(state_dict, cfg, layer, asked, parts, ends)
+                part, part_cfg = _attention_then_block(state_dict, cfg, layer, asked, parts, dtype)
             else:
                 part, part_cfg = parts.run(layer, lambda sd, c: _process(sd, c, asked, owned=True))
                 part = rounded_once(part, dtype)
@@ -319,9 +319,9 @@ _ATTENTION_STEPS = {_refactor_factored_attn_matrices.identity}
 
 
 def _attention_then_block(
-    state_dict: StateDict, cfg: Config, layer: int, asked: dict, parts: Parts, ends: Parts,
+    state_dict: StateDict, cfg: Config, layer: int, asked: dict, parts: Parts, dtype: torch.dtype,
 ) -> tuple[dict[str, torch.Tensor], Config]:
-    """Block ``layer`` of a half-precision model whose steps are the fused ones and then
+    """Block ``layer`` of a half-precision model (``dtype``) whose steps are the fused ones and then
     :data:`_ATTENTION_STEPS`: its output and config, rounded once, as ``parts.run`` would give.
 
     The block's attention (``ln1`` and ``attn.*``: the block of an attention-only model) is
@@ -336,7 +336,6 @@ def _attention_then_block(
     refusal is the same (a fused attention tensor beyond the dtype's range that the refactor
     brings back is then no refusal).
     """
-    dtype = ends.dtype
     block = InMemory(state_dict).block(layer)
     # n_ctx sizes only W_pos (the fused steps take no shortformer positions), a zero stand-in here
     attention_cfg = cfg.replace(d_mlp=None, gated_mlp=False, parallel_attn_mlp=False, n_ctx=1)
