@@ -11,23 +11,44 @@ available (not Linux, or the kernel refuses it) the tensor comes from :func:`tor
 
 Temporaries that processing frees while it goes on (a half-precision weight cast to float32, a
 block of rows) are mapped from the smaller :data:`SCRATCH_MIN_BYTES` (:func:`scratch`), so that
-the C allocator's heap holds only small tensors and outputs; nothing here changes the
-allocator's process-wide settings.
+the C allocator's heap holds only small tensors and outputs; so are the outputs of code run
+within :func:`temporaries` (a half-precision part's float32 tensors, rounded once and freed).
+Nothing here changes the allocator's process-wide settings.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import mmap
 
 import torch
 
-__all__ = ["HUGE_PAGE_MIN_BYTES", "SCRATCH_MIN_BYTES", "new_tensor", "scratch", "converted", "rows_per_block"]
+__all__ = [
+    "HUGE_PAGE_MIN_BYTES", "SCRATCH_MIN_BYTES", "new_tensor", "scratch", "converted", "rows_per_block", "temporaries",
+]
 
 HUGE_PAGE_MIN_BYTES = 4 << 20
 
 #: Temporaries of at least this size are mapped by :func:`scratch` (see there).
 SCRATCH_MIN_BYTES = 64 << 10
+
+#: Whether the tensors made now are temporaries (see :func:`temporaries`).
+_MAKING_TEMPORARIES = contextvars.ContextVar("making_temporaries", default=False)
+
+
+@contextlib.contextmanager
+def temporaries():
+    """Within it, :func:`new_tensor` and :func:`converted` map from :data:`SCRATCH_MIN_BYTES`
+    unless told otherwise: for code that makes outputs (a step's processed tensors) that its
+    caller only reads and frees (a half-precision part's float32 tensors, rounded once), so that
+    they are not freed into the C heap among the tensors kept (see :func:`scratch`)."""
+    token = _MAKING_TEMPORARIES.set(True)
+    try:
+        yield
+    finally:
+        _MAKING_TEMPORARIES.reset(token)
 
 
 #: A block of rows that a loop works on while it stays in a CPU core's cache.
@@ -66,11 +87,15 @@ def rows_per_block(
 
 def new_tensor(
     shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device, *,
-    mapped_from: int = HUGE_PAGE_MIN_BYTES,
+    mapped_from: int | None = None,
 ) -> torch.Tensor:
     """An uninitialised contiguous tensor of ``shape`` and ``dtype`` on ``device``: on the CPU,
     one of at least ``mapped_from`` bytes is mapped (advised huge pages from
-    :data:`HUGE_PAGE_MIN_BYTES`); a smaller one, or one on any other device, from :func:`torch.empty`."""
+    :data:`HUGE_PAGE_MIN_BYTES`); a smaller one, or one on any other device, from :func:`torch.empty`.
+    ``mapped_from`` defaults to :data:`HUGE_PAGE_MIN_BYTES`, or :data:`SCRATCH_MIN_BYTES` within
+    :func:`temporaries`."""
+    if mapped_from is None:
+        mapped_from = SCRATCH_MIN_BYTES if _MAKING_TEMPORARIES.get() else HUGE_PAGE_MIN_BYTES
     count = math.prod(shape)
     size = count * dtype.itemsize
     if torch.device(device).type != "cpu" or size < mapped_from or not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -102,10 +127,10 @@ def scratch(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: tor
 
 
 def converted(
-    tensor: torch.Tensor, dtype: torch.dtype, *, mapped_from: int = HUGE_PAGE_MIN_BYTES
+    tensor: torch.Tensor, dtype: torch.dtype, *, mapped_from: int | None = None
 ) -> torch.Tensor:
     """``tensor`` in ``dtype``: itself when it has that dtype already, else a copy in memory from
-    :func:`new_tensor` (mapped from ``mapped_from`` bytes). A large temporary copy (a
+    :func:`new_tensor` (mapped from ``mapped_from`` bytes, by default as there). A large temporary copy (a
     half-precision weight cast to float32 while it is processed) is then mapped and unmapped
     with the tensor, so freeing it returns its memory to the system: from :func:`torch.empty`,
     the C allocator keeps freed blocks of up to 32 MB in the process's heap, and a model's worth

@@ -27,7 +27,7 @@ import torch
 from .._config import Config
 from .._errors import CircuitMathError, PreconditionError
 from .._state import expected_shapes
-from ._memory import converted
+from ._memory import SCRATCH_MIN_BYTES, converted, new_tensor
 
 __all__ = ["InMemory", "Parts"]
 
@@ -76,7 +76,7 @@ class Parts:
 
     def _ready(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # a cast copies into a contiguous tensor anyway: one pass, not a transpose and then a cast
-        return {n: converted(t.to(device=self.device), self.dtype) if t.dtype != self.dtype
+        return {n: converted(t.to(device=self.device), self.dtype, mapped_from=SCRATCH_MIN_BYTES) if t.dtype != self.dtype
                 else t.to(device=self.device).contiguous() for n, t in tensors.items()}
 
     def ends(self) -> dict[str, torch.Tensor]:
@@ -91,14 +91,16 @@ class Parts:
         tensors = self._ready(_renamed(self.source.block(layer), layer, 0))
         for name, shape in expected_shapes(self.block_cfg).items():
             if not name.startswith("blocks."):
-                tensors[name] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                # mapped: a stand-in (a context's W_pos) freed into the C heap would raise its mapping threshold
+                tensors[name] = new_tensor(shape, self.dtype, self.device, mapped_from=SCRATCH_MIN_BYTES).zero_()
         if self.positions is not None:
             tensors["pos_embed.W_pos"] = self.positions
         return tensors
 
     def run(self, layer: int | None, transform: Callable) -> tuple[dict[str, torch.Tensor], Config]:
         """``transform(state_dict, cfg)`` on the part (``None``: the ends), its output in the
-        whole model's names (stand-ins dropped), on the part's device; errors name the real layer."""
+        whole model's names (stand-ins dropped), on the part's device; errors name the real layer.
+        The part's dict is made for the call and is the transform's own: it may empty it."""
         try:
             if layer is None:
                 out, out_cfg = transform(self.ends(), self.ends_cfg)

@@ -7,6 +7,7 @@ import torch
 from .._config import Config
 from .._state import StateDict, attention_names, key_value_groups, validate_state_dict
 from ._common import NOT_ROTARY, refuse_reapplication, require, rewrite
+from ._memory import new_tensor
 
 __all__ = ["fold_value_biases", "remove_key_biases", "refactor_factored_attn_matrices"]
 
@@ -144,7 +145,9 @@ def refactor_factored_attn_matrices(state_dict: StateDict, cfg: Config) -> tuple
 
 
 class _Side:
-    """One side of a factored product, per head, in float64 copies that can be overwritten.
+    """One side of a factored product: the given tensors, read a head at a time in float64, and
+    new tensors in their dtype that the factors are written into a head at a time (so that no
+    float64 copy of a whole weight is held).
 
     ``names`` are the state dict's weight ``[heads, d_model, d_head]``, bias ``[heads, d_head]``
     and, for the queries and keys of a ``"shortformer_tables"`` model, positional table
@@ -153,36 +156,39 @@ class _Side:
 
     def __init__(self, state_dict: StateDict, *names: str):
         self.names = names
-        self.dtype = state_dict[names[0]].dtype
-        self.weight, self.bias, *table = (state_dict[n].to(torch.float64, copy=True) for n in names)
+        self.weight, self.bias, *table = (state_dict[n] for n in names)
         self.table = table[0] if table else None
+        # every head's weight (and table) is stored; a bias is stored only where it is extended
+        self.out = [new_tensor(self.weight.shape, self.weight.dtype, self.weight.device), self.bias.clone()]
+        if self.table is not None:
+            self.out.append(new_tensor(self.table.shape, self.table.dtype, self.table.device))
 
     def extends(self, heads) -> bool:
         """Whether these heads need the extended input: a nonzero bias or a positional table."""
         return self.table is not None or bool(self.bias[list(heads)].any())
 
     def rows(self, head: int, extend: bool) -> torch.Tensor:
-        """The head's map on the extended input ``(x, 1, onehot(position))``: ``[rows, d_head]``.
+        """The head's map on the extended input ``(x, 1, onehot(position))`` in float64: ``[rows, d_head]``.
 
         ``extend=False`` gives the weight alone, ``[d_model, d_head]``.
         """
         if not extend:
-            return self.weight[head]
-        table = [self.table[:, head]] if self.table is not None else []
-        return torch.cat([self.weight[head], self.bias[head][None, :], *table])
+            return self.weight[head].double()
+        table = [self.table[:, head].double()] if self.table is not None else []
+        return torch.cat([self.weight[head].double(), self.bias[head][None, :].double(), *table])
 
     def store(self, head: int, rows: torch.Tensor) -> None:
-        """Write back rows laid out as :meth:`rows` returns them."""
-        d_model = self.weight.shape[1]
-        self.weight[head] = rows[:d_model]
+        """Write back rows laid out as :meth:`rows` returns them, rounded to the given dtype."""
+        weight, bias, *table = self.out
+        d_model = weight.shape[1]
+        weight[head] = rows[:d_model]
         if rows.shape[0] > d_model:
-            self.bias[head] = rows[d_model]
-        if self.table is not None:
-            self.table[:, head] = rows[d_model + 1 :]
+            bias[head] = rows[d_model]
+        if table:
+            table[0][:, head] = rows[d_model + 1 :]
 
     def result(self) -> dict[str, torch.Tensor]:
-        tensors = [self.weight, self.bias] + ([self.table] if self.table is not None else [])
-        return {name: t.to(self.dtype) for name, t in zip(self.names, tensors)}
+        return dict(zip(self.names, self.out))
 
 
 def _refactor_qk(state_dict: StateDict, cfg: Config, p: str) -> dict[str, torch.Tensor]:
@@ -205,10 +211,12 @@ def _refactor_qk(state_dict: StateDict, cfg: Config, p: str) -> dict[str, torch.
 def _refactor_ov(state_dict: StateDict, cfg: Config, p: str) -> dict[str, torch.Tensor]:
     """``[W_V; b_V] = U S`` and ``W_O = V^T`` from the SVD of ``[W_V; b_V] [W_O[h] for h in group]``."""
     values = _Side(state_dict, *(f"{p}.{n}" for n in attention_names(cfg, "V")[:2]))
-    W_O = state_dict[f"{p}.W_O"].to(torch.float64, copy=True)  # [n_heads, d_head, d_model]
+    W_O = state_dict[f"{p}.W_O"]  # [n_heads, d_head, d_model]
+    out = new_tensor(W_O.shape, W_O.dtype, W_O.device)
     for j, heads in enumerate(key_value_groups(cfg)):
-        side_by_side = torch.cat([W_O[h] for h in heads], dim=1)  # [d_head, group * d_model]
+        side_by_side = torch.cat([W_O[h].double() for h in heads], dim=1)  # [d_head, group * d_model]
         U, S, Vh = _svd_of_product(values.rows(j, values.extends([j])), side_by_side)
         values.store(j, U * S)
-        W_O[list(heads)] = torch.stack(Vh.split(cfg.d_model, dim=1))
-    return values.result() | {f"{p}.W_O": W_O.to(state_dict[f"{p}.W_O"].dtype)}
+        for h, factor in zip(heads, Vh.split(cfg.d_model, dim=1)):
+            out[h] = factor
+    return values.result() | {f"{p}.W_O": out}

@@ -9,13 +9,15 @@ from contextvars import ContextVar
 import torch
 
 from .._config import Config
-from .._errors import ArgumentTypeError, OverflowedError, PreconditionError
-from .._state import StateDict, all_finite, entries_checked_elsewhere, not_finite, validate_state_dict
+from .._errors import ArgumentTypeError, CircuitMathError, OverflowedError, PreconditionError
+from .._state import (
+    StateDict, all_finite, entries_checked_elsewhere, expected_shapes, not_finite, validate_state_dict,
+)
 from .attention import fold_value_biases as _fold_value_biases
 from .attention import refactor_factored_attn_matrices as _refactor_factored_attn_matrices
 from .centering import center_unembed as _center_unembed
 from .centering import center_writing_weights as _center_writing_weights
-from ._memory import converted
+from ._memory import SCRATCH_MIN_BYTES, converted, temporaries
 from ._parts import InMemory, Parts
 from .fused import fusable, fused_default_steps, rms_fusable
 from .layer_norm import center_reading_weights, fold_layer_norm
@@ -197,9 +199,16 @@ def _fused(cfg: Config, requested: dict) -> bool:
     return fusable(cfg) and all(requested[keyword] is not False for keyword, _ in PIPELINE_STEPS[:4])
 
 
-def _process(state_dict: StateDict, cfg: Config, requested: dict) -> tuple[dict[str, torch.Tensor], Config]:
+def _process(
+    state_dict: StateDict, cfg: Config, requested: dict, *, owned: bool = False,
+) -> tuple[dict[str, torch.Tensor], Config]:
     """:func:`process_weights` of a model validated by the caller: float32 or float64, or half
-    precision when only the fused steps run (they compute in float32 a tensor at a time)."""
+    precision when only the fused steps run (they compute in float32 a tensor at a time).
+
+    ``owned``: ``state_dict`` is a dict the caller gives away (a part's float32 copy): it is
+    emptied once the fused steps have read it and their outputs are found finite (which proves
+    the input finite, so it is not needed to name a NaN), so that the steps after them do not
+    hold the part twice."""
     fused = _fused(cfg, requested)
     given, given_cfg = state_dict, cfg
     steps, checked_in_cache = PIPELINE_STEPS, False
@@ -209,6 +218,9 @@ def _process(state_dict: StateDict, cfg: Config, requested: dict) -> tuple[dict[
         if not checked_in_cache and any(requested[keyword] is not False for keyword, _ in steps):
             _finite_or_explained(state_dict, cfg, given, given_cfg)  # before an SVD meets a NaN
             checked_in_cache = True
+        if owned and checked_in_cache:
+            given.clear()
+            given = None
     with entries_checked_elsewhere():  # checked here, on the way in and on the way out
         for keyword, step in steps:
             if requested[keyword] is False:
@@ -254,7 +266,8 @@ def rounded_once(processed: dict[str, torch.Tensor], dtype: torch.dtype) -> dict
     rounding makes (a finite float32 entry beyond the half dtype's range) is refused."""
     out = {}
     for name in list(processed):
-        rounded = out[name] = converted(processed.pop(name), dtype)
+        # mapped: made while the part's float32 tensors live, kept after they are freed (see _memory.scratch)
+        rounded = out[name] = converted(processed.pop(name), dtype, mapped_from=SCRATCH_MIN_BYTES)
         if count := not_finite(rounded):
             raise OverflowedError(
                 f"process_weights: rounding the processed weights to {dtype} overflowed: the input is"
@@ -270,7 +283,9 @@ def _half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple
     float32 on the model's device, processed there and rounded once to the model's dtype, so the
     memory added beyond the output is one part in float32, never the whole model; the
     embedding and unembedding, the largest part, are not cast where the fused steps process them
-    (in float32 a block of rows at a time: the same bits), so then the most is one block. The parts'
+    (in float32 a block of rows at a time: the same bits), so then the most is one block. A
+    block is not cast either where the fused steps are all that apply to it; where the refactor
+    follows them, only the block's attention is (:func:`_attention_then_block`). The parts'
     outputs are the whole model's, bit for bit. Where a step left to apply if it can (``None``)
     applies to some parts and not to others, it is left out of all of them, as the whole model's
     refusal would leave it out, and the parts are processed again.
@@ -287,11 +302,18 @@ def _half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple
             # where they can, on a block when no step after them applies (the ends decide that:
             # whether the refactor applies depends on the config alone, and a step the ends
             # refuse is left out of the whole model anyway); the bits are float32's, rounded once.
-            fused_only = _fused(parts.ends_cfg, asked) and all(asked[k] is False for k, _ in PIPELINE_STEPS[4:])
-            source = ends if fused_only or (layer is None and _fused(parts.ends_cfg, asked)) else parts
-            part, part_cfg = source.run(layer, lambda sd, c: _process(sd, c, asked))
+            fused = _fused(parts.ends_cfg, asked)
+            later = {keyword for keyword, _ in PIPELINE_STEPS[4:] if asked[keyword] is not False}
+            if fused and (layer is None or not later):
+                part, part_cfg = ends.run(layer, lambda sd, c: _process(sd, c, asked))
+                part = part if layer is not None else rounded_once(part, dtype)
+            elif fused and later <= _ATTENTION_STEPS:
+                part, part_cfg = _attention_then_block(state_dict, cfg, layer, asked, parts, dtype)
+            else:
+                part, part_cfg = parts.run(layer, lambda sd, c: _process(sd, c, asked, owned=True))
+                part = rounded_once(part, dtype)
             applied[layer] = part_cfg.applied
-            out |= part if source is ends and layer is not None else rounded_once(part, dtype)
+            out |= part
             if layer is None:
                 out_cfg = part_cfg
                 for keyword, step in PIPELINE_STEPS[4:]:
@@ -309,7 +331,64 @@ def _half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple
             requested[keyword] = False
 
 
-def _finite_or_explained(state_dict: StateDict, cfg: Config, given: StateDict, given_cfg: Config) -> None:
+#: The steps after the fused ones that read and write a block's attention tensors (ln1 and
+#: attn.*) and nothing else: the refactor.
+_ATTENTION_STEPS = {_refactor_factored_attn_matrices.identity}
+
+
+def _attention_then_block(
+    state_dict: StateDict, cfg: Config, layer: int, asked: dict, parts: Parts, dtype: torch.dtype,
+) -> tuple[dict[str, torch.Tensor], Config]:
+    """Block ``layer`` of a half-precision model (``dtype``) whose steps are the fused ones and then
+    :data:`_ATTENTION_STEPS`: its output and config, rounded once, as ``parts.run`` would give.
+
+    The block's attention (``ln1`` and ``attn.*``: the block of an attention-only model) is
+    cast to float32, processed with every step and rounded; then the rest of the block (the
+    block of a model with one head, whose zero attention is left out of the output) goes
+    through the fused steps alone in its own dtype (float32 a block of rows at a time, rounded
+    once). Every processed tensor is a function of its own half's tensors (readers of their
+    norm, ``b_O`` of ``b_V`` and ``W_O``, each writer of itself), so both give the bits of the
+    whole block in float32, rounded once, while the MLP is never held in float32 and the
+    attention only while it is refactored. Where either half is refused (a NaN in the input, an
+    overflow), the whole block is cast and processed as ``parts.run`` would, so that the
+    refusal is the same (a fused attention tensor beyond the dtype's range that the refactor
+    brings back is then no refusal).
+    """
+    block = InMemory(state_dict).block(layer)
+    # n_ctx sizes only W_pos (the fused steps take no shortformer positions), a zero stand-in here
+    attention_cfg = cfg.replace(d_mlp=None, gated_mlp=False, parallel_attn_mlp=False, n_ctx=1)
+    in_attention = {_in_block(n) for n in expected_shapes(attention_cfg.replace(n_layers=1)) if n.startswith("blocks.")}
+    attention = {n: t for n, t in block.items() if _in_block(n) in in_attention}
+    # the rest: the block of a model with one head (and one key/value head), its attention zeros
+    rest_cfg = cfg.replace(n_heads=1, n_key_value_heads=None if cfg.n_key_value_heads is None else 1, n_ctx=1)
+    one_head = {_in_block(n): s for n, s in expected_shapes(rest_cfg.replace(n_layers=1)).items() if n.startswith("blocks.")}
+    rest = {n: torch.zeros(one_head[_in_block(n)], dtype=dtype, device=parts.device) if n in attention else t
+            for n, t in block.items()}
+    del block
+    fused_only = asked | {keyword: False for keyword, _ in PIPELINE_STEPS[4:]}
+    try:
+        with temporaries():  # the float32 tensors are rounded below and freed
+            attention_out, attention_out_cfg = Parts(InMemory(attention), attention_cfg, torch.float32, parts.device).run(
+                layer, lambda sd, c: _process(sd, c, asked, owned=True))
+        attention_out = rounded_once(attention_out, dtype)
+        out, _cfg = Parts(InMemory(rest), rest_cfg, dtype, parts.device).run(
+            layer, lambda sd, c: _process(sd, c, fused_only))
+    except CircuitMathError:
+        out, out_cfg = parts.run(layer, lambda sd, c: _process(sd, c, asked, owned=True))
+        return rounded_once(out, dtype), out_cfg
+    names = list(out)
+    out |= attention_out
+    if set(out) != set(names):  # cannot happen: the attention's tensors are the block's
+        raise RuntimeError(f"process_weights: block {layer}'s attention makes {sorted(set(out) - set(names))}")
+    return out, attention_out_cfg
+
+
+def _in_block(name: str) -> str:
+    """``"blocks.3.attn.W_Q"`` -> ``"attn.W_Q"``: the name within its block."""
+    return name.split(".", 2)[2]
+
+
+def _finite_or_explained(state_dict: StateDict, cfg: Config, given: StateDict | None, given_cfg: Config) -> None:
     """Refuse processed weights with a NaN or Inf: name the input's when it has them (the fused
     steps pass a NaN or Inf of any input entry on to some output entry: each output is linear in
     its inputs, and NaN and Inf survive sums and products, 0 * Inf included), else the overflow."""
@@ -318,7 +397,8 @@ def _finite_or_explained(state_dict: StateDict, cfg: Config, given: StateDict, g
     bad = {name: count for name, tensor in state_dict.items() if (count := not_finite(tensor))}
     if not bad:
         return
-    validate_state_dict(given, given_cfg)
+    if given is not None:  # None: the input is known finite
+        validate_state_dict(given, given_cfg)
     dtype = next(iter(state_dict.values())).dtype
     raise OverflowedError(
         f"process_weights: processing overflowed {dtype}: the input is finite but the processed weights are not ("
