@@ -81,7 +81,7 @@ def _rounded_centering(u: float, seed: int = 0) -> Centering:
         centered = x - x.mean(dim=-1, keepdim=True)
         centered = centered - centered.mean(dim=-1, keepdim=True)
         g = torch.Generator().manual_seed(seed + zlib.crc32(f"{name}:centering".encode()))
-        signs = torch.randint(0, 2, (*x.shape[:-1], 1), generator=g).mul_(2).sub_(1)
+        signs = torch.randint(0, 2, (*x.shape[:-1], 1), generator=g, device="cpu").mul_(2).sub_(1)
         shift = x.abs().mean(dim=-1, keepdim=True).mul_(2 * u)
         return centered.add_(shift.mul_(signs.to(device=x.device, dtype=x.dtype)))
 
