@@ -8,8 +8,7 @@ model's, naming the real layer. Memory holds two parts at a time: one processed 
 before is written by a thread of its own.
 
 Most of the time goes into moving bytes, so :class:`PartReader` moves each only as much as it
-must: a stored ``[out, in]`` matrix is transposed in its own dtype (:func:`in_memory`; a part's
-transposes side by side, one per core), the blocks reuse two sets of buffers in turn (no fresh
+must: a stored ``[out, in]`` matrix is transposed in its own dtype (:func:`in_memory`), the blocks reuse two sets of buffers in turn (no fresh
 memory, and no page faults, for every layer), and a
 tensor the processing hands back as it got it is written as the checkpoint holds it, unconverted
 (:func:`_untouched` finds which, on a small model of the same kind).
@@ -189,9 +188,8 @@ class PartReader:
         self.natives, self.stand_ins, out = {}, {}, {}
         keys = {name: None if layer is None else "blocks.0." + name[len(prefix):] if name.startswith(prefix) else name
                 for name in tensors}
-        # the transposes, each on one core, run side by side (torch lets go of the GIL)
-        into = {name: None if t.is_contiguous() else self._buffer("native", keys[name], t, t.dtype) for name, t in tensors.items()}
-        natives = _side_by_side(lambda name: in_memory(tensors[name], into[name]), tensors, lambda name: tensors[name].numel())
+        natives = {name: in_memory(t, None if t.is_contiguous() else self._buffer("native", keys[name], t, t.dtype))
+                   for name, t in tensors.items()}
         for name, tensor in tensors.items():
             key, native = keys[name], natives[name]
             part_name = name if layer is None else key
@@ -226,15 +224,6 @@ class PartReader:
         finally:
             self.untouched, self.again = untouched, False
 
-
-def _side_by_side(work: Callable, names, size: Callable) -> dict:
-    """``{name: work(name)}``, run on torch's threads side by side, the largest first."""
-    names = sorted(names, key=size, reverse=True)
-    threads = torch.get_num_threads()
-    if threads < 2 or len(names) < 2:
-        return {name: work(name) for name in names}
-    with ThreadPoolExecutor(min(threads, len(names))) as pool:
-        return dict(zip(names, pool.map(work, names)))
 
 
 def replayed(parts: Parts, layer: int | None, keywords: dict) -> tuple[dict[str, torch.Tensor], Config, set[int]]:

@@ -1,5 +1,5 @@
 """How streaming ``process`` moves bytes (circuitmath._streaming): the reader's alternating
-buffer sets, the transposes run side by side, and the part written while the next is processed
+buffer sets, and the part written while the next is processed
 (an error in either still leaves nothing behind, and progress comes in order)."""
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 import circuitmath as cm
 from circuitmath import io
 from circuitmath._checkpoint import CheckpointWriter, open_checkpoint
-from circuitmath._streaming import STEPS, PartReader, _side_by_side
+from circuitmath._streaming import STEPS, PartReader
 
 CFG = cm.Config(n_layers=4, d_model=8, n_heads=4, d_head=2, d_vocab=11, n_ctx=5, d_mlp=16, normalization_type="RMS",
                 positional_embedding_type="rotary", gated_mlp=True, n_key_value_heads=2, act_fn="silu")
@@ -49,13 +49,6 @@ def test_a_block_lives_until_its_buffers_come_round_again(tmp_path, sets):
     assert torch.equal(first, state_dict[name]) == (sets == 2)
     third = reader.block(2)["blocks.2.mlp.W_in"]
     assert third.data_ptr() == first.data_ptr() and torch.equal(first, state_dict["blocks.2.mlp.W_in"])
-
-
-def test_side_by_side_returns_every_result_under_its_name():
-    torch.set_num_threads(max(2, torch.get_num_threads()))
-    names = [f"t{i}" for i in range(7)]
-    got = _side_by_side(lambda n: n * 2, names, len)
-    assert got == {n: n * 2 for n in names}
 
 
 def test_progress_comes_in_order_once_each_part_is_written(tmp_path, monkeypatch):
