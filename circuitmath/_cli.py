@@ -164,7 +164,8 @@ PROCESS_HELP = f"""Process the checkpoint IN (a Hugging Face folder with config.
 model.safetensors.index.json and its shards, a folder written by process, or a .safetensors file
 written by circuitmath.io.save) one layer at a time, as {process_weights.__name__} processes a model in
 memory, and write the result to the new folder OUT: one safetensors shard per layer with the
-processed config in its metadata, and model.safetensors.index.json. Memory holds one layer.
+processed config in its metadata, and model.safetensors.index.json. Memory holds two layers (one
+written while the next is processed).
 OUT is written under a temporary name and renamed at the end: a refusal, an error or an
 interruption leaves nothing. Exit status: 0 written, 2 bad input or a step refused (nothing
 written)."""
