@@ -8,8 +8,9 @@ model's, naming the real layer. Memory holds two parts at a time: one processed 
 before is written by a thread of its own.
 
 Most of the time goes into moving bytes, so :class:`PartReader` moves each only as much as it
-must: a stored ``[out, in]`` matrix is transposed in its own dtype (:func:`in_memory`), the blocks reuse two sets of buffers in turn (no fresh
-memory, and no page faults, for every layer), and a
+must: a stored ``[out, in]`` matrix is transposed in its own dtype (:func:`in_memory`), the
+blocks reuse two sets of buffers in turn (no fresh memory, and no page faults, for every layer),
+and a
 tensor the processing hands back as it got it is written as the checkpoint holds it, unconverted
 (:func:`_untouched` finds which, on a small model of the same kind).
 """
@@ -30,7 +31,7 @@ from ._config import Config
 from ._errors import CircuitMathError, InputError
 from ._processing._memory import new_tensor
 from ._processing._parts import InMemory, Parts
-from ._processing.pipeline import KEYWORD_OF, STEPS, process_weights, steps_left_out
+from ._processing.pipeline import KEYWORD_OF, STEPS, process_weights, steps_between, steps_left_out
 from ._state import DTYPES, expected_shapes, not_finite, usable_device
 
 __all__ = ["STEPS", "KEYWORD_OF", "process_checkpoint", "opened", "PartReader", "replayed"]
@@ -186,13 +187,10 @@ class PartReader:
         untouched = _Untouched() if self.untouched is None else self.untouched[layer is None]
         prefix = f"blocks.{layer}."
         self.natives, self.stand_ins, out = {}, {}, {}
-        keys = {name: None if layer is None else "blocks.0." + name[len(prefix):] if name.startswith(prefix) else name
-                for name in tensors}
-        natives = {name: in_memory(t, None if t.is_contiguous() else self._buffer("native", keys[name], t, t.dtype))
-                   for name, t in tensors.items()}
         for name, tensor in tensors.items():
-            key, native = keys[name], natives[name]
+            key = None if layer is None else "blocks.0." + name[len(prefix):] if name.startswith(prefix) else name
             part_name = name if layer is None else key
+            native = in_memory(tensor, None if tensor.is_contiguous() else self._buffer("native", key, tensor, tensor.dtype))
             if self.keep_all or part_name in untouched.kept:
                 self.natives[name] = native
             if part_name in untouched.unread and not not_finite(native):
@@ -223,7 +221,6 @@ class PartReader:
             yield
         finally:
             self.untouched, self.again = untouched, False
-
 
 
 def replayed(parts: Parts, layer: int | None, keywords: dict) -> tuple[dict[str, torch.Tensor], Config, set[int]]:
@@ -359,8 +356,7 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
         for layer in range(cfg.n_layers):
             out, layer_cfg = run(layer)
             if layer_cfg.applied != out_cfg.applied:
-                differ = set(layer_cfg.applied) ^ set(out_cfg.applied)
-                raise _PartsDisagree(frozenset(KEYWORD_OF[name] for name in differ))
+                raise _PartsDisagree(steps_between(layer_cfg.applied, out_cfg.applied))
             if layer_cfg != out_cfg.replace(n_layers=1, d_vocab=1):  # cannot happen: the same steps, the same config
                 raise RuntimeError(f"process_checkpoint: block {layer} gives {layer_cfg}, the ends {out_cfg}")
             write(out, f"block {layer}")

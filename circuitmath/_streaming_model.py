@@ -46,7 +46,7 @@ from ._diagnosis._logprobs import SENSITIVITY_POSITIONS
 from ._errors import PreconditionError
 from ._processing._parts import Parts
 from ._processing.norms import writers_given
-from ._processing.pipeline import KEYWORD_OF, steps_left_out
+from ._processing.pipeline import steps_between, steps_left_out
 from ._reference import check_tokens
 from ._state import validate_state_dict
 from ._streaming import in_memory, opened
@@ -156,10 +156,7 @@ class _Run:
         must start again."""
         if processed_cfg.applied == self.applied:
             return True
-        differ = set(processed_cfg.applied) ^ set(self.applied)
-        if not differ <= KEYWORD_OF.keys():  # cannot happen: other transforms apply all or refuse
-            raise RuntimeError(f"{self.identity.name}: a block applied {processed_cfg.applied}, the ends {self.applied}")
-        self.left_out |= {KEYWORD_OF[name] for name in differ}
+        self.left_out |= steps_between(processed_cfg.applied, self.applied)
         self.applied = None
         return False
 

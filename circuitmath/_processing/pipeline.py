@@ -25,7 +25,7 @@ from ._common import refuse_reapplication, rewrite
 from .norms import fold_rms_norm
 from .shortformer import shortformer_to_tables
 
-__all__ = ["process_weights", "PIPELINE_STEPS", "STEPS", "KEYWORD_OF", "rounded_once", "steps_left_out"]
+__all__ = ["process_weights", "PIPELINE_STEPS", "STEPS", "KEYWORD_OF", "rounded_once", "steps_left_out", "steps_between"]
 
 Transform = Callable[[StateDict, Config], tuple[dict[str, torch.Tensor], Config]]
 
@@ -66,6 +66,18 @@ KEYWORD_OF = {
     **{step.identity: STEPS[0] for step in _NORM_FOLD_RECORDS},
     **{keyword: keyword for keyword in STEPS[1:]},
 }
+
+
+def steps_between(applied: tuple[str, ...], other: tuple[str, ...]) -> frozenset[str]:
+    """The keywords of :func:`process_weights` whose steps one of two parts of a model applied and
+    the other did not (``applied`` and ``other``: their configs' ``applied``): the whole model
+    leaves them out when they were left to apply where they can. Raises ``RuntimeError`` for an
+    identity that is no step of it (a transform that applies to part of a model and not to the
+    rest cannot happen elsewhere: the others apply or refuse)."""
+    differ = set(applied) ^ set(other)
+    if not differ <= KEYWORD_OF.keys():
+        raise RuntimeError(f"parts of a model applied {applied} and {other}")
+    return frozenset(KEYWORD_OF[name] for name in differ)
 
 
 _LEFT_OUT: ContextVar[frozenset[str]] = ContextVar("circuitmath_steps_left_out", default=frozenset())
@@ -324,7 +336,7 @@ def _half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple
         else:
             return out, out_cfg
         # A step that applies to some parts only: the whole model refuses it (asked with None).
-        some = {KEYWORD_OF[name] for name in set(applied[None]) ^ set(applied[layer])}
+        some = steps_between(applied[None], applied[layer])
         if not any(requested[keyword] is None for keyword in some):  # cannot happen: a True step raises
             raise RuntimeError(f"process_weights: parts disagree on {applied[None]} and {applied[layer]}")
         for keyword in some:
