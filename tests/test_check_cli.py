@@ -244,10 +244,11 @@ def test_bad_input_exits_2_with_a_clear_error_and_writes_nothing(case, tmp_path,
     assert sorted(tmp_path.iterdir()) == before
 
 
-def _three_paths(files, tmp_path):
+def _three_paths(files, tmp_path, capsys):
     """The argument lists of check's three paths: one model, a processed file, a processed
-    checkpoint folder (read a block at a time)."""
+    checkpoint folder (read a block at a time); what ``process`` printed is read out."""
     assert _cli.main(["process", str(files["model"]), str(tmp_path / "folder")]) == 0
+    capsys.readouterr()
     return {
         "model": [files["model"]],
         "processed file": [files["model"], "--processed", files["wrong"]],
@@ -256,8 +257,7 @@ def _three_paths(files, tmp_path):
 
 
 def test_device_cpu_gives_what_the_default_gives(files, tmp_path, capsys):
-    paths = _three_paths(files, tmp_path)
-    capsys.readouterr()
+    paths = _three_paths(files, tmp_path, capsys)
     for name, args in paths.items():
         default = _run(capsys, *args, "--json")
         on_cpu = _run(capsys, *args, "--json", "--device", "cpu")
@@ -269,7 +269,7 @@ def test_the_device_reaches_every_path(files, tmp_path, capsys, monkeypatch):
     (a device whose tensors hold no values) through, every path stops at the first tensor it
     checks or computes with, so each one works on the device it is given, not on the CPU the
     files are read onto."""
-    paths = _three_paths(files, tmp_path)
+    paths = _three_paths(files, tmp_path, capsys)
     monkeypatch.setattr(_cli, "usable_device", lambda text, option: torch.device(text or "cpu"))
     for name, args in paths.items():
         assert _run(capsys, *args, "--device", "cpu")[0] in (0, 1), name
@@ -282,7 +282,7 @@ def test_the_device_reaches_every_path(files, tmp_path, capsys, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_device_cuda_gives_the_same_verdicts(files, tmp_path, capsys):
-    for name, args in _three_paths(files, tmp_path).items():
+    for name, args in _three_paths(files, tmp_path, capsys).items():
         status, out, _ = _run(capsys, *args, "--json")
         on_gpu, gpu_out, _ = _run(capsys, *args, "--json", "--device", "cuda")
         rows, gpu_rows = json.loads(out), json.loads(gpu_out)

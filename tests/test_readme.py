@@ -41,7 +41,7 @@ def test_a_wrong_processing_in_the_readme_example_fails():
     def wrong(state_dict, cfg):
         folded, folded_cfg = fold(state_dict, cfg)
         b_U = folded["unembed.b_U"]
-        return dict(folded, **{"unembed.b_U": b_U + torch.arange(b_U.numel(), dtype=b_U.dtype)}), folded_cfg
+        return dict(folded, **{"unembed.b_U": b_U + torch.arange(b_U.numel(), dtype=b_U.dtype, device=b_U.device)}), folded_cfg
 
     namespace["my_processing"] = wrong
     quick = settings(max_examples=3, phases=[Phase.generate], deadline=None, database=None)

@@ -17,6 +17,18 @@ from circuitmath.zoo.train import RECIPES, STUDIED, STUDY_SEEDS, Recipe, baselin
 ZOO = Path(zoo.__file__).parent
 
 
+def _missing_corpus() -> str | None:
+    try:
+        corpus_tokens("train"), corpus_tokens("heldout")
+    except cm.CircuitMathError as error:
+        return str(error)
+    return None
+
+
+#: Training and its baselines read the standard library's source, which some Python builds leave out.
+needs_corpus = pytest.mark.skipif(_missing_corpus() is not None, reason=f"{_missing_corpus()}")
+
+
 @pytest.fixture(scope="module", params=zoo.NAMES)
 def model(request):
     sd, cfg = zoo.load(request.param)
@@ -66,6 +78,7 @@ def test_model_card_reports_what_the_issue_asks(model):
     assert (ZOO / f"{name}.md").read_text() == render_card(card)
 
 
+@needs_corpus
 def test_loss_is_far_below_the_bigram_baseline(model):
     """Recomputed here on this machine's held-out text, not just read from the card."""
     name, sd, cfg = model
@@ -144,6 +157,7 @@ def test_one_layer_has_no_induction_head_negative_control():
     assert scores["loss_second_half"] > scores["loss_first_half"] - 1.0
 
 
+@needs_corpus
 def test_training_is_deterministic_and_reaches_the_card():
     cfg = cm.Config(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=256, n_ctx=32,
                     positional_embedding_type="shortformer")
@@ -170,6 +184,7 @@ def test_the_shortformer_study_is_recorded(name):
     assert shipped["weights_sha256"] == zoo.card(name)["weights_sha256"]  # the study reran the shipped model
 
 
+@needs_corpus
 def test_check_refuses_a_different_corpus(monkeypatch, capsys):
     """Reproduction needs the same standard-library text; another Python's is refused up front."""
     from circuitmath.zoo import train as training
@@ -183,3 +198,11 @@ def test_check_refuses_a_different_corpus(monkeypatch, capsys):
     monkeypatch.setattr(training, "train", lambda *a, **k: pytest.fail("training started"))
     assert training.main(["--check", "--only", "attn_only_1l"]) == 2
     assert "cannot reproduce" in capsys.readouterr().err
+
+
+def test_a_python_without_its_standard_library_source_is_named(tmp_path, monkeypatch):
+    from circuitmath.zoo import _corpus
+
+    monkeypatch.setattr(_corpus, "_stdlib", lambda: tmp_path)
+    with pytest.raises(cm.CircuitMathError, match=f"train corpus .*{tmp_path / 'argparse.py'} is not there"):
+        corpus_tokens("train")

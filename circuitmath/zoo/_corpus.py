@@ -41,7 +41,15 @@ def corpus_bytes(split: str = "train") -> bytes:
     modules = {"train": TRAIN_MODULES, "heldout": HELDOUT_MODULES}.get(split)
     if modules is None:
         raise InputError(f"split must be 'train' or 'heldout', got {split!r}")
-    return b"".join((_stdlib() / f"{name}.py").read_bytes() for name in modules)
+    paths = [_stdlib() / f"{name}.py" for name in modules]
+    missing = [path for path in paths if not path.is_file()]
+    if missing:
+        raise InputError(
+            f"the {split} corpus needs the standard library's source, and {missing[0]} is not there"
+            f" ({len(missing)} of its {len(paths)} modules missing): this Python was installed without"
+            " its .py files"
+        )
+    return b"".join(path.read_bytes() for path in paths)
 
 
 def corpus_tokens(split: str = "train") -> torch.Tensor:
