@@ -257,3 +257,59 @@ def test_a_nan_or_inf_anywhere_in_the_input_is_named_when_the_rms_steps_run_fuse
         st.sampled_from([float("nan"), float("inf"), float("-inf")]))
     with pytest.raises(StateDictError, match=re.escape(name) + " has 1 NaN or Inf entries"):
         process_weights(broken, cfg)
+
+
+def _grouped(groups):
+    """The fused passes run with ``groups(n_layers)`` as their groups of layers."""
+    from unittest import mock
+
+    from circuitmath._processing import fused
+
+    return mock.patch.object(fused, "layer_groups", lambda cfg, sd: groups(cfg.n_layers))
+
+
+_ALL_AT_ONCE = lambda n: [range(n)] if n else []  # noqa: E731
+_PAIRS = lambda n: [range(i, min(i + 2, n)) for i in range(0, n, 2)]  # noqa: E731
+
+
+@settings(max_examples=60, deadline=None)
+@given(models(max_layers=3, min_layers=0, grouped_query=(False, True), dtype=torch.float32,
+              normalization_types=("LN", "RMS"), norm_positions=("pre",), positional_embedding_types=("standard", "rotary")),
+       st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16]),
+       st.sampled_from([_ALL_AT_ONCE, _PAIRS]))
+def test_the_fused_passes_give_the_same_bits_a_group_of_layers_at_a_time(model, dtype, groups):
+    """What a GPU runs (several layers' tensors stacked, rewritten in place, each output a view
+    of its layer's slice), run here on the CPU: bit for bit the one-layer-at-a-time outputs, the
+    same record, and the input left as it was."""
+    cfg, sd = model
+    sd = {k: v.to(dtype) for k, v in sd.items()}
+    kept = {k: v.clone() for k, v in sd.items()}
+    try:
+        expected, expected_cfg = process_weights(sd, cfg)
+    except CircuitMathError as error:
+        event(f"refused: {type(error).__name__}")
+        return
+    with _grouped(groups):
+        got, got_cfg = process_weights(sd, cfg)
+    assert got_cfg == expected_cfg and list(got) == list(expected)
+    for name, tensor in got.items():
+        assert tensor.dtype == dtype and torch.equal(tensor, expected[name]), name
+    assert all(torch.equal(sd[k], kept[k]) for k in kept)
+
+
+@pytest.mark.parametrize("normalization_type", ["LN", "RMS"])
+def test_grouped_layers_with_one_layers_gains_for_all_are_told_apart(normalization_type, monkeypatch):
+    """Negative control: stacked layers each folded with the first layer's norm, a slip the
+    comparison above must catch."""
+    from circuitmath._processing import fused
+
+    cfg = Config(n_layers=3, d_model=16, n_heads=2, d_head=4, d_vocab=12, n_ctx=4, d_mlp=24,
+                 normalization_type=normalization_type)
+    sd = random_state_dict(cfg, seed=3)
+    expected, _ = process_weights(sd, cfg)
+    per_layer = fused._per_layer
+    monkeypatch.setattr(fused, "_per_layer", lambda v, W: per_layer(v[:1].expand_as(v), W))
+    with _grouped(_ALL_AT_ONCE):
+        got, _ = process_weights(sd, cfg)
+    differ = [name for name in expected if not torch.equal(got[name], expected[name])]
+    assert {"blocks.1.attn.W_Q", "blocks.2.mlp.W_in"} <= set(differ) and not any(n.startswith("blocks.0.") for n in differ)

@@ -52,9 +52,10 @@ def fold_value_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
 
 
 def value_bias_through_output(b_V: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
-    """``Σ_h b_V[group(h)] @ W_O[h]`` in float64: ``b_V: [kv_heads, d_head]``, ``W_O: [n_heads, d_head, d_model]``."""
-    per_query_head = b_V.double().repeat_interleave(W_O.shape[0] // b_V.shape[0], dim=0)
-    return torch.einsum("he,hed->d", per_query_head, W_O.double())
+    """``Σ_h b_V[group(h)] @ W_O[h]`` in float64: ``b_V: [..., kv_heads, d_head]``, ``W_O: [...,
+    n_heads, d_head, d_model]`` (the same leading axes: several layers stacked), ``[..., d_model]``."""
+    per_query_head = b_V.double().repeat_interleave(W_O.shape[-3] // b_V.shape[-2], dim=-2)
+    return torch.einsum("...he,...hed->...d", per_query_head, W_O.double())
 
 
 @rewrite("remove_key_biases")

@@ -90,10 +90,12 @@ def center_writing_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
 
 
 def centered_last_axis(
-    W: torch.Tensor, *, sums: list | None = None, dtype: torch.dtype | None = None
+    W: torch.Tensor, *, sums: list | None = None, dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``W - W.mean(-1, keepdim=True)`` for ``W: [..., n]``, as a new tensor of ``W``'s shape in
-    ``dtype`` (default ``W``'s).
+    ``dtype`` (default ``W``'s), or written into ``out`` (contiguous, that shape and dtype;
+    ``W`` itself may be given).
 
     Large tensors (an embedding) are centered in blocks of rows
     (:func:`~circuitmath._processing._memory.rows_per_block`), so on the CPU each block's mean
@@ -107,7 +109,7 @@ def centered_last_axis(
     # a half-precision input or output is computed a block at a time in one reused scratch
     staged = not compute == W.dtype == dtype
     per_block = rows_per_block(rows.shape[0], rows.shape[1] * rows.element_size(), W.device, staged=staged)
-    out = new_tensor(rows.shape, dtype, W.device)
+    out = new_tensor(rows.shape, dtype, W.device) if out is None else out.view(rows.shape)
     up = None if not staged else scratch(
         (min(per_block, rows.shape[0]), rows.shape[1]), compute, W.device)
     for start in range(0, rows.shape[0], per_block):

@@ -89,6 +89,11 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
     rounding would, without a float32 copy of the model. Also returns whether every output entry
     is finite, taken from sums of each block while it is in cache (``False`` may also mean a sum
     overflowed: then check the entries).
+
+    The blocks are processed a group of layers at a time (:func:`layer_groups`): on the CPU one
+    layer, each tensor read in place; on another device (a GPU, where each kernel launch costs
+    more than the arithmetic of a GPT-2-small layer) several, each name's tensors stacked once
+    into a new tensor that is then rewritten in place, the outputs being its layers' views.
     """
     if cfg.normalization_type == "RMS":
         return _fused_rms_steps(state_dict, cfg)
@@ -99,35 +104,131 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
         # the tensor itself when it is in the compute dtype already, else a mapped temporary (see scratch)
         return converted(tensor, compute, mapped_from=SCRATCH_MIN_BYTES)
 
-    sums: list[torch.Tensor] = []
+    sums: list[torch.Tensor] = []  # their finiteness covers every output but the unembed's bias
     out = dict(state_dict)
-    for norm, pairs in readers(cfg):
-        w, b = up(out.pop(f"{norm}.w")), up(out.pop(f"{norm}.b"))
-        for weight, bias in pairs:
-            if weight == "unembed.W_U":
-                out[weight], out[bias] = _fold_centered_unembed(state_dict[weight], w, b, state_dict[bias], sums=sums)
-            else:
-                W = up(state_dict[weight])
-                # a half-precision reader is folded into a mapped float32 temporary (see scratch)
-                into = None if W is state_dict[weight] else scratch(W.shape, compute, W.device)
-                folded, out[bias] = fold_reader(W, w, b, up(state_dict[bias]), center=True, out=into)
-                del W, into
-                out[weight] = converted(folded, dtype)
-                sums.append(out[weight].sum())  # the folded reader is still in cache
-                del folded
+    block_writers = [name for name in _block_names(writers(cfg)) if name is not None]
     _weight, b_V_name, _heads = attention_names(cfg, "V")
-    for layer in range(cfg.n_layers):
-        p = f"blocks.{layer}.attn"
-        b_V = out[f"{p}.{b_V_name}"]  # ln1.b @ W_V included by the fold, in the compute dtype
-        out[f"{p}.b_O"] = _with_value_bias(state_dict[f"{p}.b_O"], b_V, state_dict[f"{p}.W_O"]).to(compute)
+    for layers in layer_groups(cfg, state_dict):
+        group = _Layers(state_dict, layers)
+        biases = {}  # the readers' folded biases, stacked, in the compute dtype
+        for norm, pairs in _block_readers(cfg):
+            w, b = (up(group.stacked(f"{norm}.{part}")[0]) for part in "wb")  # [layers, d_model]
+            group.drop(out, f"{norm}.w", f"{norm}.b")
+            for weight, bias in pairs:
+                W, owned = group.stacked(weight)
+                W_up = up(W)
+                # where the fold is written: the float32 copy of a half-precision weight, or the
+                # stacked copy, in place (each read before it is written); else a new tensor
+                into = W_up if W_up is not W else (W if owned else None)
+                folded, biases[bias] = fold_reader(
+                    W_up, _per_layer(w, W), _per_layer(b, W), up(group.stacked(bias)[0]), center=True, out=into)
+                del W_up, into
+                if folded.dtype != dtype:
+                    folded = W.copy_(folded) if owned else converted(folded, dtype)
+                sums.append(folded.sum())  # the folded reader is still in cache
+                group.scatter(out, weight, folded)
+                del W, folded
+        b_V = biases[f"attn.{b_V_name}"]  # ln1.b @ W_V included by the fold
+        W_O = group.stacked("attn.W_O")  # read here, centered below
+        b_O = _with_value_bias(group.stacked("attn.b_O")[0], b_V, W_O[0]).to(compute)
         sums.append(b_V.sum())  # the folded b_V, zeroed below, carries any NaN of ln1.b or W_V into b_O too
-        out[f"{p}.{b_V_name}"] = torch.zeros(b_V.shape, dtype=dtype, device=b_V.device)
+        biases[f"attn.{b_V_name}"] = torch.zeros(b_V.shape, dtype=dtype, device=b_V.device)
+        for bias, stacked in biases.items():
+            sums.append(stacked.sum())
+            group.scatter(out, bias, stacked.to(dtype))
+        for name in block_writers:
+            W, owned = {"attn.b_O": (b_O, True), "attn.W_O": W_O}.get(name) or group.stacked(name)
+            same = owned and W.dtype == dtype
+            group.scatter(out, name, centered_last_axis(W, sums=sums, dtype=dtype, out=W if same else None))
     for name in writers(cfg):
-        out[name] = centered_last_axis(out[name], sums=sums, dtype=dtype)
-    summed = set(writers(cfg)) | {weight for _norm, pairs in readers(cfg) for weight, _bias in pairs}
-    out = {name: tensor.to(dtype) for name, tensor in out.items()}  # the readers' biases
-    finite = all_finite([*sums, *(tensor for name, tensor in out.items() if name not in summed)])  # + the biases
+        if not name.startswith("blocks."):
+            out[name] = centered_last_axis(state_dict[name], sums=sums, dtype=dtype)
+    w, b = up(out.pop("ln_final.w")), up(out.pop("ln_final.b"))
+    out["unembed.W_U"], out["unembed.b_U"] = _fold_centered_unembed(
+        state_dict["unembed.W_U"], w, b, state_dict["unembed.b_U"], sums=sums)
+    finite = all_finite([*sums, out["unembed.b_U"]])
     return out, cfg.replace(normalization_type="LNPre", applied=FUSED_STEPS), finite
+
+
+def layer_groups(cfg: Config, state_dict: StateDict) -> list[range]:
+    """The groups of layers the fused passes process together.
+
+    On the CPU one layer each: a stacked copy would cost a pass over memory, while a layer's
+    blocks stay in cache. On another device (a GPU, where a kernel launch costs more than a
+    GPT-2-small layer's arithmetic) as many layers as keep a group's temporaries within
+    :data:`GROUP_TEMPORARY_SHARE` of the model's weights: the float64 copy of ``W_O`` (the
+    value biases' product) and, for a half-precision LayerNorm model, the float32 copy of the
+    largest reader. The stacked copies themselves are rewritten in place into the outputs.
+
+    >>> import circuitmath as cm
+    >>> cfg = cm.Config(n_layers=3, d_model=4, n_heads=2, d_head=2, d_vocab=8, n_ctx=4)
+    >>> layer_groups(cfg, cm.random_state_dict(cfg))
+    [range(0, 1), range(1, 2), range(2, 3)]
+    >>> layer_groups(cfg, {name: t.to("meta") for name, t in cm.random_state_dict(cfg).items()})
+    [range(0, 3)]
+    """
+    first = next(iter(state_dict.values()))
+    size = 1
+    if first.device.type != "cpu" and cfg.n_layers:
+        temporary = state_dict["blocks.0.attn.W_O"].numel() * torch.float64.itemsize
+        if compute_dtype(first.dtype) != first.dtype and cfg.normalization_type == "LN":
+            block = (t for name, t in state_dict.items() if name.startswith("blocks.0."))
+            temporary = max(temporary, max(t.numel() for t in block) * compute_dtype(first.dtype).itemsize)
+        weights = sum(t.numel() * t.element_size() for t in state_dict.values())
+        size = max(1, min(cfg.n_layers, int(weights * GROUP_TEMPORARY_SHARE) // temporary))
+    return [range(start, min(start + size, cfg.n_layers)) for start in range(0, cfg.n_layers, size)]
+
+
+#: The most a group's temporaries may take, as a share of the model's weights (see :func:`layer_groups`).
+GROUP_TEMPORARY_SHARE = 1 / 10
+
+
+class _Layers:
+    """Some layers' tensors of one name (``"attn.W_Q"``), stacked along a new first axis."""
+
+    def __init__(self, state_dict: StateDict, layers: range):
+        self.state_dict, self.layers = state_dict, layers
+
+    def names(self, name: str) -> list[str]:
+        return [f"blocks.{layer}.{name}" for layer in self.layers]
+
+    def stacked(self, name: str) -> tuple[torch.Tensor, bool]:
+        """``[layers, *shape]``, and whether it is a new tensor: a view of the one layer's tensor
+        (to be read, not written), else a stacked copy (the caller's to rewrite in place)."""
+        tensors = [self.state_dict[full] for full in self.names(name)]
+        if len(tensors) == 1:
+            return tensors[0].unsqueeze(0), False
+        return torch.stack(tensors), True
+
+    def scatter(self, out: dict, name: str, stacked: torch.Tensor) -> None:
+        """Each layer's slice of ``stacked`` as its output."""
+        out.update(zip(self.names(name), stacked.unbind(0)))
+
+    def drop(self, out: dict, *names: str) -> None:
+        for name in names:
+            for full in self.names(name):
+                del out[full]
+
+
+def _per_layer(v: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """A stacked norm parameter ``v: [layers, d_model]`` shaped to broadcast against its stacked
+    readers ``W: [layers, ..., d_model, m]`` over their other axes (heads): ``[layers, 1, d_model]``
+    for attention weights, ``[layers, d_model]`` for the MLP's."""
+    return v.view(v.shape[0], *(1,) * (W.dim() - 3), v.shape[-1])
+
+
+def _block_names(names: list[str | None]) -> list[str | None]:
+    """Block 0's names without their ``blocks.0.`` prefix; ``None`` for any other name."""
+    return [name.removeprefix("blocks.0.") if name and name.startswith("blocks.0.") else None for name in names]
+
+
+def _block_readers(cfg: Config) -> list[tuple[str, list[tuple[str, str | None]]]]:
+    """:func:`readers` of a block, named within it: ``[("ln1", [("attn.W_Q", "attn.b_Q"), ...]), ...]``."""
+    return [
+        (inside, [tuple(_block_names(list(pair))) for pair in pairs])
+        for norm, pairs in readers(cfg)
+        if (inside := _block_names([norm])[0]) is not None
+    ]
 
 
 def _fold_centered_unembed(
@@ -181,16 +282,16 @@ def _fold_centered_unembed(
 
 
 def _with_value_bias(b_O: torch.Tensor, b_V: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
-    """``b_O + Σ_h b_V[group(h)] W_O[h]`` in float64 (``b_O: [d_model]``), the bits of
-    :func:`~circuitmath.fold_value_biases` before its rounding.
+    """``b_O + Σ_h b_V[group(h)] W_O[h]`` in float64 (``b_O: [..., d_model]``, leading axes for
+    stacked layers), the bits of :func:`~circuitmath.fold_value_biases` before its rounding.
 
-    ``W_O`` (``[n_heads, d_head, d_model]``) is copied to float64 laid out ``[d_head, n_heads,
-    d_model]``, the order in which the einsum of ``value_bias_through_output`` contracts it (its
-    transposed view is passed), so the einsum takes it without a copy; mapped, so that no copy
-    per layer is freed into the heap.
+    ``W_O`` (``[..., n_heads, d_head, d_model]``) is copied to float64 laid out ``[..., d_head,
+    n_heads, d_model]``, the order in which the einsum of ``value_bias_through_output`` contracts
+    it (its transposed view is passed), so the einsum takes it without a copy; mapped, so that no
+    copy per layer is freed into the heap.
     """
-    W_O = W_O.transpose(0, 1)
-    W_O = scratch(W_O.shape, torch.float64, W_O.device).copy_(W_O).transpose(0, 1)
+    W_O = W_O.transpose(-3, -2)
+    W_O = scratch(W_O.shape, torch.float64, W_O.device).copy_(W_O).transpose(-3, -2)
     return b_O.double() + value_bias_through_output(b_V, W_O)
 
 
@@ -213,23 +314,26 @@ def _fused_rms_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torc
     sums: list[torch.Tensor] = []
     out = dict(state_dict)
     _weight, b_V_name, _heads = attention_names(cfg, "V")
-    for layer in range(cfg.n_layers):
-        p = f"blocks.{layer}.attn"
-        b_V, b_O = state_dict[f"{p}.{b_V_name}"], state_dict[f"{p}.b_O"]
-        out[f"{p}.b_O"] = _with_value_bias(b_O, b_V, state_dict[f"{p}.W_O"]).to(compute).to(dtype)
-        out[f"{p}.{b_V_name}"] = torch.zeros_like(b_V)
-        sums += [b_V.sum(), out[f"{p}.b_O"].sum()]  # b_V's NaN reaches b_O; a sum of b_O's rounding too
     written = set()
-    for norm, pairs in readers(cfg):
-        w = out.pop(f"{norm}.w").to(compute)
-        for weight, _bias in pairs:
-            if weight == "unembed.W_U":
-                out[weight] = _scaled_rows(state_dict[weight], w, sums=sums, center=True, cpu_rows=8)
-                b_U = converted(state_dict["unembed.b_U"], compute)
-                out["unembed.b_U"] = (b_U - b_U.mean()).to(dtype)
-            else:
-                out[weight] = _scaled_rows(state_dict[weight], w, sums=sums)
-            written.add(weight)
+    for layers in layer_groups(cfg, state_dict):  # as fused_default_steps does
+        group = _Layers(state_dict, layers)
+        b_V = group.stacked(f"attn.{b_V_name}")[0]
+        b_O = _with_value_bias(group.stacked("attn.b_O")[0], b_V, group.stacked("attn.W_O")[0]).to(compute).to(dtype)
+        group.scatter(out, "attn.b_O", b_O)
+        group.scatter(out, f"attn.{b_V_name}", torch.zeros_like(b_V))
+        sums += [b_V.sum(), b_O.sum()]  # b_V's NaN reaches b_O; a sum of b_O's rounding too
+        for norm, pairs in _block_readers(cfg):
+            w = group.stacked(f"{norm}.w")[0].to(compute)
+            group.drop(out, f"{norm}.w")
+            for weight, _bias in pairs:
+                W, owned = group.stacked(weight)
+                group.scatter(out, weight, _scaled_rows(W, _per_layer(w, W), sums=sums, out=W if owned else None))
+                written.update(group.names(weight))
+    w = out.pop("ln_final.w").to(compute)
+    out["unembed.W_U"] = _scaled_rows(state_dict["unembed.W_U"], w, sums=sums, center=True, cpu_rows=8)
+    b_U = converted(state_dict["unembed.b_U"], compute)
+    out["unembed.b_U"] = (b_U - b_U.mean()).to(dtype)
+    written.add("unembed.W_U")
     finite = all_finite([*sums, *(tensor for name, tensor in out.items() if name not in written)])  # + the others
     return out, cfg.replace(normalization_type="RMSPre", applied=FUSED_RMS_STEPS), finite
 
@@ -246,12 +350,16 @@ def _row_blocks(count: int, rows: int) -> list[tuple[int, int]]:
 
 def _scaled_rows(
     W: torch.Tensor, w: torch.Tensor, *, sums: list, center: bool = False, cpu_rows: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``W * w[:, None]`` for ``W: [..., d_model, n]``, ``w: [d_model]`` in the compute dtype, a
-    new tensor in ``W``'s dtype, written a block of rows at a time (:func:`~circuitmath._processing.
-    _memory.rows_per_block`, ``cpu_rows`` on the CPU; a half-precision block computed in a reused float32 scratch and rounded
-    once); with ``center``, each row is then centered (``W_U`` over the vocabulary) while in
-    cache. Each block's sum is appended to ``sums``.
+    """``W * w[..., :, None]`` for ``W: [..., d_model, n]``, ``w: [d_model]`` in the compute
+    dtype (or ``[..., d_model]`` with leading axes that broadcast against ``W``'s: stacked
+    layers, see :func:`_per_layer`), a new tensor in ``W``'s dtype (or written into ``out``, of
+    ``W``'s shape and dtype, ``W`` itself allowed), written a block of rows at a time
+    (:func:`~circuitmath._processing._memory.rows_per_block`, ``cpu_rows`` on the CPU; a
+    half-precision block computed in a reused float32 scratch and rounded once); with ``center``,
+    each row is then centered (``W_U`` over the vocabulary) while in cache. Each block's sum is
+    appended to ``sums``.
 
     A temporary made per block and freed while the sums made after it are kept would fragment
     the C heap (see :func:`~circuitmath._processing._memory.scratch`): measured on LLaMA-shaped
@@ -259,8 +367,8 @@ def _scaled_rows(
     On another device (a GPU) without ``center``, the whole weight is one mixed-dtype product, the
     same bits: it computes in ``w``'s dtype and rounds once, with no temporary."""
     flat = W.reshape(-1, W.shape[-1])
-    gains = w.repeat(flat.shape[0] // w.shape[0])
-    out = new_tensor(flat.shape, W.dtype, W.device)
+    gains = w[..., :, None].expand(*W.shape[:-1], 1).reshape(-1)
+    out = new_tensor(flat.shape, W.dtype, W.device) if out is None else out.view(flat.shape)
     if not center and W.device.type != "cpu":
         # one kernel: a mixed-dtype product computes in w's dtype and rounds once into out
         # (on the CPU it would allocate a cast of the whole weight first)

@@ -111,20 +111,23 @@ def fold_reader(
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One reader ``W: [..., d_model, m]`` with bias ``b_W: [..., m]`` (or ``None``) folded with
-    the gain ``w`` and bias ``b`` (``[d_model]``): ``(w[:, None] * W, b_W + b @ W)``.
+    the gain ``w`` and bias ``b``: ``(w[:, None] * W, b_W + b @ W)``.
 
-    With ``center=True`` the weight is also centered over ``d_model``
-    (:func:`center_reading_weights`): ``w_i W_ij - mean_i(w_i W_ij)``, the mean taken from the
-    same pass over ``W`` as ``b @ W``, so the result is written once. The folded weight is
-    written into ``out`` (``W``'s shape and dtype) when given, else into a new tensor.
+    ``w`` and ``b`` are ``[d_model]``, or ``[..., d_model]`` with leading axes that broadcast
+    against ``W``'s (several layers' readers stacked, ``W: [layers, n_heads, d_model, d_head]``,
+    each with its own norm, ``w: [layers, 1, d_model]``). With ``center=True`` the weight is also
+    centered over ``d_model`` (:func:`center_reading_weights`): ``w_i W_ij - mean_i(w_i W_ij)``,
+    the mean taken from the same pass over ``W`` as ``b @ W``, so the result is written once. The
+    folded weight is written into ``out`` (``W``'s shape and dtype; ``W`` itself may be given)
+    when given, else into a new tensor.
     """
-    through = products_through(torch.stack([w, b]), W)  # [..., 2, m]: w @ W and b @ W
+    through = products_through(torch.stack([w, b], dim=-2), W)  # [..., 2, m]: w @ W and b @ W
     folded = new_tensor(W.shape, W.dtype, W.device) if out is None else out
     if center:
         mean = (through[..., 0, :] / W.shape[-2]).to(W.dtype).unsqueeze(-2)
-        torch.addcmul(mean.neg_(), W, w[:, None], out=folded)
+        torch.addcmul(mean.neg_(), W, w[..., :, None], out=folded)
     else:
-        torch.mul(W, w[:, None], out=folded)
+        torch.mul(W, w[..., :, None], out=folded)
     bias = None if b_W is None else (b_W.double() + through[..., 1, :]).to(W.dtype)
     return folded, bias
 
@@ -134,7 +137,8 @@ PRODUCT_ROWS = 64
 
 
 def products_through(V: torch.Tensor, W: torch.Tensor, *, rows: int = PRODUCT_ROWS) -> torch.Tensor:
-    """``V @ W`` in float64 for ``V: [k, d_model]`` and ``W: [..., d_model, m]``: ``[..., k, m]``.
+    """``V @ W`` in float64 for ``V: [..., k, d_model]`` and ``W: [..., d_model, m]`` (leading
+    axes broadcast): ``[..., k, m]``.
 
     A float32 product accumulates all ``d_model`` terms in float32, and the folded biases feed
     every later layer. Here each block of ``rows`` terms is summed in ``W``'s dtype and the
@@ -145,10 +149,10 @@ def products_through(V: torch.Tensor, W: torch.Tensor, *, rows: int = PRODUCT_RO
     d_model, m = W.shape[-2:]
     whole = d_model - d_model % rows
     blocks = W[..., :whole, :].reshape(*W.shape[:-2], whole // rows, rows, m)
-    V_blocks = V[:, :whole].reshape(V.shape[0], whole // rows, rows).transpose(0, 1)  # [blocks, k, rows]
+    V_blocks = V[..., :whole].reshape(*V.shape[:-1], whole // rows, rows).transpose(-3, -2)  # [..., blocks, k, rows]
     total = torch.matmul(V_blocks, blocks).double().sum(dim=-3)
     if whole < d_model:
-        total += torch.matmul(V[:, whole:], W[..., whole:, :]).double()
+        total += torch.matmul(V[..., whole:], W[..., whole:, :]).double()
     return total
 
 
