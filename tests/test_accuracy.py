@@ -279,8 +279,11 @@ _PAIRS = lambda n: [range(i, min(i + 2, n)) for i in range(0, n, 2)]  # noqa: E7
        st.sampled_from([_ALL_AT_ONCE, _PAIRS]))
 def test_the_fused_passes_give_the_same_bits_a_group_of_layers_at_a_time(model, dtype, groups):
     """What a GPU runs (several layers' tensors stacked, rewritten in place, each output a view
-    of its layer's slice), run here on the CPU: bit for bit the one-layer-at-a-time outputs, the
-    same record, and the input left as it was."""
+    of its layer's slice): on the CPU bit for bit the one-layer-at-a-time outputs, the same
+    record, and the input left as it was. On a GPU (``--device cuda``) the matrix library picks
+    its kernels by the batch's shape, so stacked products may add their terms in another order:
+    there the outputs agree to the rounding of those sums (8 units in the last place per term of
+    the longest, as ``tests/test_pipeline.py`` allows the fused pass against the chain)."""
     cfg, sd = model
     sd = {k: v.to(dtype) for k, v in sd.items()}
     kept = {k: v.clone() for k, v in sd.items()}
@@ -292,24 +295,41 @@ def test_the_fused_passes_give_the_same_bits_a_group_of_layers_at_a_time(model, 
     with _grouped(groups):
         got, got_cfg = process_weights(sd, cfg)
     assert got_cfg == expected_cfg and list(got) == list(expected)
+    on_cpu = next(iter(sd.values())).device.type == "cpu"
+    allowance = 8 * torch.finfo(dtype).eps * max(cfg.d_model, cfg.d_vocab)
     for name, tensor in got.items():
-        assert tensor.dtype == dtype and torch.equal(tensor, expected[name]), name
+        assert tensor.dtype == dtype and tensor.device == expected[name].device, name
+        gap = (tensor.double() - expected[name].double()).abs().max() / max(1.0, expected[name].double().abs().max())
+        assert torch.equal(tensor, expected[name]) if on_cpu else gap <= allowance, (name, float(gap))
     assert all(torch.equal(sd[k], kept[k]) for k in kept)
 
 
-@pytest.mark.parametrize("normalization_type", ["LN", "RMS"])
-def test_grouped_layers_with_one_layers_gains_for_all_are_told_apart(normalization_type, monkeypatch):
-    """Negative control: stacked layers each folded with the first layer's norm, a slip the
-    comparison above must catch."""
+def _first_layers_gains(fused):
+    per_layer = fused._per_layer
+    return "_per_layer", lambda v, W: per_layer(v[:1].expand_as(v), W)
+
+
+def _first_layers_W_O(fused):
+    with_value_bias = fused._with_value_bias
+    return "_with_value_bias", lambda b_O, b_V, W_O: with_value_bias(b_O, b_V, W_O[:1].expand_as(W_O))
+
+
+@pytest.mark.parametrize("normalization_type, slip, slipped", [
+    ("LN", _first_layers_gains, {"blocks.1.attn.W_Q", "blocks.2.mlp.W_in"}),
+    ("RMS", _first_layers_W_O, {"blocks.1.attn.b_O", "blocks.2.attn.b_O"}),
+])
+def test_grouped_layers_that_read_the_first_layers_tensors_are_told_apart(normalization_type, slip, slipped, monkeypatch):
+    """Negative control: stacked layers each folded with the first layer's norm (LayerNorm), or
+    each value bias carried through the first layer's ``W_O`` (RMSNorm, whose readers are not
+    stacked): slips the comparison above must catch."""
     from circuitmath._processing import fused
 
     cfg = Config(n_layers=3, d_model=16, n_heads=2, d_head=4, d_vocab=12, n_ctx=4, d_mlp=24,
                  normalization_type=normalization_type)
     sd = random_state_dict(cfg, seed=3)
     expected, _ = process_weights(sd, cfg)
-    per_layer = fused._per_layer
-    monkeypatch.setattr(fused, "_per_layer", lambda v, W: per_layer(v[:1].expand_as(v), W))
+    monkeypatch.setattr(fused, *slip(fused))
     with _grouped(_ALL_AT_ONCE):
         got, _ = process_weights(sd, cfg)
-    differ = [name for name in expected if not torch.equal(got[name], expected[name])]
-    assert {"blocks.1.attn.W_Q", "blocks.2.mlp.W_in"} <= set(differ) and not any(n.startswith("blocks.0.") for n in differ)
+    differ = {name for name in expected if not torch.equal(got[name], expected[name])}
+    assert slipped <= differ and not any(name.startswith("blocks.0.") for name in differ), sorted(differ)

@@ -303,11 +303,14 @@ def _fused_rms_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torc
     Σ_h b_V[group(h)] W_O[h]`` (``b_V`` zero), and ``W_U`` becomes ``diag(w) W_U C_V``, ``b_U``
     ``b_U C_V``. Each output has the bits of the chain's in the compute dtype (float32 for a half
     precision model), rounded once: the products are elementwise, ``b_O`` is the chain's float64
-    sum, and the vocabulary mean of ``W_U`` is taken per row as the chain's. Half-precision
-    readers and the unembed are computed a block of rows at a time in one mapped float32 scratch,
-    so nothing of a whole weight's size is held in float32. The value biases go first, while
-    little output is held: their float64 ``W_O`` is the largest temporary. Returns
-    ``(state_dict, cfg, finite)`` as :func:`fused_default_steps`.
+    sum, and the vocabulary mean of ``W_U`` is taken per row as the chain's. A half-precision
+    reader is multiplied by its gain in its own dtype: the product of two bfloat16 (or float16)
+    numbers is exact in float32, so the one rounding of the product gives the float32 chain's
+    bits rounded once, with no float32 temporary and, on a GPU, one same-dtype kernel. The
+    unembed is computed a block of rows at a time in one mapped float32 scratch. The value biases
+    (a group of layers at a time, :func:`layer_groups`) go first in each group, while little
+    output is held: their float64 ``W_O`` is the largest temporary. Returns ``(state_dict, cfg,
+    finite)`` as :func:`fused_default_steps`.
     """
     dtype = next(iter(state_dict.values())).dtype
     compute = compute_dtype(dtype)
@@ -323,12 +326,14 @@ def _fused_rms_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torc
         group.scatter(out, f"attn.{b_V_name}", torch.zeros_like(b_V))
         sums += [b_V.sum(), b_O.sum()]  # b_V's NaN reaches b_O; a sum of b_O's rounding too
         for norm, pairs in _block_readers(cfg):
-            w = group.stacked(f"{norm}.w")[0].to(compute)
+            # in the model's dtype: the product of two half-precision numbers is exact in float32,
+            # so its one rounding gives the bits of the float32 product rounded once (see _scaled_rows)
+            w = group.stacked(f"{norm}.w")[0]
             group.drop(out, f"{norm}.w")
             for weight, _bias in pairs:
-                W, owned = group.stacked(weight)
-                group.scatter(out, weight, _scaled_rows(W, _per_layer(w, W), sums=sums, out=W if owned else None))
-                written.update(group.names(weight))
+                for layer, name in enumerate(group.names(weight)):  # each its own new tensor: no copy to stack
+                    out[name] = _scaled_rows(state_dict[name], w[layer], sums=sums)
+                    written.add(name)
     w = out.pop("ln_final.w").to(compute)
     out["unembed.W_U"] = _scaled_rows(state_dict["unembed.W_U"], w, sums=sums, center=True, cpu_rows=8)
     b_U = converted(state_dict["unembed.b_U"], compute)
@@ -350,16 +355,12 @@ def _row_blocks(count: int, rows: int) -> list[tuple[int, int]]:
 
 def _scaled_rows(
     W: torch.Tensor, w: torch.Tensor, *, sums: list, center: bool = False, cpu_rows: int | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``W * w[..., :, None]`` for ``W: [..., d_model, n]``, ``w: [d_model]`` in the compute
-    dtype (or ``[..., d_model]`` with leading axes that broadcast against ``W``'s: stacked
-    layers, see :func:`_per_layer`), a new tensor in ``W``'s dtype (or written into ``out``, of
-    ``W``'s shape and dtype, ``W`` itself allowed), written a block of rows at a time
-    (:func:`~circuitmath._processing._memory.rows_per_block`, ``cpu_rows`` on the CPU; a
-    half-precision block computed in a reused float32 scratch and rounded once); with ``center``,
-    each row is then centered (``W_U`` over the vocabulary) while in cache. Each block's sum is
-    appended to ``sums``.
+    """``W * w[:, None]`` for ``W: [..., d_model, n]``, ``w: [d_model]`` in the compute dtype, a
+    new tensor in ``W``'s dtype, written a block of rows at a time (:func:`~circuitmath._processing.
+    _memory.rows_per_block`, ``cpu_rows`` on the CPU; a half-precision block computed in a reused float32 scratch and rounded
+    once); with ``center``, each row is then centered (``W_U`` over the vocabulary) while in
+    cache. Each block's sum is appended to ``sums``.
 
     A temporary made per block and freed while the sums made after it are kept would fragment
     the C heap (see :func:`~circuitmath._processing._memory.scratch`): measured on LLaMA-shaped
@@ -367,8 +368,8 @@ def _scaled_rows(
     On another device (a GPU) without ``center``, the whole weight is one mixed-dtype product, the
     same bits: it computes in ``w``'s dtype and rounds once, with no temporary."""
     flat = W.reshape(-1, W.shape[-1])
-    gains = w[..., :, None].expand(*W.shape[:-1], 1).reshape(-1)
-    out = new_tensor(flat.shape, W.dtype, W.device) if out is None else out.view(flat.shape)
+    gains = w.repeat(flat.shape[0] // w.shape[0])
+    out = new_tensor(flat.shape, W.dtype, W.device)
     if not center and W.device.type != "cpu":
         # one kernel: a mixed-dtype product computes in w's dtype and rounds once into out
         # (on the CPU it would allocate a cast of the whole weight first)
