@@ -333,3 +333,22 @@ def test_grouped_layers_that_read_the_first_layers_tensors_are_told_apart(normal
         got, _ = process_weights(sd, cfg)
     differ = {name for name in expected if not torch.equal(got[name], expected[name])}
     assert slipped <= differ and not any(name.startswith("blocks.0.") for name in differ), sorted(differ)
+
+
+def test_a_step_after_the_fused_ones_gets_each_layers_outputs_in_tensors_of_their_own():
+    """The refactor replaces the blocks one at a time after the fused steps, dropping each
+    block's tensors as it goes: stacked layers (what a GPU runs, forced here) would keep every
+    layer's memory until the last view goes, so then the fused steps run a layer at a time. The
+    same call without the refactor shows the stacking is in force."""
+    cfg = Config(n_layers=3, d_model=16, n_heads=2, d_head=4, d_vocab=12, n_ctx=4, d_mlp=24)
+    sd = random_state_dict(cfg, seed=5)
+
+    def storages(out):
+        return {name: t.untyped_storage().data_ptr() for name, t in out.items() if name.startswith("blocks.")}
+
+    with _grouped(_ALL_AT_ONCE):
+        stacked, _ = process_weights(sd, cfg)
+        refactored, _ = process_weights(sd, cfg, refactor_factored_attn_matrices=True)
+    assert len(set(storages(stacked).values())) < len(storages(stacked))
+    fused_outputs = {n: p for n, p in storages(refactored).items() if not n.endswith(("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V"))}
+    assert len(set(fused_outputs.values())) == len(fused_outputs)

@@ -79,7 +79,9 @@ def _fresh_pre_norm(cfg: Config, normalization_type: str) -> bool:
     )
 
 
-def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config, bool]:
+def fused_default_steps(
+    state_dict: StateDict, cfg: Config, *, stack_layers: bool = True,
+) -> tuple[dict[str, torch.Tensor], Config, bool]:
     """The chain :data:`FUSED_STEPS` applied to a :func:`fusable` model, each tensor written once
     (:data:`FUSED_RMS_STEPS` to an :func:`rms_fusable` one: see :func:`_fused_rms_steps`).
 
@@ -93,10 +95,12 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
     The blocks are processed a group of layers at a time (:func:`layer_groups`): on the CPU one
     layer, each tensor read in place; on another device (a GPU, where each kernel launch costs
     more than the arithmetic of a GPT-2-small layer) several, each name's tensors stacked once
-    into a new tensor that is then rewritten in place, the outputs being its layers' views.
+    into a new tensor that is then rewritten in place, the outputs being its layers' views. Their
+    memory is freed when every layer's view is: a caller that replaces the outputs a block at a
+    time passes ``stack_layers=False`` (one layer at a time on every device).
     """
     if cfg.normalization_type == "RMS":
-        return _fused_rms_steps(state_dict, cfg)
+        return _fused_rms_steps(state_dict, cfg, stack_layers=stack_layers)
     dtype = next(iter(state_dict.values())).dtype
     compute = compute_dtype(dtype)
 
@@ -108,7 +112,7 @@ def fused_default_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, t
     out = dict(state_dict)
     block_writers = [name for name in _block_names(writers(cfg)) if name is not None]
     _weight, b_V_name, _heads = attention_names(cfg, "V")
-    for layers in layer_groups(cfg, state_dict):
+    for layers in layer_groups(cfg, state_dict) if stack_layers else _one_at_a_time(cfg):
         group = _Layers(state_dict, layers)
         biases = {}  # the readers' folded biases, stacked, in the compute dtype
         for norm, pairs in _block_readers(cfg):
@@ -161,22 +165,27 @@ def layer_groups(cfg: Config, state_dict: StateDict) -> list[range]:
     largest reader. The stacked copies themselves are rewritten in place into the outputs.
 
     >>> import circuitmath as cm
-    >>> cfg = cm.Config(n_layers=3, d_model=4, n_heads=2, d_head=2, d_vocab=8, n_ctx=4)
-    >>> layer_groups(cfg, cm.random_state_dict(cfg))
+    >>> cfg = cm.Config(n_layers=3, d_model=4, n_heads=2, d_head=2, d_vocab=1000, n_ctx=4)
+    >>> layer_groups(cfg, cm.random_state_dict(cfg, seed=0))
     [range(0, 1), range(1, 2), range(2, 3)]
-    >>> layer_groups(cfg, {name: t.to("meta") for name, t in cm.random_state_dict(cfg).items()})
+    >>> layer_groups(cfg, {name: t.to("meta") for name, t in cm.random_state_dict(cfg, seed=0).items()})
     [range(0, 3)]
     """
     first = next(iter(state_dict.values()))
-    size = 1
-    if first.device.type != "cpu" and cfg.n_layers:
-        temporary = state_dict["blocks.0.attn.W_O"].numel() * torch.float64.itemsize
-        if compute_dtype(first.dtype) != first.dtype and cfg.normalization_type == "LN":
-            block = (t for name, t in state_dict.items() if name.startswith("blocks.0."))
-            temporary = max(temporary, max(t.numel() for t in block) * compute_dtype(first.dtype).itemsize)
-        weights = sum(t.numel() * t.element_size() for t in state_dict.values())
-        size = max(1, min(cfg.n_layers, int(weights * GROUP_TEMPORARY_SHARE) // temporary))
+    if first.device.type == "cpu" or not cfg.n_layers:
+        return _one_at_a_time(cfg)
+    temporary = state_dict["blocks.0.attn.W_O"].numel() * torch.float64.itemsize
+    if compute_dtype(first.dtype) != first.dtype and cfg.normalization_type == "LN":
+        block = (t for name, t in state_dict.items() if name.startswith("blocks.0."))
+        temporary = max(temporary, max(t.numel() for t in block) * compute_dtype(first.dtype).itemsize)
+    weights = sum(t.numel() * t.element_size() for t in state_dict.values())
+    size = max(1, min(cfg.n_layers, int(weights * GROUP_TEMPORARY_SHARE) // temporary))
     return [range(start, min(start + size, cfg.n_layers)) for start in range(0, cfg.n_layers, size)]
+
+
+def _one_at_a_time(cfg: Config) -> list[range]:
+    """Each layer its own group (the CPU's :func:`layer_groups`)."""
+    return [range(layer, layer + 1) for layer in range(cfg.n_layers)]
 
 
 #: The most a group's temporaries may take, as a share of the model's weights (see :func:`layer_groups`).
@@ -295,7 +304,9 @@ def _with_value_bias(b_O: torch.Tensor, b_V: torch.Tensor, W_O: torch.Tensor) ->
     return b_O.double() + value_bias_through_output(b_V, W_O)
 
 
-def _fused_rms_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config, bool]:
+def _fused_rms_steps(
+    state_dict: StateDict, cfg: Config, *, stack_layers: bool = True,
+) -> tuple[dict[str, torch.Tensor], Config, bool]:
     """:data:`FUSED_RMS_STEPS` (``fold_rms_norm``, ``fold_value_biases``, ``center_unembed``) on
     an :func:`rms_fusable` model, each written tensor written once, the others passed through.
 
@@ -318,7 +329,7 @@ def _fused_rms_steps(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torc
     out = dict(state_dict)
     _weight, b_V_name, _heads = attention_names(cfg, "V")
     written = set()
-    for layers in layer_groups(cfg, state_dict):  # as fused_default_steps does
+    for layers in layer_groups(cfg, state_dict) if stack_layers else _one_at_a_time(cfg):  # as fused_default_steps
         group = _Layers(state_dict, layers)
         b_V = group.stacked(f"attn.{b_V_name}")[0]
         b_O = _with_value_bias(group.stacked("attn.b_O")[0], b_V, group.stacked("attn.W_O")[0]).to(compute).to(dtype)
