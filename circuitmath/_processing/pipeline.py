@@ -229,7 +229,7 @@ def _process(
         # a step after them replaces the blocks one at a time: each layer's outputs must be its own
         later = any(requested[keyword] is not False for keyword, _ in steps)
         state_dict, cfg, checked_in_cache = fused_default_steps(state_dict, cfg, stack_layers=not later)
-        if not checked_in_cache and any(requested[keyword] is not False for keyword, _ in steps):
+        if not checked_in_cache and later:
             _finite_or_explained(state_dict, cfg, given, given_cfg)  # before an SVD meets a NaN
             checked_in_cache = True
         if owned and checked_in_cache:
