@@ -29,7 +29,7 @@ from .._errors import Precondition, PreconditionError
 from .._proof import Definition, Fact, Nonzero, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names, validate_state_dict
-from ..circuits import FactoredMatrix, composition_scores, copying_scores, full_ov_circuits, ov_circuits
+from ..circuits import FactoredMatrix, composition_scores, copying_circuits, copying_scores, full_ov_circuits, ov_circuits
 from ..circuits._bases import _change_bases
 from ..circuits._heads import HAS_ATTENTION, ONE_QK_PER_HEAD
 from .._compare import Comparison
@@ -321,14 +321,21 @@ def eigenvalue_sensitivity(matrix) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     if matrix.inner > matrix.shape[-2]:  # then AB is the small side: swap the roles
         matrix = FactoredMatrix(matrix.right, matrix.left)
     A, B = matrix.left.double(), matrix.right.double()
-    lam, W = torch.linalg.eig(B @ A)
-    Z = torch.linalg.inv(W).conj().transpose(-1, -2)  # z_i^H w_j = δ_ij
-    kappa_small = torch.linalg.vector_norm(W, dim=-2) * torch.linalg.vector_norm(Z, dim=-2)
+    lam, W, Z, kappa_small = _conditioned_eig(B @ A)
     x = A.to(W.dtype) @ W
     y = B.to(W.dtype).conj().transpose(-1, -2) @ Z
     kappa_big = torch.linalg.vector_norm(x, dim=-2) * torch.linalg.vector_norm(y, dim=-2) / lam.abs()
     scale = torch.linalg.matrix_norm(A) * torch.linalg.matrix_norm(B)
     return lam, kappa_small, kappa_big, scale
+
+
+def _conditioned_eig(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eigenvalues ``λ: [..., k]`` of ``matrix: [..., k, k]``, its right eigenvectors ``W`` and
+    left ones ``Z`` (columns, ``z_i^H w_j = δ_ij``), and each eigenvalue's condition number
+    ``|w| |z| / |z^H w|`` (see :func:`eigenvalue_sensitivity`)."""
+    lam, W = torch.linalg.eig(matrix)
+    Z = torch.linalg.inv(W).conj().transpose(-1, -2)
+    return lam, W, Z, torch.linalg.vector_norm(W, dim=-2) * torch.linalg.vector_norm(Z, dim=-2)
 
 
 #: The largest materialised ``[heads, d_vocab, d_vocab]`` float64 circuit the eigenvalue check
@@ -594,10 +601,12 @@ def _reparametrised_copying(factor: float):
 def _compare_copying(state_dict, cfg, tokens, route) -> Comparison:
     """Copying scores of the rescaled and reparametrised model against the original's.
 
-    Both are computed from factors in the model's dtype. A score ``Re Σλ / Σ|λ|`` moves by at
-    most ``2 Σ|δλ| / Σ|λ|``, and each ``|δλ|`` by about ``κ`` times the rounding of ``BA``
-    (:func:`eigenvalue_sensitivity`); twice that for the two computations. That a-priori bound
-    grows with ``d_vocab`` and with ``|A| |B|``, and on a real vocabulary it says nothing (33 on
+    Both are computed in the model's dtype from ``BA = W_O (W_U W_E) W_V``
+    (:func:`~circuitmath.circuits.copying_circuits`). A score ``Re Σλ / Σ|λ|`` moves by at most
+    ``2 Σ|δλ| / Σ|λ|``, and each ``|δλ|`` by about ``κ`` times the rounding of ``BA``
+    (:func:`eigenvalue_sensitivity`), at most about ``(d_vocab + 2 d_model) u |W_O| |W_U| |W_E|
+    |W_V|`` (Frobenius norms); twice that for the two computations. That a-priori bound grows
+    with ``d_vocab`` and with the norms, and on a real vocabulary it says nothing (tens on
     MiniLM in float32, for scores in [-1, 1]). So the tolerance is the smaller of it and what
     rounding is measured to do here: each side computed in the model's dtype against the same
     computation in float64 (``SENSITIVITY_SAFETY`` times the sum of both differences), plus the
@@ -607,8 +616,12 @@ def _compare_copying(state_dict, cfg, tokens, route) -> Comparison:
     dtype = validate_state_dict(state_dict, cfg)
     computed, expected = route(state_dict, cfg, tokens).double(), copying_scores(state_dict, cfg).double()
     exact = _float64(state_dict)
-    lam, kappa_small, _kappa_big, scale = eigenvalue_sensitivity(full_ov_circuits(exact, cfg))
-    size = cfg.d_vocab + cfg.d_model
+    lam, _W, _Z, kappa_small = _conditioned_eig(copying_circuits(exact, cfg))
+    # copying_circuits rounds W_U W_E (inner size d_vocab), then two products of inner size d_model
+    ov = ov_circuits(exact, cfg)
+    fro = torch.linalg.matrix_norm
+    scale = fro(ov.left) * fro(ov.right) * fro(exact["unembed.W_U"]) * fro(exact["embed.W_E"])
+    size = cfg.d_vocab + 2 * cfg.d_model
 
     def a_priori(u: float) -> torch.Tensor:
         return 4 * (SAFETY * size * u * scale[..., None] * kappa_small).sum(dim=-1) / lam.abs().sum(dim=-1)

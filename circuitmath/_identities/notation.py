@@ -315,14 +315,22 @@ def _kronecker_vec_proof():
     )
 
 
+#: Output positions whose rows of the Kronecker matrix ``kronecker_vec``'s check builds at once.
+KRON_POSITIONS = 2
+
+
 def _kron_heads(column_major: bool):
     def compute(pattern, x, W_V, W_O):
         batch, positions, width = x.shape
-        K = TensorProduct(pattern, (W_V @ W_O).T).kron()  # [b, p d, p d]
+        operator = TensorProduct(pattern, (W_V @ W_O).T)
+        flat = vec(x.transpose(-1, -2) if column_major else x)[..., None]
+        # the Kronecker matrix [b, p d, p d] a block of output positions at a time: the whole one
+        # of a 128-position batch is a gigabyte in float64
+        out = torch.cat([(operator.kron(slice(start, start + KRON_POSITIONS)) @ flat)[..., 0]
+                         for start in range(0, positions, KRON_POSITIONS)], dim=-1)
         if column_major:
-            flat = vec(x.transpose(-1, -2))
-            return (K @ flat[..., None])[..., 0].reshape(batch, width, positions).transpose(-1, -2)
-        return (K @ vec(x)[..., None])[..., 0].reshape(batch, positions, width)
+            return out.reshape(batch, width, positions).transpose(-1, -2)
+        return out.reshape(batch, positions, width)
 
     return compute
 

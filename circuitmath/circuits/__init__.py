@@ -39,7 +39,12 @@ from ._paths import (
     score_terms as score_terms,
     _softmax_scores,  # noqa: F401  (the former private name of pattern_from_scores)
 )
-from ._scores import KINDS as KINDS, composition_scores as composition_scores, copying_scores as copying_scores
+from ._scores import (
+    KINDS as KINDS,
+    composition_scores as composition_scores,
+    copying_circuits as copying_circuits,
+    copying_scores as copying_scores,
+)
 from .._reference import pattern_from_scores as pattern_from_scores
 
 __all__ = [
@@ -59,4 +64,5 @@ __all__ = [
     "virtual_weights",
     "composition_scores",
     "copying_scores",
+    "copying_circuits",
 ]

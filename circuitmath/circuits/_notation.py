@@ -53,10 +53,19 @@ class TensorProduct:
         """``(A ⊗ B)^T = A^T ⊗ B^T``."""
         return TensorProduct(self.positions.transpose(-1, -2), self.features.transpose(-1, -2))
 
-    def kron(self) -> torch.Tensor:
+    def kron(self, rows: slice = slice(None)) -> torch.Tensor:
         """The Kronecker matrix ``[..., n_out * d_out, n_in * d_in]`` acting on :func:`vec` ``(x)``:
-        entry ``(i d_out + k, j d_in + l)`` is ``A[i, j] B[k, l]`` (``torch.kron`` without batch axes)."""
-        P, F = self.positions, self.features
+        entry ``(i d_out + k, j d_in + l)`` is ``A[i, j] B[k, l]`` (``torch.kron`` without batch axes).
+
+        ``rows``: only the rows of the output positions ``i`` in this slice (``[..., len(rows) *
+        d_out, n_in * d_in]``), so that a long sequence's matrix can be applied a block at a time.
+
+        >>> import torch
+        >>> A, B = torch.randn(3, 3), torch.randn(2, 2)
+        >>> bool(torch.equal(TensorProduct(A, B).kron(slice(1, 3)), torch.kron(A, B)[2:6]))
+        True
+        """
+        P, F = self.positions[..., rows, :].contiguous(), self.features.contiguous()  # a contiguous product: reshaped without a copy
         product = P[..., :, None, :, None] * F[..., None, :, None, :]
         batch = product.shape[:-4]
         return product.reshape(*batch, P.shape[-2] * F.shape[-2], P.shape[-1] * F.shape[-1])
