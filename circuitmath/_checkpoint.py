@@ -277,6 +277,9 @@ class CheckpointWriter:
             self.temporary.mkdir()
         except OSError as error:
             raise InputError(f"{self.temporary}: cannot be created ({error.strerror or error})") from None
+        except BaseException:  # interrupted once the folder exists: __exit__ will not run, so remove it here
+            self._remove()
+            raise
         return self
 
     def write(self, tensors: Mapping[str, torch.Tensor], cfg: Config) -> None:
@@ -295,7 +298,10 @@ class CheckpointWriter:
         except OSError as error:
             raise InputError(f"{self.folder}: cannot be written ({error.strerror or error})") from None
         finally:
-            if self.temporary.exists():
-                for file in self.temporary.iterdir():
-                    file.unlink()
-                self.temporary.rmdir()
+            self._remove()
+
+    def _remove(self) -> None:
+        if self.temporary.exists():
+            for file in self.temporary.iterdir():
+                file.unlink()
+            self.temporary.rmdir()

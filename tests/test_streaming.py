@@ -390,6 +390,32 @@ def test_a_terminated_process_command_leaves_nothing(tmp_path):
     assert _left_behind(tmp_path) == []
 
 
+@pytest.mark.parametrize("interrupted", [True, False], ids=["interrupted", "control"])
+def test_an_interruption_just_after_the_temporary_folder_is_made_leaves_nothing(tmp_path, monkeypatch, interrupted):
+    """The signal can land between the temporary folder's mkdir and the with block that would
+    remove it (seen under load: a '.out.PID.partial' left by a terminated process): the writer
+    removes it itself. Control: without the interruption the folder is made and written."""
+    import pathlib
+
+    made = pathlib.Path.mkdir
+
+    def mkdir_then_signal(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        if interrupted:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir_then_signal)
+    writer = CheckpointWriter(tmp_path / "out", 1)
+    if interrupted:
+        with pytest.raises(KeyboardInterrupt):
+            writer.__enter__()
+        assert _left_behind(tmp_path) == []
+    else:
+        assert writer.__enter__() is writer and _left_behind(tmp_path) == [writer.temporary.name]
+        writer.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)  # inside the block: __exit__ removes it
+        assert _left_behind(tmp_path) == []
+
+
 # -- check MODEL on a checkpoint folder, streamed ------------------------------------------------
 
 def _model_folder(tmp_path, name):

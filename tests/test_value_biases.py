@@ -150,3 +150,23 @@ def test_fold_fails_on_a_fully_masked_row_and_holds_elsewhere():
     # A finite mask value: the empty row becomes uniform, sums to 1, and the identity holds.
     original, folded = both(fill=torch.finfo(torch.float64).min)
     assert torch.allclose(original, folded, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["one layer", "stacked layers"])
+def test_zero_value_biases_give_zero_without_the_einsum_and_any_other_bias_does_not(stacked):
+    """value_bias_through_output skips the float64 einsum for biases that are all zero (on the
+    CPU): the same zeros as the einsum; one nonzero entry, however small, takes the einsum."""
+    from circuitmath._processing.attention import value_bias_through_output
+
+    generator = torch.Generator().manual_seed(0)
+    lead = (3,) if stacked else ()
+    W_O = torch.randn(*lead, 4, 5, 6, generator=generator)
+    b_V = torch.zeros(*lead, 2, 5)  # grouped: 2 key/value heads for 4 query heads
+    skipped = value_bias_through_output(b_V, W_O)
+    full = torch.einsum("...he,...hed->...d", b_V.double().repeat_interleave(2, dim=-2), W_O.double())
+    assert skipped.dtype == torch.float64 and skipped.shape == full.shape == (*lead, 6)
+    assert torch.equal(skipped, full) and not skipped.signbit().any()
+    b_V[..., 1, 3] = 1e-30  # negative control: not all zero, so the einsum must run
+    through = value_bias_through_output(b_V, W_O)
+    assert not torch.equal(through, skipped)
+    assert torch.equal(through, torch.einsum("...he,...hed->...d", b_V.double().repeat_interleave(2, dim=-2), W_O.double()))

@@ -299,8 +299,9 @@ def _with_value_bias(b_O: torch.Tensor, b_V: torch.Tensor, W_O: torch.Tensor) ->
     it (its transposed view is passed), so the einsum takes it without a copy; mapped, so that no
     copy per layer is freed into the heap.
     """
-    W_O = W_O.transpose(-3, -2)
-    W_O = scratch(W_O.shape, torch.float64, W_O.device).copy_(W_O).transpose(-3, -2)
+    if W_O.device.type != "cpu" or b_V.any():  # else no copy: see value_bias_through_output
+        W_O = W_O.transpose(-3, -2)
+        W_O = scratch(W_O.shape, torch.float64, W_O.device).copy_(W_O).transpose(-3, -2)
     return b_O.double() + value_bias_through_output(b_V, W_O)
 
 
