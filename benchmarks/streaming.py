@@ -14,7 +14,7 @@ Two measurements.
      gains, fold the value biases, center the unembed), alternating for ``--rounds`` rounds,
      each after ``sync`` and a read of the folder, so that both start with no writes pending
      and the checkpoint in the page cache as far as it fits; the best time of each counts
-     (``cp`` alone varied from 7.5 to 17 s between runs here, with the disk's state);
+     (``cp`` alone varied from 6.7 to 17.9 s between runs here, with the disk's state);
    - ``python -m circuitmath check IN --processed OUT`` on ``--batch`` x ``--seq-len`` tokens;
    - ``python -m circuitmath check IN`` on the same tokens: every weight identity checked a
      layer at a time (for LLaMA: center_unembed, fold_rms_norm, fold_value_biases, the rotation
