@@ -162,11 +162,14 @@ def test_zero_value_biases_give_zero_without_the_einsum_and_any_other_bias_does_
     lead = (3,) if stacked else ()
     W_O = torch.randn(*lead, 4, 5, 6, generator=generator)
     b_V = torch.zeros(*lead, 2, 5)  # grouped: 2 key/value heads for 4 query heads
-    skipped = value_bias_through_output(b_V, W_O)
-    full = torch.einsum("...he,...hed->...d", b_V.double().repeat_interleave(2, dim=-2), W_O.double())
+
+    def einsum(b_V):
+        return torch.einsum("...he,...hed->...d", b_V.double().repeat_interleave(2, dim=-2), W_O.double())
+
+    skipped, full = value_bias_through_output(b_V, W_O), einsum(b_V)
     assert skipped.dtype == torch.float64 and skipped.shape == full.shape == (*lead, 6)
     assert torch.equal(skipped, full) and not skipped.signbit().any()
     b_V[..., 1, 3] = 1e-30  # negative control: not all zero, so the einsum must run
     through = value_bias_through_output(b_V, W_O)
     assert not torch.equal(through, skipped)
-    assert torch.equal(through, torch.einsum("...he,...hed->...d", b_V.double().repeat_interleave(2, dim=-2), W_O.double()))
+    assert torch.equal(through, einsum(b_V))

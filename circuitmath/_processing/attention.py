@@ -51,6 +51,12 @@ def fold_value_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
     return out, cfg.replace(applied=cfg.applied + (identity,))
 
 
+def nothing_to_carry(b_V: torch.Tensor, W_O: torch.Tensor) -> bool:
+    """Whether :func:`value_bias_through_output` gives zeros without touching ``W_O``: value
+    biases all zero, tested on the CPU only (on another device the test would synchronise it)."""
+    return W_O.device.type == "cpu" and not b_V.any()
+
+
 def value_bias_through_output(b_V: torch.Tensor, W_O: torch.Tensor) -> torch.Tensor:
     """``Σ_h b_V[group(h)] @ W_O[h]`` in float64: ``b_V: [..., kv_heads, d_head]``, ``W_O: [...,
     n_heads, d_head, d_model]`` (the same leading axes: several layers stacked), ``[..., d_model]``.
@@ -58,7 +64,7 @@ def value_bias_through_output(b_V: torch.Tensor, W_O: torch.Tensor) -> torch.Ten
     On the CPU, biases that are all zero (a model without value biases, such as LLaMA) give
     zeros without the float64 copy of ``W_O``: the einsum's sums of ``0 * W_O`` for a finite
     ``W_O`` (every input is validated finite) are zero too."""
-    if W_O.device.type == "cpu" and not b_V.any():  # a test on another device would synchronise it
+    if nothing_to_carry(b_V, W_O):
         shape = torch.broadcast_shapes(b_V.shape[:-2], W_O.shape[:-3]) + W_O.shape[-1:]
         return torch.zeros(shape, dtype=torch.float64)
     per_query_head = b_V.double().repeat_interleave(W_O.shape[-3] // b_V.shape[-2], dim=-2)

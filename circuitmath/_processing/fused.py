@@ -33,7 +33,7 @@ from .._config import Config
 from .._state import StateDict, all_finite, attention_names
 from ._common import readers
 from ._memory import SCRATCH_MIN_BYTES, converted, new_tensor, rows_per_block, scratch
-from .attention import fold_value_biases, value_bias_through_output
+from .attention import fold_value_biases, nothing_to_carry, value_bias_through_output
 from .centering import center_unembed, center_writing_weights, centered_last_axis, writers
 from .layer_norm import PRODUCT_ROWS, center_reading_weights, fold_layer_norm, fold_reader
 from .norms import fold_rms_norm
@@ -299,7 +299,7 @@ def _with_value_bias(b_O: torch.Tensor, b_V: torch.Tensor, W_O: torch.Tensor) ->
     it (its transposed view is passed), so the einsum takes it without a copy; mapped, so that no
     copy per layer is freed into the heap.
     """
-    if W_O.device.type != "cpu" or b_V.any():  # else no copy: see value_bias_through_output
+    if not nothing_to_carry(b_V, W_O):
         W_O = W_O.transpose(-3, -2)
         W_O = scratch(W_O.shape, torch.float64, W_O.device).copy_(W_O).transpose(-3, -2)
     return b_O.double() + value_bias_through_output(b_V, W_O)
