@@ -7,12 +7,15 @@ are those the whole model's processing writes, bit for bit, and each refusal is 
 model's, naming the real layer. Memory holds two parts at a time: one processed while the one
 before is written by a thread of its own.
 
-Most of the time goes into moving bytes, so :class:`PartReader` moves each only as much as it
-must: a stored ``[out, in]`` matrix is transposed in its own dtype (:func:`in_memory`), the
-blocks reuse two sets of buffers in turn (no fresh memory, and no page faults, for every layer),
-and a
-tensor the processing hands back as it got it is written as the checkpoint holds it, unconverted
-(:func:`_untouched` finds which, on a small model of the same kind).
+Most of the time goes into moving bytes, so each is moved only as much as it must be: a stored
+``[out, in]`` matrix is transposed in its own dtype (:func:`in_memory`); a tensor the processing
+hands back as it got it is written as the checkpoint holds it, unconverted (:func:`_untouched`
+finds which, on a small model of the same kind), and one it does not even read is transposed by
+the writing thread (:class:`_Contiguous`), which otherwise waits on the disk; and no block takes
+fresh memory: :class:`PartReader` reads the blocks into two sets of buffers in turn, the
+processing maps its outputs where those of the blocks written before were
+(:func:`~circuitmath._processing._memory.recycling`), and the writing thread has buffers of its
+own. Fresh memory costs the kernel a fault and the zeroing of every page.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 from ._checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from ._config import Config
 from ._errors import CircuitMathError, InputError
-from ._processing._memory import new_tensor
+from ._processing._memory import new_tensor, recycling
 from ._processing._parts import InMemory, Parts
 from ._processing.pipeline import KEYWORD_OF, STEPS, process_weights, steps_between, steps_left_out
 from ._state import DTYPES, expected_shapes, not_finite, usable_device
@@ -162,12 +165,16 @@ class PartReader:
     tensor is handed over as zeros of ``compute`` that hold no memory, unless it is not finite
     (then as it is, so that the processing refuses it as in memory), and ``natives`` keeps the
     last part's kept tensors in the checkpoint's dtype, to be written in their place (with
-    ``keep_all``, every tensor of the last part, contiguous in the checkpoint's dtype).
+    ``keep_all``, every tensor of the last part, contiguous in the checkpoint's dtype). With
+    ``unread_as_stored``, an unread tensor's native is the checkpoint's tensor as the converters
+    hand it over, not made contiguous: for a caller that writes it from another thread
+    (:class:`_Contiguous`), which then does the copy.
     """
 
     def __init__(self, checkpoint: Checkpoint, compute: torch.dtype | None, untouched: dict | None = None,
-                 keep_all: bool = False, buffer_sets: int = 1):
+                 keep_all: bool = False, buffer_sets: int = 1, unread_as_stored: bool = False):
         self.checkpoint, self.compute, self.untouched, self.keep_all = checkpoint, compute, untouched, keep_all
+        self.unread_as_stored = unread_as_stored
         self.buffers: dict[tuple[int, str, str], torch.Tensor] = {}
         self.buffer_sets, self.blocks_read, self.again = buffer_sets, 0, False
         self.natives: dict[str, torch.Tensor] = {}
@@ -190,10 +197,14 @@ class PartReader:
         for name, tensor in tensors.items():
             key = None if layer is None else "blocks.0." + name[len(prefix):] if name.startswith(prefix) else name
             part_name = name if layer is None else key
-            native = in_memory(tensor, None if tensor.is_contiguous() else self._buffer("native", key, tensor, tensor.dtype))
+            unread = part_name in untouched.unread and not not_finite(tensor)
+            if unread and self.unread_as_stored:
+                native = tensor
+            else:
+                native = in_memory(tensor, None if tensor.is_contiguous() else self._buffer("native", key, tensor, tensor.dtype))
             if self.keep_all or part_name in untouched.kept:
                 self.natives[name] = native
-            if part_name in untouched.unread and not not_finite(native):
+            if unread:
                 out[name] = self.stand_ins[name] = _zeros(native.shape, self.compute or native.dtype)
             elif self.compute is None or self.compute == native.dtype:
                 out[name] = native
@@ -237,8 +248,25 @@ def replayed(parts: Parts, layer: int | None, keywords: dict) -> tuple[dict[str,
     return out, out_cfg, same
 
 
-def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: t.cpu().contiguous() for n, t in tensors.items()}
+class _Contiguous:
+    """A part's tensors contiguous, for writing: one that is not is copied by :func:`in_memory`,
+    a block's into a buffer that the next block reuses for its tensor of the same place, shape
+    and dtype (a block's tensors come in the same order in every block). For the one thread
+    that writes the parts, one at a time."""
+
+    def __init__(self):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, tensors: dict[str, torch.Tensor], block: bool) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for place, (name, tensor) in enumerate(tensors.items()):
+            if block and not tensor.is_contiguous():
+                key = (place, tensor.shape, tensor.dtype)
+                if key not in self.buffers:
+                    self.buffers[key] = new_tensor(tensor.shape, tensor.dtype, tensor.device)
+                tensor = in_memory(tensor, self.buffers[key])
+            out[name] = in_memory(tensor)
+        return out
 
 
 def _keywords(steps) -> dict[str, bool | None]:
@@ -315,7 +343,8 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
     if target == checkpoint.dtype and device.type == "cpu":
         untouched = {True: _untouched(cfg, keywords, None, target), False: _untouched(cfg, keywords, 0, target)}
     # two sets of block buffers: a block's tensors are written while the next block is read
-    reader = PartReader(checkpoint, target if device.type == "cpu" else None, untouched, buffer_sets=2)
+    reader = PartReader(checkpoint, target if device.type == "cpu" else None, untouched, buffer_sets=2,
+                        unread_as_stored=True)
     parts = Parts(reader, cfg, target, device, checkpoint.path)
 
     def run(layer: int | None) -> tuple[dict[str, torch.Tensor], Config]:
@@ -335,6 +364,7 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
     total = cfg.n_layers + 1
     # Each part is written by a thread of its own while the next is read and processed (a file's
     # write lets go of the GIL); at most one write is under way, so at most two parts are held.
+    contiguous = _Contiguous()  # the writing thread's: it copies the tensors written as stored
     with CheckpointWriter(destination, total) as writer, ThreadPoolExecutor(1) as pool:
         writing, written = None, []
 
@@ -344,22 +374,24 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
                 if progress:
                     progress(len(written), total, written[-1])
 
-        def write(out: dict[str, torch.Tensor], what: str) -> None:
+        def write(out: dict[str, torch.Tensor], what: str, block: bool = True) -> None:
             nonlocal writing
             wait()
-            writing = pool.submit(writer.write, _on_cpu(out), out_cfg)
+            on_cpu = {n: t.cpu() for n, t in out.items()}
+            writing = pool.submit(lambda tensors, cfg: writer.write(contiguous(tensors, block), cfg), on_cpu, out_cfg)
             written.append(what)
 
         out, out_cfg = run(None)
-        write(out, "embedding and unembedding")
+        write(out, "embedding and unembedding", block=False)
         del out
-        for layer in range(cfg.n_layers):
-            out, layer_cfg = run(layer)
-            if layer_cfg.applied != out_cfg.applied:
-                raise _PartsDisagree(steps_between(layer_cfg.applied, out_cfg.applied))
-            if layer_cfg != out_cfg.replace(n_layers=1, d_vocab=1):  # cannot happen: the same steps, the same config
-                raise RuntimeError(f"process_checkpoint: block {layer} gives {layer_cfg}, the ends {out_cfg}")
-            write(out, f"block {layer}")
-            del out
-        wait()
+        with recycling():  # the blocks' new tensors in the maps of those written before
+            for layer in range(cfg.n_layers):
+                out, layer_cfg = run(layer)
+                if layer_cfg.applied != out_cfg.applied:
+                    raise _PartsDisagree(steps_between(layer_cfg.applied, out_cfg.applied))
+                if layer_cfg != out_cfg.replace(n_layers=1, d_vocab=1):  # cannot happen: the same steps, the same config
+                    raise RuntimeError(f"process_checkpoint: block {layer} gives {layer_cfg}, the ends {out_cfg}")
+                write(out, f"block {layer}")
+                del out
+            wait()
     return out_cfg

@@ -81,3 +81,22 @@ def test_the_value_bias_is_the_same_bits_whatever_the_layout_of_W_O(kv_heads):
     laid_out = W_O.transpose(0, 1).contiguous().transpose(0, 1)
     assert not laid_out.is_contiguous()
     assert torch.equal(value_bias_through_output(b_V, laid_out), value_bias_through_output(b_V, W_O))
+
+
+def test_recycling_reuses_a_map_only_once_no_tensor_uses_it():
+    """Within :func:`recycling`, a new tensor takes the map of an earlier one of the same size in
+    bytes once every view of it is gone, and not before, as it was left."""
+    from circuitmath._processing._memory import recycling
+
+    shape, cpu = (HUGE_PAGE_MIN_BYTES // 4,), torch.device("cpu")
+    with recycling():
+        first = new_tensor(shape, torch.float32, cpu).fill_(3.0)
+        address, view = first.data_ptr(), first[1:]
+        del first
+        while_viewed = new_tensor(shape, torch.float32, cpu)
+        other_size = new_tensor((shape[0] + 1024,), torch.float32, cpu)
+        assert while_viewed.data_ptr() != address and other_size.data_ptr() != address
+        assert float(view[-1]) == 3.0
+        del view
+        again = new_tensor((2, shape[0] // 4), torch.float64, cpu)  # the same bytes, any shape and dtype
+        assert again.data_ptr() == address and float(again.view(torch.float32)[-1, -1]) == 3.0

@@ -51,9 +51,10 @@ EVERYTHING = dict.fromkeys(STEPS)
 TOKENS = torch.randint(0, VOCAB, (2, CTX), generator=torch.Generator().manual_seed(0))
 
 
-def _hf_folder(tmp_path, name: str, dtype: torch.dtype = torch.float32):
-    """A Hugging Face folder of ``name`` with random weights of unit scale, in several shards."""
-    model_class, config = HF[name]
+def _hf_folder(tmp_path, name: str, dtype: torch.dtype = torch.float32, spec=None):
+    """A Hugging Face folder of ``name`` (``spec``: its model class and config, by default
+    ``HF[name]``) with random weights of unit scale, in several shards."""
+    model_class, config = spec or HF[name]
     torch.manual_seed(0)
     model = model_class(config)
     g = torch.Generator().manual_seed(1)
@@ -105,6 +106,44 @@ def test_half_precision_folders_stream_bit_for_bit(tmp_path, name):
     got, got_cfg = io.open_checkpoint(tmp_path / "out").load()
     assert got_cfg == expected_cfg and got.keys() == expected.keys()
     assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], expected[k]) for k in expected)
+
+
+def _mapped_llama(tmp_path):
+    """A bfloat16 LLaMA folder of 4 layers whose gate and up maps, rewritten in every block, are
+    large enough to be mapped ([1024, 2048], :data:`HUGE_PAGE_MIN_BYTES`)."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, max_position_embeddings=CTX, hidden_size=1024, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, intermediate_size=2048, rope_parameters=ROPE, bos_token_id=0, eos_token_id=0,
+        pad_token_id=None)
+    return _hf_folder(tmp_path, "llama-mapped", torch.bfloat16, spec=(transformers.LlamaForCausalLM, config))
+
+
+@pytest.mark.parametrize("reuse", ["unused", "in use"], ids=["recycled", "control"])
+def test_blocks_reuse_the_maps_of_blocks_written_and_nothing_in_use(tmp_path, monkeypatch, reuse):
+    """The blocks' new tensors take the memory of those already written (recycled maps): the
+    output is still the in-memory transform's, bit for bit. Control: a recycler that hands out
+    maps still in use (a block's own W_gate for its W_in) writes another model, and the same
+    comparison says so."""
+    from circuitmath._processing import _memory
+
+    folder = _mapped_llama(tmp_path)
+    state_dict, cfg = io.load_hf_directory(folder)
+    expected, _ = cm.process_weights(state_dict, cfg, **EVERYTHING)
+    assert expected["blocks.0.mlp.W_in"].nbytes >= _memory.HUGE_PAGE_MIN_BYTES
+    reused, found = [], _memory._reused
+
+    def spied(size):
+        maps = _memory._RECYCLED.get()
+        buffer = found(size) if reuse == "unused" else next((b for b in maps or () if len(b) == size), None)
+        reused.append(buffer is not None)
+        return buffer
+
+    monkeypatch.setattr(_memory, "_reused", spied)
+    io.process_checkpoint(folder, tmp_path / "out", steps="applicable")
+    got, _ = io.open_checkpoint(tmp_path / "out").load()
+    assert sum(reused) >= 2 * (cfg.n_layers - 2)  # gate and up of each block after the first two at least
+    same = all(torch.equal(got[k], expected[k]) for k in expected)
+    assert same == (reuse == "unused")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
