@@ -65,8 +65,8 @@ def recycling():
     checkpoint's blocks, processed and written one after another). A fresh map costs the
     kernel a page fault and the zeroing of every page on first write: measured on a
     LLaMA-7B-shaped checkpoint here, 5.5 s of the 21 s that ``process`` spent on its main
-    thread. A map no tensor uses stays mapped until the block ends, so memory holds what the
-    loop held at most.
+    thread. A map no tensor uses stays mapped until the ``with`` statement ends, so memory holds
+    what the loop held at most.
 
     >>> with recycling():
     ...     first = new_tensor((1 << 20,), torch.float32, torch.device("cpu")).fill_(7)
