@@ -260,12 +260,10 @@ class _Contiguous:
     def __call__(self, tensors: dict[str, torch.Tensor], block: bool) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for place, (name, tensor) in enumerate(tensors.items()):
-            if block and not tensor.is_contiguous():
-                key = (place, tensor.shape, tensor.dtype)
-                if key not in self.buffers:
-                    self.buffers[key] = new_tensor(tensor.shape, tensor.dtype, tensor.device)
-                tensor = in_memory(tensor, self.buffers[key])
-            out[name] = in_memory(tensor)
+            key = (place, tensor.shape, tensor.dtype)
+            if block and not tensor.is_contiguous() and key not in self.buffers:
+                self.buffers[key] = new_tensor(tensor.shape, tensor.dtype, tensor.device)
+            out[name] = in_memory(tensor, self.buffers.get(key) if block else None)
         return out
 
 

@@ -66,7 +66,7 @@ def value_bias_through_output(b_V: torch.Tensor, W_O: torch.Tensor) -> torch.Ten
     ``W_O`` (every input is validated finite) are zero too."""
     if nothing_to_carry(b_V, W_O):
         shape = torch.broadcast_shapes(b_V.shape[:-2], W_O.shape[:-3]) + W_O.shape[-1:]
-        return torch.zeros(shape, dtype=torch.float64)
+        return torch.zeros(shape, dtype=torch.float64, device=W_O.device)
     per_query_head = b_V.double().repeat_interleave(W_O.shape[-3] // b_V.shape[-2], dim=-2)
     return torch.einsum("...he,...hed->...d", per_query_head, W_O.double())
 
