@@ -29,7 +29,7 @@ import torch
 
 from ._config import Config
 from ._errors import ConfigError, InputError, StateDictError
-from ._state import entries_checked_elsewhere, expected_shapes, validate_state_dict
+from ._state import check_config_fits, entries_checked_elsewhere, expected_shapes, validate_state_dict
 from ._files import CONFIG_KEY, PICKLE_SUFFIXES, UnsafeFormatError, _about, read_config, read_header, read_json
 from ._hf import Layout, _Source, hf_layout
 
@@ -127,13 +127,17 @@ def _read_index(folder: Path) -> tuple[dict[str, tuple[Path, int, dict]], dict]:
     index = read_json(index_path, "safetensors index")
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise ConfigError(f"{index_path}: not an index (a JSON object with a 'weight_map' object)")
-    metadata = index.get("metadata") or {}
+    metadata = index.get("metadata")
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict):
         raise ConfigError(f"{index_path}: 'metadata' is not an object")
     shards: dict[str, set[str]] = {}
     for name, file in index["weight_map"].items():
-        if not isinstance(file, str) or Path(file).name != file or file in (".", "..") or not file.endswith(".safetensors"):
-            raise ConfigError(f"{index_path}: weight_map[{name!r}] is {file!r}, not the name of a .safetensors file in the folder")
+        # a name relative to the folder, in it or in a folder below it (as transformers joins them)
+        if (not isinstance(file, str) or not file.endswith(".safetensors") or "\\" in file
+                or any(part in ("", ".", "..") for part in file.split("/"))):
+            raise ConfigError(f"{index_path}: weight_map[{name!r}] is {file!r}, not the name of a .safetensors file"
+                              " in the folder or below it")
         shards.setdefault(file, set()).add(name)
     entries: dict[str, tuple[Path, int, dict]] = {}
     for file, names in shards.items():
@@ -233,6 +237,8 @@ def open_checkpoint(path: str | os.PathLike, config=None) -> Checkpoint:
         with _about(path, CONFIG_KEY):
             config = Config.from_json(metadata[CONFIG_KEY])
     with _about(path):
+        if isinstance(config, Config):  # a config claiming 10**9 layers is refused before its shapes are listed
+            check_config_fits(entries, config)
         layout = circuitmath_layout(config) if isinstance(config, Config) else hf_layout(config)
     return Checkpoint(path, layout.cfg, layout, _Tensors(entries))
 
@@ -286,7 +292,10 @@ class CheckpointWriter:
         """One shard holding ``tensors`` (CPU); ``cfg``, the whole model's config, in its metadata."""
         self.cfg = cfg
         name = f"model-{len(set(self.weight_map.values())) + 1:05d}-of-{self.parts:05d}.safetensors"
-        self.total += _write_safetensors(self.temporary / name, tensors, {CONFIG_KEY: cfg.to_json(), "format": "pt"})
+        try:
+            self.total += _write_safetensors(self.temporary / name, tensors, {CONFIG_KEY: cfg.to_json(), "format": "pt"})
+        except OSError as error:  # a full disk, a quota: the folder is removed on the way out
+            raise InputError(f"{self.folder}: {name} cannot be written ({error.strerror or error})") from None
         self.weight_map |= dict.fromkeys(tensors, name)
 
     def __exit__(self, kind, error, traceback) -> None:

@@ -54,6 +54,8 @@ def _regular_file(path: Path) -> int:
         raise InputError(f"{path}: no such file") from None
     except OSError as error:
         raise InputError(f"{path}: cannot be read ({error.strerror or error})") from None
+    except ValueError as error:  # a NUL byte in the name, which no file can have
+        raise InputError(f"{str(path)!r} is not a file name ({error})") from None
     if stat.S_ISDIR(status.st_mode):
         raise InputError(f"{path} is a folder, not a file")
     if not stat.S_ISREG(status.st_mode):
@@ -152,7 +154,8 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], dict[str, str
         raise _not_safetensors(path, head, str(error)) from None
     if not isinstance(header, dict) or not header:
         raise _not_safetensors(path, head, "its header is not a JSON object of tensors")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata  # null is no metadata; [], 0 or "" is no mapping
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise StateDictError(f"{path}: its __metadata__ is not a mapping of strings to strings")
     data_bytes, spans = size - 8 - length, []
@@ -177,8 +180,8 @@ def _entry_problem(entry, data_bytes: int) -> str | None:
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in _ITEM_BYTES:
         return f"has dtype {dtype!r}, not one circuitmath reads ({', '.join(_ITEM_BYTES)})"
-    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
-        return f"has shape {shape!r}, not a list of sizes"
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in shape):
+        return f"has shape {shape!r}, not a list of sizes (each at least 0 and below 2**63)"
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) and not isinstance(n, bool) for n in offsets)):
         return f"has data_offsets {offsets!r}, not [begin, end]"
     begin, end = offsets
@@ -239,16 +242,19 @@ def save(
     bad = [k for k, v in extra.items() if not (isinstance(k, str) and isinstance(v, str))]
     if bad:
         raise InputError(f"{path}: metadata keys and values must be strings; not so for {bad}")
+    if not path.parent.is_dir():
+        raise InputError(f"{path.parent}: no such folder to write {path.name} in")
     validate_state_dict(state_dict, cfg)
     tensors = {name: tensor.detach().contiguous() for name, tensor in state_dict.items()}
     temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         save_file(tensors, str(temporary), metadata={CONFIG_KEY: cfg.to_json(), **extra})
         os.replace(temporary, path)
-    except OSError as error:
-        raise InputError(f"{path}: cannot be written ({error.strerror or error})") from None
+    except (OSError, SafetensorError) as error:
+        raise InputError(f"{path}: cannot be written ({getattr(error, 'strerror', None) or error})") from None
     finally:
-        temporary.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
 
 
 def load(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Config]:

@@ -154,8 +154,11 @@ class Layout:
         return src.finish(out, self.cfg)
 
 
-def _activation(hf_name: str, architecture: str) -> str:
+def _activation(hf_name: str, field: str, architecture: str) -> str:
+    """The reference's activation for the Hugging Face config's ``field``, whose value is ``hf_name``."""
     known = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
+    if not isinstance(hf_name, str):
+        raise ConfigError(f"{architecture} config: {field} must be the name of an activation, got {hf_name!r}")
     if hf_name not in known:
         raise UnsupportedArchitectureError(
             f"{architecture}: activation {hf_name!r} is not one the reference has ({sorted(set(known.values()))})"
@@ -190,9 +193,10 @@ def _rotary(config, d_head: int, architecture: str) -> tuple[float, int]:
     _require(kind == "default", architecture, f"rope_type {kind!r}; only the default rotary embedding is in the reference")
     base = rope.get("rope_theta", _option(config, "rope_theta", _option(config, "rotary_emb_base", 10000.0)))
     fraction = rope.get("partial_rotary_factor", _option(config, "rotary_pct", 1.0))
-    for name, value in (("rope_theta", base), ("partial_rotary_factor", fraction)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"{architecture} config: {name} must be a finite number > 0, got {value!r}")
+    for name, value, most in (("rope_theta", base, math.inf), ("partial_rotary_factor", fraction, 1)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= most or not math.isfinite(value):
+            bound = "a finite number > 0" if most == math.inf else f"a fraction of the head, in (0, {most}]"
+            raise ConfigError(f"{architecture} config: {name} must be {bound}, got {value!r}")
     rotary_dim = int(d_head * fraction)
     _require(rotary_dim % 2 == 0 and rotary_dim > 0, architecture, f"rotary dimension {rotary_dim} is not even and positive")
     return float(base), rotary_dim
@@ -228,7 +232,7 @@ def _gpt2_layout(config) -> Layout:
     cfg = Config(
         n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
         n_ctx=_int(config, "n_positions", arch), d_mlp=d_mlp,
-        act_fn=_activation(_option(config, "activation_function", "gelu_new"), arch),
+        act_fn=_activation(_option(config, "activation_function", "gelu_new"), "activation_function", arch),
         eps=_number(config, "layer_norm_epsilon", arch, 1e-5),
     )
 
@@ -282,7 +286,7 @@ def _gpt_neox_layout(config) -> Layout:
     cfg = Config(
         n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
         n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "intermediate_size", arch),
-        act_fn=_activation(_option(config, "hidden_act", "gelu"), arch), eps=_number(config, "layer_norm_eps", arch, 1e-5),
+        act_fn=_activation(_option(config, "hidden_act", "gelu"), "hidden_act", arch), eps=_number(config, "layer_norm_eps", arch, 1e-5),
         positional_embedding_type="rotary", rotary_dim=rotary_dim, rotary_base=base,
         parallel_attn_mlp=bool(_option(config, "use_parallel_residual", True)),
     )
@@ -345,7 +349,7 @@ def _llama_layout(config) -> Layout:
     cfg = Config(
         n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
         n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "intermediate_size", arch),
-        act_fn=_activation(_option(config, "hidden_act", "silu"), arch), normalization_type="RMS",
+        act_fn=_activation(_option(config, "hidden_act", "silu"), "hidden_act", arch), normalization_type="RMS",
         eps=_number(config, "rms_norm_eps", arch, 1e-6), positional_embedding_type="rotary", rotary_base=base,
         gated_mlp=True, n_key_value_heads=kv_heads if kv_heads != heads else None,
     )
@@ -411,7 +415,7 @@ def _bert_layout(config) -> Layout:
     cfg = Config(
         n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
         n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "intermediate_size", arch),
-        act_fn=_activation(_option(config, "hidden_act", "gelu"), arch), eps=_number(config, "layer_norm_eps", arch, 1e-12),
+        act_fn=_activation(_option(config, "hidden_act", "gelu"), "hidden_act", arch), eps=_number(config, "layer_norm_eps", arch, 1e-12),
         norm_position="post", causal=False, embedding_norm=True,
     )
     e, m = "embeddings", cfg.d_mlp

@@ -25,9 +25,10 @@ import torch
 from ._checkpoint import Checkpoint
 from ._config import Config
 from ._diagnosis._tensors import CERTIFICATE_ULPS, _certificate, _Thresholds
-from ._errors import InputError
+from ._errors import InputError, StateDictError
 from ._processing.pipeline import process_weights
 from ._reference import block, check_tokens, embed, unembed
+from ._state import not_finite
 from ._processing._parts import Parts
 from ._streaming import KEYWORD_OF, STEPS, PartReader, _untouched, opened, replayed
 from ._compare import _computation_roundoff, _rounded_centering, _unit_roundoff, compute_dtype, logprob_tolerance
@@ -222,6 +223,15 @@ class _Tensors:
             f" part in {self.compute} ({self.equal} equal to it rounded, bit for bit, so within half a unit{certified})")}
 
 
+def _finite(part: dict[str, torch.Tensor], path) -> dict[str, torch.Tensor]:
+    """``part``, refused (:class:`StateDictError` naming ``path`` and the tensor) where an entry
+    is NaN or Inf: a forward pass over a few tokens reads some rows of the embeddings only."""
+    bad = {name: count for name, tensor in part.items() if (count := not_finite(tensor))}
+    if bad:
+        raise StateDictError(f"{path}: " + "; ".join(f"{name} has {count} NaN or Inf entries" for name, count in bad.items()))
+    return part
+
+
 def _rows(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress, device=None) -> list[dict]:
     """The ``log-probs`` and ``tensors`` rows, from one pass over the parts: each part of
     ``before`` is read once (contiguous, in its own dtype), replayed for the tensors and run
@@ -245,8 +255,8 @@ def _rows(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress,
     mine = (ours, exact, nudged)
     total = before.cfg.n_layers + 1
     for layer in [None, *range(before.cfg.n_layers)]:
-        processed = after.ends() if layer is None else after.block(layer)
-        if tensors is not None and tensors.refused is None:
+        processed = _finite(after.ends() if layer is None else after.block(layer), after.path)
+        if tensors is not None and tensors.refused is None:  # the replay refuses what is not finite
             rewrite, rewrite_cfg, passed = replayed(parts, layer, keywords)
             if layer is None and rewrite_cfg != after.cfg:
                 tensors.refused = f"the replay of {keywords} gives {rewrite_cfg}, after has {after.cfg}"
@@ -255,11 +265,11 @@ def _rows(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress,
             del rewrite
             natives = reader.natives
         else:
-            reader.ends() if layer is None else reader.block(layer)
+            _finite(reader.ends() if layer is None else reader.block(layer), before.path)
             natives = reader.natives
         # the pass in the compute dtype reads a block's tensors as converted for the replay
         handed = {n: natives[n] if n in reader.stand_ins else t for n, t in reader.handed.items()}
-        converted = [handed if handed and p.dtype == tensors.compute else natives for p in mine]
+        converted = [handed if handed and tensors is not None and p.dtype == tensors.compute else natives for p in mine]
         reader.handed = {}
         if layer is None:
             theirs.start(processed, after.cfg, tokens)

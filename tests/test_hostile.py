@@ -70,11 +70,12 @@ def run_cli(capsys, *args):
     return status, out, err
 
 
-def refused(capsys, folder, *args, naming: tuple[str, ...] = ()):
-    """Run ``check ARGS``: exit 2, one ``error:`` line naming each of ``naming``, nothing written."""
+def refused(capsys, folder, *args, naming: tuple[str, ...] = (), command: str = "check"):
+    """Run ``COMMAND ARGS`` (default ``check``): exit 2, one ``error:`` line naming each of
+    ``naming``, nothing written."""
     before = sorted(folder.iterdir())
     capsys.readouterr()  # what building the inputs printed
-    status, out, err = run_cli(capsys, "check", *args)
+    status, out, err = run_cli(capsys, command, *args)
     assert status == 2, (status, out, err)
     assert out == "" and err.startswith("error: ") and "Traceback" not in err, err
     for word in naming:
@@ -603,3 +604,161 @@ def test_help_is_plain_text(capsys, command):
         _cli.main([*command, "--help"])
     out = capsys.readouterr().out
     assert done.value.code == 0 and out.startswith("usage:") and "``" not in out and ":func:" not in out
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint folders: process and check read them a part at a time, and refuse as io.load does
+
+
+def _processed_folder(tmp_path, name="after", **keywords):
+    path = model_file(tmp_path, dtype=torch.float32)
+    io.process_checkpoint(path, tmp_path / name, **keywords)
+    return path, tmp_path / name
+
+
+def test_a_folder_whose_config_claims_a_billion_layers_is_refused_at_once(tmp_path, capsys):
+    folder = tmp_path / "billion"
+    folder.mkdir()
+    raw_file(folder / "model.safetensors", cm.random_state_dict(CFG, seed=0), None)
+    (folder / "config.json").write_text(CFG.replace(n_layers=10**9).to_json())
+    with no_hang(20):
+        refused(capsys, tmp_path, folder, naming=(folder, "n_layers=1000000000"))
+        refused(capsys, tmp_path, folder, tmp_path / "out", naming=(folder, "n_layers=1000000000"), command="process")
+
+
+def test_a_processed_folder_with_nan_where_the_tokens_do_not_read_is_refused(tmp_path, capsys):
+    """The forward pass over one token reads one row of the embedding; every entry is checked."""
+    before, after = _processed_folder(tmp_path)
+    index = json.loads((after / "model.safetensors.index.json").read_text())
+    shard = after / index["weight_map"]["embed.W_E"]
+    tensors, metadata = io.load_tensors(shard)
+    used = int(torch.randint(0, CFG.d_vocab, (1, 1), generator=torch.Generator().manual_seed(0)))  # check's --seed 0
+    tensors["embed.W_E"][(used + 1) % CFG.d_vocab, 0] = float("nan")
+    raw_file(shard, tensors, metadata)
+    refused(capsys, tmp_path, before, "--processed", after, "--batch", "1", "--seq-len", "1",
+            naming=(after, "embed.W_E", "NaN or Inf"))
+
+
+def test_a_processed_folder_of_steps_outside_the_pipeline_is_checked_by_its_log_probs(tmp_path, capsys):
+    sd, cfg = cm.remove_key_biases(cm.random_state_dict(CFG, seed=0), CFG)
+    before = tmp_path / "before.safetensors"
+    io.save(before, sd, cfg)
+    io.process_checkpoint(model_file(tmp_path), tmp_path / "after", steps=[])
+    status, out, err = run_cli(capsys, "check", before, "--processed", tmp_path / "after")
+    assert status == 0 and "Traceback" not in err, (out, err)
+    assert re.search(r"^tensors\s+not compared", out, re.M) and re.search(r"^log-probs\s+holds", out, re.M), out
+
+
+HF_FIELD_CASES = {
+    "an activation as a list": ({"activation_function": ["gelu"]}, "activation_function"),
+    "an activation as an object": ({"activation_function": {"name": "gelu"}}, "activation_function"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HF_FIELD_CASES))
+def test_an_ill_typed_hugging_face_field_exits_2_for_check_and_process(tmp_path, capsys, case):
+    changes, field = HF_FIELD_CASES[case]
+    folder = _hf_gpt2_folder(tmp_path / "hf", config_changes=changes)
+    refused(capsys, tmp_path, folder, naming=(folder, field))
+    refused(capsys, tmp_path, folder, tmp_path / "out", naming=(folder, field), command="process")
+
+
+@pytest.mark.parametrize("fraction", [1e308, 1.5, 0.0, -0.5])
+def test_a_rotary_fraction_outside_the_head_is_a_config_error(fraction):
+    from circuitmath._hf import _rotary
+
+    with pytest.raises(cm.ConfigError, match="partial_rotary_factor must be a fraction of the head"):
+        _rotary({"rope_parameters": {"partial_rotary_factor": fraction}}, 8, "GPT-NeoX")
+    assert _rotary({"rope_parameters": {"partial_rotary_factor": 1.0}}, 8, "GPT-NeoX") == (10000.0, 8)
+
+
+def _indexed(tmp_path, weight_map_file, *, metadata=None):
+    """A Hugging Face GPT-2 folder whose index names its one shard as ``weight_map_file``."""
+    folder = _hf_gpt2_folder(tmp_path / "hf")
+    names = list(io.read_header(folder / "model.safetensors")[0])
+    index = {"weight_map": dict.fromkeys(names, weight_map_file)}
+    if metadata is not None:
+        index["metadata"] = metadata
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+def test_a_shard_name_with_a_nul_byte_is_refused_by_name(tmp_path, capsys):
+    folder = _indexed(tmp_path, "a\u0000.safetensors")
+    refused(capsys, tmp_path, folder, naming=("a\\x00.safetensors", "not a file name"))
+    refused(capsys, tmp_path, folder, tmp_path / "out", naming=("not a file name",), command="process")
+
+
+@pytest.mark.parametrize("metadata", [[], 0, "", False])
+def test_index_metadata_that_is_no_object_is_refused(tmp_path, capsys, metadata):
+    folder = _indexed(tmp_path, "model.safetensors", metadata=metadata)
+    refused(capsys, tmp_path, folder, naming=("model.safetensors.index.json", "'metadata' is not an object"))
+
+
+def test_shards_in_a_folder_below_the_index_are_read_and_escapes_refused(tmp_path, capsys):
+    """transformers joins the index's names to the folder: a shard in a subfolder is valid; a
+    name that climbs out or is absolute is not."""
+    import shutil
+
+    folder = _indexed(tmp_path, "sub/model-1.safetensors")
+    flat = tmp_path / "flat"
+    shutil.copytree(folder, flat)
+    (flat / "model.safetensors.index.json").unlink()
+    (folder / "sub").mkdir()
+    (folder / "model.safetensors").rename(folder / "sub" / "model-1.safetensors")
+    io.process_checkpoint(folder, tmp_path / "out")
+    io.process_checkpoint(flat, tmp_path / "out_flat")
+    ours, _ = io.open_checkpoint(tmp_path / "out").load()
+    theirs, _ = io.open_checkpoint(tmp_path / "out_flat").load()
+    assert same(ours, theirs)
+    for escape in ("../model.safetensors", "/tmp/model.safetensors", "sub/../model.safetensors", "sub//m.safetensors"):
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"wte.weight": escape}}))
+        refused(capsys, tmp_path, folder, naming=(escape, "not the name of a .safetensors file"))
+
+
+@pytest.mark.parametrize("metadata", [[], 0, "", False, ["a"]])
+def test_safetensors_metadata_that_is_no_mapping_is_refused(tmp_path, capsys, metadata):
+    path = model_file(tmp_path)
+    data = path.read_bytes()
+    length = _header_length(path)
+    header = json.loads(data[8:8 + length])
+    header["__metadata__"] = metadata
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+    refused(capsys, tmp_path, path, naming=(path, "__metadata__"))
+
+
+def test_a_dimension_of_2_to_the_63_is_refused_by_name(tmp_path, capsys):
+    path = model_file(tmp_path)
+    data = path.read_bytes()
+    length = _header_length(path)
+    header = json.loads(data[8:8 + length])
+    end = len(data) - 8 - length
+    header["z"] = {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [end, end]}
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+    refused(capsys, tmp_path, path, naming=(path, "'z'", "below 2**63"))
+    refused(capsys, tmp_path, path, tmp_path / "out", naming=(path, "'z'"), command="process")
+
+
+def test_save_to_a_missing_folder_or_under_a_file_is_an_input_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    for where in (tmp_path / "missing" / "m.safetensors", tmp_path / "file" / "m.safetensors"):
+        with pytest.raises(cm.InputError, match="no such folder to write m.safetensors in"):
+            io.save(where, cm.random_state_dict(CFG, seed=0), CFG)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_a_full_disk_while_a_shard_is_written_exits_2_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """The shards are written to /dev/full, which answers every write with ENOSPC."""
+    import builtins
+
+    from circuitmath import _checkpoint
+
+    path = model_file(tmp_path)
+    def opened(name, mode="r", *args, **kwargs):
+        return builtins.open("/dev/full" if "w" in mode else name, mode, *args, **kwargs)
+
+    monkeypatch.setattr(_checkpoint, "open", opened, raising=False)
+    refused(capsys, tmp_path, path, tmp_path / "out", naming=(tmp_path / "out", "No space left on device"),
+            command="process")
