@@ -130,6 +130,28 @@ def test_screen_on_a_rounded_rewrite(dtype, monkeypatch):
     assert new > 1  # the 1 % change leaves the bound
 
 
+@pytest.mark.parametrize("floor", [2.0**-135, 2.0**-140, 2.0**-149], ids=["2**-135", "2**-140", "2**-149"])
+def test_screen_declines_a_floor_below_which_float32_loses_a_unit(floor):
+    """The screen takes an entry's unit in the last place as zero below ``2**-127`` (a float32
+    ``e`` under ``2**(bits - 126)``); with a floor that small, such an entry one unit off screens
+    far above its true ratio (``2**-133 / floor`` against ``2**-133 / (2**-133 + floor)``, under
+    1), is the only one computed in float64, and the chunk's true largest ratio, an
+    ordinary entry two units off (2), is never looked at: the certificate would read under 1 and
+    certify a tensor that fails it. ``_SCREEN_FLOOR`` sends such floors to float64. The random
+    draws above reach this only by chance (tiny entries, a floor among float32's subnormals
+    and the two entries in one chunk); here every ingredient is placed."""
+    thresholds = _Thresholds(1e-3, 1e-4, 1e-4, torch.float32, floor=1.0)  # floor * scale = floor
+    # 2**-110: unit 2**-133; the entries equal to the rewrite keep the chunk from being declined
+    # for having too many near ties (two entries alone go to float64 whatever the floor)
+    expected = torch.tensor([2.0**-110, 1.0] + [0.5] * 20, dtype=torch.float32)
+    got = expected.clone()
+    got[0] += 2.0**-133  # one unit off: a ratio under 1
+    got[1] += 2.0**-22  # two units off: a ratio of 2
+    old = float64_certificate(got, expected, floor, thresholds)
+    assert 1.99 < old <= 2.0
+    assert _certificate(got, expected, floor, thresholds) == old
+
+
 def test_screen_where_float32_misorders_the_ratios():
     """Two entries whose ratios float32 orders the other way from float64 (bounds from different
     binades: a bfloat16 unit in the last place plus a float32 floor, each rounded): the

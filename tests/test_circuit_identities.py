@@ -7,6 +7,8 @@ controls run the same check on a wrong computation, on models where it really di
 order of ``W_O`` two heads of width two, a norm taken over positions a norm, and so on.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -69,6 +71,24 @@ def test_every_circuits_identity_is_checked_here():
     ours = {"notation", "attention", "paths", "composition"}
     registered = [i.name for i in cm.identities() if i.build_proof.__module__.rsplit(".", 1)[-1] in ours]
     assert sorted(registered) == sorted(CHECKS)
+
+
+# Identities with a ``compare`` whose wrong rewrites run in another module, by the test named:
+# tests/test_weight_identities.py skips every identity with a ``compare``, and the controls above
+# run a computation on a model, while rms_norm_rotation's takes the final residual stream.
+CHECKED_ELSEWHERE = {
+    "rms_norm_rotation": "test_rotation.py::test_rms_norm_rotation_rejects_each_wrong_rewrite",
+}
+
+
+def test_every_identity_with_a_compare_has_its_wrong_rewrites_run_somewhere():
+    """The guard above covers the circuits families only; this one covers the registry: an
+    identity that licenses a computation is in CHECKS or names the test that runs its wrong rewrites."""
+    computations = {i.name for i in cm.identities() if i.compare is not None}
+    assert sorted(computations) == sorted(set(CHECKS) | set(CHECKED_ELSEWHERE))
+    for where in CHECKED_ELSEWHERE.values():
+        module, test = where.split("::")
+        assert f"\ndef {test}(" in (Path(__file__).parent / module).read_text(), f"{where} is gone"
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))

@@ -1,5 +1,7 @@
 """RMSNorm folding, LayerNorm to RMSNorm, the centering projection and scale invariance."""
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -211,12 +213,23 @@ def test_eps_above_zero_really_breaks_scale_invariance():
     assert result.max_abs_error > 1e3 * result.tolerance
 
 
-@pytest.mark.parametrize("scale, error", [(0.0, cm.PreconditionError), (-2.0, cm.PreconditionError),
-                                          (float("inf"), ValueError), (float("nan"), ValueError), ("2", ValueError)])
-def test_rescaling_refuses_a_bad_scale(scale, error):
+@pytest.mark.parametrize("scale", [0.0, -2.0, -0.0])
+def test_rescaling_refuses_a_scale_that_is_not_positive(scale):
     cfg = cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=6, eps=0.0)
-    with pytest.raises(error):
+    with pytest.raises(cm.PreconditionError, match="the norms are odd") as info:
         cm.rescale_residual_stream(cm.random_state_dict(cfg, seed=0), cfg, scale=scale)
+    assert (info.value.identity, info.value.precondition) == ("rescale_residual_stream", "scale > 0")
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), float("-inf"), "2", True, None])
+def test_rescaling_refuses_a_scale_that_is_not_a_finite_number(scale):
+    """Not a precondition of the identity but a bad argument, named as such: an infinite scale
+    passes ``scale > 0`` and would write Inf into every writer, a NaN fails it for the wrong reason."""
+    cfg = cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=6, eps=0.0)
+    message = rf"^scale must be a finite number, got {re.escape(repr(scale))}$"
+    with pytest.raises(cm.InputError, match=message) as info:
+        cm.rescale_residual_stream(cm.random_state_dict(cfg, seed=0), cfg, scale=scale)
+    assert not isinstance(info.value, cm.PreconditionError)
 
 
 @pytest.mark.parametrize("options, precondition", [

@@ -1,5 +1,6 @@
 """The whole weight-processing pipeline on every architecture the steps support."""
 
+import contextlib
 import inspect
 
 import pytest
@@ -8,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 import circuitmath as cm
 from circuitmath._identities.pipeline import EVERYTHING_APPLICABLE
-from circuitmath._processing import fused as fused_module
+from circuitmath._processing import fused as fused_module, pipeline as pipeline_module
 from circuitmath._processing.fused import FUSED_RMS_STEPS, FUSED_STEPS, fusable, rms_fusable
 from circuitmath._processing.pipeline import PIPELINE_STEPS, steps_left_out
 from circuitmath.strategies import models, tokens
@@ -117,13 +118,35 @@ def _rounding_allowance(cfg, dtype):
 FUSABLE = dict(normalization_types=("LN",), gated_mlp=(False,), positional_embedding_types=("standard", "rotary"))
 
 
+@contextlib.contextmanager
+def fused_runs():
+    """The normalization types of the models process_weights hands to the fused pass while open.
+    Equal bits or the same error alone cannot tell that the fused pass ran (the chain gives them
+    too): a test of the fused pass requires it to have run. A spy, not monkeypatch: hypothesis
+    tests take no function-scoped fixture."""
+    calls = []
+    original = pipeline_module.fused_default_steps
+
+    def spy(state_dict, cfg, **kwargs):
+        calls.append(cfg.normalization_type)
+        return original(state_dict, cfg, **kwargs)
+
+    pipeline_module.fused_default_steps = spy
+    try:
+        yield calls
+    finally:
+        pipeline_module.fused_default_steps = original
+
+
 @DTYPES
 @given(data=st.data())
 def test_the_fused_default_steps_give_the_chains_weights(dtype, data):
     cfg, sd = data.draw(models(**wide(dtype=dtype, **FUSABLE)))
     assert fusable(cfg)
     before = snapshot(sd)
-    fused, fused_cfg = cm.process_weights(sd, cfg)
+    with fused_runs() as runs:
+        fused, fused_cfg = cm.process_weights(sd, cfg)
+    assert runs == ["LN"]
     chained, chained_cfg = _chain(sd, cfg)
     assert fused_cfg == chained_cfg
     assert {t.dtype for t in fused.values()} == {dtype}
@@ -293,8 +316,9 @@ def test_a_nan_or_inf_anywhere_in_the_input_is_named_when_the_steps_run_fused(mo
     broken = dict(sd)
     broken[name] = sd[name].clone()
     broken[name].view(-1)[data.draw(st.integers(0, sd[name].numel() - 1))] = bad
-    with pytest.raises(cm.StateDictError, match=rf"{name} has 1 NaN or Inf entries"):
+    with fused_runs() as runs, pytest.raises(cm.StateDictError, match=rf"{name} has 1 NaN or Inf entries"):
         cm.process_weights(broken, cfg)
+    assert runs == ["LN"]
 
 
 def test_an_overflow_of_finite_weights_is_reported_as_such():
@@ -351,14 +375,17 @@ def test_the_fused_bits_do_not_depend_on_the_block_sizes_of_a_device(monkeypatch
     cfg = cm.Config(n_layers=2, d_model=192, n_heads=4, d_head=16, d_vocab=300, n_ctx=8, d_mlp=384,
                     normalization_type=normalization_type)
     sd = cm.random_state_dict(cfg, seed=0, dtype=dtype)
-    expected, _cfg = cm.process_weights(sd, cfg)
+    with fused_runs() as runs:
+        expected, _cfg = cm.process_weights(sd, cfg)
 
     def on_a_device(count, row_bytes, device, *, cpu_rows=None, staged=True):
         return _memory.rows_per_block(count, row_bytes, torch.device("meta"), staged=staged)
 
     monkeypatch.setattr(fused_module, "rows_per_block", on_a_device)
     monkeypatch.setattr(centering, "rows_per_block", on_a_device)
-    got, _cfg = cm.process_weights(sd, cfg)
+    with fused_runs() as more_runs:
+        got, _cfg = cm.process_weights(sd, cfg)
+    assert runs + more_runs == [normalization_type] * 2
     for name, tensor in got.items():
         assert torch.equal(tensor, expected[name]), name
 

@@ -33,6 +33,8 @@ def test_proof_holds_and_every_twin_is_rejected(identity):
     assert report.proved, [s for s in report.steps if not s.holds]
     assert all(step.holds for step in report.steps)
     assert report.concrete_check
+    # a report that left twins out would pass the loop below and report.ok alike
+    assert [t.name for t in report.twins] == [t.name for t in identity.proof.twins]
     for twin in report.twins:
         assert twin.rejected, f"twin {twin.name} was not rejected: {twin}"
         assert twin.counterexample_gap and twin.counterexample_gap > 0

@@ -296,7 +296,7 @@ def test_streaming_check_agrees_with_the_in_memory_check(tmp_path, name):
     assert log_probs["max_abs_error"] == pytest.approx(in_memory.max_abs_error, rel=1e-3, abs=1e-7)
     assert in_memory.tolerance / 3 < log_probs["tolerance"] < 3 * in_memory.tolerance
     assert tensors["status"] == "holds" and "bit for bit" in tensors["explanation"]
-    # negative twin: one layer's value biases forgotten
+    # negative twin: layer 1's ln1 gain folded into W_Q twice (only that tensor differs)
     _state, _cfg, wrong, wrong_cfg = _wrong_processing(tmp_path, folder)
     in_memory = compare_log_probs(state_dict, cfg, wrong, wrong_cfg, TOKENS)
     report = check_processed(folder, tmp_path / "wrong", tokens=TOKENS)
