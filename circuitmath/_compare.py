@@ -156,7 +156,6 @@ def _float64_passes(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, u:
     device = state_dict["embed.W_E"].device
     # The noise is drawn on the CPU and moved, as the checkpoint check draws it: the same numbers,
     # so the same tolerance, on every device.
-    g = torch.Generator().manual_seed(seed)
 
     # Memory for the float64 copies and the noise, reused by every block (the same shapes):
     # fresh memory of this size is mapped and zeroed page by page, as slow as the copy itself.
@@ -168,12 +167,15 @@ def _float64_passes(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, u:
             scratch[key] = torch.empty(shape, dtype=dtype, device=on)
         return scratch[key]
 
-    def both(part: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    def both(part: dict[str, torch.Tensor], offset: int = 0) -> tuple[dict, dict]:
         exact, nudged = {}, {}
         for k, v in part.items():
             exact[k] = buffer("exact", k, v.shape, torch.float64, device).copy_(v)
             # The change u * xi * w is computed in float32 (several times faster than float64) and
             # added in float64: it is of the order of u, so its own rounding does not matter.
+            # Each tensor's noise from a generator seeded by its name (as the streamed checks draw
+            # it): the same sample whatever order the state dict lists its tensors in.
+            g = torch.Generator().manual_seed(seed + (offset if k.startswith("unembed.") else 0) + zlib.crc32(k.encode()))
             noise = buffer("noise", k, v.shape, torch.float32, torch.device("cpu")).normal_(generator=g)  # as randn draws
             change = buffer("nudged", k, v.shape, torch.float64, device).copy_(noise.to(device).mul_(v.float()))
             nudged[k] = torch.add(exact[k], change, alpha=u, out=change)  # float64 + float64: the fast kernel
@@ -198,7 +200,7 @@ def _float64_passes(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, u:
     for start in range(0, cfg.d_vocab, UNEMBED_COLUMNS):
         columns = slice(start, start + UNEMBED_COLUMNS)
         part = final | {"unembed.W_U": state_dict["unembed.W_U"][:, columns], "unembed.b_U": state_dict["unembed.b_U"][columns]}
-        for out, params, c, (x, _pos) in zip(logits, both(part), centerings, streams):
+        for out, params, c, (x, _pos) in zip(logits, both(part, start), centerings, streams):
             out.append(unembed(params, cfg, x, centering=c))
     return tuple(torch.log_softmax(torch.cat(out, dim=-1), dim=-1) for out in logits)
 

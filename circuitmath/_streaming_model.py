@@ -14,7 +14,7 @@ tokens' activations. Peak memory: one part, read and converted, and one identity
 and transformed part with its temporaries. The tolerance is :func:`~circuitmath.testing.logprob_tolerance` with the
 rounding sensitivity measured as :class:`~circuitmath._streaming_check._Pass` measures it for
 ``check --processed`` (float64 against float64 nudged, plus the compute dtype's own rounding),
-on the first ``SENSITIVITY_POSITIONS`` positions of the first sequence, as the in-memory check.
+on the tokens of :func:`~circuitmath._diagnosis._logprobs.sensitivity_window`, as the in-memory check.
 
 Two things are model-wide. The random draws of the symmetries (the rotation ``Q``, the
 permutations) are functions of the config's shapes, the same in every part. The decision of
@@ -42,7 +42,7 @@ from ._checkpoint import Checkpoint
 from ._compare import _unit_roundoff, compute_dtype, logprob_tolerance
 from ._config import Config
 from ._diagnosis import Diagnosis, Finding, weight_identities
-from ._diagnosis._logprobs import SENSITIVITY_POSITIONS
+from ._diagnosis._logprobs import sensitivity_window
 from ._errors import PreconditionError
 from ._processing._parts import Parts
 from ._processing.norms import writers_given
@@ -241,7 +241,8 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
 
     # The main pass: the original on the sensitivity tokens (float64, float64 nudged, and the
     # compute dtype), in its own names, and each identity's two passes, a part at a time.
-    sensitivity_tokens = tokens[:1, :min(tokens.shape[1], SENSITIVITY_POSITIONS)]
+    rows, positions = sensitivity_window(tokens)
+    sensitivity_tokens = tokens[:rows, :positions]
     reference = [_Pass(torch.float64, device=device), _Pass(torch.float64, nudge=_unit_roundoff(dtype), device=device)]
     if run_in != torch.float64:
         reference.append(_Pass(run_in, device=device))

@@ -11,11 +11,19 @@ from .._config import Config
 from .._reference import log_probs
 from ._tensors import _largest_entry
 
-__all__ = ["SENSITIVITY_POSITIONS"]
+__all__ = ["SENSITIVITY_POSITIONS", "sensitivity_window"]
 
 
-#: Positions of the first sequence the rounding sensitivity is measured on (see :class:`_LogProbs`).
+#: Positions the rounding sensitivity is measured on, at least (see :func:`sensitivity_window`).
 SENSITIVITY_POSITIONS = 32
+
+
+def sensitivity_window(tokens: torch.Tensor) -> tuple[int, int]:
+    """``(rows, positions)``: the sensitivity is measured on ``tokens[:rows, :positions]``, the
+    first ``SENSITIVITY_POSITIONS`` positions of as many whole sequences as it takes to reach
+    ``SENSITIVITY_POSITIONS`` positions (all of them when there are fewer)."""
+    positions = min(tokens.shape[1], SENSITIVITY_POSITIONS)
+    return min(tokens.shape[0], -(-SENSITIVITY_POSITIONS // positions)), positions
 
 
 class _LogProbs:
@@ -24,9 +32,12 @@ class _LogProbs:
     Every state runs in :func:`~circuitmath.testing.compute_dtype` of ``dtype`` (the coarser
     dtype of the models compared). The tolerance is :func:`~circuitmath.testing.logprob_tolerance`
     with the rounding sensitivity of the model given to :meth:`set_reference`, measured on the
-    first ``SENSITIVITY_POSITIONS`` positions of the first sequence of ``tokens``: it takes two
-    float64 forward passes, and on a GPT-2-shaped model (d_vocab 50257) one sequence of 32
-    positions gave within 10% of the value over 4 x 128 positions, far inside the safety factor.
+    tokens of :func:`sensitivity_window` (at least ``SENSITIVITY_POSITIONS`` positions, whole
+    sequences where they are shorter): it takes two float64 forward passes, and on a
+    GPT-2-shaped model (d_vocab 50257) one sequence of 32 positions gave within 10% of the value
+    over 4 x 128 positions, far inside the safety factor. With 4 positions per sequence, the first
+    sequence alone gave down to a sixth of the value over all 4 (float16, 60 seeds), and a check
+    of exact rewrites failed (2 of 60 seeds).
     """
 
     def __init__(self, tokens: torch.Tensor, dtype: torch.dtype):
@@ -51,10 +62,10 @@ class _LogProbs:
         self._cache[id(state)] = (state, computed)
 
     def set_reference(self, state: Mapping, cfg: Config) -> None:
-        positions = min(self.tokens.shape[1], SENSITIVITY_POSITIONS)
-        computed = self(state, cfg)[:1, :positions]
+        rows, positions = sensitivity_window(self.tokens)
+        computed = self(state, cfg)[:rows, :positions]
         self.sensitivity = rounding_sensitivity(
-            state, cfg, self.tokens[:1, :positions], self.dtype,
+            state, cfg, self.tokens[:rows, :positions], self.dtype,
             computed=None if self.run_in == torch.float64 else computed,
         )
         self.cfg = cfg
