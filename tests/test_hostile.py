@@ -99,6 +99,19 @@ def raw_file(path, tensors: dict, metadata: dict | None):
 # 1. a valid file is never taken for a pickle
 
 
+def _with_header(path, change, out=None):
+    """The safetensors file ``path`` with ``change(header, data_bytes)`` made to its parsed
+    header, written to ``out`` (default ``path``); returns where it was written."""
+    data = path.read_bytes()
+    length = _header_length(path)
+    header = json.loads(data[8:8 + length])
+    change(header, len(data) - 8 - length)
+    text = json.dumps(header).encode()
+    out = out or path
+    out.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+    return out
+
+
 def _header_length(path) -> int:
     return struct.unpack("<Q", path.read_bytes()[:8])[0]
 
@@ -367,14 +380,8 @@ def test_float8_tensors_exit_2_naming_the_tensor(tmp_path, capsys):
 
 
 def test_a_header_claiming_a_huge_tensor_is_refused_before_reading(tmp_path, capsys):
-    path = model_file(tmp_path)
-    data = path.read_bytes()
-    length = _header_length(path)
-    header = json.loads(data[8:8 + length])
-    header["embed.W_E"]["shape"] = [10**6, 10**6]
-    text = json.dumps(header).encode()
-    hostile = tmp_path / "huge.safetensors"
-    hostile.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+    hostile = _with_header(model_file(tmp_path), lambda header, _: header["embed.W_E"].update(shape=[10**6, 10**6]),
+                           tmp_path / "huge.safetensors")
     with pytest.raises(cm.StateDictError, match="'embed.W_E' of shape"):
         io.load_tensors(hostile)
     refused(capsys, tmp_path, hostile, naming=(hostile, "embed.W_E"))
@@ -718,25 +725,15 @@ def test_shards_in_a_folder_below_the_index_are_read_and_escapes_refused(tmp_pat
 
 @pytest.mark.parametrize("metadata", [[], 0, "", False, ["a"]])
 def test_safetensors_metadata_that_is_no_mapping_is_refused(tmp_path, capsys, metadata):
-    path = model_file(tmp_path)
-    data = path.read_bytes()
-    length = _header_length(path)
-    header = json.loads(data[8:8 + length])
-    header["__metadata__"] = metadata
-    text = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+    path = _with_header(model_file(tmp_path), lambda header, _: header.update(__metadata__=metadata))
     refused(capsys, tmp_path, path, naming=(path, "__metadata__"))
 
 
 def test_a_dimension_of_2_to_the_63_is_refused_by_name(tmp_path, capsys):
-    path = model_file(tmp_path)
-    data = path.read_bytes()
-    length = _header_length(path)
-    header = json.loads(data[8:8 + length])
-    end = len(data) - 8 - length
-    header["z"] = {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [end, end]}
-    text = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length:])
+    def zero_sized(header, end):
+        header["z"] = {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [end, end]}
+
+    path = _with_header(model_file(tmp_path), zero_sized)
     refused(capsys, tmp_path, path, naming=(path, "'z'", "below 2**63"))
     refused(capsys, tmp_path, path, tmp_path / "out", naming=(path, "'z'"), command="process")
 
