@@ -58,6 +58,13 @@ def _computation_roundoff(weights: float) -> float:
     return min(weights, _unit_roundoff(torch.float32))
 
 
+def named_generator(name: str, seed: int = 0) -> torch.Generator:
+    """The CPU generator of the rounding noise of the tensor (or norm) ``name``: seeded by
+    ``seed`` and the name, so every pass draws the same numbers for it, whatever order the
+    tensors come in (in memory, from a file, streamed)."""
+    return torch.Generator().manual_seed(seed + zlib.crc32(name.encode()))
+
+
 def _rounded_centering(u: float, seed: int = 0) -> Centering:
     """The LayerNorms' centering in the nudged pass of :func:`rounding_sensitivity`: ``x - mean(x)``
     off along ``1`` by as much as two forward passes rounding with unit roundoff ``u`` may differ.
@@ -80,7 +87,7 @@ def _rounded_centering(u: float, seed: int = 0) -> Centering:
     def center(name: str, x: torch.Tensor) -> torch.Tensor:
         centered = x - x.mean(dim=-1, keepdim=True)
         centered = centered - centered.mean(dim=-1, keepdim=True)
-        g = torch.Generator().manual_seed(seed + zlib.crc32(f"{name}:centering".encode()))
+        g = named_generator(f"{name}:centering", seed)
         signs = torch.randint(0, 2, (*x.shape[:-1], 1), generator=g, device="cpu").mul_(2).sub_(1)
         shift = x.abs().mean(dim=-1, keepdim=True).mul_(2 * u)
         return centered.add_(shift.mul_(signs.to(device=x.device, dtype=x.dtype)))
@@ -175,7 +182,7 @@ def _float64_passes(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, u:
             # added in float64: it is of the order of u, so its own rounding does not matter.
             # Each tensor's noise from a generator seeded by its name (as the streamed checks draw
             # it): the same sample whatever order the state dict lists its tensors in.
-            g = torch.Generator().manual_seed(seed + (offset if k.startswith("unembed.") else 0) + zlib.crc32(k.encode()))
+            g = named_generator(k, seed + (offset if k.startswith("unembed.") else 0))
             noise = buffer("noise", k, v.shape, torch.float32, torch.device("cpu")).normal_(generator=g)  # as randn draws
             change = buffer("nudged", k, v.shape, torch.float64, device).copy_(noise.to(device).mul_(v.float()))
             nudged[k] = torch.add(exact[k], change, alpha=u, out=change)  # float64 + float64: the fast kernel

@@ -16,7 +16,6 @@ tensors are compared one part at a time with the exact rewrite, replayed on the 
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -31,7 +30,7 @@ from ._reference import block, check_tokens, embed, unembed
 from ._state import not_finite
 from ._processing._parts import Parts
 from ._streaming import KEYWORD_OF, STEPS, PartReader, _untouched, opened, replayed
-from ._compare import _computation_roundoff, _rounded_centering, _unit_roundoff, compute_dtype, logprob_tolerance
+from ._compare import _computation_roundoff, _rounded_centering, named_generator, _unit_roundoff, compute_dtype, logprob_tolerance
 
 __all__ = ["check_processed", "StreamingReport"]
 
@@ -64,7 +63,7 @@ class _Weights(Mapping):
         converted = tensor.to(device=self.device, dtype=self.dtype)
         if not self.nudge:
             return converted
-        g = torch.Generator().manual_seed(self.seeds.get(name, 0) + zlib.crc32(name.encode()))
+        g = named_generator(name, self.seeds.get(name, 0))
         # in place, without float32 and float64 temporaries of the tensor (the same numbers: a
         # half-precision factor is converted to float32 exactly inside the product)
         # drawn on the CPU (the same noise on every device), then moved: no copy on the CPU
