@@ -71,6 +71,25 @@ def test_half_precision_is_processed_in_float32_and_rounded_once():
     assert worst <= 1.0, worst
 
 
+@pytest.mark.parametrize("dtype, mantissa_bits", [(torch.float16, 10), (torch.bfloat16, 7)])
+@pytest.mark.parametrize("center", [False, True])
+def test_fold_layer_norm_on_its_own_rounds_half_precision_once(dtype, mantissa_bits, center):
+    """The public transform, not the fused pipeline: in half precision its folded biases are the
+    float64 ``b_W + b @ W`` rounded once (its blocks were summed in the weights' dtype, 285 ulps
+    off in float16 on this model), and its weights the float32 fold rounded once (the centered
+    ones rounded the mean to half precision first)."""
+    cfg = Config(n_layers=2, d_model=256, n_heads=4, d_head=64, d_vocab=300, n_ctx=8, d_mlp=512)
+    half = {k: v.to(dtype) for k, v in random_state_dict(cfg, seed=0, dtype=torch.float64).items()}
+    got, _ = fold_layer_norm(half, cfg, center_reading_weights=center)
+    in_float32, _ = fold_layer_norm({k: v.float() for k, v in half.items()}, cfg, center_reading_weights=center)
+    exact, _ = fold_layer_norm({k: v.double() for k, v in half.items()}, cfg, center_reading_weights=center)
+    biases = [name for name in got if ".b_" in name]
+    assert len(biases) == 13 and all(got[name].dtype == dtype for name in got)
+    # half an ulp, plus what the float32 sums of 64 terms may move a result near a tie
+    assert max(_ulps_from(got[name], exact[name], mantissa_bits) for name in biases) <= 0.51
+    assert all(torch.equal(got[name], in_float32[name].to(dtype)) for name in got if name not in biases)
+
+
 def test_float32_processing_stays_close_to_float64():
     cfg = Config(n_layers=2, d_model=256, n_heads=4, d_head=64, d_vocab=300, n_ctx=8, d_mlp=512)
     sd = random_state_dict(cfg, seed=1, dtype=torch.float32)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from .._compare import compute_dtype
 from .._config import Config
 from .._state import StateDict, validate_state_dict
 from .._errors import Precondition
 from ._common import NORM_READ_LINEARLY, PRE_NORM, readers, refuse_reapplication, require, rewrite
-from ._memory import new_tensor
+from ._memory import new_tensor, rows_per_block
 from .shortformer import shortformer_to_tables
 
 __all__ = ["fold_layer_norm", "center_reading_weights", "fold_reader", "products_through", "PRODUCT_ROWS", "reader_preconditions",
@@ -123,13 +124,31 @@ def fold_reader(
     """
     through = products_through(torch.stack([w, b], dim=-2), W)  # [..., 2, m]: w @ W and b @ W
     folded = new_tensor(W.shape, W.dtype, W.device) if out is None else out
-    if center:
+    compute = compute_dtype(W.dtype)
+    if not center:
+        # exact in the compute dtype, so rounded once even in half precision (8 or 11 bits times
+        # 8 or 11 bits fits float32's 24)
+        torch.mul(W, w[..., :, None], out=folded)
+    elif compute == W.dtype:
         mean = (through[..., 0, :] / W.shape[-2]).to(W.dtype).unsqueeze(-2)
         torch.addcmul(mean.neg_(), W, w[..., :, None], out=folded)
-    else:
-        torch.mul(W, w[..., :, None], out=folded)
+    else:  # half precision: w W - mean in float32 a chunk of rows at a time, each entry rounded once
+        minus_mean = (through[..., 0, :] / -W.shape[-2]).to(compute).unsqueeze(-2)
+        for start, stop in _chunks(W, compute):
+            folded[..., start:stop, :] = torch.addcmul(
+                minus_mean, W[..., start:stop, :].to(compute), w[..., start:stop, None].to(compute))
     bias = None if b_W is None else (b_W.double() + through[..., 1, :]).to(W.dtype)
     return folded, bias
+
+
+def _chunks(W: torch.Tensor, compute: torch.dtype, rows: int = 1) -> list[tuple[int, int]]:
+    """``(start, stop)`` of the chunks of ``W``'s rows (its axis -2) that a half-precision loop
+    casts to ``compute`` one at a time: each a multiple of ``rows`` rows, of about a cache's
+    size on the CPU (:func:`~circuitmath._processing._memory.rows_per_block`)."""
+    count = W.shape[-2]
+    row_bytes = W.numel() // max(1, count) * compute.itemsize
+    step = rows * max(1, rows_per_block(count, row_bytes, W.device) // rows)
+    return [(start, min(start + step, count)) for start in range(0, count, step)]
 
 
 #: Terms of a float64 bias product summed in the weight's dtype before the float64 sum (:func:`products_through`).
@@ -141,11 +160,17 @@ def products_through(V: torch.Tensor, W: torch.Tensor, *, rows: int = PRODUCT_RO
     axes broadcast): ``[..., k, m]``.
 
     A float32 product accumulates all ``d_model`` terms in float32, and the folded biases feed
-    every later layer. Here each block of ``rows`` terms is summed in ``W``'s dtype and the
-    blocks in float64: no float64 copy of ``W`` is made, and each bias carries the rounding of
-    ``rows`` terms, not ``d_model``. Blocks of 64 rows cost what one float32 product costs
+    every later layer. Here each block of ``rows`` terms is summed in ``W``'s dtype (float32 for
+    half precision, a chunk of blocks cast at a time) and the blocks in float64: no float64 copy
+    of ``W`` is made, and each bias carries the rounding of ``rows`` terms, not ``d_model``. Blocks of 64 rows cost what one float32 product costs
     (measured on GPT-2-small shapes; blocks of 16 take 1.5 to 2.5 times as long).
     """
+    compute = compute_dtype(W.dtype)
+    if compute != W.dtype and W.shape[-2]:
+        # half precision: its blocks summed in float32, a chunk of them cast at a time
+        chunks = _chunks(W, compute, rows)
+        return sum(products_through(V[..., start:stop].to(compute), W[..., start:stop, :].to(compute), rows=rows)
+                   for start, stop in chunks)
     d_model, m = W.shape[-2:]
     whole = d_model - d_model % rows
     blocks = W[..., :whole, :].reshape(*W.shape[:-2], whole // rows, rows, m)
