@@ -132,13 +132,14 @@ def center_unembed(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.
     Every position's logits ``l`` become ``l - mean(l)``: each raw logit of a position shifts by
     the same constant, and ``log_softmax(l + c) = log_softmax(l)``, so the log-probabilities are
     unchanged (the raw logits are not: compare log-probs). Holds for every architecture: it only
-    uses the softmax at the output. Records ``"center_unembed"``.
+    uses the softmax at the output. Records ``"center_unembed"``. Half precision is centered in
+    float32 and rounded once (:func:`centered_last_axis`).
     """
     identity = "center_unembed"
     refuse_reapplication(identity, cfg)
     validate_state_dict(state_dict, cfg)
     out = dict(state_dict)
     W_U, b_U = state_dict["unembed.W_U"], state_dict["unembed.b_U"]
-    out["unembed.W_U"] = W_U - W_U.mean(dim=-1, keepdim=True)
-    out["unembed.b_U"] = b_U - b_U.mean()
+    out["unembed.W_U"] = centered_last_axis(W_U)
+    out["unembed.b_U"] = centered_last_axis(b_U)
     return out, cfg.replace(applied=cfg.applied + (identity,))

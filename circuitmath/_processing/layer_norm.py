@@ -187,7 +187,8 @@ def center_reading_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
 
     Exact because every reader's input is ``LNPre(x)``, which is orthogonal to the all-ones
     vector. Needs ``normalization_type="LNPre"`` (fold the LayerNorm first). Records
-    ``"center_reading_weights"``.
+    ``"center_reading_weights"``. The mean is summed as :func:`fold_layer_norm`'s bias products
+    are (:func:`products_through`), and half precision is centered in float32 and rounded once.
     """
     identity = "center_reading_weights"
     reader_preconditions(identity, cfg)
@@ -206,5 +207,6 @@ def center_reading_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     for _norm, pairs in readers(cfg):
         for weight, _bias in pairs:
             W = state_dict[weight]
-            out[weight] = W - W.mean(dim=-2, keepdim=True)
+            ones = torch.ones(W.shape[-2], dtype=W.dtype, device=W.device)
+            out[weight], _ = fold_reader(W, ones, torch.zeros_like(ones), None, center=True)  # the fold's centering alone
     return out, cfg.replace(applied=cfg.applied + (identity,))

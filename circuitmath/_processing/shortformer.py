@@ -26,7 +26,8 @@ def shortformer_to_tables(state_dict: StateDict, cfg: Config) -> tuple[dict[str,
     the same for keys, with the key heads of grouped-query attention. Values and MLPs never see
     positions. After this rewrite every norm's output is read only by linear maps, so the
     LayerNorm fold is exact. Returns ``positional_embedding_type="shortformer_tables"``,
-    records ``"shortformer_to_tables"``; ``pos_embed.W_pos`` is dropped.
+    records ``"shortformer_to_tables"``; ``pos_embed.W_pos`` is dropped. The
+    tables (``n_ctx`` rows each) are summed in float64 and rounded once to the weights' dtype.
     """
     identity = "shortformer_to_tables"
     refuse_reapplication(identity, cfg)
@@ -38,9 +39,11 @@ def shortformer_to_tables(state_dict: StateDict, cfg: Config) -> tuple[dict[str,
     validate_state_dict(state_dict, cfg)
     out = dict(state_dict)
     W_pos = out.pop("pos_embed.W_pos")
+    W_pos_up = W_pos.double()  # its tables are small: summed in float64 and rounded once
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}.attn"
         for name in "QK":
             weight, _bias, _heads = attention_names(cfg, name)
-            out[f"{p}.pos_{name}"] = torch.einsum("pd,hde->phe", W_pos, state_dict[f"{p}.{weight}"])
+            W = state_dict[f"{p}.{weight}"]
+            out[f"{p}.pos_{name}"] = torch.einsum("pd,hde->phe", W_pos_up, W.double()).to(W.dtype)
     return out, cfg.replace(positional_embedding_type="shortformer_tables", applied=cfg.applied + (identity,))
