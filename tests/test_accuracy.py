@@ -114,20 +114,24 @@ def _rotated(state_dict, cfg):
     return rotate_residual_stream(state_dict, cfg, Q)  # a float64 Q for every dtype
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("architecture, step", [
-    ("LN", "fold_layer_norm"), ("LNPre", "center_reading_weights"), ("LN", "center_writing_weights"), ("LN", "center_unembed"),
-    ("LN", "fold_value_biases"), ("LN", "refactor_factored_attn_matrices"), ("shortformer", "shortformer_to_tables"),
+_HALF_PRECISION_CASES = [
+    ("LN", "fold_layer_norm"), ("LNPre", "center_reading_weights"), ("LN", "center_writing_weights"),
+    ("LN", "center_unembed"), ("LN", "fold_value_biases"), ("LN", "refactor_factored_attn_matrices"),
+    ("shortformer", "shortformer_to_tables"),
     ("RMS", "fold_rms_norm"), ("RMS", "center_unembed"), ("RMS", "fold_value_biases"), ("RMSPre", _rotated),
     ("eps 0", functools.partial(rescale_residual_stream, scale=3.0)),
-])
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("architecture, step", _HALF_PRECISION_CASES)
 def test_each_transform_on_its_own_rounds_half_precision_once(architecture, step, dtype):
     """Every public weight transform that computes (the permutations and ``remove_key_biases``
-    only move or zero entries) given half-precision
-    weights returns, entry by entry, their float64 transform rounded once, up to what float32
-    arithmetic may move a result that cancels (measured at most 0.51 ulp here). Before:
-    ``center_unembed`` and ``center_reading_weights`` subtracted a mean rounded to half precision
-    (256 and 255 ulps off in bfloat16) and ``shortformer_to_tables`` summed its tables in float32 (1.27 ulps in
+    only move or zero entries), given half-precision weights, returns entry by entry their
+    float64 transform rounded once, up to what float32 arithmetic may move a result that
+    cancels (measured at most 0.51 ulp here). Before: ``center_unembed`` and
+    ``center_reading_weights`` subtracted a mean rounded to half precision (256 and 255 ulps off
+    in bfloat16), and ``shortformer_to_tables`` summed its tables in float32 (1.27 ulps in
     float16, where ``W_pos @ W_K`` cancels)."""
     import circuitmath
 
@@ -138,6 +142,18 @@ def test_each_transform_on_its_own_rounds_half_precision_once(architecture, step
     changed = [name for name in got if got[name] is not half.get(name)]
     assert changed and all(got[name].dtype == dtype for name in got)
     assert max(_ulps_from(got[name], exact[name], dtype) for name in changed) <= 0.6
+
+
+def test_every_public_transform_is_checked_in_half_precision():
+    """Registry guard: a new public transform joins the cases above, or says here why not."""
+    import circuitmath
+
+    moves_entries_only = {"permute_heads", "permute_neurons", "remove_key_biases", "layer_norm_to_rms_norm"}
+    elsewhere = {"process_weights"}  # test_half_precision_equals_float32_processing_rounded_once
+    named = {getattr(step, "func", step).__name__ if callable(step) else step for _arch, step in _HALF_PRECISION_CASES}
+    named = {"rotate_residual_stream" if name == "_rotated" else name for name in named}
+    public = {name for name in circuitmath.__all__ if hasattr(getattr(circuitmath, name), "identity")}
+    assert public == named | moves_entries_only | elsewhere
 
 
 def test_float32_processing_stays_close_to_float64():
