@@ -66,7 +66,9 @@ def _prove(args) -> int:
 
 
 CHECK_HELP = """With only MODEL, apply every weight identity that applies to it and compare log-probs, one row
-per identity (an identity that refuses the model shows the precondition it breaks). With
+per identity (an identity that refuses the model shows the precondition it breaks); below
+float64 each identity is also checked in float64 on the same weights, and the tensors it wrote
+are certified against the float64 rewrite, entry by entry. With
 --processed, check that OTHER is a valid processing of MODEL: the identities it applied are
 replayed on MODEL (as OTHER's recorded cfg.applied says, or inferred), each row shows the
 rewrite that reproduced OTHER ("exact" or a named wrong rewrite) and, when anything is wrong,

@@ -10,8 +10,13 @@ memory (:meth:`~circuitmath._processing._parts.Parts.run`: every identity is loc
 tensors are the whole model's; the tests find the in-memory |Δ log-prob|, within 1e-3 of the tolerance); two
 forward passes per identity (the prepared model and its transform, in
 :func:`~circuitmath.testing.compute_dtype`) advance by that part, keeping only the check
-tokens' activations. Peak memory: one part, read and converted, and one identity's prepared
-and transformed part with its temporaries. The tolerance is :func:`~circuitmath.testing.logprob_tolerance` with the
+tokens' activations. Below float64, as in memory (:mod:`~circuitmath._diagnosis._exact`), each
+identity is prepared and transformed in float64 too, from the part converted, with two more
+passes on the sensitivity tokens, and each part's own written tensors are certified against the
+float64 rewrite; the float64 chain decides on the whole model's writers in float64 (its own
+recording, :attr:`_Run.writers64`), so that it refuses where the in-memory chain does. Peak
+memory: one part, read and converted, and one identity's prepared and transformed part, in the
+model's dtype and in float64, with its temporaries. The tolerance is :func:`~circuitmath.testing.logprob_tolerance` with the
 rounding sensitivity measured as :class:`~circuitmath._streaming_check._Pass` measures it for
 ``check --processed`` (float64 against float64 nudged, plus the compute dtype's own rounding),
 on the tokens of :func:`~circuitmath._diagnosis._logprobs.sensitivity_window`, as the in-memory check.
@@ -39,10 +44,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ._checkpoint import Checkpoint
-from ._compare import _unit_roundoff, compute_dtype, logprob_tolerance
+from ._compare import Comparison, _unit_roundoff, compute_dtype, logprob_tolerance
 from ._config import Config
 from ._diagnosis import Diagnosis, Finding, weight_identities
+from ._diagnosis._exact import float64_chain, float64_rewrite, identity_row, in_float64, rewrite_mismatches
 from ._diagnosis._logprobs import sensitivity_window
+from ._diagnosis._tensors import _Thresholds
 from ._errors import PreconditionError
 from ._processing._parts import Parts
 from ._processing.norms import writers_given
@@ -124,6 +131,8 @@ class _Run:
     prepared: _Pass
     processed: _Pass
     writers: _ModelWriters = field(default_factory=_ModelWriters)
+    #: the same for the identity in float64 (its own decisions: see :mod:`~circuitmath._diagnosis._exact`)
+    writers64: _ModelWriters = field(default_factory=_ModelWriters)
     refusal: PreconditionError | None = None
     #: the steps of process_weights left to apply where they can that some part does not apply:
     #: left out of every part (:func:`~circuitmath._processing.pipeline.steps_left_out`)
@@ -133,17 +142,43 @@ class _Run:
     applied: tuple[str, ...] | None = None
     #: the first refusal of a block in the recording pass, with the decisions made before it
     recorded: tuple[int, PreconditionError] | None = None
+    #: below float64 (see :mod:`~circuitmath._diagnosis._exact`): the float64 passes of the
+    #: prepared model and its transform on the sensitivity tokens, the certificate's thresholds,
+    #: and each part's tensors that fail it (by part: ``None``, the ends, then each layer)
+    exact: tuple[_Pass, _Pass] | None = None
+    thresholds: _Thresholds | None = None
+    mismatches: dict = field(default_factory=dict)
 
     def transformed(self, parts: Parts, layer: int | None) -> tuple[dict, Config, dict, Config]:
-        """Part ``layer`` (``None``: the ends) prepared and transformed, in the part's names."""
+        """Part ``layer`` (``None``: the ends) prepared and transformed, in the part's names.
+        Below float64, outside the recording pass, followed by the same in float64 (from the
+        part converted first) and, kept in :attr:`mismatches`, the part's own tensors that fail
+        their certificate."""
         got = []
 
         def transform(state_dict, cfg):
             self.writers.start(layer)
+            state64 = in_float64(state_dict) if self.exact is not None else None
             prepare = self.identity.prepare
             prepared, prepared_cfg = prepare(state_dict, cfg) if prepare else (state_dict, cfg)
+            after_prepare = self.writers.calls
             processed, processed_cfg = self.identity.transform(prepared, prepared_cfg)
             got.extend((prepared, prepared_cfg, processed, processed_cfg))
+            if state64 is not None:
+                # float64 decides on the whole model's writers in float64 (recorded as the model's are)
+                self.writers64.start(layer)
+                with writers_given(self.writers64):
+                    chain = float64_chain(self.identity, state64, cfg)
+                if not self.writers.recording or not self.writers.largest:  # not the recording pass
+                    if chain is None:
+                        self.exact = None  # refused in float64: the identity is checked in the model's dtype alone
+                    else:
+                        got.extend(chain)
+                    self.writers.calls = after_prepare  # the float64 rewrite decides as the model's dtype did
+                    exact_rewrite = chain[2] if chain and not prepare else float64_rewrite(
+                        self.identity.transform, prepared, prepared_cfg)
+                    self.mismatches[layer] = rewrite_mismatches(
+                        prepared, processed, exact_rewrite, self.thresholds, _own(layer))
             return {}, processed_cfg
 
         with writers_given(self.writers), steps_left_out(self.left_out):
@@ -161,6 +196,14 @@ class _Run:
         return False
 
 
+def _own(layer: int | None) -> Callable[[str], str | None]:
+    """A part's own tensor names in the whole model's names (``None`` for a block part's stand-ins)."""
+    if layer is None:
+        return lambda name: name
+    prefix = "blocks.0."
+    return lambda name: f"blocks.{layer}.{name[len(prefix):]}" if name.startswith(prefix) else None
+
+
 def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | None, device) -> list[Finding]:
     """The rows of :func:`check_model_streaming`, one per identity, in the registry's order."""
     cfg, dtype = checkpoint.cfg, checkpoint.dtype
@@ -170,6 +213,12 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
     run_in = compute_dtype(dtype)
     runs = [_Run(identity, _Pass(run_in, device=device), _Pass(run_in, device=device))
             for identity in weight_identities(symmetries=True)]
+    rows, positions = sensitivity_window(tokens)
+    sensitivity_tokens = tokens[:rows, :positions]
+    if dtype != torch.float64:  # each identity in float64 too, and its rewrite certified (see _diagnosis._exact)
+        for run in runs:
+            run.exact = (_Pass(torch.float64, device=device), _Pass(torch.float64, device=device))
+            run.thresholds = _Thresholds.of(dtype, cfg)
     report = progress or (lambda done, total, what: None)
     validated: set = set()
 
@@ -191,18 +240,22 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
             return None
 
     def start(run: _Run, got) -> None:
-        prepared, prepared_cfg, processed, processed_cfg = got
+        prepared, prepared_cfg, processed, processed_cfg = got[:4]
         run.prepared.start(prepared, prepared_cfg, tokens)
         run.processed.start(processed, processed_cfg, tokens)
+        for p, (state, state_cfg) in zip(run.exact or (), (got[4:6], got[6:8])):
+            p.start(state, state_cfg, sensitivity_tokens)
         run.applied = processed_cfg.applied
 
     def step(run: _Run, layer: int) -> None:
         """``run``'s passes advanced by block ``layer``, unless it refuses or applies other steps."""
         if run.refusal is None and run.applied is not None and (got := transformed(run, layer)) is not None:
-            prepared, prepared_cfg, processed, processed_cfg = got
+            prepared, prepared_cfg, processed, processed_cfg = got[:4]
             if run.agrees(processed_cfg):
                 run.prepared.step(prepared, 0, prepared_cfg)
                 run.processed.step(processed, 0, processed_cfg)
+                for p, (state, state_cfg) in zip(run.exact or (), (got[4:6], got[6:8])):
+                    p.step(state, 0, state_cfg)
 
     # Which identities apply, as in memory. Each is tried on the ends; when they refuse, on
     # block 0 too, whose refusal comes first (a block part has the whole model's config, the ends
@@ -232,7 +285,8 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
         done += 1
         report(done, total, f"writers, block {layer}")
     for run in recording:
-        run.writers.recording, run.refusal = False, None
+        run.writers.recording = run.writers64.recording = False
+        run.refusal = None
         if (got := transformed(run, None)) is not None:
             start(run, got)
         elif run.recorded and run.recorded[0] < run.writers.calls:
@@ -241,11 +295,11 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
 
     # The main pass: the original on the sensitivity tokens (float64, float64 nudged, and the
     # compute dtype), in its own names, and each identity's two passes, a part at a time.
-    rows, positions = sensitivity_window(tokens)
-    sensitivity_tokens = tokens[:rows, :positions]
     reference = [_Pass(torch.float64, device=device), _Pass(torch.float64, nudge=_unit_roundoff(dtype), device=device)]
     if run_in != torch.float64:
         reference.append(_Pass(run_in, device=device))
+    if dtype != torch.float64:  # float64's own sensitivity, for the identities checked in float64
+        reference.append(_Pass(torch.float64, nudge=_unit_roundoff(torch.float64), device=device))
     for p in reference:
         p.start(source.ends(), cfg, sensitivity_tokens)
     for layer in range(cfg.n_layers):
@@ -266,10 +320,11 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
         for layer in range(cfg.n_layers):
             for run in again:
                 step(run, layer)
-    exact, nudged, *computed = (p.log_probs(source.ends(), cfg).double() for p in reference)
+    exact, nudged, *others = (p.log_probs(source.ends(), cfg).double() for p in reference)
     sensitivity = float((exact - nudged).abs().max())
-    if computed:
-        sensitivity += float((computed[0] - exact).abs().max())
+    if run_in != torch.float64:
+        sensitivity += float((others[0] - exact).abs().max())
+    sensitivity64 = float((others[-1] - exact).abs().max()) if dtype != torch.float64 else None
     findings = []
     for run in runs:
         got = transformed(run, None) if run.refusal is None else None
@@ -277,17 +332,25 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
             findings.append(Finding(run.identity.name, "identity", False, "not applicable", reason=str(run.refusal),
                                     precondition=run.refusal.precondition))
             continue
-        prepared, prepared_cfg, processed, processed_cfg = got
-        a = run.prepared.log_probs(prepared, prepared_cfg).double()
-        b = run.processed.log_probs(processed, processed_cfg).double()
-        got = prepared = processed = None
-        error = float((a - b).abs().max())
-        tolerance = logprob_tolerance(cfg, dtype, float(a.abs().max()), sensitivity)
-        findings.append(Finding(run.identity.name, "identity", True, "holds" if error <= tolerance else "violated",
-                                rewrite="exact", max_abs_error=error, tolerance=tolerance))
+        passes = (run.prepared, run.processed, *(run.exact or ()))
+        first, second, *in_float64_too = (
+            p.log_probs(state, state_cfg).double() for p, state, state_cfg in zip(passes, got[0::2], got[1::2]))
+        got = None
+        comparison, float64 = _compared(cfg, dtype, first, second, sensitivity), None
+        if in_float64_too:
+            float64 = _compared(cfg, torch.float64, *in_float64_too, sensitivity64)
+        mismatches = tuple(m for layer in [None, *range(cfg.n_layers)] for m in run.mismatches.get(layer, ()))
+        findings.append(identity_row(run.identity.name, comparison, float64, mismatches))
     source.drop()
     report(total, total, "done")
     return findings
+
+
+def _compared(cfg: Config, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor, sensitivity: float) -> Comparison:
+    """Log-probs ``a`` against ``b`` (float64 ``[batch, pos, d_vocab]``) within the tolerance of ``dtype``."""
+    difference = (a - b).abs()
+    where = tuple(int(i) for i in torch.unravel_index(difference.argmax(), difference.shape))
+    return Comparison(float(difference.max()), logprob_tolerance(cfg, dtype, float(a.abs().max()), sensitivity), where)
 
 
 def check_model_streaming(model, config=None, *, tokens, progress: Progress | None = None, device=None) -> Diagnosis:

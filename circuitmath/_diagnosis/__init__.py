@@ -34,7 +34,8 @@ from .._config import Config
 from .._errors import InputError, PreconditionError
 from .._state import validated_once
 from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
-from ._logprobs import _coarser, _LogProbs
+from ._exact import float64_chain, float64_rewrite, identity_row, in_float64, rewrite_mismatches
+from ._logprobs import _coarser, _LogProbs, sensitivity_window
 from ._replay import _Replay, weight_identities
 from ._report import Diagnosis, Finding, _config_differences, _identity_finding, _residual_finding
 from ._tensors import ParameterMismatch, _mismatch, _Thresholds
@@ -264,7 +265,9 @@ def check_model(model, cfg=None, *, tokens=None, progress: Progress | None = Non
     ``model`` and ``cfg`` as for :func:`diagnose`. Each identity runs on the model after its own
     preparation (e.g. centering the reading weights after the LayerNorm fold); an identity that
     refuses the model is ``"not applicable"``, with the broken precondition as its reason. The
-    tolerance is the model's (:class:`_LogProbs`). ``progress(done, total, what)`` is called
+    tolerance is the model's (:class:`_LogProbs`). Below float64 each identity is also checked
+    in float64 and its rewrite certified (:mod:`~circuitmath._diagnosis._exact`): a row holds
+    when all three pass. ``progress(done, total, what)`` is called
     before each identity; ``device`` as for :func:`diagnose`.
     """
     with validated_once():
@@ -287,6 +290,12 @@ def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagn
     report(0, total, "rounding sensitivity")
     lp = _LogProbs(tokens, resolved.dtype)
     lp.set_reference(state, model_cfg)
+    exact = None  # below float64: each identity in float64 too, and its rewrite certified (see _exact)
+    if resolved.dtype != torch.float64:
+        rows, positions = sensitivity_window(tokens)
+        exact, state64 = _LogProbs(tokens[:rows, :positions], torch.float64), in_float64(state)
+        exact.set_reference(state64, model_cfg)
+        thresholds = _Thresholds.of(resolved.dtype, model_cfg)
     findings = []
     for i, identity in enumerate(chosen, 1):
         report(i, total, identity.name)
@@ -298,9 +307,17 @@ def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagn
                                     precondition=error.precondition))
             continue
         comparison = lp.compare(prepared, prepared_cfg, processed, processed_cfg)
-        findings.append(Finding(
-            identity.name, "identity", True, "holds" if comparison.passed else "violated", rewrite="exact",
-            max_abs_error=comparison.max_abs_error, tolerance=comparison.tolerance,
-        ))
+        if exact is None:
+            findings.append(identity_row(identity.name, comparison, None))
+            continue
+        chain = float64_chain(identity, state64, model_cfg)
+        # without a preparation the chain's transform is the float64 rewrite of the same weights
+        exact_rewrite = chain[2] if chain and not identity.prepare else float64_rewrite(
+            identity.transform, prepared, prepared_cfg)
+        mismatches = rewrite_mismatches(prepared, processed, exact_rewrite, thresholds)
+        prepared = processed = exact_rewrite = None
+        float64 = exact.compare(*chain) if chain else None
+        findings.append(identity_row(identity.name, comparison, float64, mismatches))
+        chain = None
     report(total, total, "done")
     return Diagnosis(tuple(findings))

@@ -44,7 +44,7 @@ from .._proof import Definition, Fact, Proof, Step, Twin
 from .._reference import forward, normalize
 from .._registry import Identity, register
 from .._state import validate_state_dict
-from .._compare import default_tokens
+from .._compare import compute_dtype, default_tokens
 from ._circuit_checks import compare_values, dim, rational_orthogonal
 from .norms import centered_layer_norm_model
 from .reparametrise import invertible
@@ -457,13 +457,18 @@ def _to_lnpre(state_dict, cfg):
 
 def slicegpt_route(state_dict, cfg, Q=None):
     """Fold the LayerNorm, center every write, switch to RMSNorm, rotate by ``Q`` (default
-    :func:`check_rotation`): SliceGPT's preparation, before it deletes directions."""
+    :func:`check_rotation`): SliceGPT's preparation, before it deletes directions. Half
+    precision takes the route in float32 and is rounded once at its end."""
     require(
         "slicegpt_route", IS_LN, cfg.normalization_type == "LN",
         f"normalization_type is {cfg.normalization_type!r}: the route starts from a LayerNorm model"
         + (f" (an RMSNorm model needs only {fold_rms_norm.identity} before rotating)"
            if cfg.normalization_type == "RMS" else ""),
     )
+    dtype = next(iter(state_dict.values())).dtype
+    if compute_dtype(dtype) != dtype:  # half precision: the route in float32, rounded once at its end
+        out, cfg = slicegpt_route({k: v.to(compute_dtype(dtype)) for k, v in state_dict.items()}, cfg, Q)
+        return {k: v.to(dtype) for k, v in out.items()}, cfg
     state_dict, cfg = to_rms_pre(state_dict, cfg)
     return rotate_residual_stream(state_dict, cfg, check_rotation(cfg) if Q is None else Q)
 

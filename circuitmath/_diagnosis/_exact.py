@@ -1,0 +1,102 @@
+"""An identity checked on a model below float64: in float64 on its weights, and its rounding.
+
+``check MODEL`` applies each identity's transform in the model's dtype and compares log-probs
+there. Below float64 that comparison is as blunt as the model's rounding: in bfloat16 a model's
+tolerance is about a tenth of a nat on a 6-wide model, and wrong rewrites that move the
+log-probs by a hundredth pass it. Two sharper checks go with it, for every dtype below float64:
+
+- **the identity in float64**: the model's weights (exact in float64), prepared and transformed
+  in float64, against the weights themselves, on the first tokens of the check
+  (:func:`~circuitmath._diagnosis._logprobs.sensitivity_window`), within float64's tolerance:
+  whether the identity holds for these weights, up to float64's rounding, not the model's;
+- **the certificate of the rewrite**: each tensor the transform wrote in the model's dtype
+  against the same transform of the same prepared weights in float64, entry by entry
+  (:func:`~circuitmath._diagnosis._tensors._certificate`): whether the model's dtype got the
+  exact rewrite, rounded once.
+
+A row holds when all three pass (:func:`identity_row`). The in-memory and the streamed checks
+(:mod:`circuitmath._streaming_model`) build their rows here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from .._compare import Comparison
+from .._errors import PreconditionError
+from ._report import Finding
+from ._tensors import ParameterMismatch, _certificate, _largest_entry, _mismatch, _Thresholds
+
+__all__ = ["in_float64", "float64_rewrite", "float64_chain", "rewrite_mismatches", "identity_row"]
+
+
+def in_float64(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict``'s tensors in float64 (exact: every dtype below it converts exactly)."""
+    return {name: tensor.double() for name, tensor in state_dict.items()}
+
+
+def float64_rewrite(transform: Callable, prepared: Mapping, prepared_cfg) -> dict[str, torch.Tensor] | None:
+    """``transform`` of ``prepared`` (the model's dtype) converted to float64: what the
+    certificate holds the model dtype's rewrite to. ``None`` when it refuses: a precondition
+    that holds only to the model's rounding (writes centered in bfloat16) leaves nothing to
+    certify against."""
+    try:
+        return transform(in_float64(prepared), prepared_cfg)[0]
+    except PreconditionError:
+        return None
+
+
+def rewrite_mismatches(
+    prepared: Mapping, processed: Mapping, exact: Mapping | None, thresholds: _Thresholds,
+    keep: Callable[[str], str | None] = lambda name: name,
+) -> tuple[ParameterMismatch, ...]:
+    """The tensors a transform wrote into ``processed`` from ``prepared`` (in a dtype below
+    float64) that fail their certificate against ``exact``, the same transform of ``prepared``
+    in float64 (:func:`float64_rewrite`; ``None``: none is reported). ``keep(name)``: the name
+    to report for a tensor of ``processed`` (``None``: not certified here, e.g. a block part's
+    stand-ins for the ends)."""
+    if exact is None:
+        return ()
+    found = []
+    for name, tensor in processed.items():
+        if tensor is prepared.get(name) or keep(name) is None:
+            continue
+        expected = exact.get(name)
+        if expected is None or expected.shape != tensor.shape or _certificate(
+                tensor, expected, max(_largest_entry(expected), _largest_entry(tensor)), thresholds) > 1:
+            found.append(_mismatch(keep(name), tensor, expected, None, thresholds.exact, None, "the float64 rewrite"))
+    return tuple(found)
+
+
+def float64_chain(identity, state64: Mapping, cfg) -> tuple[dict, object, dict, object] | None:
+    """``(prepared, prepared_cfg, processed, processed_cfg)``: ``identity`` prepared and
+    transformed in float64 from ``state64`` (the model converted); ``None`` when it refuses
+    there (a precondition that holds only to the model's rounding)."""
+    try:
+        prepared, prepared_cfg = identity.prepare(state64, cfg) if identity.prepare else (state64, cfg)
+        return (prepared, prepared_cfg, *identity.transform(prepared, prepared_cfg))
+    except PreconditionError:
+        return None
+
+
+def identity_row(name: str, comparison: Comparison, exact: Comparison | None,
+                 mismatches: tuple[ParameterMismatch, ...] = ()) -> Finding:
+    """The row of identity ``name``: ``comparison`` in the model's dtype, ``exact`` in float64
+    (``None`` for a float64 model, or where the identity refuses the model in float64) and the
+    rewrite's ``mismatches``. The |Δ log-prob| shown is the model dtype's, or float64's when
+    that one fails."""
+    lines = []
+    shown = comparison
+    if exact is not None and not exact.passed:
+        shown = exact
+        lines.append(
+            f"in float64 on the model's weights the log-probs moved by {exact.max_abs_error:.3g}, above float64's"
+            f" tolerance {exact.tolerance:.3g}: the identity does not hold for these weights")
+    if mismatches:
+        lines.append(f"{len(mismatches)} tensor(s) written in the model's dtype are not the float64 rewrite rounded once")
+    holds = comparison.passed and not lines
+    return Finding(name, "identity", True, "holds" if holds else "violated", rewrite="exact",
+                   max_abs_error=shown.max_abs_error, tolerance=shown.tolerance,
+                   explanation="\n".join(lines) or None, parameters=mismatches)
