@@ -68,7 +68,8 @@ def _prove(args) -> int:
 CHECK_HELP = """With only MODEL, apply every weight identity that applies to it and compare log-probs, one row
 per identity (an identity that refuses the model shows the precondition it breaks); below
 float64 each identity is also checked in float64 on the same weights, and the tensors it wrote
-are certified against the float64 rewrite, entry by entry. With
+are certified against the float64 rewrite, entry by entry (for a checkpoint folder only with
+--exact: each part is then held in float64 too). With
 --processed, check that OTHER is a valid processing of MODEL: the identities it applied are
 replayed on MODEL (as OTHER's recorded cfg.applied says, or inferred), each row shows the
 rewrite that reproduced OTHER ("exact" or a named wrong rewrite) and, when anything is wrong,
@@ -148,7 +149,8 @@ def _check(args) -> int:
         elif Path(args.model).is_dir():
             from ._streaming_model import check_model_streaming  # a checkpoint folder: read a block at a time
 
-            report = check_model_streaming(args.model, cfg, tokens=tokens, progress=progress, device=device)
+            report = check_model_streaming(args.model, cfg, tokens=tokens, progress=progress, device=device,
+                                           exact=args.exact)
         else:
             report = _diagnosis.check_model(args.model, cfg, tokens=tokens, progress=progress, device=device)
     finally:
@@ -217,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--batch", type=int, default=4, help="sequences of random tokens (default 4)")
     check.add_argument("--seq-len", type=int, default=128, help="positions per sequence, at most n_ctx (default 128)")
     check.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
+    check.add_argument("--exact", action="store_true",
+                       help="MODEL a folder, without --processed: also check each identity in float64 and certify its"
+                            " rewrite, as a file always is (each part is then held in float64 too)")
     check.add_argument("--device", default=None,
                        help="where the check computes: cpu (default), cuda, cuda:1, ... (the files are read onto the CPU)")
     check.set_defaults(run=_check)

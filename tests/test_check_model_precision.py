@@ -1,7 +1,7 @@
 """``check MODEL`` below float64 (circuitmath._diagnosis._exact): each identity is checked in
 float64 on the model's weights as well as in the model's dtype, and the tensors its transform
-wrote in the model's dtype are certified against the float64 rewrite. In memory and streamed,
-the same rows."""
+wrote in the model's dtype are certified against the float64 rewrite. In memory always, and
+streamed with ``exact=True`` (``check FOLDER --exact``), the same rows."""
 
 import dataclasses
 
@@ -79,7 +79,7 @@ def test_a_rewrite_rounded_twice_is_named_by_its_certificate(tmp_path, monkeypat
                     Identity("center_unembed.twice", _center_unembed_rounding_the_mean))
     tokens = TOKENS % cfg.d_vocab
     in_memory = diagnosis_module.check_model(state_dict, cfg, tokens=tokens)
-    streamed = check_model_streaming(tmp_path / "folder", tokens=tokens)
+    streamed = check_model_streaming(tmp_path / "folder", tokens=tokens, exact=True)
     same_rows(streamed, in_memory, tolerances=0.5)
     exact, twice = in_memory.findings
     assert exact.status == "holds" and not exact.parameters
@@ -100,11 +100,13 @@ def test_a_wrong_rewrite_is_caught_in_float64_streamed_as_in_memory(tmp_path, mo
                                 transform=identity.wrong_rewrites["other_eps"].function)
     with_identities(monkeypatch, identity, wrong)
     in_memory = diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS)
-    streamed = check_model_streaming(tmp_path / "folder", tokens=TOKENS)
+    streamed = check_model_streaming(tmp_path / "folder", tokens=TOKENS, exact=True)
     same_rows(streamed, in_memory, tolerances=0.5)
     assert [f.status for f in in_memory.findings] == ["holds", "violated"]
     row = in_memory.findings[1]
     assert row.tolerance < 1e-9 < row.max_abs_error and "in float64" in row.explanation
+    # without exact, a folder is checked in its dtype alone: the wrong rewrite holds there
+    assert [f.status for f in check_model_streaming(tmp_path / "folder", tokens=TOKENS).findings] == ["holds", "holds"]
 
 
 def test_float64_models_are_checked_once(monkeypatch):

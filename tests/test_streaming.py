@@ -553,7 +553,8 @@ def test_the_centered_writes_are_decided_on_the_whole_model(tmp_path, monkeypatc
 
 def test_a_wrong_transform_in_one_layer_is_violated(tmp_path, monkeypatch):
     """fold_layer_norm with one block's W_V scaled by 1.01 (the block recognised by its ln1
-    gain, in the whole model as in a part): violated streamed as in memory."""
+    gain, in the whole model as in a part): violated streamed as in memory (in float32 without
+    the float64 check too)."""
     folder, (state_dict, cfg) = _model_folder(tmp_path, "gpt2")
     marker = state_dict["blocks.1.ln1.w"]
 
@@ -567,9 +568,10 @@ def test_a_wrong_transform_in_one_layer_is_violated(tmp_path, monkeypatch):
     with_identities(monkeypatch, Identity("fold_layer_norm", cm.fold_layer_norm),
                      Identity("fold_layer_norm.wrong", slightly_wrong))
     in_memory = diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS)
-    streamed = check_model_streaming(folder, tokens=TOKENS)
+    streamed = check_model_streaming(folder, tokens=TOKENS, exact=True)  # float64 too, as in memory
     same_rows(streamed, in_memory, tolerances=0.2)
     assert [f.status for f in streamed.findings] == ["holds", "violated"] and not streamed.ok
+    assert [f.status for f in check_model_streaming(folder, tokens=TOKENS).findings] == ["holds", "violated"]
 
 
 def test_check_model_holds_a_couple_of_layers_at_most(tmp_path, monkeypatch):
