@@ -119,3 +119,27 @@ def test_float64_models_are_checked_once(monkeypatch):
     assert not calls
     assert diagnosis_module.check_model(cm.random_state_dict(cfg, seed=0, dtype=torch.float32), cfg, tokens=TOKENS).ok
     assert calls
+
+
+def test_each_identitys_models_are_freed_before_the_next_runs(monkeypatch):
+    """The log-prob caches and the validation keep no identity's prepared or transformed model
+    once its row is made (in float32 and in float64): memory holds one identity's at a time."""
+    import gc
+    import weakref
+
+    written = []  # (identity, weak reference to a tensor it wrote)
+
+    def shift(i):
+        def shifted_unembed_bias(state_dict, cfg):  # exact: every logit shifted by 1
+            gc.collect()
+            alive = [j for j, ref in written if j != i and ref() is not None]
+            assert not alive, f"identity {i} runs while the outputs of {alive} are alive"
+            out = dict(state_dict, **{"unembed.b_U": state_dict["unembed.b_U"] + 1.0})
+            written.append((i, weakref.ref(out["unembed.b_U"])))
+            return out, cfg
+        return shifted_unembed_bias
+
+    with_identities(monkeypatch, *[Identity(f"shift_{i}", shift(i)) for i in range(3)])
+    cfg = MODELS["LN"]
+    report = diagnosis_module.check_model(cm.random_state_dict(cfg, seed=0, dtype=torch.float32), cfg, tokens=TOKENS)
+    assert report.ok and len(written) == 6  # each identity in float32 and in float64

@@ -307,6 +307,7 @@ def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagn
                                     precondition=error.precondition))
             continue
         comparison = lp.compare(prepared, prepared_cfg, processed, processed_cfg)
+        lp.forget_all_but(state)  # each identity's models go once it is checked
         if exact is None:
             findings.append(identity_row(identity.name, comparison, None))
             continue
@@ -317,6 +318,7 @@ def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagn
         mismatches = rewrite_mismatches(prepared, processed, exact_rewrite, thresholds)
         prepared = processed = exact_rewrite = None
         float64 = exact.compare(*chain) if chain else None
+        exact.forget_all_but(state64)
         findings.append(identity_row(identity.name, comparison, float64, mismatches))
         chain = None
     report(total, total, "done")

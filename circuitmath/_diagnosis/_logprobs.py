@@ -56,6 +56,11 @@ class _LogProbs:
             self._cache[id(state)] = hit
         return hit[1]
 
+    def forget_all_but(self, *states: Mapping) -> None:
+        """Drop the cached log-probs, and so the references to their state dicts, of every state
+        but ``states``: a check that goes through many transformed models keeps only these."""
+        self._cache = {key: hit for key, hit in self._cache.items() if any(hit[0] is state for state in states)}
+
     def seed(self, state: Mapping, computed: torch.Tensor) -> None:
         """Take ``computed``, ``state``'s log-probs on these tokens in this dtype (float64 values
         ``[batch, pos, d_vocab]``), instead of computing them again."""
