@@ -121,6 +121,9 @@ def _check(args) -> int:
 
     if not (1 <= args.batch and 1 <= args.seq_len):
         raise InputError("--batch and --seq-len must be at least 1")
+    if args.exact and args.processed:
+        raise InputError("--exact is for check MODEL alone (a checkpoint folder); --processed certifies OTHER's"
+                         " tensors already")
     device = usable_device(args.device, "--device")
 
     def tokens(cfg: Config) -> torch.Tensor:

@@ -214,6 +214,8 @@ if not torch.cuda.is_available():
 BAD_INPUTS["unknown device"] = (lambda tmp: [_write_model(tmp), "--device", "nonsense:0"], "--device nonsense:0")
 BAD_INPUTS["a device torch cannot import"] = (lambda tmp: [_write_model(tmp), "--device", "hpu"], "--device hpu")
 BAD_INPUTS["meta device"] = (lambda tmp: [_write_model(tmp), "--device", "meta"], "holds no values")
+BAD_INPUTS["--exact with --processed"] = (
+    lambda tmp: [_write_model(tmp), "--processed", tmp / "absent.safetensors", "--exact"], "--exact is for check MODEL")
 # the device is refused before any file is read: the missing file is not what is reported
 BAD_INPUTS["device before files"] = (lambda tmp: [tmp / "absent.safetensors", "--device", "nonsense"], "--device nonsense")
 
@@ -287,3 +289,18 @@ def test_device_cuda_gives_the_same_verdicts(files, tmp_path, capsys):
         on_gpu, gpu_out, _ = _run(capsys, *args, "--json", "--device", "cuda")
         rows, gpu_rows = json.loads(out), json.loads(gpu_out)
         assert on_gpu == status and [r["status"] for r in gpu_rows] == [r["status"] for r in rows], name
+
+
+@pytest.mark.parametrize("flags, exact", [([], False), (["--exact"], True)])
+def test_a_folder_is_checked_in_float64_too_with_exact(flags, exact, tmp_path, capsys, monkeypatch):
+    """``check FOLDER --exact`` asks the streamed check for the float64 checks (a file always
+    gets them); without it, not. Both hold on a valid bfloat16 model."""
+    from circuitmath import _streaming_model
+
+    asked, streamed = [], _streaming_model.check_model_streaming
+    monkeypatch.setattr(_streaming_model, "check_model_streaming",
+                        lambda *a, **k: asked.append(k["exact"]) or streamed(*a, **k))
+    io.save(tmp_path / "m.safetensors", cm.random_state_dict(CFG, seed=0, dtype=torch.bfloat16), CFG)
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "folder", steps=[])
+    status, out, err = _run(capsys, tmp_path / "folder", "--batch", "1", "--seq-len", "4", *flags)
+    assert status == 0 and asked == [exact], (out, err)
