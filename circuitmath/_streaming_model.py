@@ -342,7 +342,8 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
         if in_float64_too:
             float64 = _compared(cfg, torch.float64, *in_float64_too, sensitivity64)
         mismatches = tuple(m for layer in [None, *range(cfg.n_layers)] for m in run.mismatches.get(layer, ()))
-        findings.append(identity_row(run.identity.name, comparison, float64, mismatches))
+        findings.append(identity_row(run.identity.name, comparison, float64, mismatches,
+                                     refused_in_float64=exact and run.exact is None))
     source.drop()
     report(total, total, "done")
     return findings

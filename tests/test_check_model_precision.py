@@ -143,3 +143,21 @@ def test_each_identitys_models_are_freed_before_the_next_runs(monkeypatch):
     cfg = MODELS["LN"]
     report = diagnosis_module.check_model(cm.random_state_dict(cfg, seed=0, dtype=torch.float32), cfg, tokens=TOKENS)
     assert report.ok and len(written) == 6  # each identity in float32 and in float64
+
+
+def test_an_identity_refused_in_float64_is_checked_in_its_dtype_and_says_so(tmp_path, monkeypatch):
+    """layer_norm_to_rms_norm without its preparation on a bfloat16 LNPre model whose writes were
+    centered in float32 and rounded: centered to bfloat16's rounding, not to float64's. The row
+    holds on the model's dtype's comparison and says that float64 refused, in memory and
+    streamed with exact=True."""
+    cfg = MODELS["LN"].replace(normalization_type="LNPre")
+    centered, cfg = cm.center_writing_weights(cm.random_state_dict(cfg, seed=0), cfg)
+    state_dict = {k: v.to(torch.bfloat16) for k, v in centered.items()}
+    io.save(tmp_path / "m.safetensors", state_dict, cfg)
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "folder", steps=[])
+    with_identities(monkeypatch, Identity("layer_norm_to_rms_norm", cm.layer_norm_to_rms_norm))
+    in_memory = diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS)
+    streamed = check_model_streaming(tmp_path / "folder", tokens=TOKENS, exact=True)
+    same_rows(streamed, in_memory, tolerances=0.5)
+    for row in (in_memory.findings[0], streamed.findings[0]):
+        assert row.status == "holds" and "in float64 the identity refuses these weights" in row.explanation

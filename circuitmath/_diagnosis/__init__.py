@@ -319,7 +319,7 @@ def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagn
         prepared = processed = exact_rewrite = None
         float64 = exact.compare(*chain) if chain else None
         exact.forget_all_but(state64)
-        findings.append(identity_row(identity.name, comparison, float64, mismatches))
+        findings.append(identity_row(identity.name, comparison, float64, mismatches, refused_in_float64=chain is None))
         chain = None
     report(total, total, "done")
     return Diagnosis(tuple(findings))

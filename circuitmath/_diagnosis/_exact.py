@@ -82,21 +82,25 @@ def float64_chain(identity, state64: Mapping, cfg) -> tuple[dict, object, dict, 
 
 
 def identity_row(name: str, comparison: Comparison, exact: Comparison | None,
-                 mismatches: tuple[ParameterMismatch, ...] = ()) -> Finding:
+                 mismatches: tuple[ParameterMismatch, ...] = (), *, refused_in_float64: bool = False) -> Finding:
     """The row of identity ``name``: ``comparison`` in the model's dtype, ``exact`` in float64
-    (``None`` for a float64 model, or where the identity refuses the model in float64) and the
-    rewrite's ``mismatches``. The |Δ log-prob| shown is the model dtype's, or float64's when
-    that one fails."""
-    lines = []
+    (``None`` for a float64 model, or where the identity refuses the model in float64:
+    ``refused_in_float64``, said in the row) and the rewrite's ``mismatches``. The |Δ log-prob|
+    shown is the model dtype's, or float64's when that one fails."""
+    notes, failures = [], []
+    if refused_in_float64:
+        notes.append("in float64 the identity refuses these weights (a precondition holds only to the model's"
+                     " rounding): checked in the model's dtype alone")
     shown = comparison
     if exact is not None and not exact.passed:
         shown = exact
-        lines.append(
+        failures.append(
             f"in float64 on the model's weights the log-probs moved by {exact.max_abs_error:.3g}, above float64's"
             f" tolerance {exact.tolerance:.3g}: the identity does not hold for these weights")
     if mismatches:
-        lines.append(f"{len(mismatches)} tensor(s) written in the model's dtype are not the float64 rewrite rounded once")
-    holds = comparison.passed and not lines
+        failures.append(f"{len(mismatches)} tensor(s) written in the model's dtype are not the float64 rewrite rounded once")
+    holds = comparison.passed and not failures
+    lines = notes + failures
     return Finding(name, "identity", True, "holds" if holds else "violated", rewrite="exact",
                    max_abs_error=shown.max_abs_error, tolerance=shown.tolerance,
                    explanation="\n".join(lines) or None, parameters=mismatches)
