@@ -135,7 +135,8 @@ class Identity:
         doc = " ".join((getattr(rewrite.function, "__doc__", None) or "").strip().split("\n\n")[0].split()).rstrip(".")
         return doc[0].lower() + doc[1:] if doc else wrong.replace("_", " ")
 
-    def _prepared(self, state_dict: StateDict, cfg: Config) -> tuple[StateDict, Config]:
+    def prepared(self, state_dict: StateDict, cfg: Config) -> tuple[StateDict, Config]:
+        """The model the transform applies to: ``prepare``'s output, or the model itself."""
         return self.prepare(state_dict, cfg) if self.prepare else (state_dict, cfg)
 
     def check(self, state_dict: StateDict, cfg: Config, tokens: torch.Tensor | None = None) -> Comparison:
@@ -152,7 +153,7 @@ class Identity:
     check_corruption = check_wrong_rewrite
 
     def _check(self, transform, state_dict: StateDict, cfg: Config, tokens: torch.Tensor | None) -> Comparison:
-        before, before_cfg = self._prepared(state_dict, cfg)
+        before, before_cfg = self.prepared(state_dict, cfg)
         if self.compare is not None:
             return self.compare(before, before_cfg, tokens, transform)
         after, after_cfg = transform(before, before_cfg)

@@ -45,11 +45,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ._checkpoint import Checkpoint
-from ._compare import Comparison, _unit_roundoff, compute_dtype, logprob_tolerance
+from ._compare import _unit_roundoff, compute_dtype
 from ._config import Config
 from ._diagnosis import Diagnosis, Finding, weight_identities
-from ._diagnosis._exact import float64_chain, float64_rewrite, identity_row, in_float64, rewrite_mismatches
-from ._diagnosis._logprobs import sensitivity_window
+from ._diagnosis._exact import float64_chain, identity_row, in_float64, rewrite_mismatches
+from ._diagnosis._logprobs import compared, sensitivity_window
 from ._diagnosis._tensors import _Thresholds
 from ._errors import PreconditionError
 from ._processing._parts import Parts
@@ -160,8 +160,7 @@ class _Run:
         def transform(state_dict, cfg):
             self.writers.start(layer)
             state64 = in_float64(state_dict) if self.exact is not None else None
-            prepare = self.identity.prepare
-            prepared, prepared_cfg = prepare(state_dict, cfg) if prepare else (state_dict, cfg)
+            prepared, prepared_cfg = self.identity.prepared(state_dict, cfg)
             after_prepare = self.writers.calls
             processed, processed_cfg = self.identity.transform(prepared, prepared_cfg)
             got.extend((prepared, prepared_cfg, processed, processed_cfg))
@@ -176,10 +175,8 @@ class _Run:
                     else:
                         got.extend(chain)
                     self.writers.calls = after_prepare  # the float64 rewrite decides as the model's dtype did
-                    exact_rewrite = chain[2] if chain and not prepare else float64_rewrite(
-                        self.identity.transform, prepared, prepared_cfg)
                     self.mismatches[layer] = rewrite_mismatches(
-                        prepared, processed, exact_rewrite, self.thresholds, _own(layer))
+                        self.identity, prepared, prepared_cfg, processed, chain, self.thresholds, _own(layer))
             return {}, processed_cfg
 
         with writers_given(self.writers), steps_left_out(self.left_out):
@@ -338,22 +335,15 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
         first, second, *in_float64_too = (
             p.log_probs(state, state_cfg).double() for p, state, state_cfg in zip(passes, got[0::2], got[1::2]))
         got = None
-        comparison, float64 = _compared(cfg, dtype, first, second, sensitivity), None
+        comparison, float64 = compared(first, second, cfg, dtype, sensitivity), None
         if in_float64_too:
-            float64 = _compared(cfg, torch.float64, *in_float64_too, sensitivity64)
+            float64 = compared(*in_float64_too, cfg, torch.float64, sensitivity64)
         mismatches = tuple(m for layer in [None, *range(cfg.n_layers)] for m in run.mismatches.get(layer, ()))
         findings.append(identity_row(run.identity.name, comparison, float64, mismatches,
                                      refused_in_float64=exact and run.exact is None))
     source.drop()
     report(total, total, "done")
     return findings
-
-
-def _compared(cfg: Config, dtype: torch.dtype, a: torch.Tensor, b: torch.Tensor, sensitivity: float) -> Comparison:
-    """Log-probs ``a`` against ``b`` (float64 ``[batch, pos, d_vocab]``) within the tolerance of ``dtype``."""
-    difference = (a - b).abs()
-    where = tuple(int(i) for i in torch.unravel_index(difference.argmax(), difference.shape))
-    return Comparison(float(difference.max()), logprob_tolerance(cfg, dtype, float(a.abs().max()), sensitivity), where)
 
 
 def check_model_streaming(model, config=None, *, tokens, progress: Progress | None = None, device=None,

@@ -8,6 +8,7 @@ from hypothesis import assume, event, note
 
 import circuitmath as cm
 from circuitmath._identities._circuit_checks import compare_logits
+from circuitmath._registry import Identity as RegisteredIdentity
 
 # Sizeable biases, and weights small enough that no softmax saturates: a saturated softmax is
 # one-hot whatever its scores, so it hides a wrong change of the scores (post-norm models read
@@ -188,6 +189,8 @@ class Identity:
 
     def __init__(self, name, transform, prepare=None):
         self.name, self.transform, self.prepare = name, transform, prepare
+
+    prepared = RegisteredIdentity.prepared  # the registry's own: prepare's output, or the model itself
 
 
 def with_identities(monkeypatch, *chosen):

@@ -34,7 +34,7 @@ from .._config import Config
 from .._errors import InputError, PreconditionError
 from .._state import validated_once
 from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
-from ._exact import float64_chain, float64_rewrite, identity_row, in_float64, rewrite_mismatches
+from ._exact import float64_chain, identity_row, in_float64, rewrite_mismatches
 from ._logprobs import _coarser, _LogProbs, sensitivity_window
 from ._replay import _Replay, weight_identities
 from ._report import Diagnosis, Finding, _config_differences, _identity_finding, _residual_finding
@@ -210,7 +210,7 @@ def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens
         first, second, notes = resolve_pair(before, after, cfg, after_cfg)
         plan = [identity]
         try:  # the identities its preparation and its transform record (a pipeline records its steps)
-            prepared, prepared_cfg = identity.prepare(first.state_dict, first.cfg) if identity.prepare else (first.state_dict, first.cfg)
+            prepared, prepared_cfg = identity.prepared(first.state_dict, first.cfg)
             recorded = identity.transform(prepared, prepared_cfg)[1].applied[len(first.cfg.applied):]
             plan = [_identities.get_identity(n) for n in recorded]
         except PreconditionError:
@@ -300,7 +300,7 @@ def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagn
     for i, identity in enumerate(chosen, 1):
         report(i, total, identity.name)
         try:
-            prepared, prepared_cfg = identity.prepare(state, model_cfg) if identity.prepare else (state, model_cfg)
+            prepared, prepared_cfg = identity.prepared(state, model_cfg)
             processed, processed_cfg = identity.transform(prepared, prepared_cfg)
         except PreconditionError as error:
             findings.append(Finding(identity.name, "identity", False, "not applicable", reason=str(error),
@@ -312,11 +312,8 @@ def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagn
             findings.append(identity_row(identity.name, comparison, None))
             continue
         chain = float64_chain(identity, state64, model_cfg)
-        # without a preparation the chain's transform is the float64 rewrite of the same weights
-        exact_rewrite = chain[2] if chain and not identity.prepare else float64_rewrite(
-            identity.transform, prepared, prepared_cfg)
-        mismatches = rewrite_mismatches(prepared, processed, exact_rewrite, thresholds)
-        prepared = processed = exact_rewrite = None
+        mismatches = rewrite_mismatches(identity, prepared, prepared_cfg, processed, chain, thresholds)
+        prepared = processed = None
         float64 = exact.compare(*chain) if chain else None
         exact.forget_all_but(state64)
         findings.append(identity_row(identity.name, comparison, float64, mismatches, refused_in_float64=chain is None))

@@ -29,7 +29,7 @@ from .._errors import PreconditionError
 from ._report import Finding
 from ._tensors import ParameterMismatch, _certificate, _largest_entry, _mismatch, _Thresholds
 
-__all__ = ["in_float64", "float64_rewrite", "float64_chain", "rewrite_mismatches", "identity_row"]
+__all__ = ["in_float64", "float64_chain", "rewrite_mismatches", "identity_row"]
 
 
 def in_float64(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -37,28 +37,24 @@ def in_float64(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {name: tensor.double() for name, tensor in state_dict.items()}
 
 
-def float64_rewrite(transform: Callable, prepared: Mapping, prepared_cfg) -> dict[str, torch.Tensor] | None:
-    """``transform`` of ``prepared`` (the model's dtype) converted to float64: what the
-    certificate holds the model dtype's rewrite to. ``None`` when it refuses: a precondition
-    that holds only to the model's rounding (writes centered in bfloat16) leaves nothing to
-    certify against."""
-    try:
-        return transform(in_float64(prepared), prepared_cfg)[0]
-    except PreconditionError:
-        return None
-
-
 def rewrite_mismatches(
-    prepared: Mapping, processed: Mapping, exact: Mapping | None, thresholds: _Thresholds,
+    identity, prepared: Mapping, prepared_cfg, processed: Mapping, chain: tuple | None, thresholds: _Thresholds,
     keep: Callable[[str], str | None] = lambda name: name,
 ) -> tuple[ParameterMismatch, ...]:
-    """The tensors a transform wrote into ``processed`` from ``prepared`` (in a dtype below
-    float64) that fail their certificate against ``exact``, the same transform of ``prepared``
-    in float64 (:func:`float64_rewrite`; ``None``: none is reported). ``keep(name)``: the name
-    to report for a tensor of ``processed`` (``None``: not certified here, e.g. a block part's
-    stand-ins for the ends)."""
-    if exact is None:
-        return ()
+    """The tensors ``identity``'s transform wrote into ``processed`` from ``prepared`` (in a
+    dtype below float64) that fail their certificate against the same transform of ``prepared``
+    in float64: ``chain``'s (:func:`float64_chain` of the same model) where the identity has no
+    preparation, else computed here. None is reported when that transform refuses: a
+    precondition that holds only to the model's rounding (writes centered in bfloat16) leaves
+    nothing to certify against. ``keep(name)``: the name to report for a tensor of
+    ``processed`` (``None``: not certified here, e.g. a block part's stand-ins for the ends)."""
+    if chain is not None and not identity.prepare:
+        exact = chain[2]
+    else:
+        try:
+            exact = identity.transform(in_float64(prepared), prepared_cfg)[0]
+        except PreconditionError:
+            return ()
     found = []
     for name, tensor in processed.items():
         if tensor is prepared.get(name) or keep(name) is None:
@@ -75,7 +71,7 @@ def float64_chain(identity, state64: Mapping, cfg) -> tuple[dict, object, dict, 
     transformed in float64 from ``state64`` (the model converted); ``None`` when it refuses
     there (a precondition that holds only to the model's rounding)."""
     try:
-        prepared, prepared_cfg = identity.prepare(state64, cfg) if identity.prepare else (state64, cfg)
+        prepared, prepared_cfg = identity.prepared(state64, cfg)
         return (prepared, prepared_cfg, *identity.transform(prepared, prepared_cfg))
     except PreconditionError:
         return None

@@ -11,7 +11,7 @@ from .._config import Config
 from .._reference import log_probs
 from ._tensors import _largest_entry
 
-__all__ = ["SENSITIVITY_POSITIONS", "sensitivity_window"]
+__all__ = ["SENSITIVITY_POSITIONS", "sensitivity_window", "compared"]
 
 
 #: Positions the rounding sensitivity is measured on, at least (see :func:`sensitivity_window`).
@@ -76,13 +76,17 @@ class _LogProbs:
         self.cfg = cfg
 
     def compare(self, a: Mapping, a_cfg: Config, b: Mapping, b_cfg: Config) -> Comparison:
-        first, second = self(a, a_cfg), self(b, b_cfg)
-        difference = torch.sub(first, second).abs_()
-        at = difference.argmax()  # the largest entry (NaN if any), as difference.max() gives it
-        where = tuple(int(i) for i in torch.unravel_index(at, difference.shape))
-        scale = _largest_entry(first)
-        tolerance = logprob_tolerance(self.cfg or a_cfg, self.dtype, scale, self.sensitivity)
-        return Comparison(max_abs_error=float(difference.reshape(-1)[at]), tolerance=tolerance, where=where)
+        return compared(self(a, a_cfg), self(b, b_cfg), self.cfg or a_cfg, self.dtype, self.sensitivity)
+
+
+def compared(first: torch.Tensor, second: torch.Tensor, cfg: Config, dtype: torch.dtype, sensitivity: float) -> Comparison:
+    """Log-probs ``first`` against ``second`` (float64 ``[batch, pos, d_vocab]``) within
+    :func:`~circuitmath.testing.logprob_tolerance` of ``dtype`` with ``sensitivity``."""
+    difference = torch.sub(first, second).abs_()
+    at = difference.argmax()  # the largest entry (NaN if any), as difference.max() gives it
+    where = tuple(int(i) for i in torch.unravel_index(at, difference.shape))
+    tolerance = logprob_tolerance(cfg, dtype, _largest_entry(first), sensitivity)
+    return Comparison(max_abs_error=float(difference.reshape(-1)[at]), tolerance=tolerance, where=where)
 
 
 def _coarser(*dtypes: torch.dtype) -> torch.dtype:
