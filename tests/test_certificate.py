@@ -46,11 +46,12 @@ def float64_certificate(got, expected, scale, thresholds, chunk=1 << 20) -> floa
 def values(g: torch.Generator, n: int, dtype: torch.dtype) -> torch.Tensor:
     """``n`` values of ``dtype`` from all over its range."""
     info = torch.finfo(dtype)
-    magnitudes = torch.exp2(torch.empty(n).uniform_(math.log2(info.smallest_normal) - 12, math.log2(info.max), generator=g))
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    magnitudes = torch.exp2(torch.empty(n, dtype=wide).uniform_(math.log2(info.smallest_normal) - 12, math.log2(info.max), generator=g))
     out = magnitudes * torch.randn(n, generator=g).sign()
     special = torch.tensor([0.0, -0.0, info.max, -info.max, info.smallest_normal, -info.smallest_normal,
                             info.smallest_normal * 2.0**-3, info.smallest_normal * info.eps, 1.0, -1.0,
-                            math.inf, -math.inf, math.nan])
+                            math.inf, -math.inf, math.nan], dtype=wide)
     pick = torch.randint(0, 3, (n,), generator=g) == 0
     out[pick] = special[torch.randint(0, len(special), (int(pick.sum()),), generator=g)]
     return out.to(dtype)
@@ -74,9 +75,10 @@ def nearby(g: torch.Generator, e: torch.Tensor, dtype: torch.dtype, finite: bool
 
 
 @settings(max_examples=300, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), got_dtype=st.sampled_from(DTYPES), expected_dtype=st.sampled_from(DTYPES),
+@given(seed=st.integers(0, 2**31 - 1), got_dtype=st.sampled_from(DTYPES),
+       expected_dtype=st.sampled_from(DTYPES + [torch.float64]),
        target=st.sampled_from(DTYPES + [torch.float64]), finite=st.booleans(), size=st.sampled_from(["any", "ordinary", "tiny"]),
-       scale_kind=st.sampled_from(["largest", "zero", "tiny", "huge", "random", "subnormal floor"]),
+       scale_kind=st.sampled_from(["largest", "zero", "tiny", "huge", "random", "subnormal floor", "float64 subnormal floor"]),
        chunk=st.sampled_from([7, 64, 1 << 20]), piece=st.sampled_from([3, 1 << 18]))
 def test_screen_gives_the_float64_number(seed, got_dtype, expected_dtype, target, finite, size, scale_kind, chunk,
                                          piece):
@@ -86,8 +88,8 @@ def test_screen_gives_the_float64_number(seed, got_dtype, expected_dtype, target
     if finite:
         expected = torch.where(expected.isfinite(), expected, torch.ones_like(expected))
     if size != "any":  # values near one another, as processing gives: ordinary ones, or around float32's subnormals
-        exponent = float(torch.randint(-140, -110, (), generator=g)) if size == "tiny" else float(torch.randint(-10, 10, (), generator=g))
-        expected = (torch.randn(n, generator=g) * 2.0**exponent).to(expected_dtype)
+        low, high = ((-1070, -1000) if expected_dtype == torch.float64 else (-140, -110)) if size == "tiny" else (-10, 10)
+        expected = (torch.randn(n, generator=g, dtype=torch.float64) * 2.0**float(torch.randint(low, high, (), generator=g))).to(expected_dtype)
     got = nearby(g, expected, got_dtype, finite)
     largest = max((float(t.float().abs().max()) if t.numel() else 0.0) for t in (got, expected))
     thresholds = _Thresholds.of(target, CFG)
@@ -95,6 +97,8 @@ def test_screen_gives_the_float64_number(seed, got_dtype, expected_dtype, target
              "random": 10.0 ** float(torch.empty(()).uniform_(-40, 40, generator=g)),
              # a bound (floor) among float32's subnormals and smallest normals
              "subnormal floor": 2.0 ** float(torch.empty(()).uniform_(-150, -99, generator=g)) / thresholds.floor,
+             # a floor among float64's subnormals and smallest normals, where the unit is taken from frexp
+             "float64 subnormal floor": 2.0 ** float(torch.empty(()).uniform_(-1074, -960, generator=g)) / thresholds.floor,
              }[scale_kind]
     for thresholds in (thresholds, _Thresholds(1e-3, 1e-4, 1e-4, target)):  # the second: floor 0
         with mock.patch.object(_tensors, "_SCREEN_PIECE", piece):  # a chunk screened in pieces, or whole
@@ -172,3 +176,22 @@ def test_screen_where_float32_misorders_the_ratios():
     # among entries equal to the rewrite (a chunk the screen is taken on)
     got, expected = torch.cat([got[pair], expected[:1000]]), torch.cat([expected[pair], expected[:1000]])
     assert _certificate(got, expected, 1.0, thresholds) == float64_certificate(got, expected, 1.0, thresholds)
+
+
+@pytest.mark.parametrize("bits", [7, 10, 23, 52])
+@pytest.mark.parametrize("floor", [0.0, 2.0**-1074, 2.0**-1030, 2.0**-1000, 2.0**-970, 2.0**-969, 2.0**-900, 1e-5])
+def test_ratios_in_float64_give_the_frexp_number(bits, floor):
+    """``_ratios_float64`` reads the unit in the last place from the exponent bits, and from
+    ``frexp`` where the floor is positive and below ``2**-969``: there a unit below float64's
+    smallest normal (of an entry under ``2**(bits - 1022)``) still moves the bound. Every entry's
+    ratio is the reference's, bit for bit, over float64's whole range."""
+    e = torch.tensor([0.0, -0.0, 2.0**-1074, 2.0**-1030, 2.0**-1022, 2.0**-1020, -3 * 2.0**-1021, 2.0**-1015,
+                      2.0**-1000, 1.0, -1.5, 2.0**1000, math.inf, -math.inf, math.nan], dtype=torch.float64)
+    for x in (torch.zeros_like(e), torch.nextafter(e, torch.full_like(e, math.inf)), e * 1.01):
+        _mantissa, exponent = torch.frexp(e)
+        unit = torch.ldexp(torch.ones_like(e), exponent - 1 - bits)
+        bound = CERTIFICATE_ULPS * torch.where(e == 0, 0.0, unit) + floor
+        reference = (x - e).abs() / bound.clamp_min(torch.finfo(torch.float64).tiny)
+        got = _tensors._ratios_float64(x, e, bits, floor)
+        assert torch.equal(got.isnan(), reference.isnan())
+        assert torch.equal(got.nan_to_num(0.0), reference.nan_to_num(0.0)), (got - reference)
