@@ -544,3 +544,23 @@ def test_an_unrecognised_exact_processing_passes():
     found = cm.testing.diagnose(sd, scaled, cfg)
     assert found.ok, str(found)
     assert any(f.name == "residual" and f.parameters for f in found.findings)  # reported, not hidden
+
+
+def test_orthogonality_error_is_remembered_for_an_equal_q_only():
+    """``orthogonality_error`` keeps the last CPU ``Q`` it checked and answers an equal one from
+    memory: a ``Q`` changed in place (the same tensor object), or changed through numpy (which
+    torch's version counter does not see), is measured again. ``check_rotation`` hands out
+    copies, so changing one does not change the next."""
+    cfg = cm.Config(n_layers=1, d_model=64, n_heads=2, d_head=8, d_vocab=5, n_ctx=4, d_mlp=8, normalization_type="RMS")
+    Q = check_rotation(cfg)
+    assert orthogonality_error(Q) < 1e-13
+    Q[3, 5] += 1e-3
+    assert orthogonality_error(Q) > 1e-4
+    Q[3, 5] -= 1e-3
+    assert orthogonality_error(Q) < 1e-13
+    Q.numpy()[7, 1] += 1e-3
+    assert orthogonality_error(Q) > 1e-4
+    handed = check_rotation(cfg)
+    handed[0, 0] = 5.0
+    assert check_rotation(cfg)[0, 0] != 5.0
+    assert orthogonality_error(check_rotation(cfg)) < 1e-13
