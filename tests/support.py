@@ -219,3 +219,13 @@ def same_rows(streamed, in_memory, tolerances: float | None = None):
             assert abs(s.max_abs_error - m.max_abs_error) <= 1e-3 * m.tolerance, s.name
             if tolerances is not None:
                 assert abs(s.tolerance - m.tolerance) <= tolerances * m.tolerance, s.name
+
+
+def on_meta_by_default(work, *args):
+    """``work(*args)`` with the default device set to ``meta``, then reset: the trap for a tensor
+    made without ``device=`` (a hidden host tensor), which then fails to meet the inputs' tensors."""
+    torch.set_default_device("meta")
+    try:
+        return work(*args)
+    finally:
+        torch.set_default_device(None)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import circuitmath as cm
+from support import on_meta_by_default
 
 CONFIGS = {
     "gpt2-like": cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16),
@@ -51,19 +52,10 @@ def _checkers(sd, cfg):
     testing.check_model(sd, cfg)
 
 
-def _on_meta_by_default(work, *args):
-    """``work(*args)`` with the default device set to ``meta`` (the trap), then reset."""
-    torch.set_default_device("meta")
-    try:
-        return work(*args)
-    finally:
-        torch.set_default_device(None)
-
-
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_no_tensor_is_made_on_the_default_device(name):
     cfg = CONFIGS[name]
-    outputs, logp = _on_meta_by_default(_everything, cm.random_state_dict(cfg, seed=0, dtype=torch.float64), cfg)
+    outputs, logp = on_meta_by_default(_everything, cm.random_state_dict(cfg, seed=0, dtype=torch.float64), cfg)
     assert logp.device.type == "cpu"
     assert all(t.device.type == "cpu" for out, _ in outputs for t in out.values())
 
@@ -71,7 +63,7 @@ def test_no_tensor_is_made_on_the_default_device(name):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_the_checkers_make_no_tensor_on_the_default_device(name):
     cfg = CONFIGS[name]
-    _on_meta_by_default(_checkers, cm.random_state_dict(cfg, seed=0, dtype=torch.float32), cfg)
+    on_meta_by_default(_checkers, cm.random_state_dict(cfg, seed=0, dtype=torch.float32), cfg)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -146,7 +138,7 @@ def test_the_numeric_checks_make_no_tensor_on_the_default_device(identity):
     for cfg in _CIRCUIT_CONFIGS.values():
         sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
         try:
-            result = _on_meta_by_default(identity.check, sd, cfg, tokens)
+            result = on_meta_by_default(identity.check, sd, cfg, tokens)
         except cm.PreconditionError:
             continue
         assert result.passed, (identity.name, result)

@@ -20,7 +20,7 @@ from circuitmath._processing.rotation import (
 )
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs
-from support import VISIBLE, assume_above, same, snapshot, wide
+from support import VISIBLE, assume_above, on_meta_by_default, same, snapshot, wide
 
 NAMES = ("rms_norm_rotation", "layer_norm_rotation", "rotate_residual_stream", "slicegpt_route", "permute_heads",
          "permute_neurons")
@@ -156,6 +156,24 @@ def test_rotation_and_permutations_keep_the_device():
     neurons, _ = cm.permute_neurons(sd, cfg, torch.arange(cfg.d_mlp).flip(0))
     assert {t.device.type for t in (*heads.values(), *neurons.values())} == {"cuda"}
     assert cm.recover_head_permutation(sd, heads, cfg) is not None
+
+
+def test_rotation_and_permutations_make_no_tensor_on_the_default_device():
+    """The CPU stand-in for the CUDA test above: with the default device set to ``meta``, a
+    tensor made without ``device=`` would not meet the weights' (see tests/test_devices.py)."""
+    sd, cfg = _rms_model(torch.float32)
+    Q, heads_order, neurons_order = random_orthogonal(cfg.d_model, seed=5), _reversed_heads(cfg), torch.arange(cfg.d_mlp).flip(0)
+
+    def everything():
+        rotated, _ = cm.rotate_residual_stream(sd, cfg, Q)
+        heads, _ = cm.permute_heads(sd, cfg, heads_order)
+        neurons, _ = cm.permute_neurons(sd, cfg, neurons_order)
+        return (rotated, heads, neurons), (cm.recover_rotation(sd, rotated, cfg), cm.recover_head_permutation(sd, heads, cfg),
+                                           cm.recover_neuron_permutation(sd, neurons, cfg))
+
+    outputs, recovered = on_meta_by_default(everything)
+    assert {t.device.type for out in outputs for t in out.values()} == {"cpu"}
+    assert all(r is not None for r in recovered)
 
 
 def _reversed_heads(cfg):

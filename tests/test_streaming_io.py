@@ -2,6 +2,8 @@
 buffer sets, and the part written while the next is processed
 (an error in either still leaves nothing behind, and progress comes in order)."""
 
+import time
+
 import pytest
 import torch
 
@@ -57,13 +59,15 @@ def test_progress_comes_in_order_once_each_part_is_written(tmp_path, monkeypatch
     write = CheckpointWriter.write
 
     def recorded(self, tensors, cfg):
+        time.sleep(0.05)  # a slow disk: a report made before its part is written would see it missing
         write(self, tensors, cfg)
         on_disk.append(len(self.weight_map))
 
     monkeypatch.setattr(CheckpointWriter, "write", recorded)
-    io.process_checkpoint(folder, tmp_path / "out", progress=lambda done, total, what: reported.append((done, total, what)))
-    assert reported == [(1, 5, "embedding and unembedding"), *((k + 2, 5, f"block {k}") for k in range(4))]
-    assert len(on_disk) == 5
+    io.process_checkpoint(folder, tmp_path / "out",
+                          progress=lambda done, total, what: reported.append((done, total, what, len(on_disk))))
+    assert [r[:3] for r in reported] == [(1, 5, "embedding and unembedding"), *((k + 2, 5, f"block {k}") for k in range(4))]
+    assert [written for *_, written in reported] == [1, 2, 3, 4, 5]  # each report once its part is on disk
 
 
 @pytest.mark.parametrize("failing", [1, 4])
