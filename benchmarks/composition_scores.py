@@ -24,11 +24,10 @@ is not faster than materialise-once scoring and than TransformerLens, or a metho
 
 Usage: ``python benchmarks/composition_scores.py [--repeats N] [--sample PAIRS]``.
 
-Measured on the shared 2-core machine (2 threads, 2026-11-22, other jobs running: read the
-ratios): default 5.4 s, core products 8.1 s (1.5x; 2.0x in quieter runs: 0.91 s against 1.80 s),
-materialising ``W_OV`` and ``W_QK`` alone 2.1 s (0.4x), materialise once then all pairs
-1,132 s (211x, scaled), TransformerLens 417 s (78x, scaled); every method within 3e-7 of the
-float64 scores. The default does not beat materialising alone at this shape: it forms four
+Measured on the 2-core machine with nothing else running (2 threads, 2026-11-24): default
+0.71 s, core products 1.43 s (2.0x), materialising ``W_OV`` and ``W_QK`` alone 0.55 s (0.78x),
+materialise once then all pairs 161 s (226x, scaled), TransformerLens 61 s (86x, scaled); every
+method within 3e-7 of the float64 scores. The default does not beat materialising alone at this shape: it forms four
 ``d_model x d_model`` Gram matrices per head (materialising forms two products of that size)
 and then the pairs' inner products.
 """
