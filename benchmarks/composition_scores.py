@@ -27,9 +27,9 @@ Usage: ``python benchmarks/composition_scores.py [--repeats N] [--sample PAIRS]`
 Measured on the 2-core machine with nothing else running (2 threads, 2026-11-24): default
 0.71 s, core products 1.43 s (2.0x), materialising ``W_OV`` and ``W_QK`` alone 0.55 s (0.78x),
 materialise once then all pairs 161 s (226x, scaled), TransformerLens 61 s (86x, scaled); every
-method within 3e-7 of the float64 scores. The default does not beat materialising alone at this shape: it forms four
-``d_model x d_model`` Gram matrices per head (materialising forms two products of that size)
-and then the pairs' inner products.
+method within 3e-7 of the float64 scores. The default does not beat materialising alone at this
+shape: it forms four ``d_model x d_model`` Gram matrices per head (materialising forms two
+products of that size) and then the pairs' inner products.
 """
 
 from __future__ import annotations
