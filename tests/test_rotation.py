@@ -565,8 +565,8 @@ def test_an_unrecognised_exact_processing_passes():
 
 
 def test_orthogonality_error_is_remembered_for_an_equal_q_only():
-    """``orthogonality_error`` keeps the last CPU ``Q`` it checked and answers an equal one from
-    memory: a ``Q`` changed in place (the same tensor object), or changed through numpy (which
+    """``orthogonality_error`` answers a ``Q`` equal to the one ``kept_orthogonal`` keeps (the
+    check rotation) from memory: a copy of it changed in place, or changed through numpy (which
     torch's version counter does not see), is measured again. ``check_rotation`` hands out
     copies, so changing one does not change the next."""
     cfg = cm.Config(n_layers=1, d_model=64, n_heads=2, d_head=8, d_vocab=5, n_ctx=4, d_mlp=8, normalization_type="RMS")

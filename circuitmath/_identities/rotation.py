@@ -19,8 +19,6 @@ d_mlp, ``v`` = d_vocab, ``c`` = n_ctx; ``k`` the columns of the free test matric
 
 from __future__ import annotations
 
-import functools
-
 import sympy
 import torch
 from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Transpose
@@ -37,7 +35,7 @@ from .._processing.rotation import (
     Q_SQUARE,
     rotated_tensors,
     orthogonal_fixing_ones,
-    random_orthogonal,
+    kept_orthogonal,
     residual_readers,
     residual_writers,
     rotate_residual_stream,
@@ -348,15 +346,9 @@ CHECK_SEED = 0
 
 
 def check_rotation(cfg) -> torch.Tensor:
-    """The orthogonal ``Q`` (float64) the numeric checks rotate by: a copy of the one made for
-    the last ``d_model`` (a QR factorisation costs 6 s for ``d_model`` 4096 here, and a check
-    of a checkpoint rotates each of its parts by it)."""
-    return _check_rotation(cfg.d_model).clone()
-
-
-@functools.lru_cache(maxsize=1)
-def _check_rotation(d_model: int) -> torch.Tensor:
-    return random_orthogonal(d_model, seed=CHECK_SEED)
+    """The orthogonal ``Q`` (float64) the numeric checks rotate by: a copy of one made once per
+    ``d_model`` (:func:`~circuitmath._processing.rotation.kept_orthogonal`)."""
+    return kept_orthogonal(cfg.d_model, seed=CHECK_SEED)
 
 
 def _non_orthogonal(cfg) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ __all__ = [
     "residual_writers",
     "residual_readers",
     "orthogonality_error",
+    "kept_orthogonal",
     "rotated_tensors",
     "rotation_mismatches",
     "recover_rotation",
@@ -98,25 +99,38 @@ def residual_readers(cfg: Config) -> list[str]:
     return [weight for _norm, pairs in readers(cfg) for weight, _bias in pairs]
 
 
-#: The last ``Q`` on the CPU whose :func:`orthogonality_error` was computed (a copy of it) and
-#: that error: checking a checkpoint rotates each of its parts by the same ``Q``, and ``Q^T Q``
-#: costs as much as rotating ``d_model`` rows (2 s for ``d_model`` 4096 here). A ``Q`` equal to
-#: it bit for bit (one comparison, ``d_model**2`` entries) has the same error. Holds one
-#: ``[d_model, d_model]`` tensor at most.
-_LAST_CHECKED: list[tuple[torch.Tensor, float]] = []
-
-
 def orthogonality_error(Q: torch.Tensor) -> float:
-    """``max |Q^T Q - I|`` computed in float64."""
-    if Q.device.type == "cpu" and _LAST_CHECKED:
-        last, error = _LAST_CHECKED[0]
-        if last.shape == Q.shape and last.dtype == Q.dtype and torch.equal(last, Q):
-            return error
-    Q64 = Q.double()
-    error = float((Q64.T @ Q64 - torch.eye(Q.shape[0], dtype=torch.float64, device=Q.device)).abs().max())
+    """``max |Q^T Q - I|`` computed in float64 (remembered for the matrix :func:`kept_orthogonal`
+    keeps: a ``Q`` equal to it bit for bit, one comparison of ``d_model**2`` entries, has its
+    error)."""
     if Q.device.type == "cpu":
-        _LAST_CHECKED[:] = [(Q.clone(), error)]
-    return error
+        for kept, error in _KEPT.values():
+            if kept.shape == Q.shape and kept.dtype == Q.dtype and torch.equal(kept, Q):
+                return error
+    return _orthogonality_error(Q)
+
+
+def _orthogonality_error(Q: torch.Tensor) -> float:
+    Q = Q.double()
+    return float((Q.T @ Q - torch.eye(Q.shape[0], dtype=torch.float64, device=Q.device)).abs().max())
+
+
+#: The matrix :func:`kept_orthogonal` made last, by its size and seed, with its orthogonality
+#: error; never handed out (callers get copies), so nothing changes it.
+_KEPT: dict[tuple[int, int], tuple[torch.Tensor, float]] = {}
+
+
+def kept_orthogonal(size: int, *, seed: int) -> torch.Tensor:
+    """A copy of ``random_orthogonal(size, seed=seed)`` (float64, on the CPU), made once for the
+    last ``size`` and ``seed`` asked for: the numeric checks rotate every part of a checkpoint by
+    one such ``Q``, and for ``size`` 4096 its QR factorisation takes 6 s here and ``Q^T Q``
+    (:func:`orthogonality_error`, then answered from memory) 2 s. Holds one ``[size, size]``
+    matrix."""
+    if (size, seed) not in _KEPT:
+        _KEPT.clear()
+        Q = random_orthogonal(size, seed=seed)
+        _KEPT[size, seed] = Q, _orthogonality_error(Q)
+    return _KEPT[size, seed][0].clone()
 
 
 def random_orthogonal(size: int, *, seed: int, dtype: torch.dtype = torch.float64, device="cpu") -> torch.Tensor:
