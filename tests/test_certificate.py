@@ -34,13 +34,18 @@ def float64_certificate(got, expected, scale, thresholds, chunk=1 << 20) -> floa
     worst = 0.0
     a, b = got.reshape(-1), expected.reshape(-1)
     for start in range(0, a.numel(), chunk):
-        x, e = a[start:start + chunk].double(), b[start:start + chunk].double()
-        _mantissa, exponent = torch.frexp(e)
-        unit = torch.ldexp(torch.ones_like(e), exponent - 1 - bits)
-        bound = CERTIFICATE_ULPS * torch.where(e == 0, 0.0, unit) + floor
-        ratio = (x - e).abs() / bound.clamp_min(torch.finfo(torch.float64).tiny)
+        ratio = reference_ratios(a[start:start + chunk], b[start:start + chunk], bits, floor)
         worst = max(worst, float(ratio.max())) if ratio.numel() else worst
     return worst
+
+
+def reference_ratios(x, e, bits, floor) -> torch.Tensor:
+    """Each entry's ratio in float64, the unit in the last place from ``frexp``/``ldexp``."""
+    x, e = x.double(), e.double()
+    _mantissa, exponent = torch.frexp(e)
+    unit = torch.ldexp(torch.ones_like(e), exponent - 1 - bits)
+    bound = CERTIFICATE_ULPS * torch.where(e == 0, 0.0, unit) + floor
+    return (x - e).abs() / bound.clamp_min(torch.finfo(torch.float64).tiny)
 
 
 def values(g: torch.Generator, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -188,10 +193,7 @@ def test_ratios_in_float64_give_the_frexp_number(bits, floor):
     e = torch.tensor([0.0, -0.0, 2.0**-1074, 2.0**-1030, 2.0**-1022, 2.0**-1020, -3 * 2.0**-1021, 2.0**-1015,
                       2.0**-1000, 1.0, -1.5, 2.0**1000, math.inf, -math.inf, math.nan], dtype=torch.float64)
     for x in (torch.zeros_like(e), torch.nextafter(e, torch.full_like(e, math.inf)), e * 1.01):
-        _mantissa, exponent = torch.frexp(e)
-        unit = torch.ldexp(torch.ones_like(e), exponent - 1 - bits)
-        bound = CERTIFICATE_ULPS * torch.where(e == 0, 0.0, unit) + floor
-        reference = (x - e).abs() / bound.clamp_min(torch.finfo(torch.float64).tiny)
+        reference = reference_ratios(x, e, bits, floor)
         got = _tensors._ratios_float64(x, e, bits, floor)
         assert torch.equal(got.isnan(), reference.isnan())
         assert torch.equal(got.nan_to_num(0.0), reference.nan_to_num(0.0)), (got - reference)
