@@ -17,11 +17,12 @@ in every shard's metadata and in ``model.safetensors.index.json``.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from ._errors import ConfigError, InputError, StateDictError
 from ._state import check_config_fits, entries_checked_elsewhere, expected_shapes, validate_state_dict
 from ._files import CONFIG_KEY, PICKLE_SUFFIXES, UnsafeFormatError, _about, read_config, read_header, read_json
 from ._hf import Layout, _Source, hf_layout
+from ._processing._memory import in_memory, new_tensor
+from ._stored import LAYOUT_KEY, processed_layout, viewers
 
 __all__ = ["Checkpoint", "open_checkpoint", "CheckpointWriter", "INDEX", "circuitmath_layout"]
 
@@ -105,6 +108,11 @@ class _Tensors(Mapping):
     def fetched_by(self, fetch) -> "_Tensors":
         return _Tensors(self.entries, fetch)
 
+    @property
+    def holds_values(self) -> bool:
+        """False for placeholders (:func:`_placeholder`): a structure, no values."""
+        return self.fetch is not _placeholder
+
 
 def _entries(path: Path, names: set[str] | None = None) -> tuple[dict[str, tuple[Path, int, dict]], dict[str, str]]:
     """The validated header entries of the safetensors file ``path`` (``names``: the tensors an
@@ -167,12 +175,17 @@ class Checkpoint:
     ``cfg`` is the converted model's config; :meth:`ends` returns the tensors outside the blocks
     (embedding, positions, final norm, unembed), :meth:`block` those of one block, in circuitmath
     names and shapes, as views of memory maps (``contiguous()`` copies them into memory).
+    ``native`` is the converter of the architecture whose names the checkpoint stores (``None``
+    for circuitmath's names) and ``hf_config`` its ``config.json``, for writing a processed model
+    in the same layout (:mod:`circuitmath._stored`).
     """
 
     path: Path
     cfg: Config
     layout: Layout
     tensors: _Tensors
+    native: Layout | None = None
+    hf_config: dict | None = None
 
     def __post_init__(self):
         with _about(self.path):
@@ -193,6 +206,17 @@ class Checkpoint:
         with _about(self.path):
             return self.layout.block(self.source, layer)
 
+    def stored(self, layer: int | None) -> dict[str, list[str]]:
+        """The stored tensors part ``layer`` (``None``: the ends) is converted from, by their names
+        in the checkpoint, in its order, each with the circuitmath names ``native`` takes as views of it."""
+        placeheld = self.tensors.fetched_by(_placeholder)
+        src = self.native.source(placeheld)
+        taken = set(src.unused)
+        (self.native.embed(src) | self.native.final(src)) if layer is None else self.native.block(src, layer)
+        taken = {src.names[name] for name in taken - src.unused}
+        stored = {name: placeheld[name] for name in self.tensors if name in taken}
+        return viewers(self.native, stored, layer)
+
     def load(self) -> tuple[dict[str, torch.Tensor], Config]:
         """The whole state dict in memory, validated (what :func:`circuitmath.io.load_hf_directory` returns)."""
         with _about(self.path):
@@ -205,7 +229,9 @@ def open_checkpoint(path: str | os.PathLike, config=None) -> Checkpoint:
     A folder holds ``model.safetensors.index.json`` and the shards it names, or
     ``model.safetensors``; its config is the circuitmath config in the index's (or the file's)
     metadata, else ``config.json`` (a Hugging Face config, converted by the converter of its
-    ``model_type``, or a circuitmath :class:`~circuitmath.Config` as JSON). A file carries its
+    ``model_type``, or a circuitmath :class:`~circuitmath.Config` as JSON). A processed folder
+    written in its architecture's layout (the metadata's ``circuitmath.layout``) is read by
+    ``config.json``'s converter as the processed model its metadata describes. A file carries its
     config in its metadata (written by :func:`circuitmath.io.save`). ``config`` (a
     :class:`~circuitmath.Config` or a Hugging Face config) overrides both. A folder with only
     pickled weights is refused unread (:class:`~circuitmath.io.UnsafeFormatError`); every
@@ -236,40 +262,116 @@ def open_checkpoint(path: str | os.PathLike, config=None) -> Checkpoint:
             raise ConfigError(f"{path}: metadata {CONFIG_KEY!r} is not a string")
         with _about(path, CONFIG_KEY):
             config = Config.from_json(metadata[CONFIG_KEY])
+    hf_config = None
     with _about(path):
-        if isinstance(config, Config):  # a config claiming 10**9 layers is refused before its shapes are listed
+        if isinstance(config, Config) and path.is_dir() and metadata.get(LAYOUT_KEY) is not None:
+            if metadata[LAYOUT_KEY] != "config.json":
+                raise ConfigError(f"metadata {LAYOUT_KEY!r} is {metadata[LAYOUT_KEY]!r}; circuitmath writes 'config.json'")
+            hf_config = read_config(path / "config.json")
+            if not isinstance(hf_config, dict):
+                raise ConfigError(f"{path / 'config.json'}: a circuitmath config, but the metadata's {LAYOUT_KEY!r}"
+                                  " says the tensors are a Hugging Face architecture's")
+            native = hf_layout(hf_config)
             check_config_fits(entries, config)
-        layout = circuitmath_layout(config) if isinstance(config, Config) else hf_layout(config)
-    return Checkpoint(path, layout.cfg, layout, _Tensors(entries))
+            check_config_fits(entries, native.cfg)
+            layout = processed_layout(native, config)
+        elif isinstance(config, Config):  # a config claiming 10**9 layers is refused before its shapes are listed
+            check_config_fits(entries, config)
+            layout, native = circuitmath_layout(config), None
+        else:
+            layout = native = hf_layout(config)
+            hf_config = config if isinstance(config, dict) else None
+    return Checkpoint(path, layout.cfg, layout, _Tensors(entries), native, hf_config)
 
 
-def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> int:
-    """Write ``tensors`` (CPU) to ``path`` in the safetensors format, each straight from its
-    memory (no copy of the shard is assembled); returns the bytes of tensor data."""
+#: What a shard holds: each tensor's name with its dtype and shape.
+Specs = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+#: Gives a shard's tensors: called with a buffer of each name's shape and dtype (uninitialised,
+#: contiguous), it returns each name's tensor, contiguous: its buffer written into, or any tensor.
+Fill = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+
+# errors of posix_fallocate that say the file system (or the file: a pipe, a device) cannot reserve space
+_CANNOT_RESERVE = {errno.EOPNOTSUPP, errno.ENODEV, errno.ESPIPE, errno.EINVAL, errno.ENOSYS}
+
+
+def _write_safetensors(path: Path, specs: Specs, fill: Fill, buffers: dict[str, torch.Tensor],
+                       metadata: Mapping[str, str], copied: Mapping[str, tuple[Path, int]] | None = None) -> int:
+    """Write the safetensors file ``path`` holding the tensors ``specs`` lists; returns the bytes
+    of tensor data. Those in ``copied`` (each the file and byte offset of its bytes, as stored in
+    a checkpoint) are copied by the kernel (``copy_file_range``: no pass through this process);
+    the others are what ``fill(buffers)`` returns, each written straight from its memory. The
+    file's space is reserved first (``posix_fallocate``, where the file system can): a full disk
+    fails before anything is written, and the writes do not allocate blocks a page at a time.
+    """
+    copied = copied or {}
     header: dict = {"__metadata__": dict(metadata)}
-    position = 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [position, position + size]}
+    position, computed = 0, [name for name in specs if name not in copied]
+    for name in [*computed, *copied]:
+        dtype, shape = specs[name]
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [position, position + size]}
         position += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
+    tensors = fill(buffers)
+    for name in computed:
+        tensor, (dtype, shape) = tensors[name], specs[name]
+        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape) or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise RuntimeError(f"{path.name}: {name} is a {tensor.dtype} {tuple(tensor.shape)} tensor, not {dtype} {tuple(shape)}"
+                               " contiguous on the CPU")  # cannot happen: a fill gives what the specs say
     with open(path, "wb") as handle:
+        try:
+            os.posix_fallocate(handle.fileno(), 0, 8 + len(text) + position)
+        except OSError as error:
+            if error.errno not in _CANNOT_RESERVE:
+                raise
         handle.write(len(text).to_bytes(8, "little") + text)
-        for tensor in tensors.values():
-            if tensor.numel():
-                handle.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        for name in computed:
+            if tensors[name].numel():
+                handle.write(tensors[name].reshape(-1).view(torch.uint8).numpy().data)
+        del tensors
+        handle.flush()
+        for name, (source, offset) in copied.items():
+            begin, end = header[name]["data_offsets"]
+            _copy_bytes(source, offset, end - begin, handle)
     return position
+
+
+def _copy_bytes(source: Path, offset: int, count: int, handle) -> None:
+    """Append ``count`` bytes of ``source`` from ``offset`` to the open file ``handle``: in the
+    kernel where it can (``copy_file_range``), else read and written a block at a time."""
+    with open(source, "rb") as reading:
+        done = 0
+        try:
+            while done < count:
+                moved = os.copy_file_range(reading.fileno(), handle.fileno(), count - done, offset + done)
+                if moved == 0:
+                    raise StateDictError(f"{source}: the file ended inside a tensor (it changed while being read)")
+                done += moved
+        except OSError as error:
+            if error.errno not in {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF} or done:
+                raise
+            reading.seek(offset)
+            while done < count:
+                block = reading.read(min(count - done, 1 << 24))
+                if not block:
+                    raise StateDictError(f"{source}: the file ended inside a tensor (it changed while being read)") from None
+                handle.write(block)
+                done += len(block)
 
 
 class CheckpointWriter:
     """A checkpoint folder written part by part: ``with CheckpointWriter(folder, parts) as out:
     out.write(tensors, cfg)`` once per part, then the index. The folder is built under a
     temporary name beside ``folder`` and renamed when the block ends without an error; on any
-    error or interruption it is removed, so ``folder`` holds a whole checkpoint or nothing."""
+    error or interruption it is removed, so ``folder`` holds a whole checkpoint or nothing.
 
-    def __init__(self, folder: str | os.PathLike, parts: int):
-        self.folder, self.parts = Path(folder), parts
+    With ``hf_config`` (a Hugging Face ``config.json``), the parts come in that architecture's
+    names (:meth:`write_stored`): the config is written beside them, and the index says so
+    (:data:`~circuitmath._stored.LAYOUT_KEY`)."""
+
+    def __init__(self, folder: str | os.PathLike, parts: int, hf_config: dict | None = None):
+        self.folder, self.parts, self.hf_config = Path(folder), parts, hf_config
         if self.folder.exists() or self.folder.is_symlink():
             raise InputError(f"{self.folder} exists; circuitmath does not overwrite a checkpoint")
         if not self.folder.parent.is_dir():
@@ -277,6 +379,9 @@ class CheckpointWriter:
         self.temporary = self.folder.with_name(f".{self.folder.name}.{os.getpid()}.partial")
         self.weight_map: dict[str, str] = {}
         self.total, self.cfg = 0, None
+        # the last shard's buffers, by dtype, shape and count: the next shard of the same kind
+        # (a block) reuses them (new memory costs the kernel a fault and the zeroing of every page)
+        self.buffers: dict[tuple, torch.Tensor] = {}
 
     def __enter__(self) -> "CheckpointWriter":
         try:
@@ -288,21 +393,47 @@ class CheckpointWriter:
             raise
         return self
 
+    def _metadata(self, cfg: Config) -> dict[str, str]:
+        layout = {} if self.hf_config is None else {LAYOUT_KEY: "config.json"}
+        return {CONFIG_KEY: cfg.to_json(), **layout}
+
     def write(self, tensors: Mapping[str, torch.Tensor], cfg: Config) -> None:
-        """One shard holding ``tensors`` (CPU); ``cfg``, the whole model's config, in its metadata."""
+        """One shard holding ``tensors`` (CPU, any strides); ``cfg``, the whole model's config, in its metadata."""
+        def fill(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {name: t if t.is_contiguous() else in_memory(t, buffers[name]) for name, t in tensors.items()}
+
+        self.write_stored({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}, fill, cfg)
+
+    def write_stored(self, specs: Specs, fill: Fill, cfg: Config, copied: Mapping[str, tuple[Path, int]] | None = None) -> None:
+        """One shard holding the tensors ``specs`` lists, given by ``fill`` but for those
+        ``copied`` from a checkpoint's bytes (see :func:`_write_safetensors`); ``cfg`` as :meth:`write`.
+        The buffers ``fill`` gets are those of the shard before where it had as many tensors of the
+        same shape and dtype (a buffer ``fill`` does not write into takes no memory)."""
         self.cfg = cfg
         name = f"model-{len(set(self.weight_map.values())) + 1:05d}-of-{self.parts:05d}.safetensors"
+        keys, seen = {}, {}
+        for n, spec in specs.items():  # each (dtype, shape) numbered by its order in the shard
+            if not (copied and n in copied):
+                keys[n] = (*spec, seen.setdefault(spec, [0])[0])
+                seen[spec][0] += 1
+        self.buffers = {key: self.buffers.get(key) for key in keys.values()}  # the others are freed
+        for key in keys.values():
+            if self.buffers[key] is None:
+                self.buffers[key] = new_tensor(key[1], key[0], torch.device("cpu"))
         try:
-            self.total += _write_safetensors(self.temporary / name, tensors, {CONFIG_KEY: cfg.to_json(), "format": "pt"})
+            self.total += _write_safetensors(self.temporary / name, specs, fill, {n: self.buffers[k] for n, k in keys.items()},
+                                             {**self._metadata(cfg), "format": "pt"}, copied)
         except OSError as error:  # a full disk, a quota: the folder is removed on the way out
             raise InputError(f"{self.folder}: {name} cannot be written ({error.strerror or error})") from None
-        self.weight_map |= dict.fromkeys(tensors, name)
+        self.weight_map |= dict.fromkeys(specs, name)
 
     def __exit__(self, kind, error, traceback) -> None:
         try:
             if kind is None:
-                index = {"metadata": {"total_size": self.total, CONFIG_KEY: self.cfg.to_json()}, "weight_map": self.weight_map}
+                index = {"metadata": {"total_size": self.total, **self._metadata(self.cfg)}, "weight_map": self.weight_map}
                 (self.temporary / INDEX).write_text(json.dumps(index, indent=2))
+                if self.hf_config is not None:
+                    (self.temporary / "config.json").write_text(json.dumps(self.hf_config, indent=2))
                 os.replace(self.temporary, self.folder)
         except OSError as error:
             raise InputError(f"{self.folder}: cannot be written ({error.strerror or error})") from None

@@ -77,6 +77,8 @@ class _Source:
         # Tensors are looked up when taken, so a lazy mapping (a checkpoint read from disk,
         # circuitmath.io.open_checkpoint) is read one part at a time.
         self.state_dict, self.names = state_dict, {n: o for n, o in names.items() if not (skip and skip.fullmatch(n))}
+        # False for placeholders that hold no values (a structure being checked)
+        self.holds_values = getattr(state_dict, "holds_values", True)
         self.unused = set(self.names)
         floats = {t.dtype for t in map(state_dict.get, self.names.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()}
         if len(floats) != 1:

@@ -32,10 +32,11 @@ import torch
 from ._checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from ._config import Config
 from ._errors import CircuitMathError, InputError
-from ._processing._memory import new_tensor, recycling
+from ._processing._memory import in_memory, new_tensor, recycling
 from ._processing._parts import InMemory, Parts
-from ._processing.pipeline import KEYWORD_OF, STEPS, process_weights, steps_between, steps_left_out
+from ._processing.pipeline import KEYWORD_OF, STEPS, bits_free_of_strides, process_weights, steps_between, steps_left_out
 from ._state import DTYPES, expected_shapes, not_finite, usable_device
+from ._stored import NotStored, place
 
 __all__ = ["STEPS", "KEYWORD_OF", "process_checkpoint", "opened", "PartReader", "replayed"]
 
@@ -44,42 +45,6 @@ Progress = Callable[[int, int, str], None]
 
 def opened(source, config=None) -> Checkpoint:
     return source if isinstance(source, Checkpoint) else open_checkpoint(source, config)
-
-
-def _transposed(view: torch.Tensor) -> bool:
-    """Whether the 2-D ``view`` is ``m.T`` for a contiguous ``m``: torch copies those a block of
-    entries at a time (aten's transposing copy), in the same dtype only."""
-    return view.dim() == 2 and view.stride(0) == 1 and view.stride(1) == view.shape[0]
-
-
-def in_memory(tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``tensor`` contiguous, in its own dtype: itself when it is contiguous already, else a copy
-    (into ``out``, a contiguous tensor of its shape and dtype, when given).
-
-    The converters hand a checkpoint's linear maps over as transposed views of the stored
-    ``[out, in]`` matrices (``W_in = up_proj.weight.T``; per head, ``W_Q[h] =
-    q_proj.weight[h * d_head:(h + 1) * d_head].T``). Such a view is copied as whole 2-D
-    transposes, which torch does in cache-sized blocks: several times faster than the strided
-    element-by-element copy it makes of a 3-D view, and than any copy that also converts the
-    dtype (for a bfloat16 ``[11008, 4096]`` matrix here, 0.11 s against 1.0 s for a transposing
-    cast to float32). Casting afterwards, contiguous to contiguous, is cheap.
-    """
-    if tensor.is_contiguous():
-        return tensor
-    out = new_tensor(tensor.shape, tensor.dtype, tensor.device) if out is None else out
-    if tensor.dim() > 2:
-        try:
-            rows = tensor.view(-1, tensor.shape[-1])  # W_O: [n_heads, d_head, d_model] from o_proj.weight.T
-        except RuntimeError:
-            rows = None
-        if rows is not None and _transposed(rows):
-            out.view(-1, tensor.shape[-1]).copy_(rows)
-            return out
-        if tensor.dim() == 3 and all(_transposed(tensor[i]) for i in range(tensor.shape[0])):
-            for i in range(tensor.shape[0]):  # W_Q, W_K, W_V: one transpose per head
-                out[i].copy_(tensor[i])
-            return out
-    return out.copy_(tensor)
 
 
 def _zeros(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -167,14 +132,16 @@ class PartReader:
     last part's kept tensors in the checkpoint's dtype, to be written in their place (with
     ``keep_all``, every tensor of the last part, contiguous in the checkpoint's dtype). With
     ``unread_as_stored``, an unread tensor's native is the checkpoint's tensor as the converters
-    hand it over, not made contiguous: for a caller that writes it from another thread
-    (:class:`_Contiguous`), which then does the copy.
+    hand it over, not made contiguous: for a caller that writes it from another thread, which
+    then does the copy. With ``as_stored``, no tensor is made contiguous: each is handed over
+    as the converters give it (a view of the stored ``[out, in]`` matrix), for processing that
+    keeps that layout and a writer that writes it (:mod:`circuitmath._stored`).
     """
 
     def __init__(self, checkpoint: Checkpoint, compute: torch.dtype | None, untouched: dict | None = None,
-                 keep_all: bool = False, buffer_sets: int = 1, unread_as_stored: bool = False):
+                 keep_all: bool = False, buffer_sets: int = 1, unread_as_stored: bool = False, as_stored: bool = False):
         self.checkpoint, self.compute, self.untouched, self.keep_all = checkpoint, compute, untouched, keep_all
-        self.unread_as_stored = unread_as_stored
+        self.unread_as_stored, self.as_stored = unread_as_stored or as_stored, as_stored
         self.buffers: dict[tuple[int, str, str], torch.Tensor] = {}
         self.buffer_sets, self.blocks_read, self.again = buffer_sets, 0, False
         self.natives: dict[str, torch.Tensor] = {}
@@ -198,7 +165,7 @@ class PartReader:
             key = None if layer is None else "blocks.0." + name[len(prefix):] if name.startswith(prefix) else name
             part_name = name if layer is None else key
             unread = part_name in untouched.unread and not not_finite(tensor)
-            if unread and self.unread_as_stored:
+            if (unread and self.unread_as_stored) or self.as_stored:
                 native = tensor
             else:
                 native = in_memory(tensor, None if tensor.is_contiguous() else self._buffer("native", key, tensor, tensor.dtype))
@@ -248,25 +215,6 @@ def replayed(parts: Parts, layer: int | None, keywords: dict) -> tuple[dict[str,
     return out, out_cfg, same
 
 
-class _Contiguous:
-    """A part's tensors contiguous, for writing: one that is not is copied by :func:`in_memory`,
-    a block's into a buffer that the next block reuses for its tensor of the same place, shape
-    and dtype (a block's tensors come in the same order in every block). For the one thread
-    that writes the parts, one at a time."""
-
-    def __init__(self):
-        self.buffers: dict[tuple, torch.Tensor] = {}
-
-    def __call__(self, tensors: dict[str, torch.Tensor], block: bool) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for place, (name, tensor) in enumerate(tensors.items()):
-            key = (place, tensor.shape, tensor.dtype)
-            if block and not tensor.is_contiguous() and key not in self.buffers:
-                self.buffers[key] = new_tensor(tensor.shape, tensor.dtype, tensor.device)
-            out[name] = in_memory(tensor, self.buffers.get(key) if block else None)
-        return out
-
-
 def _keywords(steps) -> dict[str, bool | None]:
     """:func:`process_weights` keywords: its defaults (``None``), every step that applies
     (``"applicable"``), or exactly the steps named (an iterable of keywords)."""
@@ -298,6 +246,14 @@ def process_checkpoint(
     end, so a refusal, an error or an interruption leaves nothing. ``destination`` must not
     exist. Peak memory is what :func:`process_weights` needs for the largest part, plus the part
     before it (written meanwhile).
+
+    A Hugging Face folder (its ``config.json`` a dict) comes out in its own architecture's names
+    and layout where the processed model fits them (:mod:`circuitmath._stored`: for LLaMA, the
+    same tensors with the norms' gains folded into the next maps and set to 1, ``config.json``
+    copied), so it loads wherever the input did; the tensors the processing hands back as given
+    are copied by the kernel, and no matrix is transposed. A processed model the layout cannot
+    hold (GPT-2 and GPT-NeoX, whose folded final LayerNorm gives the unembedding a bias) is
+    written in circuitmath's names, as a circuitmath checkpoint is.
     """
     keywords = _keywords(steps)
     if dtype is not None and dtype not in DTYPES:
@@ -306,16 +262,20 @@ def process_checkpoint(
     checkpoint = opened(source, config)
     # A step left to apply where it can (None) that some part does not apply is left out of the
     # whole model, as process_weights leaves it out in memory: found on a part, it is left out
-    # of every part and the writing starts again (what was written is removed).
+    # of every part and the writing starts again (what was written is removed). So is a part the
+    # checkpoint's own layout cannot hold: then the whole model is written in circuitmath's.
     left_out: frozenset[str] = frozenset()
+    stored = checkpoint.hf_config is not None
     while True:
         try:
             with steps_left_out(left_out):
-                return _written(checkpoint, destination, keywords, dtype or checkpoint.dtype, device, progress)
+                return _written(checkpoint, destination, keywords, dtype or checkpoint.dtype, device, progress, stored)
         except _PartsDisagree as disagreement:
             if disagreement.keywords <= left_out:  # cannot happen: a step left out applies nowhere
                 raise RuntimeError(f"process_checkpoint: the parts disagree on {sorted(left_out)} left out") from None
             left_out |= disagreement.keywords
+        except NotStored:
+            stored = False
 
 
 class _PartsDisagree(Exception):
@@ -326,11 +286,21 @@ class _PartsDisagree(Exception):
         self.keywords = keywords
 
 
+def _config_written(checkpoint: Checkpoint, dtype: torch.dtype) -> dict:
+    """The checkpoint's ``config.json`` for its processed copy in ``dtype``."""
+    config = dict(checkpoint.hf_config)
+    for key in ("torch_dtype", "dtype"):  # transformers 4 and 5
+        if key in config and dtype != checkpoint.dtype:
+            config[key] = str(dtype).removeprefix("torch.")
+    return config
+
+
 def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.dtype, device: torch.device,
-             progress: Progress | None) -> Config:
+             progress: Progress | None, stored: bool) -> Config:
     """The body of :func:`process_checkpoint`: ``checkpoint`` processed in ``target`` on ``device``
-    and written to ``destination``; raises :class:`_PartsDisagree` when a block applies other
-    steps than the ends."""
+    and written to ``destination`` (with ``stored``, in the checkpoint's own layout); raises
+    :class:`_PartsDisagree` when a block applies other steps than the ends, and
+    :class:`~circuitmath._stored.NotStored` when a part does not fit the checkpoint's layout."""
     # each part in the target dtype: process_weights computes a half-precision one in float32
     # itself (a block of rows at a time where the fused steps are all it applies), rounded once
     cfg = checkpoint.cfg
@@ -340,12 +310,15 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
     untouched = None
     if target == checkpoint.dtype and device.type == "cpu":
         untouched = {True: _untouched(cfg, keywords, None, target), False: _untouched(cfg, keywords, 0, target)}
-    # two sets of block buffers: a block's tensors are written while the next block is read
+    # two sets of block buffers: a block's tensors are written while the next block is read;
+    # none where the output is in the checkpoint's layout and the processing keeps it: each
+    # tensor is then processed where it is mapped and its product written as it comes
+    as_stored = stored and bits_free_of_strides(cfg, keywords)
     reader = PartReader(checkpoint, target if device.type == "cpu" else None, untouched, buffer_sets=2,
-                        unread_as_stored=True)
-    parts = Parts(reader, cfg, target, device, checkpoint.path)
+                        unread_as_stored=True, as_stored=as_stored)
+    parts = Parts(reader, cfg, target, device, checkpoint.path, keep_layout=as_stored)
 
-    def run(layer: int | None) -> tuple[dict[str, torch.Tensor], Config]:
+    def run(layer: int | None) -> tuple[dict[str, torch.Tensor], Config, set[int]]:
         out, out_cfg, same = replayed(parts, layer, keywords)
         if reader.stand_ins and out_cfg.applied != untouched[layer is None].applied:
             # the part takes other steps than the small model did, so the stand-ins may have been
@@ -355,15 +328,14 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
                 out, out_cfg, same = replayed(parts, layer, keywords)
         if any(out.get(n) is not t for n, t in reader.stand_ins.items()):  # _untouched found them passed through
             raise RuntimeError(f"process_checkpoint: {process_weights.__name__} rewrote {sorted(reader.stand_ins)}, found untouched")
-        written = {n: reader.natives[n] if id(t) in same and n in reader.natives else t for n, t in out.items()}
-        reader.natives, reader.stand_ins = {}, {}
-        return written, out_cfg
+        return out, out_cfg, same
 
     total = cfg.n_layers + 1
     # Each part is written by a thread of its own while the next is read and processed (a file's
-    # write lets go of the GIL); at most one write is under way, so at most two parts are held.
-    contiguous = _Contiguous()  # the writing thread's: it copies the tensors written as stored
-    with CheckpointWriter(destination, total) as writer, ThreadPoolExecutor(1) as pool:
+    # write and torch's copies let go of the GIL); at most one write is under way, so at most
+    # two parts are held.
+    hf_config = _config_written(checkpoint, target) if stored else None
+    with CheckpointWriter(destination, total, hf_config) as writer, ThreadPoolExecutor(1) as pool:
         writing, written = None, []
 
         def wait() -> None:
@@ -372,24 +344,52 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
                 if progress:
                     progress(len(written), total, written[-1])
 
-        def write(out: dict[str, torch.Tensor], what: str, block: bool = True) -> None:
+        def write(layer: int | None, out: dict[str, torch.Tensor], same: set[int], what: str) -> None:
             nonlocal writing
             wait()
-            on_cpu = {n: t.cpu() for n, t in out.items()}
-            writing = pool.submit(lambda tensors, cfg: writer.write(contiguous(tensors, block), cfg), on_cpu, out_cfg)
+            as_given = {n for n, t in out.items() if id(t) in same and n in reader.natives}
+            tensors = {n: reader.natives[n] if n in as_given else t.cpu() for n, t in out.items()}
+            reader.natives, reader.stand_ins = {}, {}
+            if stored:
+                specs, fill, copied = _stored_part(checkpoint, layer, tensors, as_given, target)
+                writing = pool.submit(writer.write_stored, specs, fill, out_cfg, copied)
+            else:
+                writing = pool.submit(writer.write, tensors, out_cfg)
             written.append(what)
 
-        out, out_cfg = run(None)
-        write(out, "embedding and unembedding", block=False)
+        out, out_cfg, same = run(None)
+        write(None, out, same, "embedding and unembedding")
         del out
         with recycling():  # the blocks' new tensors in the maps of those written before
             for layer in range(cfg.n_layers):
-                out, layer_cfg = run(layer)
+                out, layer_cfg, same = run(layer)
                 if layer_cfg.applied != out_cfg.applied:
                     raise _PartsDisagree(steps_between(layer_cfg.applied, out_cfg.applied))
                 if layer_cfg != out_cfg.replace(n_layers=1, d_vocab=1):  # cannot happen: the same steps, the same config
                     raise RuntimeError(f"process_checkpoint: block {layer} gives {layer_cfg}, the ends {out_cfg}")
-                write(out, f"block {layer}")
+                write(layer, out, same, f"block {layer}")
                 del out
             wait()
     return out_cfg
+
+
+def _stored_part(checkpoint: Checkpoint, layer: int | None, out: dict[str, torch.Tensor], as_given: set[str],
+                 dtype: torch.dtype):
+    """The stored tensors' specs, the fill and the copied tensors that
+    :meth:`~circuitmath._checkpoint.CheckpointWriter.write_stored` takes to write part ``layer``
+    of the processed model ``out`` (on the CPU) in the checkpoint's layout: filled by
+    :func:`~circuitmath._stored.place`, but for the stored tensors whose every view the
+    processing handed back as given (``as_given``: their tensors in ``out`` are the
+    checkpoint's), copied from the checkpoint's file."""
+    viewed = checkpoint.stored(layer)
+    entries = checkpoint.tensors.entries
+    copied = {name: (entries[name][0], entries[name][1] + entries[name][2]["data_offsets"][0])
+              for name, names in viewed.items() if names and all(n in as_given for n in names)}
+    specs = {name: (dtype, tuple(entries[name][2]["shape"])) for name in viewed}
+    def fill(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # the copied ones as placeholders: the converter takes them, nothing writes them
+        for name in copied:
+            buffers[name] = torch.zeros((), dtype=dtype).expand(specs[name][1])
+        return place(checkpoint.native, layer, out, buffers, kept=frozenset(copied))
+
+    return specs, fill, copied

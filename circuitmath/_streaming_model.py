@@ -57,7 +57,8 @@ from ._processing.norms import writers_given
 from ._processing.pipeline import steps_between, steps_left_out
 from ._reference import check_tokens
 from ._state import validate_state_dict
-from ._streaming import in_memory, opened
+from ._processing._memory import in_memory
+from ._streaming import opened
 from ._streaming_check import _Pass
 
 __all__ = ["check_model_streaming"]

@@ -23,7 +23,7 @@ from circuitmath._checkpoint import INDEX, Checkpoint, CheckpointWriter
 from circuitmath._hf import hf_layout
 from circuitmath._processing.norms import WRITES_CENTERED
 from circuitmath._streaming import STEPS, _untouched
-from circuitmath._streaming import in_memory as streaming_in_memory
+from circuitmath._processing._memory import in_memory as streaming_in_memory
 from circuitmath._streaming_check import check_processed
 from circuitmath._streaming_model import check_model_streaming
 from circuitmath.testing import NotEquivalentError, assert_equivalent, compare_log_probs

@@ -28,7 +28,7 @@ import torch
 
 __all__ = [
     "HUGE_PAGE_MIN_BYTES", "SCRATCH_MIN_BYTES", "new_tensor", "scratch", "converted", "rows_per_block", "temporaries",
-    "recycling",
+    "recycling", "in_memory",
 ]
 
 HUGE_PAGE_MIN_BYTES = 4 << 20
@@ -189,3 +189,39 @@ def converted(
     if tensor.dtype == dtype:
         return tensor
     return new_tensor(tensor.shape, dtype, tensor.device, mapped_from=mapped_from).copy_(tensor)
+
+
+def _transposed(view: torch.Tensor) -> bool:
+    """Whether the 2-D ``view`` is ``m.T`` for a contiguous ``m``: torch copies those a block of
+    entries at a time (aten's transposing copy), in the same dtype only."""
+    return view.dim() == 2 and view.stride(0) == 1 and view.stride(1) == view.shape[0]
+
+
+def in_memory(tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``tensor`` contiguous, in its own dtype: without ``out``, itself when it is contiguous
+    already, else a copy; with ``out`` (a contiguous tensor of its shape and dtype), copied into it.
+
+    The converters hand a checkpoint's linear maps over as transposed views of the stored
+    ``[out, in]`` matrices (``W_in = up_proj.weight.T``; per head, ``W_Q[h] =
+    q_proj.weight[h * d_head:(h + 1) * d_head].T``). Such a view is copied as whole 2-D
+    transposes, which torch does in cache-sized blocks: several times faster than the strided
+    element-by-element copy it makes of a 3-D view, and than any copy that also converts the
+    dtype (for a bfloat16 ``[11008, 4096]`` matrix here, 0.11 s against 1.0 s for a transposing
+    cast to float32). Casting afterwards, contiguous to contiguous, is cheap.
+    """
+    if tensor.is_contiguous():
+        return tensor if out is None else out.copy_(tensor)
+    out = new_tensor(tensor.shape, tensor.dtype, tensor.device) if out is None else out
+    if tensor.dim() > 2:
+        try:
+            rows = tensor.view(-1, tensor.shape[-1])  # W_O: [n_heads, d_head, d_model] from o_proj.weight.T
+        except RuntimeError:
+            rows = None
+        if rows is not None and _transposed(rows):
+            out.view(-1, tensor.shape[-1]).copy_(rows)
+            return out
+        if tensor.dim() == 3 and all(_transposed(tensor[i]) for i in range(tensor.shape[0])):
+            for i in range(tensor.shape[0]):  # W_Q, W_K, W_V: one transpose per head
+                out[i].copy_(tensor[i])
+            return out
+    return out.copy_(tensor)

@@ -65,11 +65,13 @@ def _in_part(error: CircuitMathError, path: Path | None, layer: int | None) -> C
 
 class Parts:
     """``source`` (config ``cfg``) cut into the models :func:`~circuitmath.process_weights` runs
-    on, each cast to ``dtype`` and moved to ``device`` when it is taken; ``path`` (a file) is
-    named by errors about bad input."""
+    on, each cast to ``dtype`` and moved to ``device`` when it is taken (and made contiguous,
+    unless ``keep_layout``); ``path`` (a file) is named by errors about bad input."""
 
-    def __init__(self, source, cfg: Config, dtype: torch.dtype, device: torch.device, path: Path | None = None):
+    def __init__(self, source, cfg: Config, dtype: torch.dtype, device: torch.device, path: Path | None = None,
+                 keep_layout: bool = False):
         self.source, self.cfg, self.dtype, self.device, self.path = source, cfg, dtype, device, path
+        self.keep_layout = keep_layout
         self.ends_cfg = cfg.replace(n_layers=0)
         self.block_cfg = cfg.replace(n_layers=1, d_vocab=1)
         self.positions = None  # a shortformer's W_pos, read by every block
@@ -77,7 +79,8 @@ class Parts:
     def _ready(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # a cast copies into a contiguous tensor anyway: one pass, not a transpose and then a cast
         return {n: converted(t.to(device=self.device), self.dtype, mapped_from=SCRATCH_MIN_BYTES) if t.dtype != self.dtype
-                else t.to(device=self.device).contiguous() for n, t in tensors.items()}
+                else t.to(device=self.device) if self.keep_layout else t.to(device=self.device).contiguous()
+                for n, t in tensors.items()}
 
     def ends(self) -> dict[str, torch.Tensor]:
         tensors = self._ready(self.source.ends())

@@ -32,7 +32,7 @@ from .._compare import compute_dtype
 from .._config import Config
 from .._state import StateDict, all_finite, attention_names
 from ._common import readers
-from ._memory import SCRATCH_MIN_BYTES, converted, new_tensor, rows_per_block, scratch
+from ._memory import SCRATCH_MIN_BYTES, converted, in_memory, new_tensor, rows_per_block, scratch
 from .attention import fold_value_biases, nothing_to_carry, value_bias_through_output
 from .centering import center_unembed, center_writing_weights, centered_last_axis, writers
 from .layer_norm import PRODUCT_ROWS, center_reading_weights, fold_layer_norm, fold_reader
@@ -378,7 +378,23 @@ def _scaled_rows(
     the C heap (see :func:`~circuitmath._processing._memory.scratch`): measured on LLaMA-shaped
     layers, a mixed-dtype ``torch.mul`` (its cast of each block) left twice ``W_Q``'s size resident.
     On another device (a GPU) without ``center``, the whole weight is one mixed-dtype product, the
-    same bits: it computes in ``w``'s dtype and rounds once, with no temporary."""
+    same bits: it computes in ``w``'s dtype and rounds once, with no temporary. A ``W`` that is the
+    transpose of a contiguous tensor (a checkpoint's ``[out, in]`` matrix as a converter hands it
+    over) with ``w`` of its dtype gives a product in the same layout, without a transpose."""
+    if not center and w.dtype == W.dtype and W.dim() >= 2 and not W.is_contiguous() and W.mT.is_contiguous():
+        # W as a checkpoint stores it, [..., n, d_model] seen transposed (a converter's view of an
+        # [out, in] matrix): the product is written in that layout, the same products, so a
+        # writer in the checkpoint's layout copies it as it is
+        stored = W.mT.reshape(-1, W.shape[-2])
+        out = new_tensor(stored.shape, W.dtype, W.device)
+        per_block = rows_per_block(stored.shape[0], stored.shape[1] * w.element_size(), W.device, cpu_rows=cpu_rows)
+        for start, stop in _row_blocks(stored.shape[0], per_block):
+            sums.append(torch.mul(stored[start:stop], w, out=out[start:stop]).sum())
+        return out.view(W.mT.shape).mT
+    if center and not W.is_contiguous():
+        # rows read from a transposed view (a checkpoint's lm_head.weight) would gather an entry
+        # per cache line: one blocked transpose first, then the rows as in memory, the same bits
+        W = in_memory(W, scratch(W.shape, W.dtype, W.device))
     flat = W.reshape(-1, W.shape[-1])
     gains = w.repeat(flat.shape[0] // w.shape[0])
     out = new_tensor(flat.shape, W.dtype, W.device)

@@ -25,7 +25,10 @@ from ._common import refuse_reapplication, rewrite
 from .norms import fold_rms_norm
 from .shortformer import shortformer_to_tables
 
-__all__ = ["process_weights", "PIPELINE_STEPS", "STEPS", "KEYWORD_OF", "rounded_once", "steps_left_out", "steps_between"]
+__all__ = [
+    "process_weights", "PIPELINE_STEPS", "STEPS", "KEYWORD_OF", "rounded_once", "steps_left_out", "steps_between",
+    "bits_free_of_strides",
+]
 
 Transform = Callable[[StateDict, Config], tuple[dict[str, torch.Tensor], Config]]
 
@@ -57,6 +60,8 @@ PIPELINE_STEPS: tuple[tuple[str, Transform], ...] = (
 
 #: The keywords of :func:`process_weights`, in the order it applies them.
 STEPS = tuple(keyword for keyword, _step in PIPELINE_STEPS)
+#: Their defaults: each step where it applies, but the refactor, left out.
+_DEFAULTS = {**dict.fromkeys(STEPS), _refactor_factored_attn_matrices.identity: False}
 
 #: The transforms whose identities the norm fold (:func:`_fold_norm`) records.
 _NORM_FOLD_RECORDS = (shortformer_to_tables, fold_layer_norm, center_reading_weights, fold_rms_norm)
@@ -179,17 +184,13 @@ def process_weights(
     >>> process_weights(random_state_dict(rms, seed=0), rms, refactor_factored_attn_matrices=None)[1].applied
     ('fold_rms_norm', 'fold_value_biases', 'center_unembed', 'refactor_factored_attn_matrices')
     """
-    requested = dict(  # the keywords, in the order of STEPS
+    requested = _requested(cfg, dict(  # the keywords, in the order of STEPS
         fold_ln=fold_ln,
         fold_value_biases=fold_value_biases,
         center_writing_weights=center_writing_weights,
         center_unembed=center_unembed,
         refactor_factored_attn_matrices=refactor_factored_attn_matrices,
-    )
-    for keyword, value in requested.items():
-        if not any(value is allowed for allowed in (True, False, None)):
-            raise ArgumentTypeError(f"{keyword} must be True, False or None (if applicable), got {value!r}")
-    requested |= {keyword: False for keyword in _LEFT_OUT.get() if requested[keyword] is None}
+    ))
     fused = _fused(cfg, requested)
     with entries_checked_elsewhere() if fused else contextlib.nullcontext():
         # Fused, every entry of the input reaches the output, so only the output's are checked.
@@ -198,6 +199,32 @@ def process_weights(
     if torch.finfo(dtype).bits < 32 and not fused_only:
         return _half_by_parts(state_dict, cfg, requested)
     return _process(state_dict, cfg, requested)
+
+
+def _requested(cfg: Config, keywords: dict) -> dict:
+    """Each step's keyword of :func:`process_weights` (``keywords``, the others at their defaults)
+    as it is applied: a step left out by :func:`steps_left_out`, or refused by ``cfg`` alone
+    (the refactor of a rotary model), that was left to apply where it can (``None``) is
+    ``False``: it would not apply anyway, and the fused steps alone may then run in half
+    precision."""
+    requested = dict(_DEFAULTS, **keywords)
+    for keyword, value in requested.items():
+        if not any(value is allowed for allowed in (True, False, None)):
+            raise ArgumentTypeError(f"{keyword} must be True, False or None (if applicable), got {value!r}")
+    refused = [_refactor_factored_attn_matrices.identity] if cfg.positional_embedding_type == "rotary" else []
+    never = {*_LEFT_OUT.get(), *refused}
+    return requested | {keyword: False for keyword in never if requested[keyword] is None}
+
+
+def bits_free_of_strides(cfg: Config, keywords: dict) -> bool:
+    """Whether :func:`process_weights` with ``keywords`` on a model of ``cfg`` gives the same bits
+    whatever its inputs' strides, and writes each product in its input's layout: so when the fused
+    steps of a pre-RMSNorm model run alone (each product elementwise, the unembedding's
+    vocabulary means taken on rows made contiguous, ``b_O`` from a float64 copy of ``W_O`` laid
+    out its own way). Any other step may sum in the order its inputs' layout gives, so a
+    converter's transposed views are then made contiguous before processing."""
+    requested = _requested(cfg, keywords)
+    return rms_fusable(cfg) and _fused(cfg, requested) and all(requested[k] is False for k, _ in PIPELINE_STEPS[4:])
 
 
 def _fused(cfg: Config, requested: dict) -> bool:

@@ -1,0 +1,243 @@
+"""Processed Hugging Face folders written in their own architecture's names and layout
+(circuitmath._stored): a LLaMA comes out as a LLaMA that transformers loads and that computes
+the input's log-probs, with the tensors the processing does not touch copied byte for byte;
+what the layout cannot hold (GPT-2's and GPT-NeoX's unembedding bias, tied embeddings) falls
+back to circuitmath's names; and a folder whose stored norms contradict its metadata is refused."""
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import circuitmath as cm
+from circuitmath import _checkpoint, io
+from circuitmath._checkpoint import INDEX
+from circuitmath._hf import hf_layout
+from circuitmath._processing.fused import _scaled_rows
+from circuitmath._stored import LAYOUT_KEY, NotStored, place
+from test_streaming import EVERYTHING, HF, ROPE, TOKENS, VOCAB, CTX, _hf_folder
+
+
+def _index(folder) -> dict:
+    return json.loads((folder / INDEX).read_text())
+
+
+def _stored_tensors(folder) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for shard in set(_index(folder)["weight_map"].values()):
+        tensors |= load_file(folder / shard)
+    return tensors
+
+
+def _log_probs(folder, dtype=torch.float32) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(TOKENS).logits.double(), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_llama_comes_out_as_a_llama_of_the_same_function(tmp_path, dtype):
+    """The output folder holds the input's tensor names, shapes and dtype and its config.json;
+    the norms are 1, the maps the processing hands back as given (o_proj, down_proj, the
+    embedding) are the input's bytes, and transformers loads it and computes the input model's
+    log-probs (computed in float64; the folded weights are rounded once more). Control: the same folder
+    with one folded norm's gain put back computes something else, by far more than the tolerance."""
+    folder = _hf_folder(tmp_path, "llama-gqa", dtype)
+    out = tmp_path / "out"
+    cfg = io.process_checkpoint(folder, out, steps="applicable")
+    assert _index(out)["metadata"][LAYOUT_KEY] == "config.json"
+    assert json.loads((out / "config.json").read_text()) == json.loads((folder / "config.json").read_text())
+    before, after = _stored_tensors(folder), _stored_tensors(out)
+    assert before.keys() == after.keys()
+    assert all(after[n].dtype == dtype and after[n].shape == before[n].shape for n in before)
+    norms = [n for n in after if n.endswith("norm.weight")]
+    assert len(norms) == 2 * 3 + 1 and all(bool((after[n] == 1).all()) for n in norms)
+    untouched = [n for n in before if n.endswith(("o_proj.weight", "down_proj.weight", "embed_tokens.weight"))]
+    assert len(untouched) == 2 * 3 + 1 and all(torch.equal(after[n], before[n]) for n in untouched)
+    assert not torch.equal(after["model.layers.0.mlp.up_proj.weight"], before["model.layers.0.mlp.up_proj.weight"])
+    assert "fold_rms_norm" in cfg.applied and io.open_checkpoint(out).cfg == cfg
+
+    expected = _log_probs(folder, torch.float64)
+    got = _log_probs(out, torch.float64)
+    # each folded weight is rounded once to the dtype: measured 1.6e-6 (float32) and 0.031 (bfloat16)
+    # nats at most here, the control 2.7 nats
+    tolerance = 1e-4 if dtype == torch.float32 else 0.15
+    assert (got - expected).abs().max() < tolerance
+    # control: a norm gain that the fold already multiplied into q, k and v, put back
+    shard = out / _index(out)["weight_map"]["model.layers.1.input_layernorm.weight"]
+    tensors = load_file(shard)
+    tensors["model.layers.1.input_layernorm.weight"] = before["model.layers.1.input_layernorm.weight"]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert (_log_probs(out, torch.float64) - expected).abs().max() > 10 * tolerance
+
+
+@pytest.mark.parametrize("name", ["gpt2", "neox-parallel-partial-rotary", "llama-tied"])
+def test_what_the_layout_cannot_hold_is_written_in_circuitmath_names(tmp_path, name):
+    """GPT-2 and GPT-NeoX have no unembedding bias for the folded final LayerNorm's; a tied
+    LLaMA stores W_E and W_U once, which centering the unembedding makes differ. Each is written
+    in circuitmath's names, still the in-memory transform's, bit for bit."""
+    spec = HF.get(name) or (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        vocab_size=VOCAB, max_position_embeddings=CTX, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=24, tie_word_embeddings=True, rope_parameters=ROPE, bos_token_id=0, eos_token_id=0,
+        pad_token_id=None))
+    folder = _hf_folder(tmp_path, name, spec=spec)
+    state_dict, cfg = io.load_hf_directory(folder)
+    expected, expected_cfg = cm.process_weights(state_dict, cfg, **EVERYTHING)
+    io.process_checkpoint(folder, tmp_path / "out", steps="applicable")
+    index = _index(tmp_path / "out")
+    assert LAYOUT_KEY not in index["metadata"] and "unembed.W_U" in index["weight_map"]
+    assert not (tmp_path / "out" / "config.json").exists()
+    got, got_cfg = io.open_checkpoint(tmp_path / "out").load()
+    assert got_cfg == expected_cfg and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_steps_that_fit_the_layout_keep_it_for_any_architecture(tmp_path):
+    """GPT-2 with only the unembedding centered (no bias appears; it is untied here) and the
+    value biases folded is written in GPT-2's own names, the in-memory transform's bit for bit."""
+    model_class, config = HF["gpt2"]
+    config = transformers.GPT2Config(**(config.to_dict() | {"tie_word_embeddings": False}))
+    folder = _hf_folder(tmp_path, "gpt2-untied", spec=(model_class, config))
+    state_dict, cfg = io.load_hf_directory(folder)
+    steps = ["fold_value_biases", "center_unembed"]
+    expected, expected_cfg = cm.process_weights(state_dict, cfg, **{k: k in steps for k in EVERYTHING})
+    io.process_checkpoint(folder, tmp_path / "out", steps=steps)
+    assert _index(tmp_path / "out")["metadata"][LAYOUT_KEY] == "config.json"
+    assert "transformer.h.0.attn.c_attn.weight" in _index(tmp_path / "out")["weight_map"]
+    got, got_cfg = io.open_checkpoint(tmp_path / "out").load()
+    assert got_cfg == expected_cfg and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_processed_folder_is_processed_again_in_its_layout(tmp_path):
+    """The output is an input like any other: the norm fold first, the unembedding's centering
+    second gives the one-go result; applying the fold twice is refused, naming the identity."""
+    folder = _hf_folder(tmp_path, "llama-gqa", torch.bfloat16)
+    state_dict, cfg = io.load_hf_directory(folder)
+    expected, expected_cfg = cm.process_weights(state_dict, cfg, fold_ln=True, fold_value_biases=False,
+                                                center_unembed=False, center_writing_weights=False)
+    expected, expected_cfg = cm.process_weights(expected, expected_cfg, fold_ln=False, center_unembed=True,
+                                                fold_value_biases=False, center_writing_weights=False)
+    io.process_checkpoint(folder, tmp_path / "first", steps=["fold_ln"])
+    io.process_checkpoint(tmp_path / "first", tmp_path / "second", steps=["center_unembed"])
+    assert _index(tmp_path / "second")["metadata"][LAYOUT_KEY] == "config.json"
+    got, got_cfg = io.open_checkpoint(tmp_path / "second").load()
+    assert got_cfg == expected_cfg and all(torch.equal(got[k], expected[k]) for k in expected)
+    with pytest.raises(cm.PreconditionError, match="fold_rms_norm"):
+        io.process_checkpoint(tmp_path / "first", tmp_path / "third", steps=["fold_ln"])
+    assert not (tmp_path / "third").exists()
+
+
+def test_a_stored_norm_that_contradicts_the_metadata_is_refused(tmp_path):
+    """The metadata says the norms were folded, so each stored gain must be 1: one that is not
+    is refused when its part is read, naming the file and the tensor."""
+    folder = _hf_folder(tmp_path, "llama-gqa")
+    out = tmp_path / "out"
+    io.process_checkpoint(folder, out, steps="applicable")
+    shard = out / _index(out)["weight_map"]["model.layers.2.post_attention_layernorm.weight"]
+    tensors, metadata = load_file(shard), json.loads(shard.read_bytes()[8:8 + int.from_bytes(shard.read_bytes()[:8], "little")])["__metadata__"]
+    tensors["model.layers.2.post_attention_layernorm.weight"][3] = 1.5
+    save_file(tensors, shard, metadata=metadata)
+    checkpoint = io.open_checkpoint(out)
+    checkpoint.block(1)  # the other blocks read as before
+    with pytest.raises(cm.StateDictError, match=r"out.*blocks\.2\.ln2\.w.*not 1 everywhere"):
+        checkpoint.block(2)
+
+
+def test_the_converters_views_cover_each_stored_tensor_once(tmp_path):
+    """The contract place() relies on: for every architecture, each stored tensor of a part is
+    covered exactly once by the converter's views of it (or whole by each of tied views). Each
+    stored tensor is filled with its entries' indices and every view's entries are collected."""
+    for name in sorted(HF):
+        checkpoint = io.open_checkpoint(_hf_folder(tmp_path / name, name))
+        for layer in [None, *range(checkpoint.cfg.n_layers)]:
+            viewers = checkpoint.stored(layer)
+            entries = checkpoint.tensors.entries
+            buffers = {n: torch.arange(float(torch.Size(entries[n][2]["shape"]).numel())).view(entries[n][2]["shape"])
+                       for n in viewers}
+            views = (checkpoint.native.embed(src := checkpoint.native.source(buffers)) | checkpoint.native.final(src)
+                     if layer is None else checkpoint.native.block(checkpoint.native.source(buffers), layer))
+            for stored, names in viewers.items():
+                assert names, f"{name}: {stored} is stored but no view takes it"
+                seen = torch.cat([views[n].reshape(-1) for n in names]).sort().values
+                whole = torch.arange(float(buffers[stored].numel()))
+                assert torch.equal(seen, whole) or all(torch.equal(views[n].reshape(-1).sort().values, whole) for n in names), \
+                    (name, stored, names)
+
+
+def _llama_part(tmp_path):
+    folder = _hf_folder(tmp_path, "llama-gqa")
+    checkpoint = io.open_checkpoint(folder)
+    return checkpoint, checkpoint.ends(), checkpoint.stored(None)
+
+
+def _buffers(checkpoint, viewers):
+    entries = checkpoint.tensors.entries
+    return {n: torch.empty(entries[n][2]["shape"]) for n in viewers}
+
+
+def test_place_refuses_a_made_up_tensor_the_processing_changed(tmp_path):
+    checkpoint, ends, viewers = _llama_part(tmp_path)
+    place(checkpoint.native, None, ends, _buffers(checkpoint, viewers))  # as read: it fits
+    ends["unembed.b_U"] = ends["unembed.b_U"] + 1
+    with pytest.raises(NotStored, match="unembed.b_U is not the zeros"):
+        place(checkpoint.native, None, ends, _buffers(checkpoint, viewers))
+
+
+def test_place_refuses_tied_tensors_made_different(tmp_path):
+    folder = _hf_folder(tmp_path, "tied", spec=(transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        vocab_size=VOCAB, max_position_embeddings=CTX, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=24, tie_word_embeddings=True, rope_parameters=ROPE, bos_token_id=0, eos_token_id=0,
+        pad_token_id=None)))
+    checkpoint = io.open_checkpoint(folder)
+    ends, viewers = {n: t.contiguous() for n, t in checkpoint.ends().items()}, checkpoint.stored(None)
+    assert sorted(viewers["model.embed_tokens.weight"]) == ["embed.W_E", "unembed.W_U"]
+    place(checkpoint.native, None, ends, _buffers(checkpoint, viewers))
+    ends["unembed.W_U"] = ends["unembed.W_U"] - ends["unembed.W_U"].mean(-1, keepdim=True)
+    with pytest.raises(NotStored, match="stored once for"):
+        place(checkpoint.native, None, ends, _buffers(checkpoint, viewers))
+
+
+def test_products_of_stored_matrices_keep_their_layout_and_bits():
+    """_scaled_rows on a transposed view (a converter's W_Q) writes the product in that layout,
+    with the bits of the product of the contiguous matrix."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        stored = torch.randn(4, 16, 64, generator=g).to(dtype)  # [heads, d_head, d_model]
+        w = torch.randn(64, generator=g).to(dtype)
+        view = stored.mT  # W_Q: [heads, d_model, d_head]
+        got = _scaled_rows(view, w, sums=[])
+        assert got.mT.is_contiguous() and not got.is_contiguous()
+        assert torch.equal(got, _scaled_rows(view.contiguous(), w, sums=[]))
+        assert torch.equal(got, view * w[:, None])
+
+
+def test_tensors_are_copied_where_the_kernel_cannot_copy_them(tmp_path, monkeypatch):
+    """Where copy_file_range is refused (another file system, an old kernel), the bytes are read
+    and written: the same output."""
+    folder = _hf_folder(tmp_path, "llama-gqa", torch.bfloat16)
+    io.process_checkpoint(folder, tmp_path / "kernel", steps="applicable")
+    calls = []
+
+    def refused(*args):
+        calls.append(1)
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+
+    monkeypatch.setattr(_checkpoint.os, "copy_file_range", refused)
+    io.process_checkpoint(folder, tmp_path / "read", steps="applicable")
+    assert calls
+    kernel, read = _stored_tensors(tmp_path / "kernel"), _stored_tensors(tmp_path / "read")
+    assert kernel.keys() == read.keys() and all(torch.equal(kernel[n], read[n]) for n in kernel)
+
+
+def test_a_dtype_change_is_written_in_the_layout_with_its_config(tmp_path):
+    folder = _hf_folder(tmp_path, "llama-gqa", torch.bfloat16)
+    state_dict, cfg = io.load_hf_directory(folder)
+    expected, _ = cm.process_weights({k: v.float() for k, v in state_dict.items()}, cfg, **EVERYTHING)
+    io.process_checkpoint(folder, tmp_path / "out", steps="applicable", dtype=torch.float32)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "float32"
+    got, _ = io.open_checkpoint(tmp_path / "out").load()
+    assert all(got[k].dtype == torch.float32 and torch.equal(got[k], expected[k]) for k in expected)
