@@ -12,7 +12,9 @@ dtypes, tensors no converter uses) is checked on placeholders that hold no memor
 single weight is read.
 
 :class:`CheckpointWriter` writes parts as they come: one safetensors shard per part, the config
-in every shard's metadata and in ``model.safetensors.index.json``.
+in every shard's metadata and in ``model.safetensors.index.json``, in circuitmath's names or in
+a Hugging Face architecture's (:mod:`circuitmath._stored`); tensors kept as stored are copied by
+the kernel.
 """
 
 from __future__ import annotations

@@ -171,8 +171,11 @@ PROCESS_HELP = f"""Process the checkpoint IN (a Hugging Face folder with config.
 model.safetensors.index.json and its shards, a folder written by process, or a .safetensors file
 written by circuitmath.io.save) one layer at a time, as {process_weights.__name__} processes a model in
 memory, and write the result to the new folder OUT: one safetensors shard per layer with the
-processed config in its metadata, and model.safetensors.index.json. Memory holds two layers (one
-written while the next is processed).
+processed config in its metadata, and model.safetensors.index.json. A Hugging Face folder comes
+out in its own architecture's names and layout, with its config.json, where the processed model
+fits them (LLaMA: each norm's gain folded into the maps that read it and stored as 1), else in
+circuitmath's names (GPT-2 and GPT-NeoX, whose folded final LayerNorm gives the unembedding a
+bias). Memory holds two layers (one written while the next is processed).
 OUT is written under a temporary name and renamed at the end: a refusal, an error or an
 interruption leaves nothing. Exit status: 0 written, 2 bad input or a step refused (nothing
 written)."""
@@ -196,7 +199,8 @@ def _process(args) -> int:
     finally:
         if progress is not None:
             progress.close()
-    print(f"{args.output}: {cfg.n_layers + 1} shards, applied {', '.join(cfg.applied) or 'nothing'}")
+    names = "its own architecture's" if (Path(args.output) / "config.json").exists() else "circuitmath's"
+    print(f"{args.output}: {cfg.n_layers + 1} shards in {names} names, applied {', '.join(cfg.applied) or 'nothing'}")
     return 0
 
 

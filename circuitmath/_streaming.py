@@ -7,15 +7,20 @@ are those the whole model's processing writes, bit for bit, and each refusal is 
 model's, naming the real layer. Memory holds two parts at a time: one processed while the one
 before is written by a thread of its own.
 
-Most of the time goes into moving bytes, so each is moved only as much as it must be: a stored
-``[out, in]`` matrix is transposed in its own dtype (:func:`in_memory`); a tensor the processing
-hands back as it got it is written as the checkpoint holds it, unconverted (:func:`_untouched`
-finds which, on a small model of the same kind), and one it does not even read is transposed by
-the writing thread (:class:`_Contiguous`), which otherwise waits on the disk; and no block takes
-fresh memory: :class:`PartReader` reads the blocks into two sets of buffers in turn, the
-processing maps its outputs where those of the blocks written before were
-(:func:`~circuitmath._processing._memory.recycling`), and the writing thread has buffers of its
-own. Fresh memory costs the kernel a fault and the zeroing of every page.
+Most of the time goes into moving bytes, so each is moved only as much as it must be. A Hugging
+Face folder is written in its own layout where the processed model fits it
+(:mod:`circuitmath._stored`): a tensor the processing hands back as it got it is copied by the
+kernel from the checkpoint's file (:func:`_untouched` finds which, on a small model of the same
+kind), and where the processing keeps its inputs' layout
+(:func:`~circuitmath._processing.pipeline.bits_free_of_strides`: the fused steps of a pre-RMSNorm
+model) each product is computed from the mapped ``[out, in]`` matrix and written as it comes, so
+no matrix is transposed. Otherwise (circuitmath's layout, or other steps) a stored ``[out, in]``
+matrix is transposed in its own dtype (:func:`~circuitmath._processing._memory.in_memory`) into
+:class:`PartReader`'s two sets of buffers, and a tensor the processing hands back is written as
+the checkpoint holds it, unconverted. No block takes fresh memory: the processing maps its
+outputs where those of the blocks written before were
+(:func:`~circuitmath._processing._memory.recycling`), and the writer reuses its own buffers.
+Fresh memory costs the kernel a fault and the zeroing of every page.
 """
 
 from __future__ import annotations

@@ -241,3 +241,26 @@ def test_a_dtype_change_is_written_in_the_layout_with_its_config(tmp_path):
     assert config.get("dtype", config.get("torch_dtype")) == "float32"
     got, _ = io.open_checkpoint(tmp_path / "out").load()
     assert all(got[k].dtype == torch.float32 and torch.equal(got[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("case", ["layout value", "config.json missing", "config.json circuitmath's"])
+def test_a_layout_the_folder_does_not_back_is_refused_naming_it(tmp_path, case):
+    """The metadata's layout key must say config.json, and config.json must be a Hugging Face
+    config: otherwise opening the folder fails with an input error naming the file and field."""
+    folder = _hf_folder(tmp_path, "llama-gqa")
+    out = tmp_path / "out"
+    cfg = io.process_checkpoint(folder, out, steps="applicable")
+    if case == "layout value":
+        index = _index(out)
+        index["metadata"][LAYOUT_KEY] = "tokenizer.json"
+        (out / INDEX).write_text(json.dumps(index))
+        match = r"circuitmath\.layout.*'tokenizer\.json'"
+    elif case == "config.json missing":
+        (out / "config.json").unlink()
+        match = r"config\.json"
+    else:
+        (out / "config.json").write_text(cfg.to_json())
+        match = r"config\.json: a circuitmath config"
+    with pytest.raises(cm.CircuitMathError, match=match) as raised:
+        io.open_checkpoint(out)
+    assert str(out) in str(raised.value)
