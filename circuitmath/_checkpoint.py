@@ -211,13 +211,8 @@ class Checkpoint:
     def stored(self, layer: int | None) -> dict[str, list[str]]:
         """The stored tensors part ``layer`` (``None``: the ends) is converted from, by their names
         in the checkpoint, in its order, each with the circuitmath names ``native`` takes as views of it."""
-        placeheld = self.tensors.fetched_by(_placeholder)
-        src = self.native.source(placeheld)
-        taken = set(src.unused)
-        (self.native.embed(src) | self.native.final(src)) if layer is None else self.native.block(src, layer)
-        taken = {src.names[name] for name in taken - src.unused}
-        stored = {name: placeheld[name] for name in self.tensors if name in taken}
-        return viewers(self.native, stored, layer)
+        # fetched once: a view is told by the address of its stored tensor's placeholder
+        return viewers(self.native, dict(self.tensors.fetched_by(_placeholder)), layer)
 
     def load(self) -> tuple[dict[str, torch.Tensor], Config]:
         """The whole state dict in memory, validated (what :func:`circuitmath.io.load_hf_directory` returns)."""

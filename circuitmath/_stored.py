@@ -65,7 +65,7 @@ def processed_layout(layout: Layout, cfg: Config) -> Layout:
         def converted(src: _Source, *layer):
             out = {}
             for name, tensor in convert(src, *layer).items():
-                value = None if name in shapes else identity_value(name)
+                value = identity_value(name)
                 if name in shapes:
                     out[name] = tensor
                 elif value is None:
@@ -101,17 +101,31 @@ def _base(view: torch.Tensor, spans: dict[str, tuple[int, int]]) -> str | None:
     return next((name for name, (start, stop) in spans.items() if start <= where < stop), None)
 
 
-def viewers(layout: Layout, stored: Mapping[str, torch.Tensor], layer: int | None) -> dict[str, list[str]]:
-    """For each of part ``layer``'s stored tensors (``stored``: each by its name in the
-    checkpoint, any tensors of the right shapes, placeholders included), the circuitmath names
-    the converter takes as views of it."""
-    spans = {name: _span(tensor) for name, tensor in stored.items()}
-    found: dict[str, list[str]] = {name: [] for name in stored}
-    for name, view in _part(layout, layout.source(stored), layer).items():
+def _grouped(layout: Layout, stored: Mapping[str, torch.Tensor], layer: int | None):
+    """Part ``layer`` converted from ``stored`` (tensors by their names in the checkpoint):
+    the converter's tensors, the circuitmath names it takes as views of each stored tensor it
+    takes (in ``stored``'s order), and the names it makes up (views of no stored tensor)."""
+    src = layout.source(stored)
+    unused = set(src.unused)
+    views = _part(layout, src, layer)
+    taken = {src.names[name] for name in unused - src.unused}
+    spans = {name: _span(tensor) for name, tensor in stored.items() if name in taken}
+    through: dict[str, list[str]] = {name: [] for name in stored if name in taken}
+    made_up = []
+    for name, view in views.items():
         base = _base(view, spans)
-        if base is not None:
-            found[base].append(name)
-    return found
+        if base is None:
+            made_up.append(name)
+        else:
+            through[base].append(name)
+    return views, through, made_up
+
+
+def viewers(layout: Layout, stored: Mapping[str, torch.Tensor], layer: int | None) -> dict[str, list[str]]:
+    """The stored tensors part ``layer`` is converted from (``stored``: a checkpoint's tensors by
+    their names, placeholders will do, each the same tensor whenever it is looked up), in its
+    order, each with the circuitmath names the converter takes as views of it."""
+    return _grouped(layout, stored, layer)[1]
 
 
 def _as_stored(view: torch.Tensor, buffer: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -142,20 +156,14 @@ def place(layout: Layout, layer: int | None, processed: Mapping[str, torch.Tenso
     twice (tied tensors: each view must read back what was written through it), or a processed
     tensor the layout has no place for.
     """
-    spans = {name: _span(tensor) for name, tensor in buffers.items()}
-    views = _part(layout, layout.source(buffers), layer)
+    views, through, made_up = _grouped(layout, buffers, layer)
     extra = sorted(set(processed) - set(views))
     if extra:
         raise NotStored(f"the processed {extra[:3]} have no place in the checkpoint's layout")
-    through: dict[str, list[str]] = {name: [] for name in buffers}
-    for name, view in views.items():
-        base = _base(view, spans)
-        if base is not None:
-            through[base].append(name)
-            continue
+    for name in made_up:
         wanted = processed.get(name)
         wanted = identity_value(name) if wanted is None else wanted
-        if wanted is None or not bool((view == wanted).all()):
+        if wanted is None or not bool((views[name] == wanted).all()):
             raise NotStored(f"the processed {name} is not the {'identity norm' if name not in processed else 'zeros'}"
                             " the architecture's converter reads where it stores no tensor")
     out = {}

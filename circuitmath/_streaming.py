@@ -146,7 +146,7 @@ class PartReader:
     def __init__(self, checkpoint: Checkpoint, compute: torch.dtype | None, untouched: dict | None = None,
                  keep_all: bool = False, buffer_sets: int = 1, unread_as_stored: bool = False, as_stored: bool = False):
         self.checkpoint, self.compute, self.untouched, self.keep_all = checkpoint, compute, untouched, keep_all
-        self.unread_as_stored, self.as_stored = unread_as_stored or as_stored, as_stored
+        self.unread_as_stored, self.as_stored = unread_as_stored, as_stored
         self.buffers: dict[tuple[int, str, str], torch.Tensor] = {}
         self.buffer_sets, self.blocks_read, self.again = buffer_sets, 0, False
         self.natives: dict[str, torch.Tensor] = {}

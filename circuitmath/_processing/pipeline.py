@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from contextvars import ContextVar
 
@@ -60,8 +61,6 @@ PIPELINE_STEPS: tuple[tuple[str, Transform], ...] = (
 
 #: The keywords of :func:`process_weights`, in the order it applies them.
 STEPS = tuple(keyword for keyword, _step in PIPELINE_STEPS)
-#: Their defaults: each step where it applies, but the refactor, left out.
-_DEFAULTS = {**dict.fromkeys(STEPS), _refactor_factored_attn_matrices.identity: False}
 
 #: The transforms whose identities the norm fold (:func:`_fold_norm`) records.
 _NORM_FOLD_RECORDS = (shortformer_to_tables, fold_layer_norm, center_reading_weights, fold_rms_norm)
@@ -207,7 +206,8 @@ def _requested(cfg: Config, keywords: dict) -> dict:
     (the refactor of a rotary model), that was left to apply where it can (``None``) is
     ``False``: it would not apply anyway, and the fused steps alone may then run in half
     precision."""
-    requested = dict(_DEFAULTS, **keywords)
+    defaults = {name: p.default for name, p in inspect.signature(process_weights).parameters.items() if name in STEPS}
+    requested = dict(defaults, **keywords)
     for keyword, value in requested.items():
         if not any(value is allowed for allowed in (True, False, None)):
             raise ArgumentTypeError(f"{keyword} must be True, False or None (if applicable), got {value!r}")
