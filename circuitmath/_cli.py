@@ -22,6 +22,7 @@ from ._errors import CircuitMathError, InputError
 from ._identities import get_identity, identities
 from ._processing.pipeline import PIPELINE_STEPS, process_weights
 from ._state import usable_device
+from ._threads import check_threads
 
 COLUMNS = ("identity", "symbolic dims", "steps", "seconds", "twins rejected", "status")
 
@@ -243,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     process.set_defaults(run=_process)
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
+        with check_threads():  # as many torch threads as cores are idle: a busy machine does not stall it
+            return args.run(args)
     except CircuitMathError as error:  # bad input: said in one line, nothing written
         print(f"error: {error}", file=sys.stderr)
         return 2

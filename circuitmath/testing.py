@@ -57,6 +57,7 @@ from ._diagnosis._logprobs import _coarser
 from ._diagnosis._tensors import CERTIFICATE_ULPS
 from ._errors import ArgumentTypeError
 from ._state import validated_once
+from ._threads import with_check_threads
 from ._diagnosis import Diagnosis as Diagnosis, Finding as Finding, ParameterMismatch as ParameterMismatch
 
 __all__ = [
@@ -92,6 +93,7 @@ class NotEquivalentError(AssertionError):
 
 
 @torch.no_grad()  # weights that require grad are compared as plain tensors
+@with_check_threads
 def assert_equivalent(
     before,
     after,
@@ -204,6 +206,7 @@ def _shrinking() -> bool:
     return currently_in_test_context() and not current_build_context().is_final
 
 
+@with_check_threads
 def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress=None) -> "Diagnosis":
     """Explain ``after`` as a processing of ``before``: which identities, which went wrong, where.
 
@@ -231,6 +234,7 @@ def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress=N
     return _diagnosis.diagnose(before, after, cfg, after_cfg=after_cfg, tokens=tokens, progress=progress)
 
 
+@with_check_threads
 def check_model(model, cfg=None, *, tokens=None, progress=None) -> "Diagnosis":
     """Apply every weight identity that applies to ``model`` and compare log-probs, one row each.
 
@@ -246,6 +250,7 @@ def check_model(model, cfg=None, *, tokens=None, progress=None) -> "Diagnosis":
     return _diagnosis.check_model(model, cfg, tokens=tokens, progress=progress)
 
 
+@with_check_threads
 def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
     """Check that ``after`` is the registered identity ``name`` applied to ``before``.
 
