@@ -265,8 +265,6 @@ def test_figure_check_fails_on_each_defect_negative_control(defect):
         pages.check_figure(fig)
 
 
-@pytest.mark.book
-@pytest.mark.xdist_group("book")
 def _settle(page) -> None:
     """Wait until the page is what a reader sees: MathJax done typesetting (where the page loads
     it) and every font it asked for loaded. (Playwright's "networkidle" never fired on the
@@ -289,6 +287,8 @@ def _settle(page) -> None:
     raise AssertionError(f"{page.url} kept navigating")
 
 
+@pytest.mark.book
+@pytest.mark.xdist_group("book")
 def test_book_builds_and_renders_offline(tmp_path):
     if not MATHJAX.is_file():
         pytest.fail(f"{MATHJAX.relative_to(ROOT)} is missing: run `make {MATHJAX.relative_to(ROOT)}`")
@@ -382,6 +382,13 @@ def test_book_builds_and_renders_offline(tmp_path):
         assert result["containers"] > 0, f"{chapter}: no formula was typeset"
         if chapter in PLOTTING:
             assert result["images"] > 0 and reading[chapter]["figures"] > 0, f"{chapter}: the plot is missing"
+
+
+def test_the_book_test_carries_the_book_marker():
+    """``-m 'not book'`` deselects the build: the marker and the xdist group sit on the test."""
+    marks = {m.name: m for m in getattr(test_book_builds_and_renders_offline, "pytestmark", [])}
+    assert "book" in marks and marks["xdist_group"].args == ("book",)
+    assert not getattr(_settle, "pytestmark", None), "markers on a helper select nothing"
 
 
 def _displays_stand_alone(markdown: str) -> bool:

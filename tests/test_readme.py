@@ -1,28 +1,114 @@
-"""The README's Python examples run as copied: every ```python block, in order, in one namespace,
-and every ``test_*`` function a block defines is called (a hypothesis test runs its examples)."""
+"""The README is a guide of at most 12 KB whose examples run as copied: every ```python block, in
+order, in one namespace (in a scratch folder: an example writes a model file), every ``test_*``
+function a block defines is called (a hypothesis test runs its examples), and every
+``python -m circuitmath`` line of a ```sh block then runs in that folder and exits 0."""
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+LARGEST = 12 * 1024  # bytes: a guide, with the reference in the book
+# Chapters the README links to that another branch adds to the book; a link to any other missing
+# file fails.
+ANNOUNCED_CHAPTERS = {"book/streaming.md", "book/precision.md"}
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def python_blocks(text: str | None = None) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text() if text is None else text, flags=re.S)
 
 
-def test_the_readme_has_python_examples():
-    assert len(python_blocks()) >= 2
+def cli_lines(text: str | None = None) -> list[str]:
+    """Every ``python -m circuitmath`` command of the README's ```sh blocks, comments removed."""
+    blocks = re.findall(r"```sh\n(.*?)```", README.read_text() if text is None else text, flags=re.S)
+    return [line.split("#")[0].strip() for block in blocks for line in block.splitlines()
+            if line.startswith("python -m circuitmath ")]
 
 
-def test_every_python_example_runs_as_copied():
+def property_block(examples: int | None = None) -> str:
+    """The README's property-test example: the block that defines ``my_processing``; with
+    ``examples``, its ``@settings(...)`` line draws that many examples, generated only."""
+    (block,) = [b for b in python_blocks() if "def my_processing" in b]
+    if examples is None:
+        return block
+    line = f"@settings(max_examples={examples}, phases=[Phase.generate], deadline=None, database=None)"
+    quick, count = re.subn(r"^@settings\(.*\)$", line, block, flags=re.M)
+    assert count == 1, "the README's property test sets its own settings (no deadline under load)"
+    return "from hypothesis import Phase\n" + quick
+
+
+def test_the_readme_is_a_guide_of_at_most_12_kb():
+    size = len(README.read_bytes())
+    assert size <= LARGEST, f"README.md is {size} bytes; the reference belongs in the book's chapters"
+
+
+def test_the_readme_has_the_two_commands_and_three_examples():
+    text = README.read_text()
+    assert "make test" in text and "make book" in text  # CI runs `make test` (.ci/run)
+    assert len(python_blocks()) >= 3 and len(cli_lines()) >= 3
+
+
+def test_every_relative_link_of_the_readme_names_a_file():
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README.read_text())
+    assert links, "the README links to the book's chapters"
+    missing = [link for link in links if not (ROOT / link).is_file() and link not in ANNOUNCED_CHAPTERS]
+    assert not missing, f"README links to missing files: {missing}"
+
+
+def test_the_link_check_fails_on_a_missing_chapter_negative_control():
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", "see [it](book/no_such_chapter.md)")
+    assert [link for link in links if not (ROOT / link).is_file()] == ["book/no_such_chapter.md"]
+
+
+def _run_python_examples(folder: Path) -> dict:
     namespace: dict = {"__name__": "readme"}
-    for number, block in enumerate(python_blocks(), 1):
-        exec(compile(block, f"README.md python block {number}", "exec"), namespace)
+    here = Path.cwd()
+    os.chdir(folder)
+    try:
+        for number, block in enumerate(python_blocks(), 1):
+            exec(compile(block, f"README.md python block {number}", "exec"), namespace)
+    finally:
+        os.chdir(here)
+    return namespace
+
+
+def _run_cli(line: str, folder: Path) -> subprocess.CompletedProcess:
+    """``line`` (``python -m circuitmath ...``) run in ``folder`` with this interpreter and this tree's package."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *line.split()[1:]], cwd=folder, capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+def test_every_python_example_runs_as_copied(tmp_path):
+    namespace = _run_python_examples(tmp_path)
     tests = [value for name, value in namespace.items() if name.startswith("test_") and callable(value)]
     assert tests, "the README shows a property test"
     for test in tests:
         test()
+
+
+def test_every_command_line_example_runs_as_copied(tmp_path):
+    """The shell example runs after the Python ones, in the same folder (they write its model)."""
+    _run_python_examples(tmp_path)
+    for line in cli_lines():
+        done = _run_cli(line, tmp_path)
+        assert done.returncode == 0, f"{line}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+
+def test_the_command_line_check_fails_a_wrong_processing_negative_control(tmp_path):
+    """The README's ``check --processed`` line exits 1 when the processed folder is another model."""
+    from circuitmath import io
+
+    _run_python_examples(tmp_path)
+    state_dict, cfg = io.load(tmp_path / "model.safetensors")
+    io.save(tmp_path / "other.safetensors", {k: v * 1.01 if k == "blocks.0.attn.W_Q" else v
+                                             for k, v in state_dict.items()}, cfg)
+    (check,) = [line for line in cli_lines() if "--processed" in line]
+    done = _run_cli(check.replace("--processed processed", "--processed other.safetensors"), tmp_path)
+    assert done.returncode == 1, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
 
 
 def test_a_wrong_processing_in_the_readme_example_fails():
@@ -30,12 +116,11 @@ def test_a_wrong_processing_in_the_readme_example_fails():
     added to the unembed that differs across the vocabulary moves every log-prob)."""
     import pytest
     import torch
-    from hypothesis import Phase, settings
 
     from circuitmath.testing import NotEquivalentError
 
     namespace: dict = {"__name__": "readme"}
-    exec(compile(python_blocks()[0], "README.md python block 1", "exec"), namespace)
+    exec(compile(property_block(examples=3), "README.md property test", "exec"), namespace)
     fold = namespace["my_processing"]
 
     def wrong(state_dict, cfg):
@@ -44,9 +129,8 @@ def test_a_wrong_processing_in_the_readme_example_fails():
         return dict(folded, **{"unembed.b_U": b_U + torch.arange(b_U.numel(), dtype=b_U.dtype, device=b_U.device)}), folded_cfg
 
     namespace["my_processing"] = wrong
-    quick = settings(max_examples=3, phases=[Phase.generate], deadline=None, database=None)
     with pytest.raises(NotEquivalentError):
-        quick(namespace["test_my_processing"])()
+        namespace["test_my_processing"]()
 
 
 # -- the property test against a user's own library ---------------------------------------------
@@ -79,11 +163,11 @@ def user_fold_layer_norm(state_dict, cfg):
     return sd, cfg.replace(normalization_type="LNPre")
 
 
-def _readme_property_test(processing):
-    """The README's first block executed as copied, its ``test_my_processing`` bound to
+def _readme_property_test(processing, examples: int | None = None):
+    """The README's property-test block executed as copied, its ``test_my_processing`` bound to
     ``processing`` instead of the block's own ``my_processing``."""
     namespace: dict = {"__name__": "readme"}
-    exec(compile(python_blocks()[0], "README.md python block 1", "exec"), namespace)
+    exec(compile(property_block(examples), "README.md property test", "exec"), namespace)
     namespace["my_processing"] = processing
     return namespace["test_my_processing"]
 
@@ -112,7 +196,6 @@ def test_a_wrong_user_library_fails_the_readme_property_test():
     """Negative control: the same library with the bias pushed through the gain (``b * w``
     folded instead of ``b``) fails the README's property test."""
     import pytest
-    from hypothesis import Phase, settings
 
     from circuitmath.testing import NotEquivalentError
 
@@ -121,6 +204,5 @@ def test_a_wrong_user_library_fails_the_readme_property_test():
                   for k, v in state_dict.items()}
         return user_fold_layer_norm(scaled, cfg)
 
-    quick = settings(max_examples=5, phases=[Phase.generate], deadline=None, database=None)
     with pytest.raises(NotEquivalentError):
-        quick(_readme_property_test(wrong))()
+        _readme_property_test(wrong, examples=5)()
