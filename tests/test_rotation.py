@@ -1,6 +1,7 @@
 """Rotating the residual stream, permuting heads and neurons, and recognising each from the weights."""
 
 import pytest
+import sympy
 import torch
 from hypothesis import given, reject, strategies as st
 
@@ -304,16 +305,65 @@ def test_bad_Q_is_refused(Q):
         cm.rotate_residual_stream(sd, cfg, Q)
 
 
-def test_layer_norm_model_rotates_only_by_a_Q_fixing_the_ones():
+def _lnpre_model():
     cfg = _cfg()
-    sd, folded_cfg = cm.fold_layer_norm(cm.random_state_dict(cfg, seed=0, dtype=torch.float64), cfg)
-    fixing = orthogonal_fixing_ones(cfg.d_model, seed=0)
-    out, out_cfg = cm.rotate_residual_stream(sd, folded_cfg, fixing)
+    return cm.fold_layer_norm(cm.random_state_dict(cfg, seed=0, dtype=torch.float64), cfg)
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_layer_norm_model_rotates_by_a_Q_mapping_the_ones_to_plus_or_minus_the_ones(sign):
+    sd, folded_cfg = _lnpre_model()
+    Q = sign * orthogonal_fixing_ones(folded_cfg.d_model, seed=0)
+    ones = torch.ones(folded_cfg.d_model, dtype=torch.float64)
+    assert torch.allclose(Q @ ones, sign * ones)
+    out, out_cfg = cm.rotate_residual_stream(sd, folded_cfg, Q)
     assert out_cfg.applied[-1] == "layer_norm_rotation"
     assert compare_log_probs(sd, folded_cfg, out, out_cfg).passed
-    with pytest.raises(cm.PreconditionError, match="all-ones") as info:
-        cm.rotate_residual_stream(sd, folded_cfg, random_orthogonal(cfg.d_model, seed=0))
+
+
+def test_layer_norm_model_rotated_by_minus_the_identity_is_exact_to_the_bit():
+    """LNPre(-x) = -LNPre(x) exactly in floating point (negation is exact, and so is every sum of
+    negated terms), and each reader reads (-W) of (-x): the log-probs are the same bits."""
+    sd, folded_cfg = _lnpre_model()
+    out, out_cfg = cm.rotate_residual_stream(sd, folded_cfg, -torch.eye(folded_cfg.d_model, dtype=torch.float64))
+    assert out_cfg.applied[-1] == "layer_norm_rotation"
+    assert torch.equal(out["embed.W_E"], -sd["embed.W_E"])
+    tokens = torch.arange(folded_cfg.n_ctx).remainder(folded_cfg.d_vocab)[None]
+    assert torch.equal(cm.forward(out, out_cfg, tokens), cm.forward(sd, folded_cfg, tokens))
+
+
+def _signs(d_model):
+    """``diag(1, -1, 1, ...)``: orthogonal, ``Q 1`` neither ``1`` nor ``-1``."""
+    return torch.diag(torch.tensor([(-1.0) ** i for i in range(d_model)], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("make", [lambda d: random_orthogonal(d, seed=0), _signs], ids=["random", "signs"])
+def test_layer_norm_model_refuses_a_Q_moving_the_ones_and_says_why_truly(make):
+    sd, folded_cfg = _lnpre_model()
+    Q = make(folded_cfg.d_model)
+    with pytest.raises(cm.PreconditionError, match=r"neither 1 nor -1.*exactly when Q 1 = 1 or Q 1 = -1") as info:
+        cm.rotate_residual_stream(sd, folded_cfg, Q)
     assert info.value.identity == "layer_norm_rotation"
+    assert "Q 1 = 1 or Q 1 = -1" in info.value.precondition
+    # what the refusal says is true: the rotation it refuses changes the model
+    rotated = dict(sd) | rotated_tensors(sd, folded_cfg, Q)
+    assert not compare_log_probs(sd, folded_cfg, rotated, folded_cfg).passed
+
+
+def test_the_proof_samples_both_signs():
+    """The proof's instances draw ``Q 1 = 1`` and ``Q 1 = -1``, so its fact is checked for both."""
+    import random
+
+    from circuitmath._identities.rotation import _fixing_ones
+
+    rng = random.Random(0)
+    signs = set()
+    for _ in range(20):
+        Q_ = _fixing_ones(rng, (4, 4))
+        image = Q_ * sympy.ones(4, 1)
+        assert Q_.T * Q_ == sympy.eye(4) and image in (sympy.ones(4, 1), -sympy.ones(4, 1))
+        signs.add(image[0])
+    assert signs == {1, -1}
 
 
 def test_slicegpt_route_on_a_zoo_model():
@@ -518,6 +568,20 @@ def test_each_rotation_twin_on_a_zoo_model_fails_naming_the_identity_and_tensors
     assert all(name in out for name in expected), out
     if twin in ("forget_W_pos", "forget_writer_bias"):  # only the tensors responsible are named
         assert "embed.W_E" not in out.split(f"rotate_residual_stream.{twin} explains", 1)[1].split("\n")[0]
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_the_diagnosis_recognises_an_lnpre_rotation_with_q_one_plus_or_minus_one(sign):
+    """An ``LNPre`` model rotated by ``Q`` with ``Q 1 = ±1`` is read back as ``layer_norm_rotation``
+    (not switched to RMSNorm first, which a ``Q 1 = -1`` would otherwise look like it needs)."""
+    sd, folded_cfg = _lnpre_model()
+    rotated, rotated_cfg = cm.rotate_residual_stream(sd, folded_cfg, sign * orthogonal_fixing_ones(folded_cfg.d_model, seed=2))
+    found = cm.testing.diagnose(sd, rotated, folded_cfg)
+    assert found.ok, str(found)
+    assert found.replayed[-1:] == ("layer_norm_rotation",), found.replayed
+    # negative control: the rotation with W_E forgotten is not explained
+    broken = dict(rotated, **{"embed.W_E": sd["embed.W_E"]})
+    assert not cm.testing.diagnose(sd, broken, folded_cfg).ok
 
 
 def test_head_and_neuron_permutations_are_recognised():

@@ -272,10 +272,10 @@ class _Replay:
 
     def _rotation(self, before, stages, state, state_cfg):
         """``stages`` then the rotation recovered from ``state`` to ``after`` (or a known wrong
-        rotation), after switching an ``LNPre`` model to RMSNorm when ``Q`` moves the all-ones
-        direction: ``(stages, final, final_cfg, residual)``, or ``None`` when it cannot apply."""
+        rotation), after switching an ``LNPre`` model to RMSNorm when ``Q 1`` is neither ``1``
+        nor ``-1``: ``(stages, final, final_cfg, residual)``, or ``None`` when it cannot apply."""
         if state_cfg.normalization_type == "LNPre" and not _fixes_ones(procrustes(state, self.after, state_cfg)):
-            # LNPre rotates only by a Q fixing 1; with centered writes switch to RMSNorm first
+            # LNPre rotates only by a Q with Q 1 = ±1; with centered writes switch to RMSNorm first
             switch = self.stage(LAYER_NORM_TO_RMS_NORM, state, state_cfg, forced=True, search=False)
             if switch is not None and switch.refusal is None:
                 stages, state, state_cfg = stages + [switch], switch.state, switch.cfg
@@ -470,9 +470,10 @@ def _same_names(state: Mapping, after: Mapping) -> bool:
 
 
 def _fixes_ones(Q: torch.Tensor) -> bool:
-    """Whether ``Q 1 = 1`` to float64 rounding (``layer_norm_rotation`` may apply)."""
+    """Whether ``Q 1 = 1`` or ``Q 1 = -1`` to float64 rounding (``layer_norm_rotation`` may apply)."""
     ones = torch.ones(Q.shape[0], dtype=Q.dtype, device=Q.device)
-    return float((Q @ ones - ones).abs().max()) <= 1e-6
+    image = Q @ ones
+    return min(float((image - ones).abs().max()), float((image + ones).abs().max())) <= 1e-6
 
 
 def _anchors(cfg: Config) -> list[str]:
@@ -485,11 +486,13 @@ def _anchors(cfg: Config) -> list[str]:
 
 
 def _fixing_ones_exactly(Q: torch.Tensor) -> torch.Tensor:
-    """The orthogonal matrix nearest ``P Q P + u u^T`` (``u = 1 / sqrt(d)``, ``P = I - u u^T``):
-    ``Q`` with the all-ones direction fixed to rounding (``u`` is a singular vector of value 1)."""
+    """The orthogonal matrix nearest ``P Q P + s u u^T`` (``u = 1 / sqrt(d)``, ``P = I - u u^T``,
+    ``s = ±1`` the sign of ``u^T Q u``): ``Q`` with ``Q 1 = s 1`` to rounding (``u`` is a
+    singular vector of value 1)."""
     u = torch.full((Q.shape[0], 1), Q.shape[0] ** -0.5, dtype=Q.dtype, device=Q.device)
     P = torch.eye(Q.shape[0], dtype=Q.dtype, device=Q.device) - u @ u.T
-    U, _S, Vh = torch.linalg.svd(P @ Q @ P + u @ u.T)
+    sign = 1.0 if float(u.T @ Q @ u) >= 0 else -1.0
+    U, _S, Vh = torch.linalg.svd(P @ Q @ P + sign * (u @ u.T))
     return U @ Vh
 
 

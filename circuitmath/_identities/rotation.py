@@ -53,7 +53,7 @@ n, d, e, m, v, c, k = (dim(s) for s in ("n", "d", "e", "m", "v", "c", "k"))
 ones_n, ones_d, ones_dd = OneMatrix(n, 1), OneMatrix(d, 1), OneMatrix(d, d)
 Q = MatrixSymbol("Q", d, d)
 G = MatrixSymbol("G", d, d)  # invertible, not orthogonal: the twins' "rotation"
-R = MatrixSymbol("R", d, d)  # orthogonal, but not fixing the all-ones direction
+R = MatrixSymbol("R", d, d)  # orthogonal, but moving the all-ones direction (R 1 != ±1)
 rho = sympy.Symbol(r"\rho", positive=True)
 C = MatrixSymbol("C", d, d)
 CENTERING = Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones_d, ones_d.T)), "the centering matrix")
@@ -129,13 +129,14 @@ def _norm_rotation_proof() -> Proof:
     )
 
 
-# -- LayerNorm: only rotations that fix the all-ones direction ---------------------------------
+# -- LayerNorm: only rotations that map the all-ones direction to itself (Q 1 = ±1) -------------
 
 
 def _fixing_ones(rng, shape):
-    """An exactly orthogonal rational ``Q`` with ``Q 1 = 1``, for any size: a product of
-    Householder reflections ``I - 2 v v^T / (v^T v)`` by integer vectors ``v`` orthogonal to
-    ``1`` (each reflection is rational, orthogonal and fixes ``1``)."""
+    """An exactly orthogonal rational ``Q`` with ``Q 1 = 1`` or ``Q 1 = -1`` (a random sign),
+    for any size: a product of Householder reflections ``I - 2 v v^T / (v^T v)`` by integer
+    vectors ``v`` orthogonal to ``1`` (each reflection is rational, orthogonal and fixes ``1``),
+    times ``±1``."""
     size = shape[0]
     Q_ = sympy.eye(size)
     for _ in range(size):
@@ -145,7 +146,7 @@ def _fixing_ones(rng, shape):
             if any(v):
                 break
         Q_ = Q_ * (sympy.eye(size) - 2 * v * v.T / (v.T * v)[0])
-    return Q_
+    return Q_ * rng.choice((1, -1))
 
 
 def _layer_norm_rotation_proof() -> Proof:
@@ -157,7 +158,8 @@ def _layer_norm_rotation_proof() -> Proof:
         rhs=rhs,
         steps=(
             Step(MatAdd(MatMul(_gram(MatMul(x, C, Q)), T_1), MatMul(rho, x, C, Q, T_2)),
-                 r"$Q C = C Q$: $Q \mathbf{1} = \mathbf{1}$ and $\mathbf{1}^\top Q = \mathbf{1}^\top$; definition of $\mathrm{LNPre}(xQ)$"),
+                 r"$Q C = C Q$: $Q \mathbf{1}\mathbf{1}^\top = \mathbf{1}\mathbf{1}^\top Q$ (as $Q \mathbf{1} = \pm\mathbf{1}$);"
+                 r" definition of $\mathrm{LNPre}(xQ)$"),
             Step(MatAdd(MatMul(_gram(MatMul(x, C)), T_1), MatMul(rho, x, C, Q, T_2)),
                  r"$Q Q^\top = I$: $|xQC|^2 = |xC|^2$, the normaliser $\rho$ is the same"),
             Step(rhs, r"definition of $\mathrm{LNPre}(x)$"),
@@ -168,19 +170,18 @@ def _layer_norm_rotation_proof() -> Proof:
             Definition(LNPre_xQ, MatMul(rho, x, Q, C), "rho, the same function of |x Q C|^2 (the T_1 term)"),
         ),
         facts=ORTHOGONAL + (
-            Fact(MatMul(Q, ones_dd), ones_dd, "Q fixes the all-ones direction: Q 1 = 1, so Q 1 1^T = 1 1^T"),
-            Fact(MatMul(ones_dd, Q), ones_dd, "1^T Q = (Q^T 1)^T = (Q^T Q 1)^T = 1^T"),
-            Fact(MatMul(Q.T, ones_dd), ones_dd, "Q^T 1 = Q^T Q 1 = 1"),
-            Fact(MatMul(ones_dd, Q.T), ones_dd, "1^T Q^T = (Q 1)^T = 1^T"),
+            Fact(MatMul(Q, ones_dd), MatMul(ones_dd, Q),
+                 "Q 1 = s 1 with s = ±1, so Q^T 1 = s 1 and Q 1 1^T = s 1 1^T = 1 1^T Q (for an orthogonal Q,"
+                 " equivalent to Q 1 = ±1: times 1 it gives Q 1 = c 1, and |Q 1| = |1| gives c = ±1)"),
         ),
         samplers={Q: _fixing_ones, R: _orthogonal},
         explicit_dims={d: 4, k: 2},
-        assumptions=("Q orthogonal with Q 1 = 1 (it maps the all-ones direction to itself)",),
+        assumptions=("Q orthogonal with Q 1 = 1 or Q 1 = -1 (it maps the all-ones direction to itself)",),
         twins=(
             Twin("generic_rotation", "rotate an LNPre model by an orthogonal R that moves 1: centering does not commute with R",
                  MatAdd(MatMul(_gram(MatMul(x, R, C)), T_1), MatMul(rho, x, R, C, T_2)),
                  MatAdd(MatMul(_gram(MatMul(x, C)), T_1), MatMul(rho, x, C, R, T_2))),
-            Twin("unfolded_gain", "rotate an LN model whose gain is not folded, even with Q 1 = 1: diag(w) Q != Q diag(w)",
+            Twin("unfolded_gain", "rotate an LN model whose gain is not folded, even with Q 1 = ±1: diag(w) Q != Q diag(w)",
                  MatMul(rho, x, Q, C, DiagMatrix(w), T_2), MatMul(rho, x, C, DiagMatrix(w), Q, T_2)),
         ),
     )
@@ -497,7 +498,7 @@ RMS_NORM_ROTATION = register(
         name="rms_norm_rotation",
         title="RMSNorm commutes with rotations",
         summary="RMSPre(x Q) = RMSPre(x) Q for orthogonal Q, eps included: |x Q| = |x|; not for LNPre"
-        " unless Q 1 = 1, not through an unfolded gain, not for a non-orthogonal Q",
+        " unless Q 1 = ±1, not through an unfolded gain, not for a non-orthogonal Q",
         preconditions=(Q_ORTHOGONAL, NO_GAIN_INSIDE),
         build_proof=_norm_rotation_proof,
         transform=_rotated_norm,
@@ -509,9 +510,9 @@ RMS_NORM_ROTATION = register(
 LAYER_NORM_ROTATION = register(
     Identity(
         name="layer_norm_rotation",
-        title="LayerNorm commutes only with rotations that fix the all-ones direction",
-        summary="LNPre(x Q) = LNPre(x) Q when Q is orthogonal and Q 1 = 1: centering commutes with Q"
-        " exactly then; any other rotation of an LNPre model changes it",
+        title="LayerNorm commutes only with rotations that map the all-ones direction to itself",
+        summary="LNPre(x Q) = LNPre(x) Q when Q is orthogonal and Q 1 = 1 or Q 1 = -1: centering commutes"
+        " with Q exactly then; any other rotation of an LNPre model changes it",
         preconditions=(IS_LNPRE, Q_ORTHOGONAL, Q_FIXES_ONES, PRE_NORM, NO_NORM_GAIN, Q_SQUARE),
         build_proof=_layer_norm_rotation_proof,
         transform=_layer_norm_rotation,

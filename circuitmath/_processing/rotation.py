@@ -4,7 +4,7 @@ Three pure transforms and their recognition:
 
 - :func:`rotate_residual_stream`: every writer ``W -> W Q``, every reader ``W -> Q^T W``
   (``Q`` orthogonal, ``[d_model, d_model]``), the function unchanged when every norm is
-  ``RMSPre`` (or there is none), or ``LNPre`` with ``Q`` fixing the all-ones direction;
+  ``RMSPre`` (or there is none), or ``LNPre`` with ``Q 1 = 1`` or ``Q 1 = -1``;
 - :func:`permute_heads` and :func:`permute_neurons`: the heads of a layer, the neurons of an MLP,
   in another order;
 - :func:`recover_rotation`, :func:`recover_head_permutation`, :func:`recover_neuron_permutation`:
@@ -65,7 +65,10 @@ NO_NORM_GAIN = Precondition(
 )
 Q_SQUARE = Precondition("Q is a floating [d_model, d_model] tensor")
 Q_ORTHOGONAL = Precondition("Q is orthogonal", "Q is orthogonal to the precision of the weights")
-Q_FIXES_ONES = Precondition("Q fixes the all-ones direction (Q 1 = 1)")
+Q_FIXES_ONES = Precondition(
+    "Q maps the all-ones direction to itself (Q 1 = 1 or Q 1 = -1)",
+    "Q 1 = 1 or Q 1 = -1: centering commutes with an orthogonal Q exactly then",
+)
 A_HEAD_PERMUTATION = Precondition("a permutation of the heads", "a permutation of 0..n_heads-1, per layer or for all")
 GROUPS_MOVE_TOGETHER = Precondition(
     "each group of query heads moves with its key/value head",
@@ -233,8 +236,10 @@ def rotate_residual_stream(
     did: ``RMSPre(x Q) Q^T W = RMSPre(x) W``. Identity ``rotate_residual_stream``.
 
     Norms: ``RMSPre`` and no norm are rotated for any orthogonal ``Q``. ``LNPre`` only when ``Q``
-    fixes the all-ones direction (``Q 1 = 1``, identity ``layer_norm_rotation``), since
-    ``LNPre`` centers, and centering commutes with ``Q`` exactly then. A norm with a gain
+    maps the all-ones direction to itself (``Q 1 = 1`` or ``Q 1 = -1``, identity
+    ``layer_norm_rotation``), since ``LNPre`` centers, and the centering matrix
+    ``C = I - 1 1^T / d`` commutes with an orthogonal ``Q`` exactly then (``Q 1 1^T = 1 1^T Q``
+    gives ``Q 1 = c 1``, and ``|Q 1| = |1|`` gives ``c = ±1``; ``Q = -I`` is one). A norm with a gain
     (``LN``, ``RMS``) is refused: ``diag(w)`` does not commute with ``Q``; the SliceGPT route is
     :func:`fold_layer_norm`, :func:`center_writing_weights`, :func:`layer_norm_to_rms_norm`, then
     this (or :func:`fold_rms_norm`, then this). Post-norm models are refused.
@@ -294,12 +299,14 @@ def rotate_residual_stream(
         identity = "layer_norm_rotation"
         Q64 = Q.double()
         ones = torch.ones(cfg.d_model, dtype=torch.float64, device=Q.device)
-        moved = float((Q64 @ ones - ones).abs().max())
+        image = Q64 @ ones
+        plus, minus = float((image - ones).abs().max()), float((image + ones).abs().max())
         require(
-            identity, Q_FIXES_ONES, moved <= tolerance * math.sqrt(cfg.d_model),
-            f"normalization_type is 'LNPre' and max |Q 1 - 1| is {moved:.3g}: LNPre centers, and centering"
-            " commutes with Q only when Q fixes the all-ones direction. Center the writes and switch to"
-            f" RMSNorm first ({center_writing_weights.identity}, {layer_norm_to_rms_norm.identity})",
+            identity, Q_FIXES_ONES, min(plus, minus) <= tolerance * math.sqrt(cfg.d_model),
+            f"normalization_type is 'LNPre' and Q 1 is neither 1 nor -1 (max |Q 1 - 1| is {plus:.3g},"
+            f" max |Q 1 + 1| is {minus:.3g}): LNPre centers, and centering commutes with an orthogonal Q"
+            " exactly when Q 1 = 1 or Q 1 = -1. Center the writes and switch to RMSNorm first"
+            f" ({center_writing_weights.identity}, {layer_norm_to_rms_norm.identity})",
         )
     out = dict(state_dict)
     out.update(rotated_tensors(state_dict, cfg, Q))
