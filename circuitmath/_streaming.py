@@ -30,6 +30,7 @@ import mmap
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass
 
 import torch
@@ -357,9 +358,11 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
             reader.natives, reader.stand_ins = {}, {}
             if stored:
                 specs, fill, copied = _stored_part(checkpoint, layer, tensors, as_given, target)
-                writing = pool.submit(writer.write_stored, specs, fill, out_cfg, copied)
+                job = [partial(writer.write_stored, specs, fill, out_cfg, copied)]
             else:
-                writing = pool.submit(writer.write, tensors, out_cfg)
+                job = [partial(writer.write, tensors, out_cfg)]
+            del tensors
+            writing = pool.submit(_released, job)
             written.append(what)
 
         out, out_cfg, same = run(None)
@@ -376,6 +379,14 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
                 del out
             wait()
     return out_cfg
+
+
+def _released(job: list[Callable[[], None]]) -> None:
+    """Run the one call in ``job``, taken out of it first. The pool's work item keeps its
+    arguments until its thread gets round to dropping it, which may be after the part's result
+    is in (on a busy machine, often): through ``job`` it keeps nothing, so once a part is on disk
+    no reference to its tensors is left and the next blocks recycle their maps."""
+    job.pop()()
 
 
 def _stored_part(checkpoint: Checkpoint, layer: int | None, out: dict[str, torch.Tensor], as_given: set[str],

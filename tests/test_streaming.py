@@ -123,8 +123,22 @@ def test_blocks_reuse_the_maps_of_blocks_written_and_nothing_in_use(tmp_path, mo
     """The blocks' new tensors take the memory of those already written (recycled maps): the
     output is still the in-memory transform's, bit for bit. Control: a recycler that hands out
     maps still in use (a block's own W_gate for its W_in) writes another model, and the same
-    comparison says so."""
+    comparison says so.
+
+    The writing thread is held after each part, between handing in its result and dropping its
+    work item, as a busy machine may hold it: the count of maps recycled must not depend on
+    that schedule (nothing the pool keeps may refer to a written part's tensors)."""
+    from concurrent.futures import thread
+
     from circuitmath._processing import _memory
+
+    finish = thread._WorkItem.run
+
+    def held(item):
+        finish(item)
+        time.sleep(0.25)
+
+    monkeypatch.setattr(thread._WorkItem, "run", held)
 
     folder = _mapped_llama(tmp_path)
     state_dict, cfg = io.load_hf_directory(folder)
