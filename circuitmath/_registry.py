@@ -80,6 +80,12 @@ class Identity:
     it by them (with a :class:`DeprecationWarning`) and a :class:`~circuitmath.Config` whose
     ``applied`` records one reads it as ``name``. ``corruptions=`` (the former name of
     ``wrong_rewrites``) is still accepted when constructing.
+
+    ``recover(before, after, cfg)``: for an identity with a free parameter (per-channel scales),
+    the parameter that maps ``before`` onto ``after``, or ``None``; ``with_parameters(state_dict,
+    cfg, parameter)`` applies the identity with it (its public transform), and each wrong rewrite
+    takes it as an optional third argument. The diagnosis recovers the parameter instead of
+    replaying ``transform``, whose parameter is fixed for the numeric checks.
     """
 
     name: str
@@ -94,6 +100,8 @@ class Identity:
     function: str | None = None
     check_note: str | None = field(default=None, repr=False)
     aliases: tuple[str, ...] = ()
+    recover: Callable[[StateDict, StateDict, Config], object] | None = field(default=None, repr=False)
+    with_parameters: Callable[..., tuple[dict, Config]] | None = field(default=None, repr=False)
     corruptions: InitVar[Mapping[str, Transform] | None] = None  # deprecated: wrong_rewrites
 
     def __post_init__(self, corruptions) -> None:

@@ -15,8 +15,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from circuitmath import (
-    CircuitMathError, Config, OverflowedError, fold_layer_norm, process_weights, random_state_dict, rescale_residual_stream,
-    rotate_residual_stream,
+    CircuitMathError, Config, OverflowedError, fold_layer_norm, migrate_norm_scales, process_weights, random_state_dict,
+    rescale_residual_stream, rotate_residual_stream,
 )
 from circuitmath._processing.pipeline import STEPS
 from circuitmath.strategies import models
@@ -122,6 +122,8 @@ _HALF_PRECISION_CASES = [
     ("shortformer", "shortformer_to_tables"),
     ("RMS", "fold_rms_norm"), ("RMS", "center_unembed"), ("RMS", "fold_value_biases"), ("RMSPre", _rotated),
     ("eps 0", functools.partial(rescale_residual_stream, scale=3.0)),
+    *((arch, functools.partial(migrate_norm_scales, scales=torch.exp(torch.randn(
+        256, dtype=torch.float64, generator=torch.Generator().manual_seed(0))))) for arch in ("RMS", "LN", "RMSPre")),
 ]
 
 

@@ -50,6 +50,7 @@ CHECKERS = {
     "rotate_residual_stream": (testing.check_rotate_residual_stream, {"normalization_type": "RMSPre"}),
     "permute_heads": (testing.check_permute_heads, {}),
     "permute_neurons": (testing.check_permute_neurons, {}),
+    "migrate_norm_scales": (testing.check_migrate_norm_scales, {"normalization_type": "RMS", "gated_mlp": True}),
 }
 
 

@@ -44,7 +44,10 @@ __all__ = ["weight_identities", "SYMMETRIES"]
 #: them with a fixed one, so the diagnosis recovers the parameter from the tensors instead.
 SYMMETRIES = tuple(identity.name for identity in (
     RMS_NORM_ROTATION, LAYER_NORM_ROTATION, ROTATION_INVARIANCE, SLICEGPT_ROUTE, PERMUTE_HEADS, PERMUTE_NEURONS,
-))
+)) + tuple(identity.name for identity in _identities.identities() if identity.recover is not None)
+
+#: Symmetries whose identity recovers its own parameter (``Identity.recover``), tried after the permutations.
+RECOVERED = tuple(identity for identity in _identities.identities() if identity.recover is not None)
 
 
 def weight_identities(*, symmetries: bool = False) -> tuple:
@@ -164,10 +167,12 @@ class _Replay:
                 for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), wrong.function, state, cfg)
             ]
         if identity.name in SYMMETRIES:  # tried only where the symmetry is: not in every search
+            found = identity.recover(state, self.after, cfg) if identity.recover is not None else None
             return [
                 candidate
                 for name, wrong in identity.wrong_rewrites.items() if not wrong.regardless
-                for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), wrong.function, state, cfg)
+                for candidate in self._run(f"{identity.name}.{name}", identity.describe(name),
+                                           wrong.function if found is None else _given(wrong.function, found), state, cfg)
             ]
         allowed = {identity.name, *records}
         return [
@@ -204,6 +209,9 @@ class _Replay:
     def transform_of(self, identity, state: Mapping, cfg: Config):
         """The rewrite the replay applies for ``identity``: its transform, except for a symmetry,
         whose parameter (``Q``, the permutation) is recovered from ``state`` and ``after``."""
+        if identity.recover is not None:
+            found = identity.recover(state, self.after, cfg)
+            return identity.transform if found is None else _given(identity.with_parameters, found)
         if identity.name not in SYMMETRIES or not _same_names(state, self.after):
             return identity.transform
         if identity in (ROTATION_INVARIANCE, LAYER_NORM_ROTATION):
@@ -252,7 +260,7 @@ class _Replay:
                 if found and len(found[3]) < len(residual) and (best is None or len(found[3]) < len(best[3])):
                     best = found
         stages, state, state_cfg = best[:3] if best else replayed
-        for permutation in (PERMUTE_HEADS, PERMUTE_NEURONS):
+        for permutation in (PERMUTE_HEADS, PERMUTE_NEURONS, *RECOVERED):
             stage = self.stage(permutation, state, state_cfg, forced=False, search=False)
             if stage is not None:
                 stages, state, state_cfg = stages + [stage], stage.state, stage.cfg
@@ -463,6 +471,11 @@ class _Replay:
         """The tensors of ``after`` that ``state`` does not reproduce up to rounding."""
         names = set(state) | set(self.after)
         return sorted(n for n in names if not self.same(n, state.get(n), before.get(n), "exact"))
+
+
+def _given(function, parameter):
+    """``function(state_dict, cfg, parameter)`` as a rewrite ``(state_dict, cfg) -> (state_dict, cfg)``."""
+    return lambda state_dict, cfg: function(state_dict, cfg, parameter)
 
 
 def _same_names(state: Mapping, after: Mapping) -> bool:

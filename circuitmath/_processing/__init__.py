@@ -25,6 +25,7 @@ from .norms import (
     rescale_residual_stream as rescale_residual_stream,
 )
 from .pipeline import process_weights as process_weights
+from .quantisation import migrate_norm_scales as migrate_norm_scales, recover_norm_scales as recover_norm_scales
 from .rotation import (
     hadamard as hadamard,
     orthogonal_fixing_ones as orthogonal_fixing_ones,
