@@ -18,6 +18,7 @@ from .._compare import compare_log_probs, default_tokens
 from .._config import Config
 from .._errors import StateDictError
 from .._files import _about
+from .._models import as_state_dict, is_model_object
 from .._processing.norms import uncentered_writers
 from .._state import StateDict, check_config_fits, expected_shapes, validate_state_dict
 
@@ -69,6 +70,8 @@ class Model:
 def resolve(source, cfg=None, *, loaded: tuple[dict, dict] | None = None) -> Model:
     """:func:`resolve_model` as a :class:`Model`; ``loaded`` is ``(tensors, metadata)`` of the
     file ``source`` when they have been read already (each file is read once)."""
+    if is_model_object(source):
+        source, cfg = as_state_dict(source, cfg)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.exists() and not path.is_symlink():
@@ -95,7 +98,8 @@ def resolve(source, cfg=None, *, loaded: tuple[dict, dict] | None = None) -> Mod
 def _resolve_mapping(source, cfg) -> Model:
     """A state dict with a circuitmath or Hugging Face ``cfg``, TransformerLens buffers dropped."""
     if not isinstance(source, Mapping):
-        raise StateDictError(f"expected a state dict, a .safetensors path or a folder, got {type(source).__name__}")
+        raise StateDictError(f"expected a state dict, a .safetensors path, a folder or a model (a transformers"
+                             f" model, a TransformerLens bridge, an nn.Module), got {type(source).__name__}")
     if cfg is None:
         raise StateDictError("a state dict needs its config: a circuitmath Config or a Hugging Face config")
     if _is_hf_config(cfg):
@@ -141,6 +145,10 @@ def _resolve_after(after, after_cfg, before_cfg: Config, cfg, before: Model | No
     error message when none fits)."""
     if after_cfg is not None:
         return resolve(after, after_cfg)
+    if is_model_object(after):  # read with its own config; a module without one, as a state dict is
+        after, own_cfg = as_state_dict(after, required=False)
+        if own_cfg is not None:
+            return resolve(after, own_cfg)
     if isinstance(after, (str, os.PathLike)):
         path = Path(after)
         if path.is_dir() or not path.exists():
@@ -152,7 +160,8 @@ def _resolve_after(after, after_cfg, before_cfg: Config, cfg, before: Model | No
     if _is_hf_config(cfg) and isinstance(after, Mapping) and "embed.W_E" not in after:
         return resolve(after, cfg)
     if not isinstance(after, Mapping):
-        raise StateDictError(f"expected a state dict, a .safetensors path or a folder, got {type(after).__name__}")
+        raise StateDictError(f"expected a state dict, a .safetensors path, a folder or a model (a transformers"
+                             f" model, a TransformerLens bridge, an nn.Module), got {type(after).__name__}")
     forms = _processed_forms(before_cfg)
     fitting = [form for form in forms if set(_without_buffers(after, form)) == set(expected_shapes(form))]
     first_error = None
