@@ -155,6 +155,15 @@ class Apply(MatrixExpr):
         """Left alone: the node is unfolded through its definition, never rewritten by sympy."""
         return self
 
+    def meaning(self, definitions: Mapping | None = None) -> MatrixExpr | None:
+        """The only value a proof may define this node as: :func:`act`'s, operator symbols
+        resolved through ``definitions``; ``None`` when ``op`` is not an operator."""
+        operators = {k: v for k, v in (definitions or {}).items() if isinstance(k, MatrixSymbol)}
+        try:
+            return act(self.op, self.X, operators)
+        except (TypeError, ValueError):
+            return None
+
     def _latex(self, printer) -> str:
         op = printer._print(self.op)
         if not isinstance(self.op, MatrixSymbol):

@@ -33,7 +33,10 @@ class Fact:
     Every concrete instance the engine draws is checked to satisfy it exactly, so a sampler that
     breaks the assumption is an error, not a silent counterexample. A fact made by
     :meth:`invertible` declares a square matrix invertible: only such matrices may appear under
-    an inverse, and only they cancel with it.
+    an inverse, and only they cancel with it. A fact whose ``product`` is a bare symbol of the
+    claim (``LN(x) = LNPre(x) diag(w) + b``) says what that symbol stands for: the checker
+    unfolds it like a definition and draws instances that satisfy it, and, like every fact, it is
+    listed among the proof's assumptions (a :class:`Definition` may only name a fresh symbol).
     """
 
     product: sympy.Basic
@@ -45,6 +48,14 @@ class Fact:
     def invertible(cls, matrix, text: str) -> Fact:
         """``matrix`` is invertible: ``M M^{-1} = I`` (it must be square)."""
         return cls(MatMul(matrix, Inverse(matrix)), Identity(matrix.shape[0]), text, invertible_matrix=matrix)
+
+    @property
+    def fixes(self) -> sympy.Basic | None:
+        """The symbol this fact gives a value to (``None`` for a fact about a product)."""
+        key = self.product
+        if self.invertible_matrix is None and (isinstance(key, (MatrixSymbol, Symbol)) or getattr(key, "is_notation", False)):
+            return key
+        return None
 
     def latex(self) -> str:
         return rf"{to_latex(self.product)} = {to_latex(self.value)}"
@@ -146,14 +157,28 @@ class ProofReport:
     #: Why the claim is not proved (empty when it is): ill-typed steps, failed steps, bad
     #: definitions, a chain that does not reach the claim, instances that disagree.
     reasons: tuple[str, ...] = ()
-    #: The facts the proof assumes without proof, as ``(LaTeX, text)``.
-    axioms: tuple[tuple[str, str], ...] = ()
+    #: Everything the proof assumes: its facts and nonzero hypotheses (:class:`Fact`,
+    #: :class:`Nonzero`, its lemmas' included), then the assumptions it states in words (``str``).
+    assumed: tuple = field(default=(), repr=False)
     #: The sizes of the instances of the second check.
     instances: tuple[dict, ...] = ()
 
     @property
     def twins_rejected(self) -> int:
         return sum(t.rejected for t in self.twins)
+
+    @property
+    def axioms(self) -> tuple[tuple[str, str], ...]:
+        """The facts and nonzero hypotheses the proof assumes without proof, as ``(LaTeX, text)``
+        (written when read: printing is most of the cost of a proof)."""
+        return tuple((a.latex(), a.text) for a in self.assumed if not isinstance(a, str))
+
+    @property
+    def assumptions(self) -> tuple[dict, ...]:
+        """Every assumption, one ``{"kind", "latex", "text"}`` each: ``value`` (a fact giving a
+        symbol of the claim its value), ``fact``, ``invertible``, ``nonzero`` (checked on every
+        sampled instance), ``stated`` (said in words, not checked by the engine)."""
+        return tuple(_assumption(a) for a in self.assumed)
 
     @property
     def ok(self) -> bool:
@@ -175,8 +200,20 @@ class ProofReport:
             "accepted_twins": [t.name for t in self.twins if not t.rejected],
             "reasons": list(self.reasons),
             "axioms": [{"latex": latex, "text": text} for latex, text in self.axioms],
+            "assumptions": list(self.assumptions),
             "instances": [{str(s): int(v) for s, v in i.items()} for i in self.instances],
         }
+
+
+def _assumption(a) -> dict:
+    """One assumption of a report as ``{"kind", "latex", "text"}``."""
+    if isinstance(a, str):
+        return {"kind": "stated", "latex": "", "text": a}
+    if isinstance(a, Nonzero):
+        kind = "nonzero"
+    else:
+        kind = "invertible" if a.invertible_matrix is not None else "value" if a.fixes is not None else "fact"
+    return {"kind": kind, "latex": a.latex(), "text": a.text}
 
 
 def _describe(terms) -> str:
@@ -213,6 +250,16 @@ def _gap(matrix) -> float:
         if size > ZERO_BELOW:
             worst = max(worst, float(size))
     return worst
+
+
+def _symbols_of(expr) -> set:
+    """Every symbol ``expr`` mentions: scalars, matrices and the sizes of matrices."""
+    expr = sympy.sympify(expr)
+    found = set(expr.free_symbols) | set(expr.atoms(MatrixSymbol))
+    for m in expr.atoms(MatrixSymbol):
+        for size in m.shape:
+            found |= sympy.sympify(size).free_symbols
+    return found
 
 
 def _mentions(expr, symbols) -> set:
@@ -263,7 +310,7 @@ class Proof:
         """Every matrix in the proof has symbolic sizes (``1`` for vectors allowed)."""
         if self.explicit_only:
             return False
-        exprs = [self.lhs, self.rhs, *(s.expr for s in self.steps), *(d.value for d in self.definitions)]
+        exprs = [self.lhs, self.rhs, *(s.expr for s in self.steps), *self._definitions.values()]
         symbols = set().union(*(sympy.sympify(e).atoms(MatrixSymbol) for e in exprs))
         return bool(symbols) and all(
             (sympy.sympify(n).free_symbols or n == 1) for s in symbols for n in s.shape
@@ -271,7 +318,8 @@ class Proof:
 
     @property
     def _definitions(self) -> dict:
-        return {d.symbol: d.value for d in self.definitions}
+        """What the checker unfolds: the definitions, and the facts that give a symbol its value."""
+        return {d.symbol: d.value for d in self.definitions} | {f.product: f.value for f in self.facts if f.fixes is not None}
 
     @property
     def _invertible(self) -> tuple:
@@ -279,7 +327,7 @@ class Proof:
 
     @property
     def _facts(self) -> list:
-        return [(f.product, f.value) for f in self.facts if f.invertible_matrix is None]
+        return [(f.product, f.value) for f in self.facts if f.invertible_matrix is None and f.fixes is None]
 
     @property
     def axioms(self) -> tuple:
@@ -322,23 +370,22 @@ class Proof:
     # -- static checks ----------------------------------------------------------------------------
 
     def _definition_errors(self) -> list[str]:
-        """Definitions must be abbreviations: a symbol (or a notation node) defined once, not in
-        terms of itself (directly or through others), with the shape of its value, and not an
-        alias making one of the statement's own symbols equal to another."""
+        """Definitions introduce fresh symbols: each key is a symbol that occurs nowhere before its
+        definition (not in the claim, not in an earlier definition, not drawn by a sampler) and is
+        defined once, with the shape of its value; a notation node (``(A ⊗ B)·X``) is defined only
+        by the notation's own rule. Anything else a proof relies on is a :class:`Fact`."""
         errors = []
         keys = [d.symbol for d in self.definitions]
-        statement = sympy.sympify(self.lhs).free_symbols | sympy.sympify(self.rhs).free_symbols
-        statement |= sympy.sympify(self.lhs).atoms(MatrixSymbol) | sympy.sympify(self.rhs).atoms(MatrixSymbol)
-        for d in self.definitions:
+        seen = _symbols_of(self.lhs) | _symbols_of(self.rhs)
+        where = {s: "the claim" for s in seen}
+        where.update({s: "a sampler" for s in self.samplers if s not in where})
+        seen |= set(self.samplers)
+        for number, d in enumerate(self.definitions, 1):
             key = d.symbol
-            if not (isinstance(key, (MatrixSymbol, Symbol)) or getattr(key, "is_notation", False)):
-                errors.append(f"definition {to_latex(key)} := ...: the key is an expression, not a fresh symbol")
-            if keys.count(key) > 1:
-                errors.append(f"{to_latex(key)} is defined {keys.count(key)} times")
-            if key in statement and d.value in statement and d.value not in keys:
-                errors.append(
-                    f"definition {to_latex(key)} := {to_latex(d.value)} makes one symbol of the statement another"
-                )
+            errors += self._key_errors(d, seen, where, keys)
+            where.update({s: f"definition {number} ({to_latex(key)} := ...)" for s in _symbols_of(d.value) if s not in where})
+            seen |= _symbols_of(d.value) | {key}
+            where.setdefault(key, f"definition {number}")
             try:
                 key_shape, value_shape = self._shape(key) if isinstance(key, MatrixExpr) else None, self._shape(d.value)
             except (IllTyped, NotExact) as error:
@@ -348,7 +395,38 @@ class Proof:
                 key_shape is not None and not all(map(same_size, key_shape, value_shape))
             ):
                 errors.append(f"definition of {to_latex(key)}: a {key_shape} symbol := a {value_shape} value")
-        uses = {d.symbol: _mentions(d.value, keys) for d in self.definitions}
+        fixed = [f.fixes for f in self.facts if f.fixes is not None]
+        for key in dict.fromkeys(fixed):
+            if key in keys or fixed.count(key) > 1:
+                errors.append(f"{to_latex(key)} is given a value {keys.count(key) + fixed.count(key)} times")
+            if key in self.samplers:
+                errors.append(f"{to_latex(key)} has a sampler and a fact giving its value: drop one")
+        return errors + self._cycle_errors([*keys, *fixed])
+
+    def _key_errors(self, d: Definition, seen: set, where: dict, keys: list) -> list[str]:
+        """Why ``d``'s key is not a fresh symbol (nothing when it is)."""
+        key, text = d.symbol, f"definition {to_latex(d.symbol)} := {to_latex(d.value)}"
+        if getattr(key, "is_notation", False):
+            rule = key.meaning(self._definitions) if hasattr(key, "meaning") else None
+            if rule is None:
+                return [f"{text}: {to_latex(key)} is notation with no rule of its own; state its value as a Fact"]
+            if rule != d.value:
+                return [f"{text}: the notation's rule gives {to_latex(rule)}, not the value given"]
+            return [] if keys.count(key) == 1 else [f"{to_latex(key)} is defined {keys.count(key)} times"]
+        if not isinstance(key, (MatrixSymbol, Symbol)):
+            return [f"{text}: the key is an expression, not a fresh symbol"]
+        if keys.count(key) > 1:
+            return [f"{to_latex(key)} is defined {keys.count(key)} times"]
+        if key in seen:
+            return [
+                f"{text}: {to_latex(key)} already occurs in {where[key]}, so this is an assumption about it, not a"
+                " definition: a definition introduces a fresh symbol (state the equation as a Fact, which is"
+                " listed among the proof's assumptions, or rename the symbol)"
+            ]
+        return []
+
+    def _cycle_errors(self, keys: list) -> list[str]:
+        uses = {key: _mentions(value, keys) for key, value in self._definitions.items()}
 
         def cycle(key, path):
             for used in uses.get(key, ()):
@@ -362,9 +440,8 @@ class Proof:
         for key in keys:
             found = cycle(key, [key])
             if found:
-                errors.append("circular definition: " + " -> ".join(to_latex(k) for k in found))
-                break
-        return errors
+                return ["circular definition: " + " -> ".join(to_latex(k) for k in found)]
+        return []
 
     def _fact_errors(self) -> list[str]:
         errors = []
@@ -376,7 +453,9 @@ class Proof:
                         errors.append(f"fact {f.text!r}: a {rows} x {cols} matrix cannot be invertible")
                     continue
                 left, right = self._shape(f.product), self._shape(f.value)
-                if right is None or not all(map(same_size, left, right)):
+                if f.fixes is not None and left is None and right is None:
+                    continue  # a scalar symbol given a scalar value
+                if left is None or right is None or not all(map(same_size, left, right)):
                     errors.append(f"fact {f.text!r} equates a {left} and a {right} expression")
             except (IllTyped, NotExact) as error:
                 errors.append(f"fact {f.text!r}: {error}")
@@ -406,6 +485,8 @@ class Proof:
         exprs = [*exprs, *(f.product for f in self.facts), *(f.value for f in self.facts), *(h.expr for h in self.nonzero)]
         values = random_instance(exprs, dims, seed=seed, samplers=self.samplers, definitions=self._definitions)
         for fact in self.facts:
+            if fact.fixes is not None:
+                continue  # drawn from its value: it holds by construction
             try:
                 broken = _gap(evaluate(_difference(fact.product, fact.value), values, self._definitions)) != 0
             except ValueError:  # a singular matrix under an inverse
@@ -493,7 +574,7 @@ class Proof:
             concrete_check=concrete,
             seconds=time.perf_counter() - start,
             reasons=tuple(reasons),
-            axioms=tuple((a.latex(), a.text) for a in self.axioms),
+            assumed=(*self.axioms, *dict.fromkeys((*self.assumptions, *(a for _n, lm in self.lemmas for a in lm.assumptions)))),
             instances=self.instance_dims() if concrete else (),
         )
 

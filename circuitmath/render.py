@@ -222,17 +222,26 @@ def _proof(identity_or_proof) -> Proof:
 
 
 def statement(identity: Identity, proof: Proof | None = None) -> str:
-    """The claim of ``proof`` (default: the identity's), the identity's preconditions, and the
-    proof's facts, assumptions and any limit to explicit sizes."""
+    """The claim of ``proof`` (default: the identity's), the identity's preconditions, and
+    everything the proof assumes: what the claim's symbols stand for, its facts and nonzero
+    hypotheses, the assumptions it states in words; and any limit to explicit sizes."""
     proof = proof or identity.proof
     lines = [f"**Claim** (`{identity.name}`: {md_text(identity.title)}):", "", equation(proof.lhs, proof.rhs)]
     lines += ["", "**Preconditions**:", ""]
-    lines += [f"- {prose(getattr(p, 'statement', p))}" for p in identity.preconditions]
-    if proof.facts:
-        lines += ["", "**Facts** the proof may use (every sampled instance is checked to satisfy them):", ""]
-        lines += _fact_lines(proof.facts)
+    lines += [f"- {prose(getattr(p, 'statement', p))}" for p in identity.preconditions] or ["- none"]
+    values = [f for f in proof.facts if f.fixes is not None]
+    facts = [a for a in proof.axioms if a not in values]
+    count = len(proof.axioms) + len(proof.assumptions)
+    if count:
+        lines += ["", f"**Assumptions** ({count}): the claim is proved where they hold."]
+    if values:
+        lines += ["", "What the symbols of the claim stand for:", ""]
+        lines += _fact_lines(values)
+    if facts:
+        lines += ["", "Facts the proof may use (every sampled instance is checked to satisfy them):", ""]
+        lines += _fact_lines(facts)
     if proof.assumptions:
-        lines += ["", "**Assumptions** of the proof:", ""]
+        lines += ["", "Stated in words (not checked by the engine):", ""]
         lines += [f"- {prose(a)}" for a in proof.assumptions]
     if proof.explicit_only:
         lines += ["", f"**Proved for explicit sizes only**: {prose(proof.explicit_only)}"]
@@ -312,16 +321,26 @@ def _sizes(proof: Proof) -> list[str]:
     return sorted(to_latex(dim) for dim in sizes)
 
 
+#: Characters of LaTeX up to which an axiom is shown as its formula in a chapter's summary (longer
+#: ones by their text: MathJax 3 does not break inline math).
+INLINE_BUDGET = 60
+
+
 def _axioms(report: ProofReport) -> list[str] | None:
-    """The axioms the report says its proof rests on, as text; ``None`` when reports do not
-    record them (the key is absent from ``as_dict``)."""
+    """The axioms the report says its proof rests on, as Markdown (a short formula, else its
+    text); ``None`` when reports do not record them (the key is absent from ``as_dict``)."""
     axioms = report.as_dict().get("axioms")
     if axioms is None:
         return None
     if isinstance(axioms, dict):
         axioms = list(axioms)
-    return [str(a.get("name") or a.get("text") or a) if isinstance(a, dict) else str(getattr(a, "name", a))
-            for a in axioms]
+    shown = []
+    for a in axioms:
+        if isinstance(a, dict) and a.get("latex") and len(a["latex"]) <= INLINE_BUDGET:
+            shown.append(f"${a['latex']}$")
+        else:
+            shown.append(prose(str(a.get("name") or a.get("text") or a) if isinstance(a, dict) else str(getattr(a, "name", a))))
+    return shown
 
 
 def established(proved, numbers=()) -> str:
@@ -352,8 +371,11 @@ def established(proved, numbers=()) -> str:
             parts.append(f"wrong rewrite{'s' if len(identity.wrong_everywhere) > 1 else ''}: {names}")
         axioms = _axioms(report)
         if axioms is not None:
-            parts.append("rests on the axioms " + ", ".join(prose(a) for a in axioms) if axioms
+            parts.append("rests on the axioms " + ", ".join(axioms) if axioms
                          else "rests on no axiom beyond the definitions it unfolds")
+        stated = [a["text"] for a in r.get("assumptions", ()) if a.get("kind") == "stated"]
+        if stated:
+            parts.append("assumes in words " + "; ".join(prose(a) for a in stated))
         lines.append(f"- **`{identity.name}`** ({md_text(identity.title)}): " + "; ".join(parts) + ".")
     if numbers:
         lines += ["", "Measured when this page was built:", "", *[f"- {n}" for n in numbers]]

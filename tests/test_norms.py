@@ -250,7 +250,7 @@ def test_rescaling_refuses_readers_without_a_norm(options, precondition):
 def test_folds_stay_exact_with_eps_written_out(name):
     """The folds hold for any normaliser, so also for (q/d + eps)^(-1/2) with eps > 0."""
     proof = with_explicit_eps(cm.get_identity(name).proof)
-    assert any("varepsilon" in d.latex() for d in proof.definitions), "eps was not written out"
+    assert any("varepsilon" in d.latex() for d in (*proof.definitions, *proof.facts)), "eps was not written out"
     report = proof.verify(name)
     assert report.ok and report.symbolic_dims, report.as_dict()
 

@@ -89,11 +89,13 @@ def test_prove_json_lists_each_proofs_axioms(capsys):
 
     assert _cli.main(["prove", "remove_key_biases", "kronecker_vec", "fold_layer_norm", "--json"]) == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
-    assert rows["fold_layer_norm"]["axioms"] == []
-    key_bias = [a["text"] for a in rows["remove_key_biases"]["axioms"]]
+    # what LN(x) and LNPre(x) stand for is assumed, and said: a definition may only name a fresh symbol
+    assert {a["text"] for a in rows["fold_layer_norm"]["axioms"]} >= {"LNPre, then gain and bias"}
+    key_bias = [a["text"] for a in rows["remove_key_biases"]["assumptions"] if a["kind"] not in ("value", "stated")]
     assert key_bias and all("positive" in text for text in key_bias)  # invertibility only: the row sums are proved
     for row in rows.values():
         assert all(set(a) == {"latex", "text"} for a in row["axioms"])
+        assert all(set(a) == {"kind", "latex", "text"} for a in row["assumptions"])
         assert len(row["instances"]) == 2 and row["reasons"] == []
 
 
@@ -108,10 +110,11 @@ def test_every_step_agrees_on_two_instances_of_distinct_sizes(identity):
 
 def test_row_sums_are_proved_not_assumed():
     """The crux of fold_value_biases (A 1 = 1) and remove_key_biases (the row sums scale alike)
-    follows from the softmax definitions; what remains assumed is that the sums are positive."""
+    follows from the softmax definitions; what remains assumed is that the sums are positive (and
+    what the claim's symbols stand for: the patterns as softmaxes), no fact about a product."""
     for name in ("fold_value_biases", "remove_key_biases", "process_weights"):
         proof = cm.get_identity(name).proof
-        assert all(f.invertible_matrix is not None for f in proof.facts), name
+        assert all(f.invertible_matrix is not None or f.fixes is not None for f in proof.facts), name
 
 
 def test_eigenvalue_proof_needs_its_nonzero_hypotheses():

@@ -71,8 +71,7 @@ def _pattern_with_empty_row(rng, shape):
 softmax = MatMul(Inverse(DiagMatrix(MatMul(E, ones))), E)  # rows of E normalised
 P = MatrixSymbol("P", n, n)
 SOFTMAX = dict(
-    definitions=(Definition(P, softmax, "softmax rows"),),
-    facts=(Fact.invertible(DiagMatrix(MatMul(E, ones)), "row sums of E are positive"),),
+    facts=(Fact(P, softmax, "softmax rows"), Fact.invertible(DiagMatrix(MatMul(E, ones)), "row sums of E are positive")),
     samplers={E: _positive_rows},
 )
 
@@ -150,7 +149,7 @@ FALSE_CLAIMS = {
         MatMul(softmax, ones), ones, samplers={E: _positive_rows}
     ),
     "softmax of a fully masked row": lambda: claim(
-        MatMul(softmax, ones), ones, facts=SOFTMAX["facts"], samplers={E: _masked_first_row}
+        MatMul(softmax, ones), ones, facts=SOFTMAX["facts"][1:], samplers={E: _masked_first_row}
     ),
     # square roots and eps
     "sqrt(a^2) = a for real a": lambda: claim(MatMul(sqrt(a**2), x), MatMul(a, x)),

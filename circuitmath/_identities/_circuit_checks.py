@@ -108,7 +108,7 @@ class Joint:
 def notation_proof(*, lhs, rhs, steps, twins=(), definitions=(), operators=None, **options) -> Proof:
     """A :class:`Proof` whose definitions include ``op·X := act(op, X)`` for every ``Apply`` node."""
     exprs = [lhs, rhs, *(s.expr for s in steps), *(t.lhs for t in twins), *(t.rhs for t in twins)]
-    exprs += [d.value for d in definitions]
+    exprs += [d.value for d in definitions] + [e for f in options.get("facts", ()) for e in (f.product, f.value)]
     notation = notation_definitions(exprs, operators)
     return Proof(lhs=lhs, rhs=rhs, steps=steps, twins=twins, definitions=tuple(definitions) + notation, **options)
 

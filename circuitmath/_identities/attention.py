@@ -54,9 +54,11 @@ def _head_proof():
         definitions=(
             Definition(V, MatMul(X, W_V), "the value vectors, one row per position"),
             Definition(R, MatMul(A, V), "the result vectors: values mixed by the attention pattern"),
-            Definition(H, MatMul(R, W_O), "the head's output, written to the residual stream"),
-            Definition(W_Vc, Transpose(W_V), "W_V for column vectors (the paper's)"),
-            Definition(W_Oc, Transpose(W_O), "W_O for column vectors (the paper's)"),
+        ),
+        facts=(
+            Fact(H, MatMul(R, W_O), "the head's output, written to the residual stream"),
+            Fact(W_Vc, Transpose(W_V), "W_V for column vectors (the paper's)"),
+            Fact(W_Oc, Transpose(W_O), "W_O for column vectors (the paper's)"),
         ),
         explicit_dims={n: 3, d: 4, e: 2},
         twins=(
@@ -131,15 +133,17 @@ def _multi_head_proof():
             Step(rhs, r"a head is a tensor product, once per head"),
         ),
         definitions=(
-            Definition(Z, MatAdd(*(MatMul(results[h], E[h]) for h in range(2))),
-                       "the heads' result vectors side by side (E_h puts a d_head block in place h)"),
-            Definition(W_O_all, MatAdd(*(MatMul(Transpose(E[h]), W_O[h]) for h in range(2))),
-                       "the heads' W_O stacked, [n_heads d_head, d_model]"),
             Definition(W_O_swapped, MatAdd(MatMul(Transpose(E[0]), W_O[1]), MatMul(Transpose(E[1]), W_O[0])),
                        "W_O stacked in the wrong order"),
-            *(Definition(OV[h], Transpose(MatMul(W_V[h], W_O[h])), "the paper's W_O W_V of head h") for h in range(2)),
         ),
-        facts=facts,
+        facts=(
+            Fact(Z, MatAdd(*(MatMul(results[h], E[h]) for h in range(2))),
+                 "the heads' result vectors side by side (E_h puts a d_head block in place h)"),
+            Fact(W_O_all, MatAdd(*(MatMul(Transpose(E[h]), W_O[h]) for h in range(2))),
+                 "the heads' W_O stacked, [n_heads d_head, d_model]"),
+            *(Fact(OV[h], Transpose(MatMul(W_V[h], W_O[h])), "the paper's W_O W_V of head h") for h in range(2)),
+            *facts,
+        ),
         samplers=joint.samplers(*E),
         explicit_dims={n: 3, d: 4, e: 2},
         twins=(

@@ -119,21 +119,19 @@ def _value_bias_proof() -> Proof:
             ),
             Step(rhs, r"definition of $b_O^{\mathrm{fold}}$, and $b_V = 0$ from now on"),
         ),
-        definitions=(
-            Definition(
+        facts=(
+            Fact(
                 b_O_folded,
                 MatAdd(b_O, MatMul(b_Va, MatAdd(W_O1, W_O2)), MatMul(b_Vb, W_O3)),
                 "the folded output bias: each value bias through the W_O of every query head that reads it",
             ),
             *(
-                Definition(A, MatMul(Inverse(DiagMatrix(MatMul(E_h, ones))), E_h),
+                Fact(A, MatMul(Inverse(DiagMatrix(MatMul(E_h, ones))), E_h),
                            f"head {h}'s pattern: the softmax of its scores, E_{h} their entrywise exponentials (0 where masked)")
                 for (A, h), E_h in zip(patterns, EXPS)
             ),
-        ),
-        facts=tuple(
-            Fact.invertible(DiagMatrix(MatMul(E_h, ones)), f"head {h}'s row sums are positive: every row has an unmasked key")
-            for (_A, h), E_h in zip(patterns, EXPS)
+            *(Fact.invertible(DiagMatrix(MatMul(E_h, ones)), f"head {h}'s row sums are positive: every row has an unmasked key")
+              for (_A, h), E_h in zip(patterns, EXPS)),
         ),
         samplers={**{E_h: causal_exponentials for E_h in EXPS}, P: _pattern_with_empty_first_row},
         explicit_dims=EXPLICIT_DIMS,
@@ -215,7 +213,7 @@ def key_bias_scores_proof() -> Proof:
             Step(MatAdd(MatMul(Q, K.T), MatMul(Q, b_K.T, ones.T)), r"$(K + \mathbf{1}_n b_K)^\top = K^\top + b_K^\top \mathbf{1}_n^\top$, distribute"),
             Step(rhs, r"definition of $c$: the same $c_i$ for every key $j$ of row $i$"),
         ),
-        definitions=(Definition(c, MatMul(Q, b_K.T), "what the key bias adds to each row of scores"),),
+        facts=(Fact(c, MatMul(Q, b_K.T), "what the key bias adds to each row of scores"),),
         explicit_dims=EXPLICIT_DIMS,
         twins=(
             Twin(
@@ -244,16 +242,16 @@ def _key_bias_proof() -> Proof:
             Step(rhs, r"$\operatorname{diag}(g)^{-1} \operatorname{diag}(g) = I_n$"),
         ),
         definitions=(
-            Definition(E_b, MatMul(DiagMatrix(g), E),
-                       "exp of the biased scores S + c 1^T, entrywise: exp(s_ij + c_i) = exp(c_i) exp(s_ij), g = exp(c)"),
-            Definition(r, MatMul(E, ones), "the row sums of E"),
-            Definition(r_b, MatMul(E_b, ones), "the row sums of E_b"),
             Definition(E_q, MatMul(E, DiagMatrix(h)), "exp of scores shifted by h_j, a different amount for each key"),
             Definition(r_q, MatMul(E_q, ones), "the row sums of E_q"),
             Definition(k, MatMul(ones.T, E), "the column sums of E"),
             Definition(k_b, MatMul(ones.T, E_b), "the column sums of E_b"),
         ),
         facts=(
+            Fact(E_b, MatMul(DiagMatrix(g), E),
+                 "exp of the biased scores S + c 1^T, entrywise: exp(s_ij + c_i) = exp(c_i) exp(s_ij), g = exp(c)"),
+            Fact(r, MatMul(E, ones), "the row sums of E"),
+            Fact(r_b, MatMul(E_b, ones), "the row sums of E_b"),
             Fact.invertible(DiagMatrix(r), "the row sums of E are positive: every row has an unmasked key"),
             Fact.invertible(DiagMatrix(g), "g = exp(c) is positive"),
             Fact.invertible(DiagMatrix(r_q), "the row sums of E_q are positive"),

@@ -65,10 +65,12 @@ def _writing_proof() -> Proof:
         Definition(x, _stream({}), "the stream: every write summed"),
         *(Definition(BARS[W], _centered(W), "mean over d subtracted") for _, W in WRITES),
         Definition(x_c, _stream(BARS), "every write centered"),
-        Definition(LNPre_x, MatMul(rho, x, C), "rho is computed from x C"),
-        Definition(LNPre_xc, MatMul(rho, x_c, C), "the same rho, as x' C = x C"),
         Definition(RMSPre_x, MatMul(rho, x), "no centering"),
         Definition(RMSPre_xc, MatMul(rho, x_c), "the same for x'"),
+    )
+    facts = (
+        Fact(LNPre_x, MatMul(rho, x, C), "rho is computed from x C"),
+        Fact(LNPre_xc, MatMul(rho, x_c, C), "the same rho, as x' C = x C"),
     )
     W_O_tilde = MatrixSymbol(r"\tilde{W}_O", e, d)
     ones_e = OneMatrix(e, 1)
@@ -84,6 +86,7 @@ def _writing_proof() -> Proof:
             Step(LNPre_x, r"definition of $\mathrm{LNPre}$"),
         ),
         definitions=definitions,
+        facts=facts,
         explicit_dims={d: 4, V: 3, e: 2, k: 3},
         assumptions=(
             "LNPre(y) = n(y C) depends on y only through y C; rho, computed from x C = x' C, is the same on both sides",
@@ -157,10 +160,10 @@ def _unembed_proof() -> Proof:
         ),
         definitions=(
             Definition(b_U, MatAdd(ell, MatMul(-1, y, W_U)), "written through the logits: l = y W + b"),
-            Definition(W_U_bar, MatAdd(W_U, MatMul(-1 / V, W_U, ones_V, ones_V.T)), "centered over the vocabulary"),
-            Definition(b_U_bar, MatAdd(b_U, MatMul(-1 / V, b_U, ones_V, ones_V.T)), "centered over the vocabulary"),
         ),
         facts=(
+            Fact(W_U_bar, MatAdd(W_U, MatMul(-1 / V, W_U, ones_V, ones_V.T)), "centered over the vocabulary"),
+            Fact(b_U_bar, MatAdd(b_U, MatMul(-1 / V, b_U, ones_V, ones_V.T)), "centered over the vocabulary"),
             Fact(MatMul(ell, OneMatrix(V, V)), MatMul(V * m, row), "m is the mean of the logits: every entry of l 1 1^T is V m"),
         ),
         samplers={ell: _logits_with_mean, m: lambda rng, shape: MEAN},

@@ -165,11 +165,11 @@ def _svd_proof():
             Step(MatMul(Q_A, core, Transpose(Q_B)), r"SVD of the $k \times k$ core: $R_A R_B^\top = U S V^\top$"),
             Step(rhs, r"regroup; $Q_A U$ and $Q_B V$ have orthonormal columns (products of such)"),
         ),
-        definitions=(
-            Definition(A_, MatMul(Q_A, R_A), "A by its QR decomposition (Q_A^T Q_A = I_k)"),
-            Definition(B_, MatMul(Transpose(R_B), Transpose(Q_B)), "B^T by its QR decomposition (Q_B^T Q_B = I_k)"),
+        facts=(
+            Fact(A_, MatMul(Q_A, R_A), "A by its QR decomposition (Q_A^T Q_A = I_k)"),
+            Fact(B_, MatMul(Transpose(R_B), Transpose(Q_B)), "B^T by its QR decomposition (Q_B^T Q_B = I_k)"),
+            Fact(MatMul(R_A, Transpose(R_B)), core, "the SVD of the core"),
         ),
-        facts=(Fact(MatMul(R_A, Transpose(R_B)), core, "the SVD of the core"),),
         lemmas=(
             ("left_singular_vectors_orthonormal", _orthonormal_product(Q_A, U, "Q_A", "U", samplers, dims)),
             ("right_singular_vectors_orthonormal", _orthonormal_product(Q_B, V_, "Q_B", "V", samplers, dims)),
@@ -417,12 +417,12 @@ def _scores_proof():
         definitions=(
             Definition(W_V, MatMul(Q_V, R_V), "QR decomposition of the writer's W_V"),
             Definition(W_K, MatMul(Q_K, R_K), "QR decomposition of the reader's W_K"),
-            Definition(M, product, "the Q-composition product W_OV^1 W_QK^2 (row convention)"),
-            Definition(N, MatMul(R_V, W_O, W_Q, Transpose(R_K)), "its core"),
             Definition(N_no_rv, MatMul(W_O, W_Q, Transpose(R_K)), "the core without R_V"),
             Definition(N_untransposed, MatMul(R_V, W_O, W_Q, R_K), "the core with R_K untransposed"),
         ),
         facts=(
+            Fact(M, product, "the Q-composition product W_OV^1 W_QK^2 (row convention)"),
+            Fact(N, MatMul(R_V, W_O, W_Q, Transpose(R_K)), "its core"),
             Fact(MatMul(Transpose(Q_V), Q_V), Eye(e), "Q_V has orthonormal columns"),
             Fact(MatMul(Transpose(Q_K), Q_K), Eye(e), "Q_K has orthonormal columns"),
         ),

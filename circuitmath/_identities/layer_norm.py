@@ -19,7 +19,7 @@ from sympy import DiagMatrix, Identity as Eye, MatAdd, MatMul, MatrixSymbol, One
 from .._processing import center_reading_weights, fold_layer_norm, readers
 from .._processing._common import NORM_READ_LINEARLY, NOT_APPLIED, PRE_NORM
 from .._processing.layer_norm import IS_LN, READER_HAS_BIAS, READS_LNPRE
-from .._proof import Definition, Proof, Step, Twin
+from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, WrongRewrite, register
 
 d, m = Symbol("d", positive=True, integer=True), Symbol("m", positive=True, integer=True)
@@ -35,11 +35,12 @@ LNPre = MatrixSymbol(r"\mathrm{LNPre}(x)", 1, d)
 LN = MatrixSymbol(r"\mathrm{LN}(x)", 1, d)
 RMSPre = MatrixSymbol(r"\mathrm{RMSPre}(x)", 1, d)
 
-DEFINITIONS = (
-    Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones, ones.T)), "the centering matrix"),
-    Definition(LNPre, MatMul(rho, x, C), "center, then divide by the RMS (eps inside rho)"),
-    Definition(LN, MatAdd(MatMul(LNPre, DiagMatrix(w)), b), "LNPre, then gain and bias"),
-    Definition(RMSPre, MatMul(rho, x), "divide by the RMS, no centering"),
+DEFINITIONS = (Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones, ones.T)), "the centering matrix"),)
+#: What the norms of the claims stand for.
+FACTS = (
+    Fact(LNPre, MatMul(rho, x, C), "center, then divide by the RMS (eps inside rho)"),
+    Fact(LN, MatAdd(MatMul(LNPre, DiagMatrix(w)), b), "LNPre, then gain and bias"),
+    Fact(RMSPre, MatMul(rho, x), "divide by the RMS, no centering"),
 )
 EXPLICIT_DIMS = {d: 4, m: 3}
 
@@ -57,6 +58,7 @@ def _layer_norm_fold_proof() -> Proof:
             Step(folded, r"regroup: $W_\mathrm{eff} = \operatorname{diag}(w) W$, $b_\mathrm{eff} = b_W + b W$"),
         ),
         definitions=DEFINITIONS,
+        facts=FACTS,
         explicit_dims=EXPLICIT_DIMS,
         assumptions=("rho is any scalar: eps stays inside LNPre",),
         twins=(
@@ -120,6 +122,7 @@ def _center_reading_proof() -> Proof:
             Step(rhs, r"$C \mathbf{1}_d = 0$: $\mathrm{LNPre}(x)$ is orthogonal to $\mathbf{1}_d$"),
         ),
         definitions=DEFINITIONS,
+        facts=FACTS,
         explicit_dims=EXPLICIT_DIMS,
         assumptions=("rho is any scalar: eps stays inside LNPre",),
         twins=(

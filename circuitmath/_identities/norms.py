@@ -29,7 +29,7 @@ from .._processing import (
 )
 from .._processing._common import NORM_READ_LINEARLY, NOT_APPLIED, PRE_NORM
 from .._processing.norms import BEHIND_A_NORM, EPS_ZERO, IS_LNPRE, IS_RMS, SCALE_POSITIVE, WRITES_CENTERED
-from .._proof import Definition, Proof, Step, Twin
+from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, register
 
 d, m = Symbol("d", positive=True, integer=True), Symbol("m", positive=True, integer=True)
@@ -59,10 +59,10 @@ def _projection_proof() -> Proof:
             Step(MatMul(x, C), r"$\mathbf{1}_d^\top C = 0$"),
         ),
         definitions=(
-            CENTERING,
             Definition(P, MatMul(1 / d, ones, ones.T), "the projection onto the all-ones direction"),
             Definition(C_root, MatAdd(Eye(d), MatMul(-1 / sqrt(d), ones, ones.T)), "1/sqrt(d) once, not twice"),
         ),
+        facts=(Fact(CENTERING.symbol, CENTERING.value, CENTERING.text),),
         explicit_dims={d: 4},
         assumptions=("for every x and every real a: equivalent to C^T = C, C C = C and C 1 = 0",),
         twins=(
@@ -96,10 +96,10 @@ def _scale_invariance_proof() -> Proof:
             Step(MatMul(norm, x, C), r"$s / s = 1$"),
             Step(LNPre_x, r"definition, $\varepsilon = 0$"),
         ),
-        definitions=(
-            CENTERING,
-            Definition(LNPre_x, MatMul(norm, x, C), r"eps = 0; q = |x C|^2 > 0"),
-            Definition(LNPre_sx, MatMul(scaled_norm, s, x, C), "eps = 0; |s x C|^2 = s^2 q"),
+        definitions=(CENTERING,),
+        facts=(
+            Fact(LNPre_x, MatMul(norm, x, C), r"eps = 0; q = |x C|^2 > 0"),
+            Fact(LNPre_sx, MatMul(scaled_norm, s, x, C), "eps = 0; |s x C|^2 = s^2 q"),
         ),
         samplers={t: lambda rng, shape: -Rational(rng.randint(1, 9), rng.randint(1, 5))},
         explicit_dims={d: 4},
@@ -166,11 +166,10 @@ def _layer_norm_to_rms_proof() -> Proof:
             Step(MatMul(rho, x_c), r"definition of $x'$: $x' C = x'$"),
             Step(RMSPre_xc, r"definition of $\mathrm{RMSPre}$, same $\varepsilon$"),
         ),
-        definitions=(
-            CENTERING,
-            Definition(x_c, MatMul(x, C), "every write centered: the writes w C summed"),
-            Definition(LNPre_xc, MatMul(rho, x_c, C), "rho from x' C"),
-            Definition(RMSPre_xc, MatMul(rho, x_c), "rho from x', the same vector"),
+        definitions=(CENTERING, Definition(x_c, MatMul(x, C), "every write centered: the writes w C summed")),
+        facts=(
+            Fact(LNPre_xc, MatMul(rho, x_c, C), "rho from x' C"),
+            Fact(RMSPre_xc, MatMul(rho, x_c), "rho from x', the same vector"),
         ),
         explicit_dims={d: 4},
         assumptions=(
@@ -213,10 +212,10 @@ def _rms_fold_proof() -> Proof:
             Step(MatAdd(MatMul(MatMul(RMSPre, DiagMatrix(w)), W), b_W), r"definition of $\mathrm{RMS}$"),
             Step(folded, r"regroup; the bias is unchanged"),
         ),
-        definitions=(
-            CENTERING,
-            Definition(RMSPre, MatMul(rho, x), "eps inside rho, no centering"),
-            Definition(RMS, MatMul(RMSPre, DiagMatrix(w)), "RMSPre, then the gain"),
+        definitions=(CENTERING,),
+        facts=(
+            Fact(RMSPre, MatMul(rho, x), "eps inside rho, no centering"),
+            Fact(RMS, MatMul(RMSPre, DiagMatrix(w)), "RMSPre, then the gain"),
         ),
         explicit_dims={d: 4, m: 3},
         assumptions=("rho is any scalar: eps stays inside RMSPre", "W_gate, which has no bias, folds the same way"),

@@ -261,18 +261,16 @@ def _kronecker_vec_proof():
     transposed_a = [[a[j][i] for j in range(2)] for i in range(2)]
     K_t = Kron(Transpose(A2), B)
     lhs_col, vec_X_col = Vec(applied, column_major=True), Vec(X2, column_major=True)
-    definitions = (
-        Definition(A2, MatAdd(*(MatMul(a[i][j], basis[i], Transpose(basis[j])) for i in range(2) for j in range(2))),
-                   "a 2 x 2 matrix of scalars"),
-        Definition(lhs, vec_value(applied, T), "row-major vec: rows stacked, with block selectors"),
-        Definition(vec_X, vec_value(X2, S), "row-major vec of X"),
-        Definition(K, kron_value(a, B, T, S), "Kronecker product: block (i, j) is a_ij B"),
-        Definition(K_t, kron_value(transposed_a, B, T, S), "Kronecker product of A^T and B"),
-        Definition(lhs_col, vec_value(applied, Tc), "column-major vec, with interleaving selectors"),
-        Definition(vec_X_col, vec_value(X2, Sc), "column-major vec of X"),
-    )
-    ones = Eye(1)
-    facts = []  # e_i^T e_j is computed: the basis columns are explicit
+    facts = [  # e_i^T e_j is computed: the basis columns are explicit
+        Fact(A2, MatAdd(*(MatMul(a[i][j], basis[i], Transpose(basis[j])) for i in range(2) for j in range(2))),
+             "a 2 x 2 matrix of scalars"),
+        Fact(lhs, vec_value(applied, T), "row-major vec: rows stacked, with block selectors"),
+        Fact(vec_X, vec_value(X2, S), "row-major vec of X"),
+        Fact(K, kron_value(a, B, T, S), "Kronecker product: block (i, j) is a_ij B"),
+        Fact(K_t, kron_value(transposed_a, B, T, S), "Kronecker product of A^T and B"),
+        Fact(lhs_col, vec_value(applied, Tc), "column-major vec, with interleaving selectors"),
+        Fact(vec_X_col, vec_value(X2, Sc), "column-major vec of X"),
+    ]
     for family, size in ((S, d), (T, q), (Sc, d), (Tc, q)):
         facts += [Fact(MatMul(Transpose(family[i]), family[j]), Eye(size) if i == j else ZeroMatrix(size, size),
                        "selectors have orthonormal blocks") for i in range(2) for j in range(2)]
@@ -280,7 +278,7 @@ def _kronecker_vec_proof():
     # The selectors are defined, not sampled: which order of vec a proof means is part of it.
     # Row-major: block i of S_i = e_i ⊗ I is the identity; column-major: feature k of position
     # i goes to row 2k + i, which is I ⊗ e_i.
-    definitions += (
+    definitions = (
         Definition(e0, sympy.ImmutableMatrix([[1], [0]]), "the first basis column of R^2"),
         Definition(e1, sympy.ImmutableMatrix([[0], [1]]), "the second basis column of R^2"),
         *(Definition(family[i], KroneckerProduct(basis[i], Eye(size)), "row-major block selector: e_i ⊗ I")
@@ -369,9 +367,9 @@ def _convention_proof():
             Step(MatMul(Eye(n), X_, Transpose(MatMul(P2, P1))), r"definition of the column-convention matrices"),
             Step(rhs, r"definition of $\otimes$"),
         ),
-        definitions=(
-            Definition(P1, Transpose(W_1), "the same map written for column vectors"),
-            Definition(P2, Transpose(W_2), "the same map written for column vectors"),
+        facts=(
+            Fact(P1, Transpose(W_1), "the same map written for column vectors"),
+            Fact(P2, Transpose(W_2), "the same map written for column vectors"),
         ),
         explicit_dims={n: 3, d: 4, e: 2, q: 3},
         twins=(

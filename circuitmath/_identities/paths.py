@@ -31,7 +31,7 @@ from sympy.matrices.expressions.kronecker import KroneckerProduct
 from .._errors import Precondition
 from .._processing._common import require
 from .._kronecker import Apply, expand_operator, tensor
-from .._proof import Definition, Step, Twin
+from .._proof import Fact, Step, Twin
 from .._registry import Identity, register
 from ..circuits import Path, bigram_table, path_terms, pattern_from_scores as _softmax_scores, score_terms, virtual_weights
 from ..circuits._heads import _layer_bias, _layer_weight
@@ -44,8 +44,8 @@ W_E, W_U = MatrixSymbol("W_E", V, d), MatrixSymbol("W_U", d, V)
 W_Ec, W_Uc = MatrixSymbol(r"{W_E^{c}}", d, V), MatrixSymbol(r"{W_U^{c}}", V, d)
 x_0 = MatrixSymbol("x_0", n, d)
 CONVENTION = (
-    Definition(W_Ec, Transpose(W_E), "the paper's embedding (column convention)"),
-    Definition(W_Uc, Transpose(W_U), "the paper's unembedding (column convention)"),
+    Fact(W_Ec, Transpose(W_E), "the paper's embedding (column convention)"),
+    Fact(W_Uc, Transpose(W_U), "the paper's unembedding (column convention)"),
 )
 DIMS = {n: 3, d: 4, e: 2, V: 5, f: 2}
 #: How many layers each route needs (the path expansion's own preconditions come from PATH_MODEL:
@@ -60,7 +60,7 @@ def _head(h):
     A = MatrixSymbol(f"{{A^{{{h}}}}}", n, n)
     W_V, W_O = MatrixSymbol(f"{{W_V^{{{h}}}}}", d, e), MatrixSymbol(f"{{W_O^{{{h}}}}}", e, d)
     OV = MatrixSymbol(f"{{W_{{OV}}^{{{h},c}}}}", d, d)
-    return A, W_V, W_O, OV, Definition(OV, Transpose(MatMul(W_V, W_O)), f"the paper's W_O W_V of head {h}")
+    return A, W_V, W_O, OV, Fact(OV, Transpose(MatMul(W_V, W_O)), f"the paper's W_O W_V of head {h}")
 
 
 def _distributed(factors_per_slot):
@@ -77,11 +77,11 @@ def _path_expansion_proof(layers):
     heads = [[_head(h) for h in layer] for layer in layers]
     definitions = list(CONVENTION) + [h[4] for layer in heads for h in layer]
     xs = [x_0]
-    definitions.append(Definition(x_0, MatMul(t, W_E), "the embedded tokens"))
+    definitions.append(Fact(x_0, MatMul(t, W_E), "the embedded tokens"))
     for i, layer in enumerate(heads, start=1):
         x_prev = xs[-1]
         x_i = MatrixSymbol(f"x_{i}", n, d)
-        definitions.append(Definition(x_i, MatAdd(x_prev, *(MatMul(A, x_prev, W_V, W_O) for A, W_V, W_O, _, _ in layer)),
+        definitions.append(Fact(x_i, MatAdd(x_prev, *(MatMul(A, x_prev, W_V, W_O) for A, W_V, W_O, _, _ in layer)),
                                       f"the residual stream after layer {i}: x_{i-1} plus every head's output"))
         xs.append(x_i)
     lhs = MatMul(xs[-1], W_U)
@@ -124,7 +124,7 @@ def _zero_layer_proof():
             Step(MatMul(Eye(n), t, Transpose(MatMul(W_Uc, W_Ec))), r"the row/column convention: $W_E W_U = (W_U^c W_E^c)^\top$"),
             Step(rhs, r"definition of $\otimes$"),
         ),
-        definitions=CONVENTION,
+        facts=CONVENTION,
         explicit_dims=DIMS,
         twins=(
             Twin("row_product_in_paper_formula", "use TransformerLens's W_E W_U as the paper's feature factor",
@@ -193,7 +193,7 @@ def _one_layer_proof():
         lhs=lhs,
         rhs=rhs,
         steps=steps,
-        definitions=tuple(definitions),
+        facts=tuple(definitions),
         explicit_dims=DIMS,
         twins=(
             Twin("combine_kronecker_on_sum", "sympy 1.14's combine_kronecker on the sum: (Σ A) ⊗ (Σ B)",
@@ -246,7 +246,7 @@ def _two_layer_proof():
         lhs=lhs,
         rhs=rhs,
         steps=steps,
-        definitions=tuple(definitions),
+        facts=tuple(definitions),
         explicit_dims=DIMS,
         twins=(
             Twin("virtual_head_dropped", "treat two layers as a sum of one-layer paths (no virtual head)",
@@ -304,10 +304,10 @@ def _qk_proof():
                  "distribute: queries and keys each read the embedding and the first layer's head"),
             Step(rhs, r"definitions of $W_{OV}^{1}$ and $W_{QK}^{2}$: direct, Q-, K- and Q-and-K-composition"),
         ),
-        definitions=(
-            Definition(x_1, written, "the residual stream after the first layer (one head shown)"),
-            Definition(OV, MatMul(W_V, W_O), "the first head's W_OV (TransformerLens's order)"),
-            Definition(QK, MatMul(W_Q, Transpose(W_K)), "the second layer's W_QK"),
+        facts=(
+            Fact(x_1, written, "the residual stream after the first layer (one head shown)"),
+            Fact(OV, MatMul(W_V, W_O), "the first head's W_OV (TransformerLens's order)"),
+            Fact(QK, MatMul(W_Q, Transpose(W_K)), "the second layer's W_QK"),
         ),
         explicit_dims=DIMS,
         twins=(
@@ -374,11 +374,11 @@ def _virtual_weights_proof():
             Step(MatAdd(MatMul(x_0, W_IB), MatMul(r_A, W_OA, W_IB), MatMul(r_C, W_OC, W_IB)), "distribute"),
             Step(rhs, r"definition of the virtual weights $V^{AB} = W_O^A W_I^B$"),
         ),
-        definitions=(
-            Definition(x_1, MatAdd(x_0, MatMul(r_A, W_OA)), "layer A adds its output r_A W_O^A"),
-            Definition(x_2, MatAdd(x_1, MatMul(r_C, W_OC)), "layer C adds its output r_C W_O^C"),
-            Definition(V_AB, MatMul(W_OA, W_IB), "virtual weight from writer A to reader B (the paper's W_I^B W_O^A, transposed)"),
-            Definition(V_CB, MatMul(W_OC, W_IB), "virtual weight from writer C to reader B"),
+        facts=(
+            Fact(x_1, MatAdd(x_0, MatMul(r_A, W_OA)), "layer A adds its output r_A W_O^A"),
+            Fact(x_2, MatAdd(x_1, MatMul(r_C, W_OC)), "layer C adds its output r_C W_O^C"),
+            Fact(V_AB, MatMul(W_OA, W_IB), "virtual weight from writer A to reader B (the paper's W_I^B W_O^A, transposed)"),
+            Fact(V_CB, MatMul(W_OC, W_IB), "virtual weight from writer C to reader B"),
         ),
         explicit_dims=DIMS,
         twins=(

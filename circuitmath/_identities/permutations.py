@@ -16,7 +16,7 @@ from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, Transpose
 from .._errors import Precondition
 from .._processing import permute_heads, permute_neurons
 from .._processing.rotation import A_HEAD_PERMUTATION, A_NEURON_PERMUTATION, GROUPS_MOVE_TOGETHER, HAS_MLPS
-from .._proof import Definition, Fact, Proof, Step, Twin
+from .._proof import Fact, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names
 from .rotation import F, W_gate, W_in, W_out, b_in, d, e, forgetting, free_matrix, k, m, n, ones_n
@@ -69,8 +69,8 @@ def _heads_proof() -> Proof:
                  r" scores are $S_{\pi(i)}$ and its pattern $A_{\pi(i)}$"),
             Step(rhs, r"a sum does not depend on the order of its terms"),
         ),
-        definitions=tuple(
-            Definition(PS[h], MatMul(_affine(PQ[h]), Transpose(_affine(PK[GROUP[h]]))),
+        facts=tuple(
+            Fact(PS[h], MatMul(_affine(PQ[h]), Transpose(_affine(PK[GROUP[h]]))),
                        f"head {h}'s scores; A_{h} is their masked row softmax")
             for h in HEADS
         ),

@@ -125,24 +125,22 @@ def _pipeline_proof() -> Proof:
             ),
             Step(rhs, r"definition of $\mathrm{LN}$"),
         ),
-        definitions=(
-            Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones_d, ones_d.T)), "the centering matrix"),
-            Definition(N, MatMul(R, X, C), "center each position, then normalise it (eps inside R)"),
-            Definition(LN, MatAdd(MatMul(N, DiagMatrix(w)), MatMul(ones_n, b)), "LNPre, then gain and bias"),
-            Definition(M, MatMul(R, X), "normalise each position, no centering"),
-            *(Definition(W_V_new[h], MatMul(C, DiagMatrix(w), W_V[h]), "gain folded, then centered over d")
+        facts=(
+            Fact(C, MatAdd(Eye(d), MatMul(-1 / d, ones_d, ones_d.T)), "the centering matrix"),
+            Fact(N, MatMul(R, X, C), "center each position, then normalise it (eps inside R)"),
+            Fact(LN, MatAdd(MatMul(N, DiagMatrix(w)), MatMul(ones_n, b)), "LNPre, then gain and bias"),
+            *(Fact(W_V_new[h], MatMul(C, DiagMatrix(w), W_V[h]), "gain folded, then centered over d")
               for h in HEADS),
-            *(Definition(W_O_new[h], MatMul(W_O[h], C), "centered over d") for h in HEADS),
-            Definition(b_O_new, MatMul(b_O_expanded, C),
-                       "b_O plus each folded value bias through its W_O, then centered"),
-            *(Definition(A[h], MatMul(Inverse(DiagMatrix(MatMul(E[h], ones_n))), E[h]),
-                         f"head {h}'s pattern: the softmax of its scores, E_{h} their entrywise exponentials")
+            *(Fact(W_O_new[h], MatMul(W_O[h], C), "centered over d") for h in HEADS),
+            Fact(b_O_new, MatMul(b_O_expanded, C),
+                 "b_O plus each folded value bias through its W_O, then centered"),
+            *(Fact(A[h], MatMul(Inverse(DiagMatrix(MatMul(E[h], ones_n))), E[h]),
+                   f"head {h}'s pattern: the softmax of its scores, E_{h} their entrywise exponentials")
+              for h in HEADS),
+            *(Fact.invertible(DiagMatrix(MatMul(E[h], ones_n)), f"head {h}'s row sums are positive: every row has an unmasked key")
               for h in HEADS),
         ),
-        facts=tuple(
-            Fact.invertible(DiagMatrix(MatMul(E[h], ones_n)), f"head {h}'s row sums are positive: every row has an unmasked key")
-            for h in HEADS
-        ),
+        definitions=(Definition(M, MatMul(R, X), "normalise each position, no centering"),),
         samplers={E[h]: causal_exponentials for h in HEADS},
         explicit_dims={n: 3, d: 3, e: 2},
         assumptions=(

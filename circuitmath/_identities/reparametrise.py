@@ -23,7 +23,7 @@ from sympy import Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol, Tran
 
 from .._processing import refactor_factored_attn_matrices
 from .._processing._common import NOT_APPLIED, NOT_ROTARY
-from .._proof import Definition, Fact, Proof, Step, Twin
+from .._proof import Fact, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names
 from ..circuits._bases import _change_bases
@@ -108,11 +108,9 @@ def _reparametrise_proof() -> Proof:
             ),
             Step(rhs, r"definitions of $S$ and $H$"),
         ),
-        definitions=(
-            Definition(S, MatMul(_affine(X, W_Q, b_Q), Transpose(_affine(Y, W_K, b_K))), "the head's scores (times sqrt(e))"),
-            Definition(H, MatMul(A, _affine(Z, W_V, b_V), W_O), "the head's output, given its pattern A"),
-        ),
         facts=(
+            Fact(S, MatMul(_affine(X, W_Q, b_Q), Transpose(_affine(Y, W_K, b_K))), "the head's scores (times sqrt(e))"),
+            Fact(H, MatMul(A, _affine(Z, W_V, b_V), W_O), "the head's output, given its pattern A"),
             Fact.invertible(N, "N is a change of basis of the query/key space"),
             Fact.invertible(N_2, "N_2 is another query head's change of basis"),
             Fact.invertible(M, "M is a change of basis of the value space"),

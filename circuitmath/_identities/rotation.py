@@ -57,6 +57,8 @@ R = MatrixSymbol("R", d, d)  # orthogonal, but moving the all-ones direction (R 
 rho = sympy.Symbol(r"\rho", positive=True)
 C = MatrixSymbol("C", d, d)
 CENTERING = Definition(C, MatAdd(Eye(d), MatMul(-1 / d, ones_d, ones_d.T)), "the centering matrix")
+#: The same, where the claim is about ``C`` itself.
+CENTERING_FACT = Fact(C, CENTERING.value, CENTERING.text)
 ORTHOGONAL = (
     Fact(MatMul(Q, Q.T), Eye(d), "Q is orthogonal: Q Q^T = I"),
     Fact(MatMul(Q.T, Q), Eye(d), "Q is orthogonal: Q^T Q = I"),
@@ -105,13 +107,11 @@ def _norm_rotation_proof() -> Proof:
                  r"$Q Q^\top = I$: $|xQ|^2 = |x|^2$, the normaliser $\rho$ is the same"),
             Step(rhs, r"definition of $\mathrm{RMSPre}(x)$"),
         ),
-        definitions=(
-            CENTERING,
-            Definition(RMSPre_x, MatMul(rho, x), "rho = (|x|^2/d + eps)^(-1/2), eps kept"),
-            Definition(RMSPre_xQ, MatMul(rho, x, Q),
-                       "rho is the same function of |x Q|^2, which the T_1 term shows is |x|^2"),
+        definitions=(CENTERING,),
+        facts=ORTHOGONAL + (
+            Fact(RMSPre_x, MatMul(rho, x), "rho = (|x|^2/d + eps)^(-1/2), eps kept"),
+            Fact(RMSPre_xQ, MatMul(rho, x, Q), "rho is the same function of |x Q|^2, which the T_1 term shows is |x|^2"),
         ),
-        facts=ORTHOGONAL,
         samplers={Q: _orthogonal, R: _orthogonal, G: invertible},
         explicit_dims={d: 4, k: 2},
         assumptions=("Q orthogonal (sympy's Q.orthogonal): the facts Q Q^T = Q^T Q = I",
@@ -164,12 +164,10 @@ def _layer_norm_rotation_proof() -> Proof:
                  r"$Q Q^\top = I$: $|xQC|^2 = |xC|^2$, the normaliser $\rho$ is the same"),
             Step(rhs, r"definition of $\mathrm{LNPre}(x)$"),
         ),
-        definitions=(
-            CENTERING,
-            Definition(LNPre_x, MatMul(rho, x, C), "rho = (|x C|^2/d + eps)^(-1/2)"),
-            Definition(LNPre_xQ, MatMul(rho, x, Q, C), "rho, the same function of |x Q C|^2 (the T_1 term)"),
-        ),
         facts=ORTHOGONAL + (
+            CENTERING_FACT,
+            Fact(LNPre_x, MatMul(rho, x, C), "rho = (|x C|^2/d + eps)^(-1/2)"),
+            Fact(LNPre_xQ, MatMul(rho, x, Q, C), "rho, the same function of |x Q C|^2 (the T_1 term)"),
             Fact(MatMul(Q, ones_dd), MatMul(ones_dd, Q),
                  "Q 1 = s 1 with s = ±1, so Q^T 1 = s 1 and Q 1 1^T = s 1 1^T = 1 1^T Q (for an orthogonal Q,"
                  " equivalent to Q 1 = ±1: times 1 it gives Q 1 = c 1, and |Q 1| = |1| gives c = ±1)"),
@@ -210,16 +208,16 @@ E_, S_, V_, Y_, P_, H_, Z_, L_ = (
 TESTS = {name: free_matrix(rf"T_{{{name}}}", rows) for name, rows in (
     ("E", d), ("X", n), ("S", n), ("V", e), ("Y", d), ("YY", n), ("P", m), ("H", m), ("Z", d), ("L", v)
 )}
-MODEL_DEFINITIONS = (
-    Definition(E_, MatAdd(MatMul(Tok, W_E), MatMul(Pos, W_pos)), "the embeddings: one-hot tokens and positions"),
-    Definition(S_, MatMul(MatAdd(MatMul(D, X, W_Q), MatMul(ones_n, b_Q)), Transpose(MatAdd(MatMul(D, X, W_K), MatMul(ones_n, b_K)))),
-               "a head's scores (times sqrt(e)); A is their masked row softmax"),
-    Definition(V_, MatAdd(MatMul(D, X, W_V), MatMul(ones_n, b_V)), "the head's values"),
-    Definition(Y_, MatAdd(X, MatMul(A, V_, W_O), MatMul(ones_n, b_O)), "the stream after attention"),
-    Definition(P_, MatAdd(MatMul(D_2, Y_, W_in), MatMul(ones_n, b_in)), "the MLP's pre-activations"),
-    Definition(H_, MatMul(D_2, Y_, W_gate), "the gate's pre-activations; F = act(H) * P entrywise (act(P) ungated)"),
-    Definition(Z_, MatAdd(Y_, MatMul(F, W_out), MatMul(ones_n, b_out)), "the stream after the block"),
-    Definition(L_, MatAdd(MatMul(D, X, W_U), MatMul(ones_n, b_U)), "the logits, X the final stream"),
+MODEL_FACTS = (
+    Fact(E_, MatAdd(MatMul(Tok, W_E), MatMul(Pos, W_pos)), "the embeddings: one-hot tokens and positions"),
+    Fact(S_, MatMul(MatAdd(MatMul(D, X, W_Q), MatMul(ones_n, b_Q)), Transpose(MatAdd(MatMul(D, X, W_K), MatMul(ones_n, b_K)))),
+         "a head's scores (times sqrt(e)); A is their masked row softmax"),
+    Fact(V_, MatAdd(MatMul(D, X, W_V), MatMul(ones_n, b_V)), "the head's values"),
+    Fact(Y_, MatAdd(X, MatMul(A, V_, W_O), MatMul(ones_n, b_O)), "the stream after attention"),
+    Fact(P_, MatAdd(MatMul(D_2, Y_, W_in), MatMul(ones_n, b_in)), "the MLP's pre-activations"),
+    Fact(H_, MatMul(D_2, Y_, W_gate), "the gate's pre-activations; F = act(H) * P entrywise (act(P) ungated)"),
+    Fact(Z_, MatAdd(Y_, MatMul(F, W_out), MatMul(ones_n, b_out)), "the stream after the block"),
+    Fact(L_, MatAdd(MatMul(D, X, W_U), MatMul(ones_n, b_U)), "the logits, X the final stream"),
 )
 
 
@@ -270,8 +268,7 @@ def _model_rotation_proof() -> Proof:
             Step(rhs, r"the MLP: $(YQ)(YQ)^\top = Y Y^\top$, so the same normalisers $D_2$; $Q Q^\top = I$ in"
                       r" $Q^\top W_{in}$ and $Q^\top W_{gate}$, so the same activations $F$; $W_{out} Q$, $b_{out} Q$ factor out"),
         ),
-        definitions=MODEL_DEFINITIONS,
-        facts=ORTHOGONAL + (Fact.invertible(G, "G, the twins' non-orthogonal rotation, is invertible"),),
+        facts=MODEL_FACTS + ORTHOGONAL + (Fact.invertible(G, "G, the twins' non-orthogonal rotation, is invertible"),),
         samplers={Q: _orthogonal, G: invertible},
         explicit_dims={n: 3, d: 3, e: 2, m: 2, v: 2, c: 3, k: 1},
         assumptions=(
@@ -318,13 +315,12 @@ def _slicegpt_proof() -> Proof:
                  r"$Q Q^\top = I$: the rotation undone by the reader $Q^\top (\operatorname{diag}(w) W)$"),
             Step(rhs, r"the LayerNorm fold: $\mathrm{LN}(x) = \rho\, x C \operatorname{diag}(w) + b$"),
         ),
-        definitions=(
-            CENTERING,
-            Definition(LN, MatAdd(MatMul(rho, x, C, DiagMatrix(w)), b_ln), "LayerNorm: rho = (|x C|^2/d + eps)^(-1/2)"),
-            Definition(RMSPre_xCQ, MatMul(rho, x, C, Q),
-                       "after centering every write the stream is x C, after rotating x C Q; rho of |x C Q|^2 (the T_1 term)"),
+        facts=ORTHOGONAL + (
+            CENTERING_FACT,
+            Fact(LN, MatAdd(MatMul(rho, x, C, DiagMatrix(w)), b_ln), "LayerNorm: rho = (|x C|^2/d + eps)^(-1/2)"),
+            Fact(RMSPre_xCQ, MatMul(rho, x, C, Q),
+                 "after centering every write the stream is x C, after rotating x C Q; rho of |x C Q|^2 (the T_1 term)"),
         ),
-        facts=ORTHOGONAL,
         samplers={Q: _orthogonal},
         explicit_dims={d: 4, m: 3, k: 2},
         assumptions=(

@@ -19,9 +19,9 @@ from sympy import DiagMatrix, MatAdd, MatMul, MatrixSymbol, Symbol
 from .._processing import fold_layer_norm, shortformer_to_tables
 from .._processing._common import NOT_APPLIED
 from .._processing.shortformer import IS_SHORTFORMER
-from .._proof import Definition, Proof, Step, Twin
+from .._proof import Fact, Proof, Step, Twin
 from .._registry import Identity, register
-from .layer_norm import C, DEFINITIONS, LN, LNPre, b, d, w, x
+from .layer_norm import C, DEFINITIONS, FACTS, LN, LNPre, b, d, w, x
 
 e = Symbol("e", positive=True, integer=True)
 p = MatrixSymbol("p", 1, d)
@@ -33,9 +33,9 @@ rho_shifted = Symbol(r"\rho'", positive=True)
 LNPre_shifted = MatrixSymbol(r"\mathrm{LNPre}(x + p)", 1, d)
 LN_shifted = MatrixSymbol(r"\mathrm{LN}(x + p)", 1, d)
 
-DEFINITIONS_SHIFTED = DEFINITIONS + (
-    Definition(LNPre_shifted, MatMul(rho_shifted, MatAdd(x, p), C), "LNPre of the residual with positions added"),
-    Definition(LN_shifted, MatAdd(MatMul(LNPre_shifted, DiagMatrix(w)), b), "LN of the residual with positions added"),
+FACTS_SHIFTED = FACTS + (
+    Fact(LNPre_shifted, MatMul(rho_shifted, MatAdd(x, p), C), "LNPre of the residual with positions added"),
+    Fact(LN_shifted, MatAdd(MatMul(LNPre_shifted, DiagMatrix(w)), b), "LN of the residual with positions added"),
 )
 
 
@@ -50,7 +50,8 @@ def _tables_proof() -> Proof:
             Step(MatAdd(MatMul(LNPre, DiagMatrix(w), W), MatMul(b, W), MatMul(p, W), b_W), "distribute over the sum"),
             Step(folded, r"regroup: the folded reader, its bias, and the positional table $p W$"),
         ),
-        definitions=DEFINITIONS_SHIFTED,
+        definitions=DEFINITIONS,
+        facts=FACTS_SHIFTED,
         explicit_dims={d: 4, e: 3},
         assumptions=("rho is any scalar: eps stays inside LNPre",),
         twins=(
