@@ -23,7 +23,7 @@ from sympy import DiagMatrix, Inverse, MatAdd, MatMul, MatrixSymbol
 from .._errors import NOT_APPLIED
 from .._processing._common import NORM_READ_LINEARLY, PRE_NORM, readers
 from .._processing.quantisation import HAS_A_NORM, SCALES_PER_CHANNEL, migrate_norm_scales, recover_norm_scales
-from .._proof import Definition, Fact, Proof, Step, Twin
+from .._proof import Fact, Proof, Step, Twin
 from .._registry import Identity, WrongRewrite, register
 from ._circuit_checks import dim
 from .rotation import free_matrix
@@ -59,11 +59,11 @@ def _norm_scales_proof() -> Proof:
                  r"definitions of the migrated gain and bias: $w / s$ and $b / s$"),
             Step(rhs, r"$\operatorname{diag}(s)^{-1} \operatorname{diag}(s) = I$ in every reader"),
         ),
-        definitions=(
-            Definition(G, MatMul(DiagMatrix(w), Inverse(S)), "the migrated gain diag(w / s): diagonal matrices commute"),
-            Definition(b_s, MatMul(b, Inverse(S)), "the migrated bias b / s (LayerNorm; 0 for RMSNorm)"),
+        facts=(
+            Fact(G, MatMul(DiagMatrix(w), Inverse(S)), "the migrated gain diag(w / s): diagonal matrices commute"),
+            Fact(b_s, MatMul(b, Inverse(S)), "the migrated bias b / s (LayerNorm; 0 for RMSNorm)"),
+            Fact.invertible(S, "every scale is nonzero: diag(s) is invertible"),
         ),
-        facts=(Fact.invertible(S, "every scale is nonzero: diag(s) is invertible"),),
         samplers={s: _nonzero_vector},
         explicit_dims={d: 3, e: 2, m: 2, k: 1},
         assumptions=(
