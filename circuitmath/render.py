@@ -249,15 +249,19 @@ def statement(identity: Identity, proof: Proof | None = None) -> str:
 
 
 def definitions(identity_or_proof) -> str:
-    """The abbreviations the checker unfolds, one table row each; the tensor-product actions
-    ``(A ⊗ B)·X := A X B^T`` are counted in one sentence instead of listed."""
+    """What the checker unfolds, one table row each: the definitions (fresh symbols), then the
+    facts that give a symbol of the claim its value, marked as assumed; the tensor-product
+    actions ``(A ⊗ B)·X := A X B^T`` are counted in one sentence instead of listed."""
     proof = _proof(identity_or_proof)
     own = [d for d in proof.definitions if d.text != NOTATION]
+    values = [f for f in proof.facts if f.fixes is not None]
     notation = len(proof.definitions) - len(own)
     lines = []
-    if own:
+    if own or values:
         lines += ["| symbol | definition | meaning |", "|---|---|---|"]
         lines += [f"| ${to_latex(d.symbol)}$ | ${to_latex(d.value)}$ | {md_text(d.text)} |" for d in own]
+        lines += [f"| ${to_latex(f.product)}$ | ${to_latex(f.value)}$ | {md_text(f.text)} (assumed: a fact of the claim) |"
+                  for f in values]
     if notation:
         lines += ["", f"and {notation} definitions of the form $(A \\otimes B) \\cdot X := A X B^\\top$, one for each"
                   " tensor product applied in the proof (sums act term by term, products right to left)."]
