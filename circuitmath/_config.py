@@ -51,6 +51,19 @@ class Config:
     ``embedding_norm``: the embeddings pass through a norm (``embed.ln``, of
     ``normalization_type``) before the first block (BERT); only post-norm models have it here.
 
+    Architecture features (each off by default; the identities' preconditions read them):
+
+    - ``sliding_window``: a query attends only to the ``sliding_window`` most recent keys
+      (itself included: key ``k`` is seen by query ``q`` when ``q - sliding_window < k <= q``),
+      in the layers ``sliding_window_layers`` (``None``: every layer) (Mistral, Gemma 2).
+    - ``qk_norm``: each head's query and key pass through an RMSNorm over ``d_head`` (gains
+      ``attn.q_norm.w``, ``attn.k_norm.w`` ``[d_head]``, ``eps``) after their projection and
+      before the rotary embedding (Qwen3).
+    - ``norm_gain_offset``: every norm scales by ``norm_gain_offset + w`` (Gemma stores RMSNorm
+      gains as ``w`` and scales by ``1 + w``).
+    - ``embedding_scale``: the token embeddings are multiplied by this number, first rounded to
+      the model's dtype as transformers does (Gemma: ``sqrt(d_model)``).
+
     ``applied`` records, in order, the weight transforms that produced the state dict. A former
     name of an identity (a config saved before the rename, see :data:`FORMER_NAMES`) is read as
     the current one.
@@ -75,6 +88,11 @@ class Config:
     n_key_value_heads: int | None = None
     embedding_norm: bool = False
     eps: float = 1e-5
+    sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] | None = None
+    qk_norm: bool = False
+    norm_gain_offset: float = 0.0
+    embedding_scale: float | None = None
     applied: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -86,10 +104,27 @@ class Config:
         object.__setattr__(self, "applied", tuple(FORMER_NAMES.get(name, name) for name in self.applied))
         object.__setattr__(self, "rotary_base", float(self.rotary_base))
         object.__setattr__(self, "eps", float(self.eps))
+        object.__setattr__(self, "norm_gain_offset", float(self.norm_gain_offset))
+        if self.embedding_scale is not None:
+            object.__setattr__(self, "embedding_scale", float(self.embedding_scale))
+        if self.sliding_window_layers is not None:
+            object.__setattr__(self, "sliding_window_layers", tuple(self.sliding_window_layers))
 
     @property
     def attn_only(self) -> bool:
         return self.d_mlp is None
+
+    def window(self, layer: int | None) -> int | None:
+        """The sliding window of layer ``layer`` (``None``: it attends to every earlier key).
+        ``layer=None`` asks for a window every layer shares: :class:`ConfigError` when the
+        layers differ."""
+        if self.sliding_window is None or self.sliding_window_layers is None:
+            return self.sliding_window
+        if layer is None:
+            if set(self.sliding_window_layers) not in (set(), set(range(self.n_layers))):
+                raise ConfigError(f"sliding_window applies to the layers {list(self.sliding_window_layers)} only: name the layer")
+            return self.sliding_window if self.sliding_window_layers else None
+        return self.sliding_window if layer in self.sliding_window_layers else None
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -97,6 +132,8 @@ class Config:
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["applied"] = list(self.applied)
+        if self.sliding_window_layers is not None:
+            out["sliding_window_layers"] = list(self.sliding_window_layers)
         return out
 
     @classmethod
@@ -178,7 +215,8 @@ def _type_problems(cfg: Config) -> list[str]:
         value, floor = getattr(cfg, name), 0 if name == "n_layers" else 1
         if not _is_int(value) or value < floor:
             problems.append(f"{name} must be an int >= {floor}, got {value!r}")
-    for name, meaning in (("d_mlp", "attention-only"), ("rotary_dim", "d_head"), ("n_key_value_heads", "n_heads")):
+    for name, meaning in (("d_mlp", "attention-only"), ("rotary_dim", "d_head"), ("n_key_value_heads", "n_heads"),
+                          ("sliding_window", "no sliding window")):
         value = getattr(cfg, name)
         if value is not None and (not _is_int(value) or value < 1):
             problems.append(f"{name} must be None ({meaning}) or an int >= 1, got {value!r}")
@@ -191,13 +229,21 @@ def _type_problems(cfg: Config) -> list[str]:
         value = getattr(cfg, name)
         if not (value is None or isinstance(value, str)) or value not in allowed:
             problems.append(f"{name} must be one of {allowed}, got {value!r}")
-    for name in ("causal", "gated_mlp", "parallel_attn_mlp", "embedding_norm"):
+    for name in ("causal", "gated_mlp", "parallel_attn_mlp", "embedding_norm", "qk_norm"):
         if not isinstance(getattr(cfg, name), bool):
             problems.append(f"{name} must be True or False, got {getattr(cfg, name)!r}")
     if not _is_number(cfg.rotary_base) or cfg.rotary_base <= 0:
         problems.append(f"rotary_base must be a finite number > 0, got {cfg.rotary_base!r}")
     if not _is_number(cfg.eps) or cfg.eps < 0:
         problems.append(f"eps must be a finite number >= 0, got {cfg.eps!r}")
+    if not _is_number(cfg.norm_gain_offset):
+        problems.append(f"norm_gain_offset must be a finite number, got {cfg.norm_gain_offset!r}")
+    if cfg.embedding_scale is not None and (not _is_number(cfg.embedding_scale) or cfg.embedding_scale <= 0):
+        problems.append(f"embedding_scale must be None or a finite number > 0, got {cfg.embedding_scale!r}")
+    layers = cfg.sliding_window_layers
+    if layers is not None and (isinstance(layers, (str, bytes)) or not isinstance(layers, (list, tuple))
+                               or not all(_is_int(i) and i >= 0 for i in layers)):
+        problems.append(f"sliding_window_layers must be None or a list of layer indices, got {layers!r}")
     if isinstance(cfg.applied, (str, bytes)) or not isinstance(cfg.applied, (list, tuple)):
         problems.append(f"applied must be a list of identity names, got {cfg.applied!r}")
     elif not all(isinstance(name, str) for name in cfg.applied):
@@ -222,6 +268,13 @@ def _relation_problems(cfg: Config) -> list[str]:
         problems.append("parallel_attn_mlp needs an MLP and a pre-norm model")
     if cfg.embedding_norm and cfg.norm_position != "post":
         problems.append("embedding_norm is the post-norm (BERT) layout; it needs norm_position='post'")
+    if cfg.sliding_window_layers is not None:
+        if cfg.sliding_window is None:
+            problems.append("sliding_window_layers needs a sliding_window")
+    if cfg.norm_gain_offset and cfg.normalization_type in ("LN", "LNPre"):
+        problems.append("norm_gain_offset is for RMSNorm gains stored as w and applied as offset + w (Gemma); no LayerNorm family has it")
+    if cfg.sliding_window is not None and not cfg.causal:
+        problems.append("sliding_window is a causal mask; it needs causal=True")
     if cfg.n_key_value_heads is not None and cfg.n_heads % cfg.n_key_value_heads:
         problems.append(f"n_key_value_heads must be None or a divisor of n_heads={cfg.n_heads}, got {cfg.n_key_value_heads!r}")
     return problems

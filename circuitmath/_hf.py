@@ -338,8 +338,59 @@ def from_hf_llama(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor
     return _llama_layout(config).convert(state_dict)
 
 
-def _llama_layout(config) -> Layout:
-    arch = "LLaMA"
+def from_hf_mistral(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face Mistral checkpoint: LLaMA's names and layout, with a sliding
+    window of ``sliding_window`` keys in every layer (``Config.sliding_window``)."""
+    return _llama_layout(config, "Mistral").convert(state_dict)
+
+
+def from_hf_qwen2(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face Qwen2 checkpoint: LLaMA's names and layout, with biases on the
+    query, key and value projections (none on ``o_proj``: ``b_O`` is zero) and a sliding window
+    in the layers ``layer_types`` names (``use_sliding_window``)."""
+    return _llama_layout(config, "Qwen2").convert(state_dict)
+
+
+def from_hf_qwen3(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face Qwen3 checkpoint: LLaMA's names and layout, with each head's
+    queries and keys RMS-normed over ``head_dim`` before the rotary embedding (``q_norm``,
+    ``k_norm``: ``attn.q_norm.w``, ``attn.k_norm.w``; ``Config.qk_norm``)."""
+    return _llama_layout(config, "Qwen3").convert(state_dict)
+
+
+def _sliding_window(config, layers: int, architecture: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """``(sliding_window, sliding_window_layers)`` from ``sliding_window`` and ``layer_types``
+    (absent: every layer slides, as in Mistral; ``use_sliding_window=False``: none does)."""
+    window = _int(config, "sliding_window", architecture, None)
+    if window is None or not _option(config, "use_sliding_window", True):
+        return None, None
+    kinds = _option(config, "layer_types")
+    if kinds is None:
+        return window, None
+    if not isinstance(kinds, (list, tuple)) or len(kinds) != layers:
+        raise ConfigError(f"{architecture} config: layer_types must list one kind per layer ({layers}), got {kinds!r}")
+    unknown = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    _require(not unknown, architecture, f"layer_types {unknown}; the reference has full and sliding-window attention")
+    sliding = tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention")
+    return (window, None if len(sliding) == layers else sliding) if sliding else (None, None)
+
+
+def from_hf_gemma(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face Gemma checkpoint: LLaMA's names and layout, with every RMSNorm
+    gain stored as ``w`` and applied as ``1 + w`` (``Config.norm_gain_offset = 1``) and the token
+    embeddings multiplied by ``sqrt(hidden_size)`` (``Config.embedding_scale``: the float32
+    number transformers keeps, which it rounds to the model's dtype before multiplying)."""
+    return _llama_layout(config, "Gemma").convert(state_dict)
+
+
+#: What each LLaMA-like architecture adds: biases on q/k/v, a bias on o_proj (``None``: the
+#: config's ``attention_bias``), QK-norm, and Gemma's 1 + w gains and embedding scale.
+_LLAMA_LIKE = {"LLaMA": (None, None, False, False), "Mistral": (False, False, False, False),
+               "Qwen2": (True, False, False, False), "Qwen3": (None, None, True, False),
+               "Gemma": (None, None, False, True)}
+
+
+def _llama_layout(config, arch: str = "LLaMA") -> Layout:
     d, heads, layers = _int(config, "hidden_size", arch), _int(config, "num_attention_heads", arch), _int(config, "num_hidden_layers", arch, floor=0)
     d_head = _int(config, "head_dim", arch, None) or d // heads
     _require(d_head >= 1, arch, f"hidden_size={d} is smaller than num_attention_heads={heads} and no head_dim is given")
@@ -347,13 +398,21 @@ def _llama_layout(config) -> Layout:
     base, rotary_dim = _rotary(config, d_head, arch)
     _require(rotary_dim == d_head, arch, "partial rotary (LLaMA rotates every query/key dimension)")
     _require(not _option(config, "mlp_bias", False), arch, "mlp_bias=True puts a bias inside the gate, which the reference lacks")
-    bias = bool(_option(config, "attention_bias", False))
+    qkv_bias, o_bias, qk_norm, gemma = _LLAMA_LIKE[arch]
+    _require(not _option(config, "use_bidirectional_attention", False), arch, "use_bidirectional_attention=True (not causal)")
+    attention_bias = bool(_option(config, "attention_bias", False))
+    qkv_bias = attention_bias if qkv_bias is None else qkv_bias
+    o_bias = attention_bias if o_bias is None else o_bias
+    window, window_layers = _sliding_window(config, layers, arch)
     cfg = Config(
         n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
         n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "intermediate_size", arch),
         act_fn=_activation(_option(config, "hidden_act", "silu"), "hidden_act", arch), normalization_type="RMS",
         eps=_number(config, "rms_norm_eps", arch, 1e-6), positional_embedding_type="rotary", rotary_base=base,
         gated_mlp=True, n_key_value_heads=kv_heads if kv_heads != heads else None,
+        sliding_window=window, sliding_window_layers=window_layers, qk_norm=qk_norm,
+        norm_gain_offset=1.0 if gemma else 0.0,
+        embedding_scale=float(torch.tensor(d**0.5, dtype=torch.float32)) if gemma else None,
     )
     m = cfg.d_mlp
 
@@ -365,9 +424,12 @@ def _llama_layout(config) -> Layout:
         out[f"{p}.ln1.w"] = src.take(f"{h}.input_layernorm.weight")
         for name, proj in (("Q", "q_proj"), ("K", "k_proj"), ("V", "v_proj")):
             weight, b, n = attention_names(cfg, name)
-            out[f"{p}.attn.{weight}"], out[f"{p}.attn.{b}"] = _linear_heads(src, f"{h}.self_attn.{proj}", n, d_head, d, bias)
+            out[f"{p}.attn.{weight}"], out[f"{p}.attn.{b}"] = _linear_heads(src, f"{h}.self_attn.{proj}", n, d_head, d, qkv_bias)
+        if qk_norm:
+            out[f"{p}.attn.q_norm.w"] = src.take(f"{h}.self_attn.q_norm.weight", d_head)
+            out[f"{p}.attn.k_norm.w"] = src.take(f"{h}.self_attn.k_norm.weight", d_head)
         out[f"{p}.attn.W_O"] = src.linear(f"{h}.self_attn.o_proj.weight", d, heads * d_head).reshape(heads, d_head, d)
-        out[f"{p}.attn.b_O"] = src.take(f"{h}.self_attn.o_proj.bias") if bias else src.zeros(d)
+        out[f"{p}.attn.b_O"] = src.take(f"{h}.self_attn.o_proj.bias") if o_bias else src.zeros(d)
         out[f"{p}.ln2.w"] = src.take(f"{h}.post_attention_layernorm.weight")
         out[f"{p}.mlp.W_in"] = src.linear(f"{h}.mlp.up_proj.weight", m, d)
         out[f"{p}.mlp.W_gate"] = src.linear(f"{h}.mlp.gate_proj.weight", m, d)
@@ -457,18 +519,21 @@ def _bert_layout(config) -> Layout:
     return Layout(cfg, ("bert.",), ignored, embed, block, final)
 
 
-CONVERTERS = {"gpt2": from_hf_gpt2, "gpt_neox": from_hf_gpt_neox, "llama": from_hf_llama, "bert": from_hf_bert}
-_LAYOUTS = {"gpt2": _gpt2_layout, "gpt_neox": _gpt_neox_layout, "llama": _llama_layout, "bert": _bert_layout}
+CONVERTERS = {"gpt2": from_hf_gpt2, "gpt_neox": from_hf_gpt_neox, "llama": from_hf_llama, "bert": from_hf_bert,
+              "mistral": from_hf_mistral, "qwen2": from_hf_qwen2, "qwen3": from_hf_qwen3, "gemma": from_hf_gemma}
+_LAYOUTS = {"gpt2": _gpt2_layout, "gpt_neox": _gpt_neox_layout, "llama": _llama_layout, "bert": _bert_layout,
+            "mistral": lambda config: _llama_layout(config, "Mistral"), "qwen2": lambda config: _llama_layout(config, "Qwen2"),
+            "qwen3": lambda config: _llama_layout(config, "Qwen3"), "gemma": lambda config: _llama_layout(config, "Gemma")}
 
 
 def hf_layout(config) -> Layout:
-    """The :class:`Layout` of ``config``'s ``model_type`` (gpt2, gpt_neox, llama, bert)."""
+    """The :class:`Layout` of ``config``'s ``model_type`` (see :data:`CONVERTERS`)."""
     model_type = _option(config, "model_type")
     if not isinstance(model_type, str) or model_type not in _LAYOUTS:
-        raise UnsupportedArchitectureError(f"model_type {model_type!r}: converters exist for {sorted(_LAYOUTS)}")
+        raise UnsupportedArchitectureError(f"model_type {model_type!r} is not one circuitmath reads; it reads {', '.join(sorted(_LAYOUTS))}")
     return _LAYOUTS[model_type](config)
 
 
 def from_hf(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
-    """Convert with the converter for ``config``'s ``model_type`` (gpt2, gpt_neox, llama, bert)."""
+    """Convert with the converter for ``config``'s ``model_type`` (see :data:`CONVERTERS`)."""
     return hf_layout(config).convert(state_dict)

@@ -19,12 +19,14 @@ __all__ = ["forward", "log_probs", "normalize", "pattern_from_scores", "embed", 
 
 
 def normalize(x: torch.Tensor, kind, w: torch.Tensor | None, b: torch.Tensor | None, eps: float,
-              center: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+              center: Callable[[torch.Tensor], torch.Tensor] | None = None, offset: float = 0.0) -> torch.Tensor:
     """Apply the norm ``kind`` over the last axis of ``x`` (``[..., d_model]`` to ``[..., d_model]``).
 
     ``LNPre(x) = (x - mean(x)) / sqrt(mean((x - mean(x))^2) + eps)``; ``LN`` then scales by ``w``
     and adds ``b``. ``RMSPre(x) = x / sqrt(mean(x^2) + eps)``; ``RMS`` then scales by ``w``.
     ``center``: computes ``x - mean(x)`` in place of the plain formula (see :data:`Centering`).
+    ``offset``: the gain is ``offset + w`` (``Config.norm_gain_offset``; Gemma stores ``w`` and
+    scales by ``1 + w``).
     """
     if kind is None:
         return x
@@ -32,7 +34,7 @@ def normalize(x: torch.Tensor, kind, w: torch.Tensor | None, b: torch.Tensor | N
         x = x - x.mean(dim=-1, keepdim=True) if center is None else center(x)
     x = x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
     if kind in ("LN", "RMS"):
-        x = x * w
+        x = x * (w if offset == 0 else offset + w)
     if kind == "LN":
         x = x + b
     return x
@@ -48,7 +50,8 @@ Centering = Callable[[str, torch.Tensor], torch.Tensor]
 
 def _norm(params: StateDict, prefix: str, cfg: Config, x: torch.Tensor, centering: Centering | None = None) -> torch.Tensor:
     center = None if centering is None else (lambda v: centering(prefix, v))
-    return normalize(x, cfg.normalization_type, params.get(f"{prefix}.w"), params.get(f"{prefix}.b"), cfg.eps, center)
+    return normalize(x, cfg.normalization_type, params.get(f"{prefix}.w"), params.get(f"{prefix}.b"), cfg.eps, center,
+                     cfg.norm_gain_offset)
 
 
 def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -88,22 +91,35 @@ def _project(params: StateDict, p: str, cfg: Config, name: str, x: torch.Tensor)
     return per_query_head(out, cfg, heads, dim=2)
 
 
-def pattern_from_scores(scores: torch.Tensor, cfg: Config) -> torch.Tensor:
+def pattern_from_scores(scores: torch.Tensor, cfg: Config, layer: int | None = None) -> torch.Tensor:
     """The attention pattern from raw scores ``q k^T`` ``[..., query, key]``: scaled by
-    ``1/sqrt(d_head)``, the future masked (causal models), softmax over keys."""
+    ``1/sqrt(d_head)``, the future masked (causal models) and, in a layer with a sliding window
+    (``cfg.window(layer)``), the keys ``sliding_window`` or more positions back; softmax over keys."""
     scores = scores / math.sqrt(cfg.d_head)
     if cfg.causal:
         n = scores.shape[-1]
         future = torch.triu(torch.ones(n, n, dtype=torch.bool, device=scores.device), diagonal=1)
+        window = cfg.window(layer)
+        if window is not None:
+            future |= torch.tril(torch.ones(n, n, dtype=torch.bool, device=scores.device), diagonal=-window)
         scores = scores.masked_fill(future, float("-inf"))
     return torch.softmax(scores, dim=-1)
 
 
-def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in, record: dict | None = None) -> torch.Tensor:
+def _head_norm(params: StateDict, name: str, cfg: Config, x: torch.Tensor) -> torch.Tensor:
+    """The QK-norm ``name`` (``...attn.q_norm``): an RMSNorm over each head's ``d_head`` entries
+    of ``x: [batch, pos, head, d_head]``, with gain ``offset + w``."""
+    return normalize(x, "RMS", params[f"{name}.w"], None, cfg.eps, offset=cfg.norm_gain_offset)
+
+
+def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in, record: dict | None = None,
+               layer: int | None = None) -> torch.Tensor:
     q, k, v = (_project(params, p, cfg, n, x) for n, x in (("Q", q_in), ("K", k_in), ("V", v_in)))
+    if cfg.qk_norm:
+        q, k = _head_norm(params, f"{p}.q_norm", cfg, q), _head_norm(params, f"{p}.k_norm", cfg, k)
     if cfg.positional_embedding_type == "rotary":
         q, k = _rotate(q, cfg), _rotate(k, cfg)
-    pattern = pattern_from_scores(torch.einsum("bqhe,bkhe->bhqk", q, k), cfg)
+    pattern = pattern_from_scores(torch.einsum("bqhe,bkhe->bhqk", q, k), cfg, layer)
     z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
     if record is None:  # one [n_heads d_head, d_model] product
         return z.flatten(2) @ params[f"{p}.W_O"].flatten(0, 1) + params[f"{p}.b_O"]
@@ -178,6 +194,8 @@ def embed(params: StateDict, cfg: Config, tokens: torch.Tensor, *,
     ``centering``: see :data:`Centering`."""
     positions = tokens.shape[1]
     x = params["embed.W_E"][tokens]
+    if cfg.embedding_scale is not None:  # transformers rounds the multiplier to the model's dtype
+        x = x * torch.tensor(cfg.embedding_scale, dtype=torch.float64, device=x.device).to(x.dtype)
     pos = params["pos_embed.W_pos"][:positions] if "pos_embed.W_pos" in params else None
     if cfg.positional_embedding_type == "standard":
         x = x + pos
@@ -192,7 +210,7 @@ def block(params: StateDict, layer: int, cfg: Config, x: torch.Tensor, pos: torc
     that block's tensors. ``centering``: see :data:`Centering`."""
     p = f"blocks.{layer}"
     if cfg.norm_position == "post":
-        x = _norm(params, f"{p}.ln1", cfg, x + _attention(params, f"{p}.attn", cfg, x, x, x, record), centering)
+        x = _norm(params, f"{p}.ln1", cfg, x + _attention(params, f"{p}.attn", cfg, x, x, x, record, layer), centering)
         if not cfg.attn_only:
             x = _norm(params, f"{p}.ln2", cfg, x + _mlp(params, f"{p}.mlp", cfg, x), centering)
         return x
@@ -200,7 +218,7 @@ def block(params: StateDict, layer: int, cfg: Config, x: torch.Tensor, pos: torc
         record["residuals"].append(x)
     normed = _norm(params, f"{p}.ln1", cfg, x, centering)
     qk_in = normed + pos if cfg.positional_embedding_type == "shortformer" else normed
-    attn_out = _attention(params, f"{p}.attn", cfg, qk_in, qk_in, normed, record)
+    attn_out = _attention(params, f"{p}.attn", cfg, qk_in, qk_in, normed, record, layer)
     if cfg.parallel_attn_mlp:
         return x + attn_out + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x, centering))
     x = x + attn_out

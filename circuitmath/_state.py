@@ -188,6 +188,8 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}.attn.{bias}"] = (heads, e)
             if cfg.positional_embedding_type == "shortformer_tables" and name != "V":
                 shapes[f"{p}.attn.pos_{name}"] = (cfg.n_ctx, heads, e)
+        if cfg.qk_norm:
+            shapes[f"{p}.attn.q_norm.w"] = shapes[f"{p}.attn.k_norm.w"] = (e,)
         shapes[f"{p}.attn.W_O"] = (h, e, d)
         shapes[f"{p}.attn.b_O"] = (d,)
         if not cfg.attn_only:

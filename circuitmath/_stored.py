@@ -43,16 +43,17 @@ class NotStored(Exception):
     tensor and why)."""
 
 
-def identity_value(name: str) -> float | None:
+def identity_value(name: str, offset: float = 0.0) -> float | None:
     """The value a norm parameter folded away by processing is stored as in its architecture's
-    layout (1 for a gain, 0 for a bias: the norm without an affine map, ``LNPre`` or ``RMSPre``);
+    layout (1 for a gain, 0 for a bias: the norm without an affine map, ``LNPre`` or ``RMSPre``;
+    a gain applied as ``offset + w``, ``Config.norm_gain_offset``, is stored as ``1 - offset``);
     ``None`` for a name that is not a norm's parameter.
 
     >>> identity_value("blocks.3.ln2.w"), identity_value("ln_final.b"), identity_value("blocks.3.attn.b_O")
     (1.0, 0.0, None)
     """
     match = re.fullmatch(r"(?:blocks\.\d+\.)?(?:ln1|ln2|ln_final|embed\.ln)\.([wb])", name)
-    return None if match is None else 1.0 if match[1] == "w" else 0.0
+    return None if match is None else 1.0 - offset if match[1] == "w" else 0.0
 
 
 def processed_layout(layout: Layout, cfg: Config) -> Layout:
@@ -65,7 +66,7 @@ def processed_layout(layout: Layout, cfg: Config) -> Layout:
         def converted(src: _Source, *layer):
             out = {}
             for name, tensor in convert(src, *layer).items():
-                value = identity_value(name)
+                value = identity_value(name, cfg.norm_gain_offset)
                 if name in shapes:
                     out[name] = tensor
                 elif value is None:
@@ -162,7 +163,7 @@ def place(layout: Layout, layer: int | None, processed: Mapping[str, torch.Tenso
         raise NotStored(f"the processed {extra[:3]} have no place in the checkpoint's layout")
     for name in made_up:
         wanted = processed.get(name)
-        wanted = identity_value(name) if wanted is None else wanted
+        wanted = identity_value(name, layout.cfg.norm_gain_offset) if wanted is None else wanted
         if wanted is None or not bool((views[name] == wanted).all()):
             raise NotStored(f"the processed {name} is not the {'identity norm' if name not in processed else 'zeros'}"
                             " the architecture's converter reads where it stores no tensor")
@@ -181,7 +182,7 @@ def place(layout: Layout, layer: int | None, processed: Mapping[str, torch.Tenso
         for name in names:
             value, view = processed.get(name), views[name]
             if value is None:
-                view.fill_(identity_value(name))
+                view.fill_(identity_value(name, layout.cfg.norm_gain_offset))
             elif view.dim() >= 2 and view.data_ptr() == buffer.data_ptr() and view.numel() == buffer.numel() \
                     and view.mT.is_contiguous():  # the stored matrix transposed: written as whole transposes
                 in_memory(value.mT, buffer.view(view.mT.shape))

@@ -17,7 +17,14 @@ reference conventions (TransformerLens names, row vectors ``x @ W``, per-head
 - :func:`from_hf_gpt2`: GPT-2 (pre-LN, learned positions, ``gelu_new``, tied unembed);
 - :func:`from_hf_gpt_neox`: GPT-NeoX / Pythia (parallel attention and MLP, partial rotary);
 - :func:`from_hf_llama`: LLaMA (RMSNorm, SiLU-gated MLP, grouped-query attention, rotary);
+- :func:`from_hf_mistral`, :func:`from_hf_qwen2`, :func:`from_hf_qwen3`: LLaMA's layout with a
+  sliding window (Mistral), query/key/value biases (Qwen2), per-head QK-norm (Qwen3);
+- :func:`from_hf_gemma`: LLaMA's layout with gains applied as ``1 + w`` and embeddings scaled by
+  ``sqrt(d_model)``;
 - :func:`from_hf_bert`: BERT (post-LN, embedding LayerNorm, bidirectional attention).
+
+:data:`FAMILIES` lists each architecture family as a tiny ``config.json`` (:class:`Family`), and
+:func:`identity_table` says which identity holds in which family.
 
 Every converter keeps the checkpoint's dtype, fills biases the architecture lacks with zeros,
 refuses configurations the reference forward pass cannot reproduce (naming the option), and
@@ -34,6 +41,7 @@ import torch
 from ._checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from ._config import Config
 from ._errors import InputError
+from ._families import FAMILIES, Family, family, feature_preconditions, identity_table
 from ._files import (
     CONFIG_KEY,
     UnsafeFormatError,
@@ -45,7 +53,18 @@ from ._files import (
     save,
     stored_config,
 )
-from ._hf import UnsupportedArchitectureError, from_hf, from_hf_bert, from_hf_gpt2, from_hf_gpt_neox, from_hf_llama
+from ._hf import (
+    UnsupportedArchitectureError,
+    from_hf,
+    from_hf_bert,
+    from_hf_gpt2,
+    from_hf_gemma,
+    from_hf_gpt_neox,
+    from_hf_llama,
+    from_hf_mistral,
+    from_hf_qwen2,
+    from_hf_qwen3,
+)
 from ._streaming import process_checkpoint
 
 __all__ = [
@@ -63,8 +82,17 @@ __all__ = [
     "from_hf_gpt2",
     "from_hf_gpt_neox",
     "from_hf_llama",
+    "from_hf_mistral",
+    "from_hf_qwen2",
+    "from_hf_qwen3",
+    "from_hf_gemma",
     "from_hf_bert",
     "load_hf_directory",
+    "Family",
+    "FAMILIES",
+    "family",
+    "feature_preconditions",
+    "identity_table",
     "Checkpoint",
     "CheckpointWriter",
     "open_checkpoint",

@@ -86,6 +86,9 @@ def configs(
     gated_mlp=(False, True),
     parallel_attn_mlp=(False, True),
     grouped_query=(False,),
+    sliding_window=(False,),
+    qk_norm=(False,),
+    norm_gain_offsets=(0.0,),
 ) -> st.SearchStrategy[Config]:
     """Strategy for :class:`~circuitmath.Config`\\ s no larger than the ``max_*`` sizes.
 
@@ -105,7 +108,12 @@ def configs(
     their state dicts have every key of the common case (a gated MLP adds ``mlp.W_gate``), so a
     library that ignores them runs and computes another function, which is what a property test
     is there to find; pass ``gated_mlp=(False,)`` or ``parallel_attn_mlp=(False,)`` for a
-    library that does not handle them. The normalization and positional-embedding types are
+    library that does not handle them. The architecture features of the families beyond the
+    common case are off unless asked for: ``sliding_window=(False, True)`` draws a window of
+    keys (shorter than ``n_ctx`` where it can be) in some or all layers of causal models,
+    ``qk_norm=(False, True)`` an RMSNorm of each head's queries and keys, and
+    ``norm_gain_offsets=(0.0, 1.0)`` RMSNorm gains stored as ``w`` and applied as ``1 + w`` (Gemma).
+    The normalization and positional-embedding types are
     all drawn unless narrowed: a test names the ones its library processes.
 
     >>> from hypothesis import given, settings
@@ -139,6 +147,9 @@ def configs(
     gated_mlp = _check_choices("gated_mlp", gated_mlp, (False, True))
     parallel_attn_mlp = _check_choices("parallel_attn_mlp", parallel_attn_mlp, (False, True))
     grouped_query = _check_choices("grouped_query", grouped_query, (False, True))
+    sliding_window = _check_choices("sliding_window", sliding_window, (False, True))
+    qk_norm = _check_choices("qk_norm", qk_norm, (False, True))
+    norm_gain_offsets = _check_choices("norm_gain_offsets", norm_gain_offsets, (0.0, 1.0))
     if norm_positions == ("post",) and normalization_types == (None,):
         raise InvalidArgument("post-norm models need a normalization type other than None")
 
@@ -156,8 +167,15 @@ def configs(
         kv_heads = None
         if draw(st.sampled_from(grouped_query)):
             kv_heads = draw(st.sampled_from([k for k in range(1, n_heads + 1) if n_heads % k == 0]))
+        n_layers, n_ctx = draw(st.integers(min_layers, max_layers)), draw(st.integers(min_ctx, max_ctx))
+        window = window_layers = None
+        if draw(st.sampled_from(sliding_window)):
+            window = draw(st.integers(1, max(1, n_ctx - 1)))
+            if draw(st.booleans()):
+                window_layers = tuple(draw(st.sets(st.integers(0, max(0, n_layers - 1)))))
+        normalization = draw(st.sampled_from(norms))
         return Config(
-            n_layers=draw(st.integers(min_layers, max_layers)),
+            n_layers=n_layers,
             d_model=draw(st.integers(min_d_model, max_d_model)),
             n_heads=n_heads,
             n_key_value_heads=kv_heads,
@@ -166,11 +184,15 @@ def configs(
             d_head=d_head,
             d_mlp=draw(st.integers(1, max_d_mlp)) if mlp else None,
             d_vocab=draw(st.integers(2, max_vocab)),
-            n_ctx=draw(st.integers(min_ctx, max_ctx)),
+            n_ctx=n_ctx,
             act_fn=draw(st.sampled_from(act_fns)),
-            normalization_type=draw(st.sampled_from(norms)),
+            normalization_type=normalization,
             norm_position=position,
             positional_embedding_type=positional,
+            sliding_window=window,
+            sliding_window_layers=window_layers,
+            qk_norm=draw(st.sampled_from(qk_norm)),
+            norm_gain_offset=0.0 if normalization in ("LN", "LNPre") else draw(st.sampled_from(norm_gain_offsets)),
         )
 
     return build()

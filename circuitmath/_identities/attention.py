@@ -219,6 +219,8 @@ def _row_by_row_route(mix_positions: bool):
 
     def norm(state_dict, cfg, prefix, x):
         w, b = state_dict.get(f"{prefix}.w"), state_dict.get(f"{prefix}.b")
+        if w is not None and cfg.norm_gain_offset:
+            w = cfg.norm_gain_offset + w
         if not mix_positions:
             return torch.cat([normalize(x[:, p : p + 1], cfg.normalization_type, w, b, cfg.eps) for p in range(x.shape[1])], dim=1)
         flat = x.reshape(x.shape[0], 1, -1)  # [batch, 1, pos d]: one statistic per sequence

@@ -24,7 +24,7 @@ import torch
 from sympy import DiagMatrix, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol, Transpose
 
 from .._processing import fold_value_biases, remove_key_biases
-from .._processing._common import NOT_APPLIED, NOT_ROTARY
+from .._processing._common import NOT_APPLIED, NOT_ROTARY, NO_QK_NORM
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names
@@ -335,7 +335,7 @@ REMOVE_KEY_BIASES = register(
         name="remove_key_biases",
         title="Removing key biases",
         summary="q_i . (k_j + b_K) = q_i . k_j + q_i . b_K, the same for every key j, and softmax over j ignores it",
-        preconditions=(NOT_ROTARY, NOT_APPLIED),
+        preconditions=(NOT_ROTARY, NO_QK_NORM, NOT_APPLIED),
         build_proof=_key_bias_proof,
         transform=remove_key_biases,
         wrong_rewrites={"drop_query_biases": _drop_query_biases},

@@ -30,7 +30,7 @@ from .._processing import (
 from .._processing._common import NORM_READ_LINEARLY, NOT_APPLIED, PRE_NORM
 from .._processing.norms import BEHIND_A_NORM, EPS_ZERO, IS_LNPRE, IS_RMS, SCALE_POSITIVE, WRITES_CENTERED
 from .._proof import Definition, Fact, Proof, Step, Twin
-from .._registry import Identity, register
+from .._registry import Identity, WrongRewrite, register
 
 d, m = Symbol("d", positive=True, integer=True), Symbol("m", positive=True, integer=True)
 a = Symbol("a", real=True)
@@ -218,8 +218,15 @@ def _rms_fold_proof() -> Proof:
             Fact(RMS, MatMul(RMSPre, DiagMatrix(w)), "RMSPre, then the gain"),
         ),
         explicit_dims={d: 4, m: 3},
-        assumptions=("rho is any scalar: eps stays inside RMSPre", "W_gate, which has no bias, folds the same way"),
+        assumptions=("rho is any scalar: eps stays inside RMSPre", "W_gate, which has no bias, folds the same way",
+                     "w is the gain the norm applies: for gains stored as w and applied as 1 + w (Gemma) it is 1 + w"),
         twins=(
+            Twin(
+                "gain_stored_as_w",
+                "fold the stored w of a norm that applies 1 + w (Gemma): the identity's gain is 1 + w",
+                MatMul(RMSPre, DiagMatrix(MatAdd(ones, w)), W),
+                MatMul(RMSPre, DiagMatrix(w), W),
+            ),
             Twin(
                 "forget_W_gate",
                 "fold the gain into W_in but not into W_gate of a gated MLP",
@@ -262,6 +269,15 @@ def _fold_forgetting_W_gate(state_dict, cfg):
     out, new_cfg = fold_rms_norm(state_dict, cfg)
     for layer in range(cfg.n_layers if cfg.gated_mlp else 0):
         out[f"blocks.{layer}.mlp.W_gate"] = state_dict[f"blocks.{layer}.mlp.W_gate"]
+    return out, new_cfg
+
+
+def _fold_stored_gain(state_dict, cfg):
+    """Fold the stored ``w`` of gains applied as ``1 + w`` (Gemma), not ``1 + w``."""
+    out, new_cfg = fold_rms_norm(state_dict, cfg)
+    for norm, pairs in readers(cfg):
+        for weight, _bias in pairs:
+            out[weight] = state_dict[weight] * state_dict[f"{norm}.w"][:, None]
     return out, new_cfg
 
 
@@ -349,6 +365,7 @@ RMS_NORM_FOLD = register(
         wrong_rewrites={
             "forget_W_gate": _fold_forgetting_W_gate,
             center_reading_weights.identity: _fold_and_center_readers,  # centering as behind a LayerNorm
+            "gain_stored_as_w": WrongRewrite(_fold_stored_gain, differs_on=lambda cfg: cfg.norm_gain_offset != 0),
         },
     )
 )

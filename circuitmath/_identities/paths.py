@@ -29,7 +29,7 @@ from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, Transpose
 from sympy.matrices.expressions.kronecker import KroneckerProduct
 
 from .._errors import Precondition
-from .._processing._common import require
+from .._processing._common import NO_QK_NORM, require
 from .._kronecker import Apply, expand_operator, tensor
 from .._proof import Fact, Step, Twin
 from .._registry import Identity, register
@@ -327,7 +327,7 @@ def _split_scores_route(dropped: tuple[str, ...]):
     def route(state_dict, cfg, tokens):
         require("qk_composition_terms", AT_LEAST_TWO_LAYERS, cfg.n_layers >= 2, f"the model has {cfg.n_layers}")
         groups = score_terms(state_dict, cfg, tokens, 1)
-        rebuilt = _softmax_scores(sum(v for k, v in groups.items() if k not in dropped), cfg)
+        rebuilt = _softmax_scores(sum(v for k, v in groups.items() if k not in dropped), cfg, 1)
 
         def heads(layer, pattern, normed):
             A = rebuilt if layer == 1 else pattern
@@ -345,7 +345,7 @@ QK_COMPOSITION_TERMS = register(
         name="qk_composition_terms",
         title="Q- and K-composition in the second layer's scores",
         summary="x_1 W_QK x_1^T = direct + Q-composition + K-composition + both, with x_1 = x_0 + A x_0 W_OV",
-        preconditions=(AT_LEAST_TWO_LAYERS, *PATH_MODEL),
+        preconditions=(AT_LEAST_TWO_LAYERS, *PATH_MODEL, NO_QK_NORM),
         build_proof=_qk_proof,
         transform=_split_scores_route(()),
         wrong_rewrites={"k_composition_dropped": _split_scores_route(("k_composition",))},

@@ -22,7 +22,7 @@ from sympy import DiagMatrix, Inverse, MatAdd, MatMul, MatrixSymbol
 
 from .._errors import NOT_APPLIED
 from .._processing._common import NORM_READ_LINEARLY, PRE_NORM, readers
-from .._processing.quantisation import HAS_A_NORM, SCALES_PER_CHANNEL, migrate_norm_scales, recover_norm_scales
+from .._processing.quantisation import GAINS_AS_STORED, HAS_A_NORM, SCALES_PER_CHANNEL, migrate_norm_scales, recover_norm_scales
 from .._proof import Fact, Proof, Step, Twin
 from .._registry import Identity, WrongRewrite, register
 from ._circuit_checks import dim
@@ -143,7 +143,7 @@ MIGRATE_NORM_SCALES = register(
         title="Migrating per-channel scales across a norm (SmoothQuant)",
         summary="gain w / s (and bias b / s), every reader of the norm diag(s) W: the readers compute what"
         " they did for any nonzero s; readers left unscaled, or divided by s too, change the model",
-        preconditions=(NOT_APPLIED, PRE_NORM, NORM_READ_LINEARLY, HAS_A_NORM, SCALES_PER_CHANNEL),
+        preconditions=(NOT_APPLIED, PRE_NORM, NORM_READ_LINEARLY, HAS_A_NORM, GAINS_AS_STORED, SCALES_PER_CHANNEL),
         function="migrate_norm_scales",
         check_note="the scales are recovered from the tensors (each reader's input rows and the gain, by norm)"
         " and every tensor is certified against the migration by them",

@@ -22,7 +22,7 @@ import torch
 from sympy import Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol, Transpose
 
 from .._processing import refactor_factored_attn_matrices
-from .._processing._common import NOT_APPLIED, NOT_ROTARY
+from .._processing._common import NOT_APPLIED, NOT_ROTARY, NO_QK_NORM
 from .._proof import Fact, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names
@@ -199,6 +199,7 @@ REFACTOR_FACTORED_ATTN_MATRICES = register(
         " the SVD picks balanced factors",
         preconditions=(
             NOT_ROTARY,
+            NO_QK_NORM,
             "with grouped-query attention, one basis per key/value head, shared by its group",
             NOT_APPLIED,
         ),

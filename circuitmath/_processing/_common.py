@@ -13,7 +13,7 @@ from .._state import attention_names, entries_checked_here, not_finite
 
 __all__ = [
     "readers", "require", "refuse_reapplication", "rewrite",
-    "NOT_APPLIED", "PRE_NORM", "NORM_READ_LINEARLY", "NOT_ROTARY",
+    "NOT_APPLIED", "PRE_NORM", "NORM_READ_LINEARLY", "NOT_ROTARY", "NO_QK_NORM",
 ]
 
 #: Shared by the transforms that need them (each identity lists the ones its transform raises).
@@ -24,6 +24,11 @@ NORM_READ_LINEARLY = Precondition(
 )
 NOT_ROTARY = Precondition(
     "keys and queries are not rotated by position", "queries and keys are not rotated by position (no rotary embeddings)"
+)
+
+NO_QK_NORM = Precondition(
+    "no QK-norm",
+    "queries and keys are not normalised after their projection (no QK-norm): each score is bilinear in the stream",
 )
 
 

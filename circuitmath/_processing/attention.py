@@ -6,7 +6,7 @@ import torch
 
 from .._config import Config
 from .._state import StateDict, attention_names, key_value_groups, validate_state_dict
-from ._common import NOT_ROTARY, refuse_reapplication, require, rewrite
+from ._common import NO_QK_NORM, NOT_ROTARY, refuse_reapplication, require, rewrite
 from ._memory import new_tensor
 
 __all__ = ["fold_value_biases", "remove_key_biases", "refactor_factored_attn_matrices"]
@@ -17,6 +17,10 @@ def _refuse_rotary(identity: str, cfg: Config, why: str) -> None:
         identity, NOT_ROTARY, cfg.positional_embedding_type != "rotary",
         f"the model uses rotary embeddings: {why}",
     )
+
+
+def _refuse_qk_norm(identity: str, cfg: Config, why: str) -> None:
+    require(identity, NO_QK_NORM, not cfg.qk_norm, f"the model normalises each head's queries and keys (QK-norm): {why}")
 
 
 @rewrite("fold_value_biases")
@@ -77,7 +81,8 @@ def remove_key_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
 
     A key bias adds ``q_i · b_K`` to every score of query ``i``: the same number for every key
     ``j``, which the softmax over ``j`` cancels. Refused for rotary models, where the key bias is
-    rotated by the key's position and ``q_i · R_j b_K`` changes along the row. Records
+    rotated by the key's position and ``q_i · R_j b_K`` changes along the row, and for models with
+    QK-norm, where the bias enters the key before its root mean square is taken. Records
     ``"remove_key_biases"``.
     """
     identity = "remove_key_biases"
@@ -86,6 +91,11 @@ def remove_key_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
         identity, cfg,
         "each key, bias included, is rotated by an angle that depends on its position, so the bias"
         " adds a different amount to each score of a row and the softmax does not cancel it",
+    )
+    _refuse_qk_norm(
+        identity, cfg,
+        "the key bias is added before the key is divided by its root mean square, so it changes each"
+        " key by a different amount and the scores of a row by different amounts",
     )
     validate_state_dict(state_dict, cfg)
     _weight, bias, _heads = attention_names(cfg, "K")
@@ -140,7 +150,7 @@ def refactor_factored_attn_matrices(state_dict: StateDict, cfg: Config) -> tuple
     ``[n_heads, d_head, d_model]``, biases ``[heads, d_head]``. A side whose biases are all zero
     is not extended, so zero biases (after :func:`fold_value_biases` or :func:`remove_key_biases`)
     stay exactly zero. Computed in float64, rounded once to the input dtype. Refused for rotary
-    models. Records ``"refactor_factored_attn_matrices"``.
+    models and for models with QK-norm. Records ``"refactor_factored_attn_matrices"``.
     """
     identity = "refactor_factored_attn_matrices"
     refuse_reapplication(identity, cfg)
@@ -148,6 +158,11 @@ def refactor_factored_attn_matrices(state_dict: StateDict, cfg: Config) -> tuple
         identity, cfg,
         "queries and keys are rotated by position between W_Q, W_K and the scores, and a rotation"
         " commutes with a change of basis N only when N commutes with every rotation",
+    )
+    _refuse_qk_norm(
+        identity, cfg,
+        "each head's queries and keys are divided by their root mean square over d_head after W_Q and W_K,"
+        " and W_Q N has another root mean square than W_Q unless N is orthogonal (the balanced factors are not)",
     )
     validate_state_dict(state_dict, cfg)
     out = dict(state_dict)

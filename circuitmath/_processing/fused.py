@@ -76,6 +76,7 @@ def _fresh_pre_norm(cfg: Config, normalization_type: str) -> bool:
         and cfg.normalization_type == normalization_type
         and cfg.norm_position == "pre"
         and cfg.positional_embedding_type in ("standard", "rotary")
+        and cfg.norm_gain_offset == 0  # gains applied as 1 + w fold by the step, rounded once
     )
 
 

@@ -38,7 +38,8 @@ def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.T
     ``RMS(x) @ W = RMSPre(x) @ (w[:, None] * W)`` for each reader: ``W_Q``, ``W_K``, ``W_V``
     (``[n_heads, d_model, d_head]``), ``W_in`` and, in a gated MLP, ``W_gate`` (``[d_model,
     d_mlp]``), and ``W_U`` (``[d_model, d_vocab]``). An RMSNorm has no bias, so no reader's bias
-    changes and ``W_gate`` needs none; nothing is centered (``RMSPre(x)`` is not orthogonal to the
+    changes and ``W_gate`` needs none (a gain stored as ``w`` and applied as ``1 + w``,
+    ``cfg.norm_gain_offset = 1``, folds as ``1 + w``, added in float64); nothing is centered (``RMSPre(x)`` is not orthogonal to the
     all-ones vector). ``eps`` stays inside ``RMSPre``. Returns ``normalization_type="RMSPre"``
     and records ``"fold_rms_norm"``.
 
@@ -65,8 +66,17 @@ def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.T
     for norm, pairs in readers(cfg):
         w = out.pop(f"{norm}.w")
         for weight, _bias in pairs:
-            out[weight] = state_dict[weight] * w[:, None]
+            out[weight] = _scaled(state_dict[weight], w, cfg.norm_gain_offset)
     return out, cfg.replace(normalization_type="RMSPre", applied=cfg.applied + (identity,))
+
+
+def _scaled(W: torch.Tensor, w: torch.Tensor, offset: float) -> torch.Tensor:
+    """``(offset + w)[:, None] * W`` (``W: [..., d_model, m]``, ``w: [d_model]``) rounded once to
+    ``W``'s dtype: a gain stored as ``w`` and applied as ``1 + w`` (Gemma) is added in float64, as
+    rounding ``1 + w`` to a half precision first would lose the bits of ``w`` below ``1``'s."""
+    if offset == 0:
+        return W * w[:, None]
+    return (W.double() * (offset + w.double())[:, None]).to(W.dtype)
 
 
 def uncentered_writers(state_dict: StateDict, cfg: Config) -> dict[str, float]:

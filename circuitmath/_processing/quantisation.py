@@ -19,7 +19,7 @@ from .._state import StateDict, validate_state_dict
 from ._common import readers, require, rewrite
 from .layer_norm import reader_preconditions
 
-__all__ = ["migrate_norm_scales", "recover_norm_scales", "HAS_A_NORM", "SCALES_PER_CHANNEL"]
+__all__ = ["migrate_norm_scales", "recover_norm_scales", "HAS_A_NORM", "SCALES_PER_CHANNEL", "GAINS_AS_STORED"]
 
 HAS_A_NORM = Precondition(
     "every reader sits behind a norm whose gain can take 1/s",
@@ -28,6 +28,10 @@ HAS_A_NORM = Precondition(
 SCALES_PER_CHANNEL = Precondition(
     "a finite nonzero scale per channel",
     "s maps norms of the model to finite, nonzero floating [d_model] tensors",
+)
+GAINS_AS_STORED = Precondition(
+    "norm gains applied as stored",
+    "each norm applies its stored gain w, not 1 + w (Gemma's gains, Config.norm_gain_offset): w / s is the migration only then",
 )
 
 _GAINED = {"LNPre": "LN", "RMSPre": "RMS", "LN": "LN", "RMS": "RMS"}
@@ -95,6 +99,9 @@ def migrate_norm_scales(state_dict: StateDict, cfg: Config, scales) -> tuple[dic
     reader_preconditions(identity, cfg)
     require(identity, HAS_A_NORM, cfg.normalization_type in _GAINED,
             f"normalization_type is {cfg.normalization_type!r}: the readers see the stream itself, no gain takes 1 / s")
+    require(identity, GAINS_AS_STORED, cfg.norm_gain_offset == 0,
+            f"the norms apply {cfg.norm_gain_offset:g} + w (gains stored as w, Gemma); dividing the stored w by s is not"
+            " dividing the gain 1 + w")
     validate_state_dict(state_dict, cfg)
     scales = _scales(identity, scales, cfg)
     kind = cfg.normalization_type

@@ -14,7 +14,7 @@ import torch
 
 from .._config import Config
 from .._errors import InputError, Precondition
-from .._processing._common import require
+from .._processing._common import NO_QK_NORM, require
 from .._reference import _project, _rotate, forward, pattern_from_scores
 from .._state import StateDict, validate_state_dict, validated_once
 from ._heads import _layer_bias, _layer_weight
@@ -59,7 +59,10 @@ class _Norm:
             return cls(None, None, None, None)
         centered = x - x.mean(dim=-1, keepdim=True) if kind in ("LN", "LNPre") else x
         scale = 1 / torch.sqrt(centered.pow(2).mean(dim=-1, keepdim=True) + cfg.eps)
-        return cls(kind, scale, state_dict.get(f"{prefix}.w"), state_dict.get(f"{prefix}.b"))
+        w = state_dict.get(f"{prefix}.w")
+        if w is not None and cfg.norm_gain_offset:
+            w = cfg.norm_gain_offset + w
+        return cls(kind, scale, w, state_dict.get(f"{prefix}.b"))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """The linear part, applied to one term of the residual stream."""
@@ -233,6 +236,9 @@ def score_terms(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, layer:
     the virtual heads of :func:`path_terms`. Rotary embeddings rotate each part (a linear map).
     """
     run = _run(state_dict, cfg, tokens, "qk_composition_terms")
+    require("qk_composition_terms", NO_QK_NORM, not cfg.qk_norm,
+            "the model normalises each head's queries and keys (QK-norm), so the scores are not bilinear in the stream"
+            " and do not split into direct and composed terms")
     if not 0 <= layer < cfg.n_layers:
         raise InputError(f"layer must lie in [0, n_layers={cfg.n_layers}), got {layer}")
     terms = _embed(state_dict, cfg, tokens)

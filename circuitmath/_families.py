@@ -1,0 +1,103 @@
+"""The architecture families circuitmath reads, each as a tiny Hugging Face ``config.json``.
+
+One list (:data:`FAMILIES`) serves the tests that compare the reference forward pass with
+``transformers``, the processing tests, and the book's table of which identity holds in which
+family (:func:`identity_table`). Each entry is small (2 layers, ``d_model`` 32) and sets the
+options that make its features bite on short sequences: a sliding window shorter than the
+sequence, biases where the architecture has them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ._config import Config
+from ._errors import PreconditionError
+
+__all__ = ["Family", "FAMILIES", "family", "feature_preconditions", "identity_table"]
+
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+_SMALL = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "intermediate_size": 48, "max_position_embeddings": 16,
+          "rope_parameters": _ROPE, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": None}
+
+
+@dataclass(frozen=True)
+class Family:
+    """An architecture family: its ``model_type``, a tiny ``config.json`` (:attr:`hf_config`),
+    and its features in words (what the book's table says it has)."""
+
+    name: str
+    model_type: str
+    fields: dict = field(repr=False)
+    features: str = ""
+
+    @property
+    def hf_config(self) -> dict:
+        """The ``config.json`` of a tiny model of the family (a fresh copy)."""
+        return {"model_type": self.model_type, **{k: (dict(v) if isinstance(v, dict) else v) for k, v in self.fields.items()}}
+
+    @property
+    def cfg(self) -> Config:
+        """The circuitmath :class:`~circuitmath.Config` its converter reads from :attr:`hf_config`."""
+        from ._hf import hf_layout
+
+        return hf_layout(self.hf_config).cfg
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("LLaMA", "llama", _SMALL, "RMSNorm, rotary, gated MLP, grouped-query attention"),
+    Family("Mistral", "mistral", _SMALL | {"sliding_window": 4},
+           "LLaMA with a sliding window of keys in every layer"),
+    Family("Qwen2", "qwen2", _SMALL | {"use_sliding_window": False},
+           "LLaMA with query, key and value biases"),
+    Family("Qwen3", "qwen3", _SMALL | {"head_dim": 8, "use_sliding_window": False},
+           "LLaMA with an RMSNorm of each head's queries and keys (QK-norm)"),
+    Family("Gemma", "gemma", _SMALL | {"head_dim": 8, "hidden_act": "gelu_pytorch_tanh"},
+           "LLaMA with RMSNorm gains applied as 1 + w, embeddings scaled by sqrt(d_model), tied unembedding"),
+)
+
+
+def family(name: str) -> Family:
+    """The family called ``name`` (``KeyError`` listing the names otherwise)."""
+    for candidate in FAMILIES:
+        if candidate.name == name:
+            return candidate
+    raise KeyError(f"no family {name!r}; the families are {[f.name for f in FAMILIES]}")
+
+
+def feature_preconditions() -> frozenset:
+    """The preconditions an architecture feature breaks (rotary embeddings, QK-norm, gains applied
+    as ``1 + w``): an identity that refuses a family by one of them is *not exact* there; one that
+    refuses by any other (attention-only, a LayerNorm model, a layer count) does not apply."""
+    from ._processing._common import NO_QK_NORM, NOT_ROTARY
+    from ._processing.quantisation import GAINS_AS_STORED
+
+    return frozenset({NOT_ROTARY, NO_QK_NORM, GAINS_AS_STORED})
+
+
+def identity_table(identities, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> dict[str, dict[str, str]]:
+    """Family by identity, on each family's random weights (:func:`~circuitmath.random_state_dict`
+    of :attr:`Family.cfg`): ``"exact"`` (the identity's numeric check passes), ``"not exact:
+    <precondition>: <detail>"`` (it refuses naming a precondition that an architecture feature
+    breaks, :func:`feature_preconditions`), ``"not applicable: <precondition>: <detail>"`` (it
+    refuses for another reason), or ``"fails"`` (neither: a bug the tests look for)."""
+    from ._weights import random_state_dict
+
+    features = feature_preconditions()
+    table: dict[str, dict[str, str]] = {}
+    for fam in FAMILIES:
+        cfg = fam.cfg
+        state = random_state_dict(cfg, seed=seed, dtype=dtype)
+        row = table.setdefault(fam.name, {})
+        for identity in identities:
+            try:
+                result = identity.check(state, cfg)
+            except PreconditionError as refusal:
+                kind = "not exact" if refusal.precondition in features else "not applicable"
+                row[identity.name] = f"{kind}: {refusal.precondition}: {refusal.detail}"
+                continue
+            row[identity.name] = "exact" if result.passed else "fails"
+    return table

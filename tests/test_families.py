@@ -1,0 +1,237 @@
+"""Every architecture family of circuitmath._families, built offline by transformers from its tiny
+config.json with random weights whose features bite (non-unit gains, biases, a sliding window
+shorter than the sequence): the reference forward pass computes transformers' log-probs (float32
+to float32 rounding, bfloat16 within transformers' own rounding), a folder processed by
+circuitmath is one transformers loads as the same architecture with the input's log-probs, and
+each identity either holds or refuses the family naming the feature that breaks it."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import circuitmath as cm
+from circuitmath import io
+from circuitmath.io import FAMILIES, family, identity_table
+from circuitmath._stored import LAYOUT_KEY
+
+NAMES = [f.name for f in FAMILIES]
+POSITIONS = 12
+
+
+def _model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """The family's transformers model (eager attention) with unit-scale random weights: gains
+    ``exp(0.3 N)`` (Gemma's stored ``w`` of its ``1 + w``: ``exp(0.3 N) - 1``), biases ``0.5 N``,
+    matrices ``N / sqrt(fan_in)``; ``overrides``: config.json fields changed."""
+    config = transformers.AutoConfig.for_model(**family(name).hf_config | overrides)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    # built in its dtype, as from_pretrained(dtype=...) does: the rotary frequencies stay float32
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            value = torch.randn(param.shape, generator=g, dtype=torch.float64)
+            if param.ndim == 1:
+                value = torch.exp(0.3 * value) - float(name == "Gemma") if param_name.endswith("norm.weight") else 0.5 * value
+            else:
+                value = value * param.shape[-1] ** -0.5
+            param.copy_(value.to(dtype))
+    return model.eval(), config
+
+
+def _tokens(vocab: int = 64, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, POSITIONS), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_log_probs(model, tokens) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(tokens).logits.double(), dim=-1)
+
+
+def _ours(sd, cfg, tokens, dtype=None) -> torch.Tensor:
+    if dtype is not None:
+        sd = {k: v.to(dtype) for k, v in sd.items()}
+    with torch.no_grad():
+        return cm.log_probs(sd, cfg, tokens).double()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_computes_transformers_log_probs(name):
+    """float32: equal to float32 rounding (measured up to 3e-6 nats). bfloat16: the converted
+    tensors are the checkpoint's dtype, the reference evaluated in float32 on them computes what
+    transformers computes in float32 on them (transformers runs its norms and rotary tables in
+    float32 even in a float64 model, so float32 is its exact arithmetic here), and both are as far
+    from transformers' bfloat16 forward pass as its own bfloat16 rounding (measured 0.05-0.12 nats)."""
+    tokens = _tokens()
+    model, config = _model(name)
+    sd, cfg = io.from_hf(model.state_dict(), config)
+    assert (_ours(sd, cfg, tokens) - _hf_log_probs(model, tokens)).abs().max() < 1e-4
+
+    model16, _ = _model(name, torch.bfloat16)
+    sd16, cfg16 = io.from_hf(model16.state_dict(), config)
+    assert cfg16 == cfg and {t.dtype for t in sd16.values()} == {torch.bfloat16}
+    if cfg.embedding_scale is not None:  # transformers' bfloat16 model keeps the multiplier in bfloat16
+        cfg = cfg.replace(embedding_scale=float(torch.tensor(cfg.embedding_scale).bfloat16()))
+    hf16 = _hf_log_probs(model16, tokens)  # before .float() converts the model in place
+    exact = _ours(sd16, cfg, tokens, torch.float32)
+    hf_exact = _hf_log_probs(model16.float(), tokens)
+    assert (exact - hf_exact).abs().max() < 1e-4  # the same function of the same bfloat16 weights
+    hf_rounding = float((hf_exact - hf16).abs().max())
+    assert 1e-3 < hf_rounding and (exact - hf16).abs().max() <= hf_rounding + 1e-4
+
+
+def _without(feature: str):
+    """The family's config with one feature switched off: what a converter that ignored it reads."""
+    return {
+        "window": lambda cfg: cfg.replace(sliding_window=None, sliding_window_layers=None),
+        "window+1": lambda cfg: cfg.replace(sliding_window=cfg.sliding_window + 1),
+        "qk_norm": lambda cfg: cfg.replace(qk_norm=False),
+        "1 + w": lambda cfg: cfg.replace(norm_gain_offset=0.0),
+        "embedding_scale": lambda cfg: cfg.replace(embedding_scale=None),
+    }[feature]
+
+
+@pytest.mark.parametrize("name,feature", [("Mistral", "window"), ("Mistral", "window+1"), ("Qwen3", "qk_norm"),
+                                          ("Gemma", "1 + w"), ("Gemma", "embedding_scale")])
+def test_negative_control_a_feature_left_out_is_caught(name, feature):
+    tokens = _tokens()
+    model, config = _model(name)
+    sd, cfg = io.from_hf(model.state_dict(), config)
+    wrong = _without(feature)(cfg)
+    if feature == "qk_norm":
+        sd = {k: v for k, v in sd.items() if "_norm." not in k}
+    assert (_ours(sd, wrong, tokens) - _hf_log_probs(model, tokens)).abs().max() > 1e-2
+
+
+def test_negative_control_qwen2_biases_read_as_llama_are_refused():
+    """Qwen2's q/k/v biases are tensors a LLaMA converter (attention_bias=False) does not take."""
+    model, config = _model("Qwen2")
+    as_llama = config.to_dict() | {"model_type": "llama", "attention_bias": False}
+    with pytest.raises(cm.CircuitMathError, match="q_proj.bias"):
+        io.from_hf(model.state_dict(), as_llama)
+
+
+#: The steps whose output a family's layout holds, where the defaults make something it cannot:
+#: Qwen2 has no o_proj bias to receive the folded value biases.
+FITTING_STEPS = {"Qwen2": ("fold_ln", "center_unembed")}
+#: Families whose tiny config ties the unembedding to the embedding, processed untied here (a
+#: tied folder falls back to circuitmath's names: see the next test).
+UNTIED = {"tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
+    """process writes the family's names, config.json and layout (the layout key in the metadata);
+    transformers loads it as the same class and computes the input's log-probs (float32 rounding
+    of the folded weights; measured below 1e-5). Control: the first folded norm's gain put back."""
+    model, _config = _model(name, **UNTIED)
+    folder = tmp_path / "in"
+    model.save_pretrained(folder)
+    out = tmp_path / "out"
+    cfg = io.process_checkpoint(folder, out, steps=FITTING_STEPS.get(name))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"][LAYOUT_KEY] == "config.json", cfg.applied
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(loaded) is type(model)
+    tokens = _tokens()
+    expected = _hf_log_probs(model, tokens)
+    assert (_hf_log_probs(loaded, tokens) - expected).abs().max() < 1e-4
+    with torch.no_grad():
+        loaded.model.layers[1].input_layernorm.weight.copy_(model.model.layers[1].input_layernorm.weight)
+    assert (_hf_log_probs(loaded, tokens) - expected).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", ["Qwen2", "Gemma"])
+def test_what_the_layout_cannot_hold_is_written_in_circuitmath_names(tmp_path, name):
+    """The defaults fold Qwen2's value biases into an output bias its layout lacks, and Gemma's
+    final norm into an unembedding it ties to the embedding: the folder is written in
+    circuitmath's names, and computes the input's log-probs."""
+    model, _config = _model(name)
+    model.save_pretrained(tmp_path / "in")
+    cfg = io.process_checkpoint(tmp_path / "in", tmp_path / "out")
+    assert "fold_rms_norm" in cfg.applied and not (tmp_path / "out" / "config.json").exists()
+    sd, got_cfg = io.open_checkpoint(tmp_path / "out").load()
+    assert got_cfg == cfg
+    if name == "Qwen2":
+        assert "fold_value_biases" in cfg.applied and bool(sd["blocks.0.attn.b_O"].ne(0).any())
+    tokens = _tokens()
+    assert (_ours(sd, cfg, tokens) - _hf_log_probs(model, tokens)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("command", ["check", "process"])
+def test_unknown_model_type_names_it_and_lists_the_supported(tmp_path, capsys, command):
+    from safetensors.torch import save_file
+
+    from circuitmath._cli import main
+
+    folder = tmp_path / "t5"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 8}))
+    save_file({"shared.weight": torch.zeros(4, 8)}, folder / "model.safetensors")
+    args = [command, str(folder)] + ([str(tmp_path / "out")] if command == "process" else [])
+    assert main(args) == 2
+    message = capsys.readouterr().err
+    assert "'t5'" in message and all(family.model_type in message for family in FAMILIES)
+    assert not (tmp_path / "out").exists()
+
+
+EXPECTED = {  # (family, identity): the verdict's start (a refusal names the feature that breaks it)
+    ("Qwen3", "remove_key_biases"): "not exact: keys and queries are not rotated by position",
+    ("LLaMA", "refactor_factored_attn_matrices"): "not exact: keys and queries are not rotated by position",
+    ("Gemma", "migrate_norm_scales"): "not exact: norm gains applied as stored",
+    ("Gemma", "fold_layer_norm"): "not applicable: normalization_type is LN",
+    ("Gemma", "fold_rms_norm"): "exact",
+    ("Qwen2", "fold_value_biases"): "exact",
+    ("Mistral", "rotate_residual_stream"): "exact",
+}
+
+
+def test_every_identity_holds_or_refuses_each_family():
+    """No registered identity fails silently on any family: each check passes or the identity
+    refuses naming a precondition (the table the book prints)."""
+    table = identity_table(cm.identities())
+    assert set(table) == set(NAMES)
+    failures = [(f, i) for f, row in table.items() for i, verdict in row.items() if verdict == "fails"]
+    assert not failures
+    for (fam, identity), verdict in EXPECTED.items():
+        assert table[fam][identity].startswith(verdict), (fam, identity, table[fam][identity])
+
+
+from hypothesis import given, settings  # noqa: E402
+
+from circuitmath import strategies  # noqa: E402
+
+FEATURES = strategies.configs(sliding_window=(False, True), qk_norm=(False, True), norm_gain_offsets=(0.0, 1.0),
+                              grouped_query=(False, True), max_ctx=6)
+
+
+@settings(max_examples=12, deadline=None)
+@given(cfg=FEATURES, data=strategies.st.data())
+def test_identities_hold_or_refuse_with_every_feature_drawn(cfg, data):
+    """On drawn models with sliding windows, QK-norm and 1 + w gains, each registered identity's
+    check passes or it refuses; a wrong rewrite that differs on the model is rejected."""
+    sd = data.draw(strategies.state_dicts(cfg, min_gain_spread=0.2))
+    for identity in cm.identities():
+        try:
+            assert identity.check(sd, cfg).passed, identity.name
+        except cm.PreconditionError:
+            continue
+        for wrong in identity.wrong_rewrites_for(cfg):
+            if wrong == "gain_stored_as_w":
+                assert not identity.check_wrong_rewrite(wrong, sd, cfg).passed
+
+
+def test_fold_of_gains_stored_as_w_uses_one_plus_w():
+    """Gemma-style gains: the fold is exact and rounds once in bfloat16; folding w is caught."""
+    cfg = cm.Config(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=20, n_ctx=6, d_mlp=24,
+                    normalization_type="RMS", gated_mlp=True, act_fn="silu", norm_gain_offset=1.0)
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    identity = cm.get_identity("fold_rms_norm")
+    assert identity.check(sd, cfg).passed
+    assert not identity.check_wrong_rewrite("gain_stored_as_w", sd, cfg).passed
+    half = {k: v.to(torch.bfloat16) for k, v in sd.items()}
+    folded, _ = cm.fold_rms_norm(half, cfg)
+    once = (half["blocks.0.attn.W_Q"].double() * (1 + half["blocks.0.ln1.w"].double())[:, None]).to(torch.bfloat16)
+    assert torch.equal(folded["blocks.0.attn.W_Q"], once)
