@@ -207,13 +207,19 @@ class PartReader:
             self.untouched, self.again = untouched, False
 
 
-def replayed(parts: Parts, layer: int | None, keywords: dict) -> tuple[dict[str, torch.Tensor], Config, set[int]]:
+def replayed(parts: Parts, layer: int | None, keywords) -> tuple[dict[str, torch.Tensor], Config, set[int]]:
     """Part ``layer`` (``None``: the ends) of ``parts`` through :func:`process_weights` with
-    ``keywords``: its tensors, its config, and the ids of the tensors handed back as given."""
+    ``keywords`` (or through each identity of a tuple of them, in turn): its tensors, its
+    config, and the ids of the tensors handed back as given."""
     same: set[int] = set()
 
     def transform(state_dict, part_cfg):
-        out, out_cfg = process_weights(state_dict, part_cfg, **keywords)
+        if isinstance(keywords, dict):
+            out, out_cfg = process_weights(state_dict, part_cfg, **keywords)
+        else:
+            out, out_cfg = state_dict, part_cfg
+            for identity in keywords:
+                out, out_cfg = identity.transform(out, out_cfg)
         same.update(id(t) for n, t in out.items() if t is state_dict.get(n))
         return out, out_cfg
 

@@ -55,6 +55,7 @@ from ._compare import (
 from . import _diagnosis  # after _compare: an identity family may import testing's comparison names
 from ._diagnosis._logprobs import _coarser
 from ._diagnosis._tensors import CERTIFICATE_ULPS
+from ._diagnosis._unexplained import NEAR_ULPS
 from ._errors import ArgumentTypeError
 from ._state import validated_once
 from ._threads import with_check_threads
@@ -108,15 +109,18 @@ def assert_equivalent(
     same log-probs as ``before`` and (with ``diagnose=True``) its tensors pass their certificates;
     return the :class:`Comparison` otherwise.
 
-    The certificates (with ``diagnose=True``): the registered identities are replayed on
-    ``before`` (in float32 for half precision); no tensor of ``after`` may be a named wrong
-    rewrite's (such a rewrite fails even where the tokens do not show it). In half precision,
-    when the replay reproduces most of ``after``'s tensors, every entry of every tensor must also
-    lie within ``CERTIFICATE_ULPS`` (1) unit in the last place of the dtype of the replayed
-    rewrite (plus its own rounding in float32, a few units of float32 in the tensor's largest
-    entry): the log-prob tolerance of a bfloat16 model is wide (about a nat: rounding a whole
-    model to 8 bits moves its log-probs that much), and the certificate catches a 1 % change of
-    any tensor and names it. In float32 and float64 the log-prob comparison decides.
+    The tensors (with ``diagnose=True``), one rule for every dtype and form: the registered
+    identities are replayed on ``before`` (in float32 for half precision); no tensor of ``after``
+    may be a named wrong rewrite's (such a rewrite fails even where the tokens do not show it). A
+    tensor the replay does not reproduce within ``CERTIFICATE_ULPS`` (1) unit in the last place
+    (plus the rewrite's own rounding) is a *near miss* when every entry is within ``NEAR_ULPS``
+    (32) units, and fails: a slight change of the rewrite, which at a few bits of precision the
+    log-probs cannot tell from rounding (a 1 % change of one row of a bfloat16 tensor). Any other
+    such tensor is a *change* no identity explains: the replay's end and it with the changed
+    entries run in float64, and the log-probs may differ only by what rounding the changed
+    entries alone moves them (``circuitmath._diagnosis._unexplained``): an exact rewrite no
+    identity names passes, in bfloat16 too, and a change of one row fails. Checkpoint folders are
+    judged by the same rule, a part at a time.
 
     ``before`` and ``after`` are state dicts, safetensors paths or checkpoint folders (a Hugging
     Face folder, sharded or not, or one written by ``python -m circuitmath process``: checked a
@@ -143,8 +147,8 @@ def assert_equivalent(
         tolerance = result.tolerance if atol is None else atol
         plan = _diagnosis._recorded_plan(first.cfg, second.cfg, notes) if diagnose else None
         agree = result.max_abs_error <= tolerance
-        named, off, replayed = _diagnosis.tensor_verdict(first, second, plan) if diagnose and agree else (False, [], None)
-        if agree and not named and not off:
+        verdict = _diagnosis.tensor_verdict(first, second, plan, tokens) if diagnose and agree else None
+        if agree and (verdict is None or verdict.ok):
             return result
         b, p, t = result.where
         if not agree:
@@ -152,20 +156,34 @@ def assert_equivalent(
                        f" (batch {b}, position {p}, token {t})")
         else:
             message = (f"the log-probs agree (max |Δ log-prob| = {result.max_abs_error:.3g} <= tolerance"
-                       f" {tolerance:.3g}), but " + ("a tensor is rewritten by a named wrong rewrite" if named else
-                       f"{', '.join(off)} {'is' if len(off) == 1 else 'are'} not the exact rewrite of the"
-                       f" original: an entry is more than {CERTIFICATE_ULPS} unit in the last place of"
-                       f" {_coarser(first.dtype, second.dtype)} (and the rewrite's own rounding) off it"))
+                       f" {tolerance:.3g}), but " + _tensor_failure(verdict, _coarser(first.dtype, second.dtype)))
         found = None
         if diagnose and not _shrinking():
             # the two forward passes just made are handed to the diagnosis, not made again
             computed = ((first.state_dict, first_log_probs), (second.state_dict, second_log_probs))
             found = _diagnosis.replay_and_explain(first, second, tokens, plan, notes, computed=computed,
-                                                  replayed=replayed)
+                                                  replayed=verdict and verdict.replayed)
             message += "\n\ndiagnosis:\n" + str(found)
         elif diagnose:
             message += "\n(diagnosed on hypothesis's final, shrunk example only)"
     raise NotEquivalentError(message, result, found)
+
+
+def _tensor_failure(verdict, dtype: torch.dtype) -> str:
+    """Why the tensors fail although the log-probs agree (``verdict``: a failed
+    :class:`~circuitmath._diagnosis.TensorVerdict`)."""
+    if verdict.named:
+        return "a tensor is rewritten by a named wrong rewrite"
+    if verdict.near:
+        off = verdict.near
+        return (f"{', '.join(off)} {'is' if len(off) == 1 else 'are'} not the exact rewrite of the original: an entry"
+                f" is more than {CERTIFICATE_ULPS} unit in the last place of {dtype} (and the rewrite's own rounding)"
+                f" off it, and none more than {NEAR_ULPS}: a slight change of the rewrite, which log-probs at this"
+                " precision cannot tell from rounding")
+    changes = verdict.changes
+    return (f"the changes no identity explains ({', '.join(verdict.changed)}) move the log-probs, run in float64, by"
+            f" {changes.max_abs_error:.3g}, above {changes.tolerance:.3g}, the tolerance of the rounding of the"
+            " changed entries")
 
 
 def _checkpoint_folder(model) -> bool:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from .. import _identities
-from .._compare import compute_dtype
+from .._compare import Comparison, compute_dtype
 from .._config import Config
 from .._errors import InputError, PreconditionError
 from .._state import validated_once
@@ -39,6 +39,7 @@ from ._logprobs import _coarser, _LogProbs, sensitivity_window
 from ._replay import _Replay, weight_identities
 from ._report import Diagnosis, Finding, _config_differences, _identity_finding, _residual_finding
 from ._tensors import ParameterMismatch, _mismatch, _Thresholds
+from ._unexplained import changes_of, judge_changes
 
 __all__ = [
     "ParameterMismatch",
@@ -52,7 +53,7 @@ __all__ = [
     "replay_and_explain",
     "weight_identities",
     "tensor_verdict",
-    "uncertified",
+    "TensorVerdict",
 ]
 
 Progress = Callable[[int, int, str], None]
@@ -105,7 +106,11 @@ def replay_and_explain(first: Model, second: Model, tokens, plan, notes, progres
     findings = []
     states = [(before, before_cfg)] + [(s.state, s.cfg) for s in stages]
     unexplained = _unexplained(residual, final, before, after, replay, last_writer)
-    residual_comparison = lp.compare(final, final_cfg, after, after_cfg) if measure else None
+    near, changed = _judged(replay, residual, final, final_cfg, after, tokens)
+    residual_comparison = None
+    if measure:  # the changes no identity explains, in float64, decide where they can be run alone
+        residual_comparison = changed if changed is not None and not _structural(unexplained, config_differences) \
+            else lp.compare(final, final_cfg, after, after_cfg)
     for i, stage in enumerate(stages):
         if measure:
             report(4, total, f"log-probs after {stage.name}")
@@ -123,7 +128,7 @@ def replay_and_explain(first: Model, second: Model, tokens, plan, notes, progres
                                           effect, function_kept=kept))
     if residual or measure:
         findings.append(_residual_finding(unexplained, residual_comparison, replay, dtype,
-                                          config_differences, uncertified(residual, after, thresholds)))
+                                          config_differences, near))
     findings.append(Finding(
         name="before -> after",
         kind="equivalence",
@@ -219,33 +224,57 @@ def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens
         return dataclasses.replace(found, recognition_required=True)
 
 
-def tensor_verdict(first: Model, second: Model, plan) -> tuple[bool, list[str], tuple]:
+@dataclasses.dataclass(frozen=True)
+class TensorVerdict:
+    """What the replay says of ``after``'s tensors, beside the log-probs of the two models:
+    ``named`` (a tensor is a named wrong rewrite's), ``near`` (tensors that are near misses of
+    the rewrite, refused entry by entry) and ``changes`` (the float64 comparison of the changes
+    no identity explains, ``None`` when there are none; see :mod:`._unexplained`), and
+    ``replayed``, the replay (handed to :func:`replay_and_explain` on failure)."""
+
+    named: bool
+    near: tuple[str, ...]
+    changed: tuple[str, ...]
+    changes: Comparison | None
+    replayed: tuple
+
+    @property
+    def ok(self) -> bool:
+        return not self.named and not self.near and (self.changes is None or self.changes.passed)
+
+
+def tensor_verdict(first: Model, second: Model, plan, tokens) -> TensorVerdict:
     """The replay of ``second`` on ``first`` (resolved; ``plan`` as for :func:`replay_and_explain`),
-    tensor by tensor, without a forward pass: whether a tensor is reproduced by a named wrong
-    rewrite, the tensors that fail their certificate (:func:`uncertified`), and the replay
-    (for :func:`replay_and_explain`, so that a failure is not replayed twice)."""
+    tensor by tensor, and the changes it leaves judged in float64 on ``tokens`` (the first
+    positions of them: :func:`sensitivity_window`)."""
     replayed = _replayed(first, second, plan)
-    replay, (stages, _final, _final_cfg, residual) = replayed
+    replay, (stages, final, final_cfg, residual) = replayed
     named = any(stage.rewrites and stage.recognised for stage in stages)
-    return named, uncertified(residual, second.state_dict, replay.thresholds), replayed
+    near, changes = _judged(replay, residual, final, final_cfg, second.state_dict, tokens)
+    problems = [n for n in residual if n not in near and not _comparable(n, final, second.state_dict)]
+    changed = tuple(n for n in residual if n not in near)
+    if problems or _config_differences(final_cfg, second.cfg):
+        changes = None  # the log-probs of the two models decide (a tensor missing, another config)
+    return TensorVerdict(named, tuple(near), changed, changes, replayed)
 
 
-def uncertified(residual: list[str], after, thresholds: _Thresholds) -> list[str]:
-    """The tensors of ``residual`` (those the replay does not reproduce) that fail their
-    certificate and so fail the check whatever the log-probs say.
+def _comparable(name: str, final, after) -> bool:
+    return name in final and name in after and final[name].shape == after[name].shape
 
-    In half precision, where the log-prob tolerance is wide (a bfloat16 model's is about a nat)
-    and cannot tell a 1 % error from rounding, all of them, when the replay reproduces most of
-    ``after``'s tensors (a recognised processing with some tensors wrong; a processing no
-    registered identity explains, with most tensors off the replay, is judged by its log-probs
-    alone). Such a check cannot tell another exact rewrite of a few tensors (a rescaling of one
-    head's OV factors) from an error either: it fails there too, by design. In float32 and
-    float64 none: the log-prob comparison is sharp enough to decide, and a processing the
-    registry does not know but that keeps the function passes.
-    """
-    if torch.finfo(thresholds.dtype).bits >= 32 or 2 * len(residual) > len(after):
-        return []
-    return list(residual)
+
+def _structural(unexplained, config_differences) -> bool:
+    """Whether the replay's end and ``after`` differ beyond their tensors' values (a tensor
+    missing or of another shape, a config field): then their own log-probs decide."""
+    return bool(config_differences) or any(p.problem for p in unexplained)
+
+
+def _judged(replay: _Replay, residual, final, final_cfg, after, tokens) -> tuple[list[str], Comparison | None]:
+    """``(near misses, float64 comparison of the changes)`` of the tensors ``residual`` (those
+    the replay does not reproduce) of ``after`` against ``final`` (see :mod:`._unexplained`)."""
+    comparable = [n for n in residual if _comparable(n, final, after)]
+    changes = changes_of(comparable, after, final, replay.thresholds)
+    rows, positions = sensitivity_window(tokens)
+    return [c.name for c in changes if c.near], judge_changes(changes, final, final_cfg, tokens[:rows, :positions])
 
 
 def _in_compute_dtype(state_dict, dtype: torch.dtype):
