@@ -221,13 +221,14 @@ def _fold_gain_twice(state_dict, cfg):
 
 
 def _value_biases_before_ln_fold(state_dict, cfg):
-    """Fold the value biases of the unfolded model, then zero the ones the LayerNorm fold creates."""
+    """Fold the value biases of the unfolded model, then zero the ones the LayerNorm fold creates
+    (the pipeline, told nothing of the early fold, leaves them; recorded as folded once)."""
     early, early_cfg = fold_value_biases(state_dict, cfg)
-    out, out_cfg = process_everything(early, early_cfg)
+    out, out_cfg = process_weights(early, cfg, **(EVERYTHING_APPLICABLE | {fold_value_biases.identity: False}))
     for name in out:
         if name.endswith(("attn.b_V", "attn._b_V")):
             out[name] = torch.zeros_like(out[name])
-    return out, out_cfg
+    return out, out_cfg.replace(applied=early_cfg.applied + out_cfg.applied[len(cfg.applied):])
 
 
 def _center_readers_behind_rms_norm(state_dict, cfg):

@@ -12,7 +12,7 @@ from .._errors import NOT_APPLIED, AlreadyAppliedError, OverflowedError, Precond
 from .._state import attention_names, entries_checked_here, not_finite
 
 __all__ = [
-    "readers", "require", "refuse_reapplication", "rewrite",
+    "readers", "require", "refuse_reapplication", "rewrite", "undone_by",
     "NOT_APPLIED", "PRE_NORM", "NORM_READ_LINEARLY", "NOT_ROTARY", "NO_QK_NORM",
 ]
 
@@ -36,6 +36,31 @@ def _same(given, tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is ``given`` passed through (detached or not): already checked."""
     return isinstance(given, torch.Tensor) and (given is tensor or (given.requires_grad and given.data_ptr() == tensor.data_ptr()
                                                                        and given.shape == tensor.shape))
+
+
+#: For an identity whose record a later rewrite can make false: its transform, and the
+#: identities whose rewrites do (:func:`undone_by`).
+_UNDONE_BY: dict[str, tuple[Callable, set[str]]] = {}
+
+
+def undone_by(transform: Callable, *later: Callable) -> None:
+    """Declare that each of the transforms ``later`` can make ``transform``'s record false (it
+    rewrites what ``transform`` established: the LayerNorm fold adds ``ln1.b @ W_V`` to the
+    value biases that :func:`~circuitmath.fold_value_biases` set to zero). When one of them
+    rewrites a model that records ``transform``, ``transform`` is applied again to its output,
+    and its record stays where it was: ``cfg.applied`` stays true of the weights, and stays the
+    history that a replay of its identities reproduces."""
+    _UNDONE_BY.setdefault(transform.identity, (transform, set()))[1].update(t.identity for t in later)
+
+
+def _reestablished(identity: str, given: Config, out: dict, out_cfg: Config) -> tuple[dict, Config]:
+    """``out`` with each identity that ``given.applied`` records and ``identity`` undoes applied
+    again, in the order recorded; ``out_cfg.applied`` as it was."""
+    for name in [n for n in given.applied if identity in _UNDONE_BY.get(n, ((), ()))[1]]:
+        again = _UNDONE_BY[name][0]
+        out, cfg = again(out, out_cfg.replace(applied=tuple(n for n in out_cfg.applied if n != name)))
+        out_cfg = cfg.replace(applied=out_cfg.applied)
+    return out, out_cfg
 
 
 def rewrite(identity: str, *, check_output: bool = True) -> Callable:
@@ -73,6 +98,7 @@ def rewrite(identity: str, *, check_output: bool = True) -> Callable:
                             + ", ".join(f"{name} has {count} NaN or Inf entries" for name, count in bad.items())
                             + "; nothing is returned (compute in a wider dtype)"
                         )
+                out, out_cfg = _reestablished(identity, cfg, out, out_cfg)
             return out, out_cfg
 
         run.identity = identity  # the registered identity it performs

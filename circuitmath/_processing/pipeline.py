@@ -16,14 +16,15 @@ from .._state import (
 )
 from .attention import fold_value_biases as _fold_value_biases
 from .attention import refactor_factored_attn_matrices as _refactor_factored_attn_matrices
+from .attention import remove_key_biases
 from .centering import center_unembed as _center_unembed
 from .centering import center_writing_weights as _center_writing_weights
 from ._memory import SCRATCH_MIN_BYTES, converted, temporaries
 from ._parts import InMemory, Parts
 from .fused import fusable, fused_default_steps, rms_fusable
 from .layer_norm import center_reading_weights, fold_layer_norm
-from ._common import refuse_reapplication, rewrite
-from .norms import fold_rms_norm
+from ._common import refuse_reapplication, rewrite, undone_by
+from .norms import fold_rms_norm, rescale_residual_stream
 from .shortformer import shortformer_to_tables
 
 __all__ = [
@@ -47,6 +48,18 @@ def _fold_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tens
     if cfg.normalization_type == "RMS":
         return fold_rms_norm(state_dict, cfg)
     return fold_layer_norm(state_dict, cfg, center_reading_weights=True)
+
+
+# Rewrites that make an earlier step's record false, which is then applied again after them
+# (``cfg.applied`` is always true of the weights): the LayerNorm fold adds ``ln1.b @ W_V`` and
+# ``ln1.b @ W_K`` to zeroed value and key biases; every rewrite of W_Q, W_K, W_V, W_O or their
+# biases unbalances the refactor's factors (a rotation or a permutation keeps them balanced).
+undone_by(_fold_value_biases, fold_layer_norm)
+undone_by(remove_key_biases, fold_layer_norm)
+undone_by(
+    _refactor_factored_attn_matrices, fold_layer_norm, fold_rms_norm, center_reading_weights, _fold_value_biases,
+    remove_key_biases, _center_writing_weights, rescale_residual_stream, shortformer_to_tables,
+)
 
 
 #: The steps of :func:`process_weights`, in the order it applies them: ``(keyword, transform)``.
