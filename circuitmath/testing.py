@@ -201,6 +201,12 @@ def _assert_checkpoints_equivalent(before, after, cfg, after_cfg, tokens, atol) 
 
     if after_cfg is not None:
         raise ArgumentTypeError("after_cfg: a processed checkpoint carries its config; pass none")
+    for which, model, other in (("before", before, after), ("after", after, before)):
+        if not _checkpoint_folder(other):
+            raise ArgumentTypeError(
+                f"{which} is the checkpoint folder {getattr(model, 'path', model)}, the other model is a"
+                f" {type(other).__name__}: pass two folders (checked a block at a time), or load the folder"
+                " (circuitmath.io.open_checkpoint(folder).load()) and pass two state dicts")
     report = check_processed(before, after, cfg, tokens=default_tokens if tokens is None else tokens)
     row = report.rows[0]
     result = Comparison(max_abs_error=row["max_abs_error"], tolerance=row["tolerance"], where=tuple(row["where"]))

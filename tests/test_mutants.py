@@ -1,0 +1,132 @@
+"""Behaviours that mutation testing (``make mutate``) found unpinned, each pinned here by a test
+that the mutant it names fails: validation at the public entry of two transforms, the second
+centering of the rounding-sensitivity pass, the streamed path of ``assert_equivalent`` on
+checkpoint folders, the generated checkers' docstrings, and four figures of the diagnosis."""
+
+import pytest
+import torch
+
+import circuitmath as cm
+from circuitmath._errors import StateDictError
+
+LN = cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
+
+
+# -- bad input to a transform is refused at its entry, naming the tensor ----------------------
+
+
+def _centered_lnpre():
+    sd = cm.random_state_dict(LN, seed=0, dtype=torch.float64)
+    return cm.process_weights(sd, LN)
+
+
+def _shortformer():
+    cfg = LN.replace(positional_embedding_type="shortformer")
+    return cm.random_state_dict(cfg, seed=0, dtype=torch.float64), cfg
+
+
+def _extra_key(sd, name):
+    return dict(sd, extra=torch.zeros(3, dtype=torch.float64)), "extra"
+
+
+def _nan(sd, name):
+    broken = sd[name].clone()
+    broken.view(-1)[0] = float("nan")
+    return dict(sd, **{name: broken}), name
+
+
+def _mixed_dtypes(sd, name):
+    return dict(sd, **{name: sd[name].float()}), name
+
+
+def _wrong_shape(sd, name):
+    return dict(sd, **{name: sd[name][..., :-1]}), name
+
+
+@pytest.mark.parametrize("transform, model", [
+    (cm.layer_norm_to_rms_norm, _centered_lnpre), (cm.shortformer_to_tables, _shortformer),
+], ids=["layer_norm_to_rms_norm", "shortformer_to_tables"])
+@pytest.mark.parametrize("spoil", [_extra_key, _nan, _mixed_dtypes, _wrong_shape])
+@pytest.mark.parametrize("name", ["blocks.1.attn.W_V", "unembed.W_U"])
+def test_a_transform_refuses_bad_weights_naming_them(transform, model, spoil, name):
+    sd, cfg = model()
+    transform(sd, cfg)  # control: the unspoilt model is accepted
+    spoilt, named = spoil(sd, name)
+    with pytest.raises(StateDictError, match=named.replace(".", r"\.")):
+        transform(spoilt, cfg)
+
+
+# -- the rounding-sensitivity pass centers twice, then shifts along 1 by 2 u mean|x| -----------
+
+
+def test_the_nudged_centering_removes_the_first_means_rounding_and_shifts_by_its_bound():
+    """``x - mean(x)`` in float32 of entries near 1000 keeps a mean of about ``eps * 1000``; the
+    second centering removes it (a mean left of order ``eps``). Then the shift along 1 is
+    ``± 2 u mean|x|`` per position, the sign drawn per position."""
+    from circuitmath._compare import _rounded_centering
+
+    generator = torch.Generator().manual_seed(0)
+    x = 1000 + torch.randn(3, 5, 64, generator=generator)
+    eps = torch.finfo(torch.float32).eps
+    once = x - x.mean(-1, keepdim=True)
+    assert float(once.mean(-1).abs().max()) > 100 * eps  # the first mean's rounding is there to remove
+    centered = _rounded_centering(0.0)("blocks.0.ln1", x)
+    assert float(centered.mean(-1).abs().max()) <= 4 * eps
+    u = 1e-3
+    shifted = _rounded_centering(u)("blocks.0.ln1", x)
+    shift = (shifted - centered).mean(-1)
+    assert torch.allclose(shift.abs(), 2 * u * x.abs().mean(-1), rtol=1e-4)
+    assert bool((shift > 0).any()) and bool((shift < 0).any())
+
+
+# -- assert_equivalent checks checkpoint folders a block at a time ----------------------------
+
+
+@pytest.mark.parametrize("opened", [False, True], ids=["paths", "opened"])
+def test_assert_equivalent_streams_two_checkpoint_folders_and_loads_neither_whole(tmp_path, monkeypatch, opened):
+    from circuitmath import _checkpoint, _streaming_check, io
+    from circuitmath.testing import NotEquivalentError, assert_equivalent
+
+    sd = cm.random_state_dict(LN, seed=0)
+    io.save(tmp_path / "m.safetensors", sd, LN)
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "before", steps=[])
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "after", steps="applicable")
+    streamed, check_processed = [], _streaming_check.check_processed
+
+    def spied(*args, **kwargs):
+        streamed.append(args[:2])
+        return check_processed(*args, **kwargs)
+
+    def whole(self):
+        raise AssertionError(f"{self.path} loaded whole")
+
+    monkeypatch.setattr(_streaming_check, "check_processed", spied)
+    monkeypatch.setattr(_checkpoint.Checkpoint, "load", whole)
+    before, after = tmp_path / "before", tmp_path / "after"
+    if opened:
+        before, after = io.open_checkpoint(before), io.open_checkpoint(after)
+    tokens = torch.randint(0, LN.d_vocab, (2, LN.n_ctx), generator=torch.Generator().manual_seed(0))
+    assert assert_equivalent(before, after, tokens=tokens).passed
+    assert len(streamed) == 1
+    # negative control: a processing changed by 10 % fails, streamed too
+    changed, changed_cfg = cm.process_weights(sd, LN)
+    changed["blocks.1.mlp.W_in"] = changed["blocks.1.mlp.W_in"] * 1.1
+    with _checkpoint.CheckpointWriter(tmp_path / "changed", 1) as out:
+        out.write(changed, changed_cfg)
+    with pytest.raises(NotEquivalentError):
+        assert_equivalent(before, tmp_path / "changed", tokens=tokens)
+    assert len(streamed) == 2
+
+
+def test_a_checkpoint_folder_against_a_state_dict_is_bad_input_naming_the_folder(tmp_path):
+    from circuitmath import io
+    from circuitmath.testing import assert_equivalent
+
+    sd = cm.random_state_dict(LN, seed=0)
+    io.save(tmp_path / "m.safetensors", sd, LN)
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "after", steps="applicable")
+    for pair in ((sd, tmp_path / "after"), (tmp_path / "after", sd)):
+        with pytest.raises(cm.CircuitMathError, match=r"checkpoint folder .*after, the other model is a dict"):
+            assert_equivalent(*pair, LN)
+    loaded, loaded_cfg = io.open_checkpoint(tmp_path / "after").load()  # what the message says to do
+    assert assert_equivalent(sd, loaded, LN, after_cfg=loaded_cfg).passed
