@@ -1,7 +1,16 @@
 """Mutation testing: change the code in small realistic ways and count the changes the tests catch.
 
-Usage: ``python .ci/mutate.py [--jobs N] [--per-file K] [--seed S] [--only PATH] [--list]``
-(``make mutate`` runs it with the defaults). Prints every surviving mutant and the kill rate.
+Usage: ``python .ci/mutate.py [--jobs N] [--per-file K] [--seed S] [--only TEXT[,TEXT]] [--list]``
+(``make mutate`` runs it with the defaults, ``MUTATE_ARGS="--only _diagnosis/"`` one slice of
+it). Prints every surviving mutant and the kill rate.
+
+The targets are today's modules, derived: every module of the families of :data:`FAMILIES` (the
+transforms, the tolerances, the checkers, the diagnosis and its certificates, the reference pass,
+state validation, streaming, the stored layout, the proof engine) and of every registered
+identity's transform, each with its family's tests, its own ``tests/test_<module>.py`` and the
+test files that import it. A pattern that matches nothing, a test file that does not exist, a
+transform module no family covers, or an equivalent mutant the code no longer has stops the run
+before any mutant is run: nothing is silently left untested.
 
 A *mutant* is one edit of one target file, made on its syntax tree: an operator swapped
 (``+``/``-``, ``*``/``/``, ``<``/``<=``, ``==``/``!=``, ``and``/``or``), a constant scaled (a
@@ -13,7 +22,8 @@ a run is reproducible) and each is run against the tests listed for its file, in
 repository; the mutant is *killed* when they fail (or hang past the time limit).
 
 Mutants that cannot change behaviour are listed, with the reason, in ``.ci/equivalent_mutants.txt``
-and left out of the rate. No tool from PyPI fits offline here (mutmut and cosmic-ray are not in
+and left out of the rate; a mutant is named by its function, not its line (``path::function::kind::k``,
+the k-th change of that kind in the function), so edits elsewhere keep the list valid. No tool from PyPI fits offline here (mutmut and cosmic-ray are not in
 the local package lists), hence this small one: it needs only the standard library and the
 project's own test environment.
 """
@@ -25,6 +35,7 @@ import ast
 import concurrent.futures
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -36,27 +47,106 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENT = ROOT / ".ci" / "equivalent_mutants.txt"
 
-PROCESSING_TESTS = ["tests/test_processing_pins.py", "tests/test_accuracy.py"]
-#: Target file (or ``file::name,name`` for some top-level names only) -> the tests that cover it.
-TARGETS = {
-    "circuitmath/_processing/layer_norm.py": [*PROCESSING_TESTS, "tests/test_layer_norm.py"],
-    "circuitmath/_processing/centering.py": [*PROCESSING_TESTS, "tests/test_centering.py"],
-    "circuitmath/_processing/norms.py": [*PROCESSING_TESTS, "tests/test_norms.py"],
-    "circuitmath/_processing/attention.py": [
-        *PROCESSING_TESTS, "tests/test_value_biases.py", "tests/test_key_bias.py", "tests/test_reparametrise.py",
-    ],
-    "circuitmath/_processing/fused.py": [*PROCESSING_TESTS, "tests/test_pipeline.py"],
-    "circuitmath/_processing/pipeline.py": [*PROCESSING_TESTS, "tests/test_pipeline.py"],
-    "circuitmath/_processing/shortformer.py": ["tests/test_shortformer.py"],
-    "circuitmath/_processing/_common.py": ["tests/test_layer_norm.py", "tests/test_norms.py"],
-    "circuitmath/_processing/_memory.py": ["tests/test_memory_pins.py", "tests/test_memory.py"],
-    "circuitmath/_reference.py": [*PROCESSING_TESTS, "tests/test_reference.py"],
-    "circuitmath/_state.py": ["tests/test_state_validation.py", "tests/test_state.py", "tests/test_io.py"],
-    "circuitmath/testing.py::SAFETY,SENSITIVITY_SAFETY,_unit_roundoff,compute_dtype,rounding_sensitivity,"
-    "logprob_tolerance,Comparison,compare_log_probs": ["tests/test_tolerance_pins.py", "tests/test_checkers.py"],
-    "circuitmath/_algebra.py": ["tests/test_soundness.py", "tests/test_algebra.py"],
-    "circuitmath/_proof.py": ["tests/test_soundness.py", "tests/test_algebra.py", "tests/test_registry.py"],
+#: The modules mutated, by family (glob patterns, space-separated), with the tests that cover every module of the family. Each
+#: module's own tests are added to these (:func:`targets`): ``tests/test_<module>.py`` where there is
+#: one, every test file that imports the module by its dotted name, and :data:`EXTRA_TESTS`.
+FAMILIES = {
+    "transforms": ("circuitmath/_processing/*.py",
+                   ["tests/test_processing_pins.py", "tests/test_accuracy.py", "tests/test_applied.py", "tests/test_mutants.py"]),
+    "tolerances": ("circuitmath/_compare.py",
+                   ["tests/test_tolerance_pins.py", "tests/test_rounding_sensitivity.py", "tests/test_mutants.py"]),
+    "checkers": ("circuitmath/testing.py", ["tests/test_checkers.py", "tests/test_mutants.py"]),
+    "diagnosis and certificates": ("circuitmath/_diagnosis/*.py",
+                                   ["tests/test_diagnosis.py", "tests/test_certificate.py", "tests/test_mutants.py"]),
+    "reference pass": ("circuitmath/_reference.py", ["tests/test_processing_pins.py"]),
+    "state validation": ("circuitmath/_state.py", ["tests/test_state_validation.py", "tests/test_io.py"]),
+    "streaming": ("circuitmath/_streaming*.py", ["tests/test_streaming.py"]),
+    "stored layout": ("circuitmath/_stored.py", ["tests/test_streaming.py"]),
+    "proof engine": ("circuitmath/_algebra.py circuitmath/_proof.py", ["tests/test_soundness.py", "tests/test_algebra.py"]),
 }
+
+#: Tests of a module beyond those :func:`targets` derives (``test_<module>.py`` and the importers).
+EXTRA_TESTS = {
+    "circuitmath/_processing/attention.py": ["tests/test_value_biases.py", "tests/test_key_bias.py",
+                                             "tests/test_reparametrise.py"],
+    "circuitmath/_processing/fused.py": ["tests/test_pipeline.py"],
+    "circuitmath/_processing/_common.py": ["tests/test_layer_norm.py", "tests/test_norms.py", "tests/test_preconditions.py"],
+    "circuitmath/_processing/_memory.py": ["tests/test_memory_pins.py"],
+    "circuitmath/_processing/_parts.py": ["tests/test_pipeline.py"],
+    "circuitmath/_compare.py": ["tests/test_checkers.py"],
+    "circuitmath/testing.py": ["tests/test_public_api.py", "tests/test_diagnosis.py"],
+    "circuitmath/_state.py": ["tests/test_state.py"],
+    "circuitmath/_proof.py": ["tests/test_registry.py"],
+}
+
+#: Modules of the families above left out, with the reason.
+LEFT_OUT = {
+    "circuitmath/_processing/__init__.py": "re-exports only",
+}
+
+
+def _module_name(path: str) -> str:
+    return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def _registered_modules() -> set[str]:
+    """The modules of every registered identity's public transform (the registry is the list of
+    identities: a transform module it names is mutated even if no family's pattern covers it)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import circuitmath
+        from circuitmath._identities import identities
+    finally:
+        sys.path.pop(0)
+    out = set()
+    for identity in identities():
+        function = getattr(circuitmath, identity.function or "", None)
+        module = getattr(function, "__module__", None) or ""
+        if module.startswith("circuitmath."):
+            out.add(str(Path(*module.split(".")).with_suffix(".py")))
+    return out
+
+
+def targets() -> dict[str, list[str]]:
+    """Target file -> the tests that cover it: every module of :data:`FAMILIES` and of the
+    registry's transforms, but :data:`LEFT_OUT`. Raises ``SystemExit`` when a family's pattern
+    matches nothing, a test file named here does not exist, or a module has no test."""
+    tests_text = {p: p.read_text() for p in sorted((ROOT / "tests").glob("test_*.py"))}
+    found: dict[str, list[str]] = {}
+    problems = []
+    for family, (patterns, tests) in FAMILIES.items():
+        paths = []
+        for pattern in patterns.split():
+            matched = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(pattern))
+            if not matched:
+                problems.append(f"family {family!r}: {pattern} matches no file")
+            paths += matched
+        for path in paths:
+            found.setdefault(path, []).extend(tests)
+    for path in sorted(_registered_modules() - set(found)):
+        problems.append(f"{path} holds a registered transform but no family covers it")
+    for path in list(found):
+        if path in LEFT_OUT:
+            del found[path]
+            continue
+        stem = Path(path).stem.lstrip("_")
+        own = [f"tests/test_{stem}.py"] if (ROOT / f"tests/test_{stem}.py").exists() else []
+        dotted = _module_name(path)
+        package, _, name = dotted.rpartition(".")
+        importers = [] if not name.startswith("_") else [  # a public module's importers are most tests
+            str(p.relative_to(ROOT)) for p, text in tests_text.items()
+            if re.search(rf"\b{re.escape(dotted)}\b", text) or re.search(rf"from {re.escape(package)} import .*\b{name}\b", text)]
+        found[path] = list(dict.fromkeys(found[path] + own + EXTRA_TESTS.get(path, []) + importers))
+    for path, tests in found.items():
+        missing = [t for t in tests if not (ROOT / t).exists()]
+        if missing:
+            problems.append(f"{path}: the tests {missing} do not exist")
+    for path in set(EXTRA_TESTS) - set(found):
+        problems.append(f"EXTRA_TESTS names {path}, which is no target")
+    if problems:
+        raise SystemExit("mutate: the targets do not match the code:\n  " + "\n  ".join(problems))
+    return found
+
 
 SWAPS = {
     ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.Pow: ast.Mult,
@@ -73,42 +163,38 @@ class Mutant:
     col: int
     kind: str
     index: int  # which candidate of the file, in the order _Mutator visits them
+    scope: str  # the function (or class) it is in, dotted: ``Class.method``; ``<module>`` outside any
+    ordinal: int  # which candidate of this kind in this scope
 
     @property
     def id(self) -> str:
-        return f"{self.path}:{self.line}:{self.col}:{self.kind}"
+        """Names the mutant by its function, not its line: edits elsewhere in the file keep it."""
+        return f"{self.path}::{self.scope}::{self.kind}::{self.ordinal}"
 
 
 class _Mutator(ast.NodeTransformer):
     """Visits every mutable node of a module; with ``target`` set, mutates that candidate only."""
 
-    def __init__(self, path: str, names: set[str] | None, target: int | None = None):
-        self.path, self.names, self.target = path, names, target
+    def __init__(self, path: str, target: int | None = None):
+        self.path, self.target = path, target
         self.found: list[Mutant] = []
-        self._inside = names is None
+        self._scope: list[str] = []
+        self._seen: dict[tuple[str, str], int] = {}
 
     def _candidate(self, node, kind: str) -> bool:
-        if not self._inside:
-            return False
-        self.found.append(Mutant(self.path, node.lineno, node.col_offset, kind, len(self.found)))
+        scope = ".".join(self._scope) or "<module>"
+        ordinal = self._seen.get((scope, kind), 0)
+        self._seen[scope, kind] = ordinal + 1
+        self.found.append(Mutant(self.path, node.lineno, node.col_offset, kind, len(self.found), scope, ordinal))
         return len(self.found) - 1 == self.target
 
-    def _named(self, node, names):
-        if self.names is None:
-            return self.generic_visit(node)
-        outer, self._inside = self._inside, self._inside or bool(set(names) & self.names)
+    def _scoped(self, node):
+        self._scope.append(node.name)
         node = self.generic_visit(node)
-        self._inside = outer
+        self._scope.pop()
         return node
 
-    def visit_FunctionDef(self, node):
-        return self._named(node, [node.name])
-
-    def visit_ClassDef(self, node):
-        return self._named(node, [node.name])
-
-    def visit_Assign(self, node):
-        return self._named(node, [t.id for t in node.targets if isinstance(t, ast.Name)])
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scoped
 
     def visit_Expr(self, node):
         if isinstance(node.value, ast.Constant):  # a docstring
@@ -186,31 +272,31 @@ def _priority(mutant: Mutant) -> bool:
     )
 
 
-def _split(target: str) -> tuple[str, set[str] | None]:
-    path, _, names = target.partition("::")
-    return path, set(names.split(",")) if names else None
-
-
-def candidates(target: str) -> list[Mutant]:
-    path, names = _split(target)
-    mutator = _Mutator(path, names)
+def candidates(path: str) -> list[Mutant]:
+    mutator = _Mutator(path)
     mutator.visit(ast.parse((ROOT / path).read_text()))
     return mutator.found
 
 
-def mutated_source(target: str, index: int) -> str:
-    path, names = _split(target)
-    tree = _Mutator(path, names, index).visit(ast.parse((ROOT / path).read_text()))
+def mutated_source(path: str, index: int) -> str:
+    tree = _Mutator(path, index).visit(ast.parse((ROOT / path).read_text()))
     return ast.unparse(ast.fix_missing_locations(tree))
 
 
-def equivalent() -> dict[str, str]:
-    """``mutant id -> reason`` from ``.ci/equivalent_mutants.txt`` (``id  # reason`` per line)."""
+def equivalent(found: dict[str, list[Mutant]]) -> dict[str, str]:
+    """``mutant id -> reason`` from ``.ci/equivalent_mutants.txt`` (``id  # reason`` per line).
+    Raises ``SystemExit`` naming every listed mutant that the targets (``found``: path -> its
+    candidates) no longer have: its reason was given for code that has changed or moved."""
     out = {}
     for line in EQUIVALENT.read_text().splitlines() if EQUIVALENT.exists() else []:
         if line.strip() and not line.startswith("#"):
             key, _, reason = line.partition("  # ")
             out[key.strip()] = reason.strip()
+    ids = {m.id for mutants in found.values() for m in mutants}
+    stale = sorted(set(out) - ids)
+    if stale:
+        raise SystemExit(f"mutate: {EQUIVALENT.name} lists mutants the code no longer has (check the reason on"
+                         " today's code and list it again, or drop it):\n  " + "\n  ".join(stale))
     return out
 
 
@@ -221,7 +307,8 @@ def _copy(into: Path) -> None:
 
 
 def _pytest(where: Path, tests: list[str], timeout: float) -> tuple[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(where), "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
+    env = {**os.environ, "PYTHONPATH": str(where), "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0",
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", "0", "-p", "no:randomly",
                *[t for t in tests if (where / t.split("::")[0]).exists()]]
     start = time.perf_counter()
@@ -247,31 +334,34 @@ def main(argv=None) -> int:
     parser.add_argument("--per-file", type=int, default=4,
                         help="mutants of the other kinds drawn per target, besides every one of the priority kinds (0: all)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", default=None, help="targets whose path contains this text")
+    parser.add_argument("--only", default=None, help="targets whose path contains this text (or one of these, comma-separated)")
     parser.add_argument("--list", action="store_true", help="list the drawn mutants and stop")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
     parser.add_argument("--rerun", default=None, help="run only the survivors listed in this earlier output")
     args = parser.parse_args(argv)
 
-    known = equivalent()
-    drawn: list[tuple[str, Mutant]] = []
-    for target in TARGETS:
-        if args.only and args.only not in target:
+    covered = targets()
+    found = {path: candidates(path) for path in covered}
+    known = equivalent(found)
+    drawn: list[Mutant] = []
+    for path in covered:
+        if args.only and not any(text in path for text in args.only.split(",")):
             continue
-        found = candidates(target)
-        rng = random.Random(f"{args.seed}:{target}")
-        always = [m for m in found if _priority(m)]
-        others = [m for m in found if not _priority(m)]
+        rng = random.Random(f"{args.seed}:{path}")
+        always = [m for m in found[path] if _priority(m)]
+        others = [m for m in found[path] if not _priority(m)]
         if args.per_file and len(others) > args.per_file:
             others = rng.sample(others, args.per_file)
-        chosen = always + others
-        drawn += [(target, m) for m in sorted(chosen, key=lambda m: m.index)]
+        drawn += sorted(always + others, key=lambda m: m.index)
     if args.rerun:
-        again = {line.split()[-1] for line in Path(args.rerun).read_text().splitlines() if line.startswith("survived")}
-        drawn = [(t, m) for t, m in drawn if m.id in again]
+        again = {line.rsplit("  ", 1)[-1] for line in Path(args.rerun).read_text().splitlines()
+                 if line.startswith("survived")}
+        drawn = [m for m in drawn if m.id in again]
     if args.list:
-        for _target, m in drawn:
-            print(m.id, "(equivalent)" if m.id in known else "")
+        for path in dict.fromkeys(m.path for m in drawn):
+            print(f"{path}: {' '.join(covered[path])}")
+        for m in drawn:
+            print(f"line {m.line:4d}  {m.id}", "(equivalent)" if m.id in known else "")
         return 0
 
     with tempfile.TemporaryDirectory(prefix="circuitmath-mutate-") as tmp:
@@ -279,27 +369,25 @@ def main(argv=None) -> int:
         free = list(dirs)
         results: dict[str, str] = {}
 
-        def run(item):
-            target, mutant = item
+        def run(mutant: Mutant):
             where = free.pop()
-            path = _split(target)[0]
             try:
-                (where / path).write_text(mutated_source(target, mutant.index))
-                outcome, seconds = _pytest(where, TARGETS[target], args.timeout)
+                (where / mutant.path).write_text(mutated_source(mutant.path, mutant.index))
+                outcome, seconds = _pytest(where, covered[mutant.path], args.timeout)
             finally:
-                shutil.copy(ROOT / path, where / path)
+                shutil.copy(ROOT / mutant.path, where / mutant.path)
                 free.append(where)
             return mutant, outcome, seconds
 
-        todo = [(t, m) for t, m in drawn if m.id not in known]
+        todo = [m for m in drawn if m.id not in known]
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             for mutant, outcome, seconds in pool.map(run, todo):
                 results[mutant.id] = outcome
                 mark = "survived" if outcome == "passed" else f"killed ({outcome})"
-                print(f"{mark:18s} {seconds:6.1f} s  {mutant.id}", flush=True)
+                print(f"{mark:18s} {seconds:6.1f} s  line {mutant.line:4d}  {mutant.id}", flush=True)
 
     survivors = [k for k, v in results.items() if v == "passed"]
-    skipped = [m.id for _t, m in drawn if m.id in known]
+    skipped = [m.id for m in drawn if m.id in known]
     killed = len(results) - len(survivors)
     print(f"\n{len(drawn)} mutants drawn, {len(skipped)} equivalent (listed with reasons in {EQUIVALENT.name}):")
     for key in skipped:
