@@ -25,6 +25,7 @@ from .fused import fusable, fused_default_steps, rms_fusable
 from .layer_norm import center_reading_weights, fold_layer_norm
 from ._common import refuse_reapplication, rewrite, undone_by
 from .norms import fold_rms_norm, rescale_residual_stream
+from .quantisation import migrate_norm_scales
 from .shortformer import shortformer_to_tables
 
 __all__ = [
@@ -54,11 +55,14 @@ def _fold_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tens
 # (``cfg.applied`` is always true of the weights): the LayerNorm fold adds ``ln1.b @ W_V`` and
 # ``ln1.b @ W_K`` to zeroed value and key biases; every rewrite of W_Q, W_K, W_V, W_O or their
 # biases unbalances the refactor's factors (a rotation or a permutation keeps them balanced).
+# Rewrites that move the weights off an earlier record's normal form by design are not listed:
+# a rotation of the residual basis (centering refers to the basis it was made in), a scale
+# migrated into a folded norm's gain (the gain comes back as 1 / s); the record is their history.
 undone_by(_fold_value_biases, fold_layer_norm)
 undone_by(remove_key_biases, fold_layer_norm)
 undone_by(
     _refactor_factored_attn_matrices, fold_layer_norm, fold_rms_norm, center_reading_weights, _fold_value_biases,
-    remove_key_biases, _center_writing_weights, rescale_residual_stream, shortformer_to_tables,
+    remove_key_biases, _center_writing_weights, rescale_residual_stream, shortformer_to_tables, migrate_norm_scales,
 )
 
 
