@@ -130,3 +130,57 @@ def test_a_checkpoint_folder_against_a_state_dict_is_bad_input_naming_the_folder
             assert_equivalent(*pair, LN)
     loaded, loaded_cfg = io.open_checkpoint(tmp_path / "after").load()  # what the message says to do
     assert assert_equivalent(sd, loaded, LN, after_cfg=loaded_cfg).passed
+
+
+# -- the generated checkers say what they check ------------------------------------------------
+
+
+def _checked_identities():
+    from circuitmath import testing
+
+    return [(cm.get_identity(name), check, getattr(testing, f"assert_{cm.get_identity(name).function}"))
+            for name, check in testing.CHECKERS.items()]
+
+
+def test_each_generated_checker_says_what_it_checks_and_how():
+    """``check_<function>``: its first sentence names the transform and, for a note that goes on
+    the sentence (lower case), the note in parentheses; a note that is a sentence of its own
+    (upper case) is a paragraph; then the identity's name and summary. ``assert_<function>``
+    names its ``check_``."""
+    forms = set()
+    for identity, check, assert_ in _checked_identities():
+        first, *rest = check.__doc__.split("\n\n")
+        assert first.startswith(f"Check ``after`` against :func:`circuitmath.{identity.function}` of ``before``")
+        assert first.rstrip().endswith("see :func:`check_identity`).") or rest[0].endswith("See :func:`check_identity`.")
+        note = identity.check_note
+        if note and note[0].islower():
+            assert f"({note}; see :func:`check_identity`)." in first, check.__doc__
+            forms.add("clause")
+        elif note:
+            assert rest[0] == f"{note} See :func:`check_identity`.", check.__doc__
+            forms.add("paragraph")
+        else:
+            assert first.endswith("(see :func:`check_identity`).")
+            forms.add("none")
+        assert rest[-1] == f"The identity is ``{identity.name}``: {identity.summary}."
+        assert check.__name__ == f"check_{identity.function}"
+        assert f":func:`check_{identity.function}`" in assert_.__doc__ and assert_.__name__ == f"assert_{identity.function}"
+    assert forms == {"clause", "paragraph", "none"}  # each form is seen
+
+
+# -- the diagnosis -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1e-3, 1e3])
+def test_a_rotation_is_recognised_whatever_the_size_of_the_embeddings(size):
+    """The rotation is recognised where ``W_E`` kept its row norms up to a tolerance relative to
+    the largest norm: embeddings of norm about 1000 (or 0.001), rotated in float32, keep theirs to
+    about ``eps * 1000`` (``eps * 0.001``)."""
+    from circuitmath._processing.rotation import random_orthogonal
+
+    cfg = LN.replace(normalization_type="RMSPre")
+    sd = cm.random_state_dict(cfg, seed=0)
+    sd = dict(sd, **{n: sd[n] * size for n in ("embed.W_E", "pos_embed.W_pos")})
+    rotated, _ = cm.rotate_residual_stream(sd, cfg, random_orthogonal(cfg.d_model, seed=3, dtype=torch.float32))
+    found = cm.testing.diagnose(sd, rotated, cfg)
+    assert found.ok and found.replayed[-1:] == ("rotate_residual_stream",), str(found)
