@@ -109,7 +109,8 @@ def _reparametrise_proof() -> Proof:
             Step(rhs, r"definitions of $S$ and $H$"),
         ),
         facts=(
-            Fact(S, MatMul(_affine(X, W_Q, b_Q), Transpose(_affine(Y, W_K, b_K))), "the head's scores (times sqrt(e))"),
+            Fact(S, MatMul(_affine(X, W_Q, b_Q), Transpose(_affine(Y, W_K, b_K))),
+                 "the head's scores before scaling: its pattern is the masked row softmax of S over the root of e"),
             Fact(H, MatMul(A, _affine(Z, W_V, b_V), W_O), "the head's output, given its pattern A"),
             Fact.invertible(N, "N is a change of basis of the query/key space"),
             Fact.invertible(N_2, "N_2 is another query head's change of basis"),

@@ -109,8 +109,9 @@ def _norm_rotation_proof() -> Proof:
         ),
         definitions=(CENTERING,),
         facts=ORTHOGONAL + (
-            Fact(RMSPre_x, MatMul(rho, x), "rho = (|x|^2/d + eps)^(-1/2), eps kept"),
-            Fact(RMSPre_xQ, MatMul(rho, x, Q), "rho is the same function of |x Q|^2, which the T_1 term shows is |x|^2"),
+            Fact(RMSPre_x, MatMul(rho, x), "rho, the normaliser: one over the root of the mean square of x plus eps"),
+            Fact(RMSPre_xQ, MatMul(rho, x, Q),
+                 "the same rho: it reads x Q only through its squared norm, by the first conclusion that of x"),
         ),
         samplers={Q: _orthogonal, R: _orthogonal, G: invertible},
         explicit_dims={d: 4, k: 2},
@@ -166,8 +167,9 @@ def _layer_norm_rotation_proof() -> Proof:
         ),
         facts=ORTHOGONAL + (
             CENTERING_FACT,
-            Fact(LNPre_x, MatMul(rho, x, C), "rho = (|x C|^2/d + eps)^(-1/2)"),
-            Fact(LNPre_xQ, MatMul(rho, x, Q, C), "rho, the same function of |x Q C|^2 (the T_1 term)"),
+            Fact(LNPre_x, MatMul(rho, x, C), "rho, one over the root of the mean square of x C plus eps"),
+            Fact(LNPre_xQ, MatMul(rho, x, Q, C),
+                 "the same rho: it reads x Q C only through its squared norm, by the first conclusion that of x C"),
             Fact(MatMul(Q, ones_dd), MatMul(ones_dd, Q),
                  "Q 1 = s 1 with s = ±1, so Q^T 1 = s 1 and Q 1 1^T = s 1 1^T = 1 1^T Q (for an orthogonal Q,"
                  " equivalent to Q 1 = ±1: times 1 it gives Q 1 = c 1, and |Q 1| = |1| gives c = ±1)"),
@@ -211,7 +213,7 @@ TESTS = {name: free_matrix(rf"T_{{{name}}}", rows) for name, rows in (
 MODEL_FACTS = (
     Fact(E_, MatAdd(MatMul(Tok, W_E), MatMul(Pos, W_pos)), "the embeddings: one-hot tokens and positions"),
     Fact(S_, MatMul(MatAdd(MatMul(D, X, W_Q), MatMul(ones_n, b_Q)), Transpose(MatAdd(MatMul(D, X, W_K), MatMul(ones_n, b_K)))),
-         "a head's scores (times sqrt(e)); A is their masked row softmax"),
+         "a head's scores before scaling: its pattern A is the masked row softmax of S over the root of e"),
     Fact(V_, MatAdd(MatMul(D, X, W_V), MatMul(ones_n, b_V)), "the head's values"),
     Fact(Y_, MatAdd(X, MatMul(A, V_, W_O), MatMul(ones_n, b_O)), "the stream after attention"),
     Fact(P_, MatAdd(MatMul(D_2, Y_, W_in), MatMul(ones_n, b_in)), "the MLP's pre-activations"),
@@ -317,9 +319,11 @@ def _slicegpt_proof() -> Proof:
         ),
         facts=ORTHOGONAL + (
             CENTERING_FACT,
-            Fact(LN, MatAdd(MatMul(rho, x, C, DiagMatrix(w)), b_ln), "LayerNorm: rho = (|x C|^2/d + eps)^(-1/2)"),
+            Fact(LN, MatAdd(MatMul(rho, x, C, DiagMatrix(w)), b_ln),
+                 "LayerNorm, rho one over the root of the mean square of x C plus eps"),
             Fact(RMSPre_xCQ, MatMul(rho, x, C, Q),
-                 "after centering every write the stream is x C, after rotating x C Q; rho of |x C Q|^2 (the T_1 term)"),
+                 "after centering every write the stream is x C, after rotating x C Q; rho reads its squared norm,"
+                 " by the first conclusion that of x C"),
         ),
         samplers={Q: _orthogonal},
         explicit_dims={d: 4, m: 3, k: 2},
