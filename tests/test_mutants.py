@@ -184,3 +184,27 @@ def test_a_rotation_is_recognised_whatever_the_size_of_the_embeddings(size):
     rotated, _ = cm.rotate_residual_stream(sd, cfg, random_orthogonal(cfg.d_model, seed=3, dtype=torch.float32))
     found = cm.testing.diagnose(sd, rotated, cfg)
     assert found.ok and found.replayed[-1:] == ("rotate_residual_stream",), str(found)
+
+
+def test_relative_errors_are_over_the_largest_entry():
+    from circuitmath._diagnosis._tensors import _relative_difference
+
+    a, b = torch.tensor([100.0, 0.0, -3.0]), torch.tensor([105.0, 0.0, -3.0])
+    assert _relative_difference(a, b) == (5.0, 5.0 / 105.0)
+    assert _relative_difference(a, b, reference=torch.tensor([-1000.0])) == (5.0, 5.0 / 1000.0)
+    assert _relative_difference(a, a.clone()) == (0.0, 0.0)
+
+
+def test_a_mistake_hidden_under_a_later_step_is_blamed_on_its_step_and_tensors():
+    """Value biases folded without W_O, then the writers centered (b_O centered again): the
+    diagnosis tries each step's wrong rewrites followed by the rest of the replay, from the
+    state and config before that step, and blames the value-bias fold, and only the tensors it
+    touched."""
+    from blame_corpus import corpus
+
+    bug = next(b for b in corpus() if b.name == "value biases folded without W_O, then the writers centred")
+    before, after, after_cfg = bug.outputs()
+    found = cm.testing.diagnose(before, after, bug.cfg, after_cfg=after_cfg)
+    assert not found.ok
+    assert {p.name for p in found.culprits()} == set(bug.touched()), str(found)
+    assert [f.name for f in found.violations if f.kind == "identity"] == ["fold_value_biases"], str(found)
