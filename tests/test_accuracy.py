@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from circuitmath import (
     CircuitMathError, Config, OverflowedError, fold_layer_norm, migrate_norm_scales, process_weights, random_state_dict,
-    rescale_residual_stream, rotate_residual_stream,
+    rescale_residual_stream, rotate_heads, rotate_residual_stream,
 )
 from circuitmath._processing.pipeline import STEPS
 from circuitmath.strategies import models
@@ -116,6 +116,8 @@ def _rotated(state_dict, cfg):
     return rotate_residual_stream(state_dict, cfg, Q)  # a float64 Q for every dtype
 
 
+_ORTHOGONAL_64 = torch.linalg.qr(torch.randn(2, 64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))[0]
+
 _HALF_PRECISION_CASES = [
     ("LN", "fold_layer_norm"), ("LNPre", "center_reading_weights"), ("LN", "center_writing_weights"),
     ("LN", "center_unembed"), ("LN", "fold_value_biases"), ("LN", "refactor_factored_attn_matrices"),
@@ -124,6 +126,8 @@ _HALF_PRECISION_CASES = [
     ("eps 0", functools.partial(rescale_residual_stream, scale=3.0)),
     *((arch, functools.partial(migrate_norm_scales, scales=torch.exp(torch.randn(
         256, dtype=torch.float64, generator=torch.Generator().manual_seed(0))))) for arch in ("RMS", "LN", "RMSPre")),
+    ("RMS", functools.partial(rotate_heads, value=_ORTHOGONAL_64[0])),
+    ("LN", functools.partial(rotate_heads, value=_ORTHOGONAL_64[0], query_key=_ORTHOGONAL_64[1])),
 ]
 
 

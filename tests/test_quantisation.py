@@ -1,10 +1,13 @@
-"""Quantisation pipelines' rewrites: scale migration across a norm (SmoothQuant), its transform,
-its recovery by the diagnosis, and the issue's case of a migration computed in bfloat16."""
+"""Quantisation pipelines' rewrites: scale migration across a norm (SmoothQuant) and rotations
+inside the heads, their transforms, their recovery by the diagnosis, the issue's two cases (a
+migration computed in bfloat16; rotations with W_E centered behind RMSNorm) and a whole pipeline."""
 
 import pytest
 import torch
 
 import circuitmath as cm
+from circuitmath import testing
+from circuitmath._processing.quantisation import nearest_commuting
 from circuitmath.testing import NotEquivalentError, assert_equivalent, check_migrate_norm_scales, diagnose
 
 F64 = torch.float64
@@ -170,3 +173,102 @@ def test_the_planted_error_is_named(wrong):
     report = check_migrate_norm_scales(sd, after, cfg, after_cfg=after_cfg)
     assert not report.ok
     assert any(f.rewrite == f"migrate_norm_scales.{wrong}" for f in report.findings), report
+
+
+# -- rotations inside the heads ---------------------------------------------------------------
+
+
+def _head_rotations(cfg, seed=5, rotary_commuting=False):
+    shape = (cfg.n_layers, cfg.n_key_value_heads or cfg.n_heads, cfg.d_head, cfg.d_head)
+    R = torch.linalg.qr(torch.randn(*shape, dtype=F64, generator=torch.Generator().manual_seed(seed)))[0]
+    return nearest_commuting(R, cfg) if rotary_commuting else R
+
+
+@pytest.mark.parametrize("n_key_value_heads", [None, 2])
+def test_head_rotations_keep_the_function_and_are_recovered(n_key_value_heads):
+    cfg, sd = _model(n_key_value_heads=n_key_value_heads, rotary_dim=6)
+    value, query_key = _head_rotations(cfg), _head_rotations(cfg, seed=6, rotary_commuting=True)
+    copies = {k: v.clone() for k, v in sd.items()}
+    out, out_cfg = cm.rotate_heads(sd, cfg, value=value, query_key=query_key)
+    assert all(torch.equal(sd[k], copies[k]) for k in sd) and out_cfg.applied == ("rotate_heads",)
+    assert_equivalent(sd, out, cfg, after_cfg=out_cfg)
+    found = cm.recover_head_rotations(sd, out, cfg)
+    assert torch.allclose(found["value"], value, atol=1e-12) and torch.allclose(found["query_key"], query_key, atol=1e-12)
+    again, again_cfg = cm.rotate_heads(out, out_cfg, value=value)  # two rotations are one: not refused
+    assert again_cfg.applied == ("rotate_heads", "rotate_heads")
+
+
+def test_head_rotations_that_break_the_identity_are_refused():
+    cfg, sd = _model(n_key_value_heads=2)
+    generic = _head_rotations(cfg)
+    with pytest.raises(cm.PreconditionError, match="commutes with the rotary embedding") as caught:
+        cm.rotate_heads(sd, cfg, query_key=generic)  # mixes rotary pairs
+    assert caught.value.identity == "rotate_heads"
+    for bad, found in ((generic * 1.001, "max |R^T R - I|"), (generic[:, :1], "expected [2, 2, 8, 8]"), (None, "neither")):
+        with pytest.raises(cm.PreconditionError, match="an orthogonal rotation per key/value head") as caught:
+            cm.rotate_heads(sd, cfg, value=bad)
+        assert found in str(caught.value)
+
+
+def test_a_generic_query_key_rotation_keeps_a_model_without_rotary():
+    cfg, sd = _model(positional_embedding_type="standard")
+    out, out_cfg = cm.rotate_heads(sd, cfg, query_key=_head_rotations(cfg))
+    assert_equivalent(sd, out, cfg, after_cfg=out_cfg)
+
+
+@pytest.mark.parametrize("wrong", ["per_query_head", "value_bias_unrotated", "key_unrotated", "output_not_transposed",
+                                   "query_key_generic"])
+def test_the_planted_head_rotation_error_is_named(wrong):
+    cfg, sd = _model(n_key_value_heads=2)
+    after, after_cfg = cm.get_identity("rotate_heads").wrong_rewrites[wrong](sd, cfg)
+    report = testing.check_rotate_heads(sd, after, cfg, after_cfg=after_cfg)
+    assert not report.ok
+    assert [f.rewrite for f in report.findings if f.kind == "identity"] == [f"rotate_heads.{wrong}"], report
+
+
+# -- compositions: the issue's case (b) and a whole pipeline -----------------------------------
+
+
+def _pipeline(sd, cfg, *, center_embedding=False, smooth=True):
+    """fold -> rotate the stream -> rotate the heads' values -> migrate scales into the folded norms."""
+    out, out_cfg = cm.fold_rms_norm({k: v.double() for k, v in sd.items()}, cfg)
+    if center_embedding:  # behind RMSNorm: not exact
+        out = dict(out, **{"embed.W_E": out["embed.W_E"] - out["embed.W_E"].mean(-1, keepdim=True)})
+    out, out_cfg = cm.rotate_residual_stream(out, out_cfg, cm.random_orthogonal(cfg.d_model, seed=3))
+    out, out_cfg = cm.rotate_heads(out, out_cfg, value=_head_rotations(cfg))
+    if smooth:
+        out, out_cfg = cm.migrate_norm_scales(out, out_cfg, _scales(cfg, seed=7))
+    return {k: v.to(sd["embed.W_E"].dtype) for k, v in out.items()}, out_cfg.replace(applied=())
+
+
+@pytest.mark.parametrize("n_key_value_heads", [None, 2])
+def test_every_step_of_a_quantisation_pipeline_is_recovered_and_named(n_key_value_heads):
+    cfg, sd = _model(torch.float32, n_key_value_heads=n_key_value_heads)
+    after, after_cfg = _pipeline(sd, cfg)
+    report = diagnose(sd, after, cfg, after_cfg=after_cfg)
+    assert report.ok, report
+    assert sorted(f.name for f in report.findings if f.kind == "identity") == [
+        "fold_rms_norm", "migrate_norm_scales", "rotate_heads", "rotate_residual_stream"]
+    assert all(f.rewrite == "exact" for f in report.findings if f.kind == "identity")
+
+
+@pytest.mark.parametrize("n_key_value_heads", [None, 2])
+def test_case_b_rotations_recovered_and_the_embedding_centered_behind_rms_norm_named(n_key_value_heads):
+    cfg, sd = _model(torch.float32, n_key_value_heads=n_key_value_heads)
+    after, after_cfg = _pipeline(sd, cfg, center_embedding=True, smooth=False)
+    with pytest.raises(NotEquivalentError):
+        assert_equivalent(sd, after, cfg, after_cfg=after_cfg)
+    report = diagnose(sd, after, cfg, after_cfg=after_cfg)
+    rows = {f.name: f for f in report.findings if f.kind == "identity"}
+    assert set(rows) == {"fold_rms_norm", "rotate_residual_stream", "rotate_heads"}
+    assert rows["rotate_heads"].rewrite == "exact" and rows["fold_rms_norm"].rewrite == "exact"
+    assert rows["rotate_residual_stream"].rewrite == "rotate_residual_stream.centered_embedding"
+    assert [p.name for p in rows["rotate_residual_stream"].parameters] == ["embed.W_E"]
+    assert "only for LayerNorm readers" in str(report)
+
+
+def test_case_b_negative_control_without_the_centering_everything_is_exact():
+    cfg, sd = _model(torch.float32, n_key_value_heads=2)
+    after, after_cfg = _pipeline(sd, cfg, smooth=False)
+    report = diagnose(sd, after, cfg, after_cfg=after_cfg)
+    assert report.ok and all(f.rewrite == "exact" for f in report.findings if f.kind == "identity"), report

@@ -8,6 +8,7 @@ its rewrite applied regardless.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -167,12 +168,15 @@ class _Replay:
                 for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), wrong.function, state, cfg)
             ]
         if identity.name in SYMMETRIES:  # tried only where the symmetry is: not in every search
-            found = identity.recover(state, self.after, cfg) if identity.recover is not None else None
+            # each wrong rewrite with its own parameter and with the one recovered from ``after``
+            found = (identity.recover(state, self.after, cfg) if identity.recover is not None
+                     else _best_rotation(state, self.after, cfg) if identity is ROTATION_INVARIANCE and _same_names(state, self.after)
+                     else None)
             return [
                 candidate
                 for name, wrong in identity.wrong_rewrites.items() if not wrong.regardless
-                for candidate in self._run(f"{identity.name}.{name}", identity.describe(name),
-                                           wrong.function if found is None else _given(wrong.function, found), state, cfg)
+                for function in (wrong.function, *([] if found is None else [_given(wrong.function, found)]))
+                for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), function, state, cfg)
             ]
         allowed = {identity.name, *records}
         return [
@@ -246,10 +250,12 @@ class _Replay:
         except PreconditionError:
             pass
         for start, start_cfg in starts:
-            if not _same_names(start, self.after) or not self._norms_kept(start):
-                continue  # a rotation keeps the norm of every row of W_E: no rotation from this start
+            if not _same_names(start, self.after):
+                continue
             routes = []
-            for names in (_anchors(start_cfg), None):  # W_E alone, then every tensor (uncentered readers fix 1's image)
+            for names in _anchor_sets(start_cfg):
+                if not self._norms_kept(start, (names or ["embed.W_E"])[0]):
+                    continue  # a rotation keeps the norm of every row of a writer: no rotation from this start
                 Q = procrustes(start, self.after, start_cfg, names)
                 back = dict(self.after) | rotated_tensors(self.after, start_cfg, Q.T)
                 routes.append(_Replay(back, self.thresholds).run(before, cfg, None, search=False))
@@ -267,12 +273,12 @@ class _Replay:
         found = self.residual(state, before)
         return (stages, state, state_cfg, found) if len(found) < len(residual) else None
 
-    def _norms_kept(self, start: Mapping) -> bool:
-        """Whether ``after``'s ``W_E`` differs from ``start``'s but its rows have the same norms (to
+    def _norms_kept(self, start: Mapping, name: str = "embed.W_E") -> bool:
+        """Whether ``after``'s writer ``name`` differs from ``start``'s but its rows have the same norms (to
         the recognition threshold): the cheap test before a rotation from ``start`` is looked for."""
-        if self.same("embed.W_E", start["embed.W_E"], None):
-            return False  # W_E itself unchanged: nothing rotated it
-        ours, theirs = (sd["embed.W_E"].double().norm(dim=-1) for sd in (start, self.after))
+        if self.same(name, start[name], None):
+            return False  # the writer itself unchanged: nothing rotated it
+        ours, theirs = (sd[name].double().norm(dim=-1) for sd in (start, self.after))
         if ours.shape != theirs.shape or ours.device != theirs.device:
             return ours.shape == theirs.shape
         scale = max(float(ours.max()), float(theirs.max()), 1e-30)
@@ -479,7 +485,11 @@ def _given(function, parameter):
 
 
 def _same_names(state: Mapping, after: Mapping) -> bool:
-    return set(state) == set(after)
+    """The same tensor names, but for norm parameters ``after`` may add: a later step (a scale
+    migration into a folded norm, ``migrate_norm_scales``) gives a gain back to a norm a fold took
+    it from, and the rotation before it is recovered all the same."""
+    extra = set(after) - set(state)
+    return set(state) <= set(after) and all(re.search(r"(^|\.)ln(1|2|_final)\.[wb]$", name) for name in extra)
 
 
 def _fixes_ones(Q: torch.Tensor) -> bool:
@@ -498,6 +508,18 @@ def _anchors(cfg: Config) -> list[str]:
     return [n for n in residual_writers(cfg) if not n.rsplit(".", 1)[-1].startswith("b_")]
 
 
+def _anchor_sets(cfg: Config) -> list:
+    """The tensors a rotation is recovered from, each set tried: :func:`_anchors`; every tensor
+    (``None``); and, in a model with MLPs, the writers outside the heads and the embedding
+    (``W_pos``, ``b_O``, ``W_out``, ``b_out``: ``W_out`` first), which a rotation inside the heads
+    (``rotate_heads``) or a centered ``W_E`` leave as the rotation made them."""
+    sets = [_anchors(cfg), None]
+    if not cfg.attn_only:
+        outside = [n for n in residual_writers(cfg) if n != "embed.W_E" and not n.endswith("attn.W_O")]
+        sets.append(sorted(outside, key=lambda n: not n.endswith("mlp.W_out")))
+    return sets
+
+
 def _fixing_ones_exactly(Q: torch.Tensor) -> torch.Tensor:
     """The orthogonal matrix nearest ``P Q P + s u u^T`` (``u = 1 / sqrt(d)``, ``P = I - u u^T``,
     ``s = ±1`` the sign of ``u^T Q u``): ``Q`` with ``Q 1 = s 1`` to rounding (``u`` is a
@@ -514,5 +536,5 @@ def _best_rotation(state: Mapping, after: Mapping, cfg: Config) -> torch.Tensor:
     tensors of ``after`` unexplained: ``W_E`` is robust to a wrong rotation of other tensors,
     but leaves the image of a direction no writer has (1, once the writes are centered) free,
     which uncentered readers then fix."""
-    fits = [procrustes(state, after, cfg, names) for names in (_anchors(cfg), None)]
+    fits = [procrustes(state, after, cfg, names) for names in _anchor_sets(cfg)]
     return min(fits, key=lambda Q: len(rotation_mismatches(state, after, cfg, Q)))

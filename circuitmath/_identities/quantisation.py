@@ -1,5 +1,5 @@
 """The rewrites of quantisation pipelines, made before anything is quantised: scale migration across
-a norm (SmoothQuant).
+a norm (SmoothQuant), rotations inside the heads (QuaRot, SpinQuant).
 
 Symbols (row-vector convention, one position of the stream; ``d`` = d_model, ``e`` = d_head,
 ``m`` = d_mlp, ``k`` the columns of the free test matrices ``T``):
@@ -18,14 +18,26 @@ from __future__ import annotations
 
 import sympy
 import torch
-from sympy import DiagMatrix, Inverse, MatAdd, MatMul, MatrixSymbol
+from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Transpose
 
 from .._errors import NOT_APPLIED
 from .._processing._common import NORM_READ_LINEARLY, PRE_NORM, readers
-from .._processing.quantisation import GAINS_AS_STORED, HAS_A_NORM, SCALES_PER_CHANNEL, migrate_norm_scales, recover_norm_scales
+from .._processing.quantisation import (
+    COMMUTES_WITH_ROTARY,
+    GAINS_AS_STORED,
+    HAS_A_NORM,
+    HEAD_ROTATIONS,
+    SCALES_PER_CHANNEL,
+    migrate_norm_scales,
+    nearest_commuting,
+    recover_head_rotations,
+    recover_norm_scales,
+    rotate_heads,
+)
+from .._state import attention_names, key_value_groups, per_query_head
 from .._proof import Fact, Proof, Step, Twin
 from .._registry import Identity, WrongRewrite, register
-from ._circuit_checks import dim
+from ._circuit_checks import dim, rational_orthogonal
 from .rotation import free_matrix
 
 d, e, m, k = (dim(s) for s in ("d", "e", "m", "k"))
@@ -160,5 +172,196 @@ MIGRATE_NORM_SCALES = register(
         },
         recover=recover_norm_scales,
         with_parameters=migrate_norm_scales,
+    )
+)
+
+
+# -- rotations inside the heads ---------------------------------------------------------------
+
+n = dim("n")
+ones_n = OneMatrix(n, 1)
+X_hat = MatrixSymbol(r"\hat{X}", n, d)
+x_i, x_j = MatrixSymbol("x_i", 1, d), MatrixSymbol("x_j", 1, d)
+W_V, W_Q, W_K = (MatrixSymbol(f"W_{c}", d, e) for c in "VQK")
+b_V, b_Q, b_K = (MatrixSymbol(f"b_{c}", 1, e) for c in "VQK")
+W_O1, W_O2 = MatrixSymbol("W_{O,1}", e, d), MatrixSymbol("W_{O,2}", e, d)
+A_1, A_2 = MatrixSymbol("a_1", 1, n), MatrixSymbol("a_2", 1, n)  # the heads' pattern rows at query position i
+V_ = MatrixSymbol("V", n, e)
+U, U_2, R, G_e = (MatrixSymbol(name, e, e) for name in ("U", "U_2", "R", "G"))
+P_i, P_j = MatrixSymbol("P_i", e, e), MatrixSymbol("P_j", e, e)
+T_out, T_s = free_matrix(r"T_{out}", d), free_matrix("T_s", 1)
+
+
+def _head_claim(*, value=U, second_output=None, output=None, value_bias=True, query=R, key=R):
+    """Two query heads sharing one key/value head: their outputs (times ``T_out``) and the score
+    of query position ``i`` on key position ``j`` (times ``T_s``), with the value side rotated by
+    ``value`` (head 2's ``W_O`` by ``second_output``; ``output`` the factor on ``W_O``) and the
+    query and key sides by ``query``, ``key``."""
+    output = Transpose(value) if output is None else output
+    values = MatAdd(MatMul(X_hat, W_V, value), MatMul(ones_n, b_V, value) if value_bias else MatMul(ones_n, b_V))
+    second = output if second_output is None else second_output
+    heads = MatAdd(MatMul(A_1, values, output, W_O1), MatMul(A_2, values, second, W_O2))
+    q = MatMul(MatAdd(MatMul(x_i, W_Q, query), MatMul(b_Q, query)), P_i)
+    k_ = MatMul(MatAdd(MatMul(x_j, W_K, key), MatMul(b_K, key)), P_j)
+    return MatAdd(MatMul(heads, T_out), MatMul(q, Transpose(k_), T_s))
+
+
+def _head_target():
+    q = MatMul(MatAdd(MatMul(x_i, W_Q), b_Q), P_i)
+    k_ = MatMul(MatAdd(MatMul(x_j, W_K), b_K), P_j)
+    return MatAdd(MatMul(MatAdd(MatMul(A_1, V_, W_O1), MatMul(A_2, V_, W_O2)), T_out), MatMul(q, Transpose(k_), T_s))
+
+
+def _rotary_like(rng, shape):
+    """A rotation of the NeoX rotary layout, exact and rational: each pair ``(a, a + h)`` turned by
+    ``[[c, s], [-s, c]]`` with ``(c, s)`` from a Pythagorean triple, a dimension past the pairs
+    kept. Any two such matrices commute: the rotary rotations ``P_i``, ``P_j`` and an ``R`` made so."""
+    size = shape[0]
+    half = size // 2
+    M = sympy.eye(size)
+    for a in range(half):
+        p, q, r = rng.choice([(3, 4, 5), (5, 12, 13), (8, 15, 17), (7, 24, 25)])
+        c, s_ = sympy.Rational(p, r) * rng.choice([1, -1]), sympy.Rational(q, r) * rng.choice([1, -1])
+        M[a, a], M[a + half, a + half], M[a, a + half], M[a + half, a] = c, c, s_, -s_
+    return M
+
+
+def _orthogonal(rng, shape):
+    return rational_orthogonal(rng, shape[0])
+
+
+def _head_rotation_proof() -> Proof:
+    rhs = _head_target()
+    return Proof(
+        lhs=_head_claim(),
+        rhs=rhs,
+        steps=(
+            Step(MatAdd(
+                MatMul(MatAdd(MatMul(A_1, V_, W_O1), MatMul(A_2, V_, W_O2)), T_out),
+                MatMul(MatAdd(MatMul(x_i, W_Q, R), MatMul(b_Q, R)), P_i,
+                       Transpose(MatMul(MatAdd(MatMul(x_j, W_K, R), MatMul(b_K, R)), P_j)), T_s)),
+                 r"the value side: $U U^\top = I$ in each query head's $V U\, U^\top W_O$, one $U$ per group"),
+            Step(rhs, r"the query/key side: $R P_i = P_i R$ and $R P_j^\top = P_j^\top R$ (both turn each rotary"
+                      r" pair within itself), then $R R^\top = I$"),
+        ),
+        facts=(
+            Fact(V_, MatAdd(MatMul(X_hat, W_V), MatMul(ones_n, b_V)), "the group's values"),
+            Fact(MatMul(U, U.T), Eye(e), "U is orthogonal"),
+            Fact(MatMul(U_2, U_2.T), Eye(e), "U_2 (the twin's second rotation) is orthogonal"),
+            Fact(MatMul(R, R.T), Eye(e), "R is orthogonal"),
+            Fact(MatMul(G_e, G_e.T), Eye(e), "G (the twin's rotation) is orthogonal"),
+            Fact(MatMul(R, P_i), MatMul(P_i, R), "R commutes with the rotary rotation of position i"),
+            Fact(MatMul(R, P_j.T), MatMul(P_j.T, R), "R commutes with the inverse rotary rotation of position j"),
+        ),
+        samplers={U: _orthogonal, U_2: _orthogonal, G_e: _orthogonal, R: _rotary_like, P_i: _rotary_like, P_j: _rotary_like},
+        explicit_dims={n: 2, d: 2, e: 4, k: 1},
+        assumptions=(
+            "a_1, a_2 are the two heads' pattern rows at query position i, functions of their scores, which the"
+            " T_s term shows unchanged (for every pair of positions i, j and every head alike)",
+            "P_i = the rotary rotation of position i (NeoX layout: pair (a, a + rotary_dim/2) turned by its angle),"
+            " the identity without rotary embeddings; with distinct frequencies an R commutes with every P_i"
+            " exactly when it turns each pair within itself by a rotation",
+            "grouped-query attention: heads 1 and 2 share the key/value head, so its values V U serve both",
+        ),
+        twins=(
+            Twin("per_query_head", "grouped-query attention: a rotation per query head, U for head 1's W_O and U_2"
+                 " for head 2's, the shared W_V by U", _head_claim(second_output=Transpose(U_2)), rhs),
+            Twin("output_not_transposed", "W_O by U instead of U^T", _head_claim(output=U), rhs),
+            Twin("value_bias_unrotated", "rotate W_V but not b_V", _head_claim(value_bias=False), rhs),
+            Twin("query_key_generic", "rotate queries and keys of a rotary model by a G that mixes rotary pairs",
+                 _head_claim(query=G_e, key=G_e), rhs),
+            Twin("key_unrotated", "rotate the queries but not the keys", _head_claim(key=Eye(e)), rhs),
+        ),
+    )
+
+
+def check_head_rotations(cfg) -> dict[str, torch.Tensor]:
+    """The rotations the numeric checks use (float64 ``[n_layers, kv_heads, d_head, d_head]``):
+    random orthogonal for the values; for queries and keys the same, made to commute with the
+    rotary embedding on a rotary model."""
+    shape = (cfg.n_layers, len(key_value_groups(cfg)), cfg.d_head, cfg.d_head)
+    generator = torch.Generator(device="cpu").manual_seed(CHECK_SEED)
+    value, query_key = (torch.linalg.qr(torch.randn(*shape, generator=generator, dtype=torch.float64))[0] for _ in "vq")
+    if cfg.positional_embedding_type == "rotary":
+        query_key = nearest_commuting(query_key, cfg)
+    return {"value": value, "query_key": query_key}
+
+
+def _rotate_heads(state_dict, cfg, rotations=None):
+    return rotate_heads(state_dict, cfg, **(check_head_rotations(cfg) if rotations is None else rotations))
+
+
+def _heads_but(change):
+    """A wrong rotation: the exact one, then ``change(out, before, cfg, rotations)``."""
+    def wrong(state_dict, cfg, rotations=None):
+        rotations = check_head_rotations(cfg) if rotations is None else rotations
+        out, out_cfg = rotate_heads(state_dict, cfg, **rotations)
+        change(out, state_dict, cfg, rotations)
+        return out, out_cfg
+    return wrong
+
+
+def _per_query_head(out, before, cfg, rotations):
+    """Every other query head of a group turns its W_O by another rotation (the group's next, or the first's)."""
+    R = rotations["value"].double()
+    other = torch.roll(R, 1, dims=1) if R.shape[1] > 1 else R.transpose(-1, -2)
+    for layer in range(cfg.n_layers):
+        name = f"blocks.{layer}.attn.W_O"
+        W = out[name].clone()
+        for g, heads in enumerate(key_value_groups(cfg)):
+            for h in list(heads)[1::2]:
+                W[h] = (other[layer, g].T @ before[name][h].double()).to(W.dtype)
+        out[name] = W
+
+
+def _output_not_transposed(out, before, cfg, rotations):
+    R = per_query_head(rotations["value"].double(), cfg, rotations["value"].shape[1], dim=1)
+    for layer in range(cfg.n_layers):
+        name = f"blocks.{layer}.attn.W_O"
+        out[name] = (R[layer] @ before[name].double()).to(before[name].dtype)
+
+
+def _put_back(sides):
+    def change(out, before, cfg, _rotations):
+        for layer in range(cfg.n_layers):
+            for side, which in sides:
+                name = f"blocks.{layer}.attn.{attention_names(cfg, side)[which]}"
+                out[name] = before[name]
+    return change
+
+
+def _query_key_generic(state_dict, cfg, rotations=None):
+    """Rotate queries and keys by a rotation that mixes rotary pairs (the values as the identity does)."""
+    from ..circuits._bases import _change_bases
+
+    rotations = check_head_rotations(cfg) if rotations is None else rotations
+    out, out_cfg = rotate_heads(state_dict, cfg, value=rotations["value"])
+    generic = torch.linalg.qr(torch.randn(rotations["value"].shape, dtype=torch.float64,
+                                          generator=torch.Generator(device="cpu").manual_seed(CHECK_SEED + 1)))[0]
+    return _change_bases(out, cfg, query=generic, key=generic), out_cfg
+
+
+ROTATE_HEADS = register(
+    Identity(
+        name="rotate_heads",
+        title="Rotating the value/output and query/key spaces of each head",
+        summary="W_V U, b_V U, U^T W_O (one U per key/value head, shared by its group) and W_Q R, W_K R with R"
+        " commuting with the rotary embedding: every head's scores and output are what they were",
+        preconditions=(HEAD_ROTATIONS, COMMUTES_WITH_ROTARY),
+        function="rotate_heads",
+        check_note="the rotations are recovered per key/value head (orthogonal Procrustes; on a rotary model the"
+        " nearest rotation that commutes with it) and every tensor is certified against the rotation by them",
+        build_proof=_head_rotation_proof,
+        transform=_rotate_heads,
+        wrong_rewrites={
+            "per_query_head": WrongRewrite(_heads_but(_per_query_head),
+                                           differs_on=lambda cfg: (cfg.n_key_value_heads or cfg.n_heads) < cfg.n_heads),
+            "value_bias_unrotated": _heads_but(_put_back([("V", 1)])),
+            "key_unrotated": _heads_but(_put_back([("K", 0), ("K", 1)])),
+            "output_not_transposed": _heads_but(_output_not_transposed),
+            "query_key_generic": WrongRewrite(_query_key_generic, differs_on=lambda cfg: cfg.positional_embedding_type == "rotary"),
+        },
+        recover=recover_head_rotations,
+        with_parameters=lambda state_dict, cfg, rotations: rotate_heads(state_dict, cfg, **rotations),
     )
 )

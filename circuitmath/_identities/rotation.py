@@ -42,7 +42,7 @@ from .._processing.rotation import (
 )
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._reference import forward, normalize
-from .._registry import Identity, register
+from .._registry import Identity, WrongRewrite, register
 from .._state import validate_state_dict
 from .._compare import compute_dtype, default_tokens
 from ._circuit_checks import compare_values, dim, rational_orthogonal
@@ -352,11 +352,12 @@ def check_rotation(cfg) -> torch.Tensor:
     return kept_orthogonal(cfg.d_model, seed=CHECK_SEED)
 
 
-def _non_orthogonal(cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """``G = Q diag(s)`` with ``s = exp(N(0, 0.3))`` and its inverse: well conditioned, not orthogonal."""
+def _non_orthogonal(cfg, Q=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``G = Q diag(s)`` with ``s = exp(N(0, 0.3))`` and its inverse: well conditioned, not orthogonal
+    (``Q``: :func:`check_rotation` unless given)."""
     generator = torch.Generator(device="cpu").manual_seed(1)
     scale = torch.exp(0.3 * torch.randn(cfg.d_model, generator=generator, dtype=torch.float64, device="cpu"))
-    Q_ = check_rotation(cfg)
+    Q_ = check_rotation(cfg) if Q is None else Q.double().cpu()
     return Q_ * scale, (Q_ / scale).T
 
 
@@ -382,21 +383,23 @@ def to_rms_pre(state_dict, cfg):
     return state_dict, cfg
 
 
-def _rotate(state_dict, cfg):
-    return rotate_residual_stream(state_dict, cfg, check_rotation(cfg))
+def _rotate(state_dict, cfg, Q=None):
+    """The rotation by ``Q`` (:func:`check_rotation` unless given: the diagnosis passes the ``Q`` it
+    recovered to this and to each wrong rewrite)."""
+    return rotate_residual_stream(state_dict, cfg, check_rotation(cfg) if Q is None else Q)
 
 
-def _rotate_non_orthogonal(state_dict, cfg):
-    G_, G_inv = _non_orthogonal(cfg)
-    _unused, new_cfg = _rotate(state_dict, cfg)
+def _rotate_non_orthogonal(state_dict, cfg, Q=None):
+    G_, G_inv = _non_orthogonal(cfg, Q)
+    _unused, new_cfg = _rotate(state_dict, cfg, Q)
     return _by_hand(state_dict, cfg, lambda W: W @ G_, lambda W: G_inv @ W), new_cfg
 
 
 def forgetting(transform, names_of):
     """A wrong rewrite: ``transform``, then the tensors ``names_of(cfg)`` names put back as they
     were (a ``ValueError`` if there are none: a model without them cannot make this mistake)."""
-    def wrong(state_dict, cfg):
-        out, new_cfg = transform(state_dict, cfg)
+    def wrong(state_dict, cfg, *parameter):
+        out, new_cfg = transform(state_dict, cfg, *parameter)
         names = names_of(cfg)
         if not names:
             raise ValueError("this model has no such tensor to forget")
@@ -406,10 +409,17 @@ def forgetting(transform, names_of):
     return wrong
 
 
-def _readers_not_transposed(state_dict, cfg):
-    Q_ = check_rotation(cfg)
-    _unused, new_cfg = _rotate(state_dict, cfg)
+def _readers_not_transposed(state_dict, cfg, Q=None):
+    Q_ = check_rotation(cfg) if Q is None else Q.double().cpu()
+    _unused, new_cfg = _rotate(state_dict, cfg, Q)
     return _by_hand(state_dict, cfg, lambda W: W @ Q_, lambda W: Q_ @ W), new_cfg
+
+
+def _centered_embedding(state_dict, cfg, Q=None):
+    """Center W_E (subtract its mean over d_model) before rotating: exact behind LayerNorm, which
+    centers what it reads, but behind RMSNorm it changes every norm's input."""
+    centered = dict(state_dict, **{"embed.W_E": state_dict["embed.W_E"] - state_dict["embed.W_E"].mean(-1, keepdim=True)})
+    return _rotate(centered, cfg, Q)
 
 
 def _norm_compare(state_dict, cfg, tokens, computation):
@@ -539,6 +549,9 @@ ROTATION_INVARIANCE = register(
                 _rotate, lambda cfg: ["pos_embed.W_pos"] if cfg.positional_embedding_type in ("standard", "shortformer") else []),
             "forget_writer_bias": forgetting(_rotate, lambda cfg: [f"blocks.{l}.attn.b_O" for l in range(cfg.n_layers)]),
             "readers_not_transposed": _readers_not_transposed,
+            "centered_embedding": WrongRewrite(
+                _centered_embedding, "W_E mean-centered before rotating behind RMSNorm: centering the writes is exact"
+                " only for LayerNorm readers, which center what they read", differs_on=lambda cfg: cfg.normalization_type != "LNPre"),
         },
         prepare=to_rms_pre,
     )

@@ -25,7 +25,12 @@ from .norms import (
     rescale_residual_stream as rescale_residual_stream,
 )
 from .pipeline import process_weights as process_weights
-from .quantisation import migrate_norm_scales as migrate_norm_scales, recover_norm_scales as recover_norm_scales
+from .quantisation import (
+    migrate_norm_scales as migrate_norm_scales,
+    recover_head_rotations as recover_head_rotations,
+    recover_norm_scales as recover_norm_scales,
+    rotate_heads as rotate_heads,
+)
 from .rotation import (
     hadamard as hadamard,
     orthogonal_fixing_ones as orthogonal_fixing_ones,

@@ -1,10 +1,13 @@
-"""The rewrites quantisation pipelines make before they quantise: scale migration across a norm.
+"""The rewrites quantisation pipelines make before they quantise: scale migration across a norm,
+rotations inside the heads.
 
 :func:`migrate_norm_scales` moves a per-channel scale ``s`` (``[d_model]``, one per norm) out of
 a norm's gain and into the input rows of every map that reads that norm (SmoothQuant's
 migration): ``w -> w / s``, ``b -> b / s`` (LayerNorm), ``W -> diag(s) W`` for ``W_Q``, ``W_K``,
 ``W_V``, ``W_in``, ``W_gate`` (and ``W_U`` behind ``ln_final``). :func:`recover_norm_scales`
-finds the ``s`` that maps one model onto another, for the diagnosis.
+finds the ``s`` that maps one model onto another, for the diagnosis. :func:`rotate_heads`
+rotates each head's value/output space (``W_V R``, ``R^T W_O``) and query/key space (``W_Q R``,
+``W_K R``, ``R`` commuting with a rotary embedding); :func:`recover_head_rotations` finds them.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import torch
 
 from .._config import Config
 from .._errors import Precondition, PreconditionError
-from .._state import StateDict, validate_state_dict
+from .._state import StateDict, attention_names, key_value_groups, validate_state_dict
 from ._common import readers, require, rewrite
 from .layer_norm import reader_preconditions
+from .rotation import ORTHOGONALITY_SAFETY
 
-__all__ = ["migrate_norm_scales", "recover_norm_scales", "HAS_A_NORM", "SCALES_PER_CHANNEL", "GAINS_AS_STORED"]
+__all__ = ["migrate_norm_scales", "recover_norm_scales", "rotate_heads", "recover_head_rotations", "rotary_generator", "nearest_commuting",
+           "HAS_A_NORM", "SCALES_PER_CHANNEL", "GAINS_AS_STORED", "HEAD_ROTATIONS", "COMMUTES_WITH_ROTARY"]
 
 HAS_A_NORM = Precondition(
     "every reader sits behind a norm whose gain can take 1/s",
@@ -167,4 +172,178 @@ def recover_norm_scales(before: StateDict, after: StateDict, cfg: Config) -> dic
             votes = torch.where((votes - anchor).abs() <= 2.0**-7 * anchor.abs(), votes, torch.nan)
             s = torch.where(torch.isnan(votes).all(dim=0), anchor, votes.nanmedian(dim=0).values)
         found[norm] = torch.where(torch.isfinite(s) & (s != 0), s, torch.ones_like(s))
+    return found or None
+
+
+def _head_rows(sd: StateDict, cfg: Config, layer: int, group: int, heads, side: str) -> list[torch.Tensor]:
+    """The row blocks ``[rows, d_head]`` of key/value head ``group`` (query heads ``heads``) that a
+    rotation of ``side`` multiplies on the right: ``W_V``, ``b_V``, each ``W_O^T``; or each
+    ``W_Q``, ``b_Q``, then ``W_K``, ``b_K`` (and positional tables)."""
+    p = f"blocks.{layer}.attn"
+    if side == "value":
+        weight, bias, _h = attention_names(cfg, "V")
+        return [sd[f"{p}.{weight}"][group], sd[f"{p}.{bias}"][group][None]] + [sd[f"{p}.W_O"][h].T for h in heads]
+    rows = []
+    for letter, index in (("Q", list(heads)), ("K", [group])):
+        weight, bias, _h = attention_names(cfg, letter)
+        rows += [sd[f"{p}.{weight}"][h] for h in index] + [sd[f"{p}.{bias}"][h][None] for h in index]
+        if f"{p}.pos_{letter}" in sd:
+            rows += [sd[f"{p}.pos_{letter}"][:, h] for h in index]
+    return rows
+
+
+# -- per-head rotations -----------------------------------------------------------------------
+
+HEAD_ROTATIONS = Precondition(
+    "an orthogonal rotation per key/value head",
+    "each rotation is a floating [n_layers, kv_heads, d_head, d_head] (or [d_head, d_head]) tensor, orthogonal"
+    " to the precision of the weights; a group of query heads shares its key/value head's",
+)
+COMMUTES_WITH_ROTARY = Precondition(
+    "the query/key rotation commutes with the rotary embedding",
+    "on a rotary model the query/key rotation turns each rotary pair (i, i + rotary_dim/2) within itself"
+    " ([[c, s], [-s, c]]) and the dimensions past rotary_dim among themselves",
+)
+
+
+def rotary_generator(cfg: Config) -> torch.Tensor:
+    """``J`` ``[d_head, d_head]`` (float64): ``J[i, i + h] = i + 1 = -J[i + h, i]`` for the rotary
+    pairs (``h = rotary_dim / 2``, NeoX layout), zero elsewhere. A matrix commutes with every
+    rotary rotation (one angle per pair, the frequencies distinct) exactly when it commutes with
+    ``J`` (whose pairs' distinct values stand for the distinct frequencies)."""
+    half = (cfg.rotary_dim or cfg.d_head) // 2
+    J = torch.zeros(cfg.d_head, cfg.d_head, dtype=torch.float64)
+    index = torch.arange(half)
+    J[index, index + half] = (index + 1).double()
+    J[index + half, index] = -(index + 1).double()
+    return J
+
+
+def _head_rotations(identity: str, R, cfg: Config, dtype: torch.dtype, side: str) -> torch.Tensor | None:
+    """``R`` as float64 ``[n_layers, kv_heads, d_head, d_head]``, validated (``None`` stays ``None``)."""
+    if R is None:
+        return None
+    kv_heads = cfg.n_key_value_heads or cfg.n_heads
+    shape = (cfg.n_layers, kv_heads, cfg.d_head, cfg.d_head)
+    if not isinstance(R, torch.Tensor) or not R.is_floating_point():
+        raise PreconditionError(identity, HEAD_ROTATIONS, f"{side} is a {type(R).__name__}, not a floating tensor")
+    if tuple(R.shape) == shape[2:]:
+        R = R.expand(shape)
+    if tuple(R.shape) != shape:
+        raise PreconditionError(identity, HEAD_ROTATIONS, f"{side} has shape {list(R.shape)}, expected {list(shape)}"
+                                f" or [{cfg.d_head}, {cfg.d_head}]")
+    R = R.detach().to(device="cpu", dtype=torch.float64)
+    if not bool(torch.isfinite(R).all()):
+        raise PreconditionError(identity, HEAD_ROTATIONS, f"{side} has NaN or infinite entries")
+    tolerance = ORTHOGONALITY_SAFETY * cfg.d_head * torch.finfo(dtype).eps
+    error = float((R.transpose(-1, -2) @ R - torch.eye(cfg.d_head, dtype=torch.float64)).abs().max())
+    require(identity, HEAD_ROTATIONS, error <= tolerance,
+            f"{side}: max |R^T R - I| is {error:.3g}, above {tolerance:.3g} for a {str(dtype).removeprefix('torch.')} model"
+            " (orthogonalise it in float64, e.g. torch.linalg.qr)")
+    if side == "query_key" and cfg.positional_embedding_type == "rotary":
+        J = rotary_generator(cfg)
+        error = float((R @ J - J @ R).abs().max()) / float(J.abs().max())
+        require(identity, COMMUTES_WITH_ROTARY, error <= tolerance,
+                f"max |R J - J R| / max |J| is {error:.3g}, above {tolerance:.3g}: R mixes rotary pairs, or turns a"
+                " pair by a reflection, so it does not commute with the rotation by position between W_Q and W_K")
+    return R
+
+
+@rewrite("rotate_heads")
+def rotate_heads(state_dict: StateDict, cfg: Config, *, value=None, query_key=None) -> tuple[dict[str, torch.Tensor], Config]:
+    """Rotate the value/output space and the query/key space of every head.
+
+    ``value`` and ``query_key`` are orthogonal ``R`` ``[n_layers, kv_heads, d_head, d_head]``
+    (or one ``[d_head, d_head]`` for every head), one per key/value head (``kv_heads``:
+    ``n_key_value_heads`` or ``n_heads``), shared by the query heads of its group; ``None``
+    leaves that side alone. ``value``: ``W_V -> W_V R``, ``b_V -> b_V R`` and every query head's
+    ``W_O -> R^T W_O`` (``[heads, d_head, d_model]``), so each head's ``A (x W_V + b_V) R R^T W_O``
+    is what it was. ``query_key``: ``W_Q, b_Q, W_K, b_K`` (and positional tables) ``-> (.) R``, so
+    the scores ``q R (k R)^T = q k^T``; on a rotary model ``R`` must commute with the rotation by
+    position between them (turn each rotary pair within itself, ``[[c, s], [-s, c]]``, and the
+    dimensions past ``rotary_dim`` among themselves). Identity ``rotate_heads``; the general
+    invertible change of basis is ``refactor_factored_attn_matrices``'s.
+
+    Norms play no part: any model with attention. Computed in float64 and rounded once; dtypes
+    and devices kept. Two rotations compose into one, so a second application is not refused;
+    each records ``"rotate_heads"``.
+    """
+    from ..circuits._bases import _change_bases  # the one copy of the per-head products; circuits imports _processing
+
+    identity = "rotate_heads"
+    dtype = validate_state_dict(state_dict, cfg)
+    R_v = _head_rotations(identity, value, cfg, dtype, "value")
+    R_qk = _head_rotations(identity, query_key, cfg, dtype, "query_key")
+    if R_v is None and R_qk is None:
+        raise PreconditionError(identity, HEAD_ROTATIONS, "neither value nor query_key is given")
+    changes = {}
+    if R_v is not None:
+        changes |= {"value": R_v, "output": R_v.transpose(-1, -2)}
+    if R_qk is not None:
+        changes |= {"query": R_qk, "key": R_qk}
+    return _change_bases(state_dict, cfg, **changes), cfg.replace(applied=cfg.applied + (identity,))
+
+
+def _fit(pairs: list[tuple[torch.Tensor, torch.Tensor]], project=None) -> torch.Tensor:
+    """The orthogonal ``R`` with ``A R`` closest to ``B`` for the row blocks ``pairs`` (``(A_t, B_t)``
+    per tensor ``t``, float64): orthogonal Procrustes on all rows, and on each tensor's rows alone
+    where they span the space; of these (each passed through ``project``), the one that leaves the
+    fewest tensors off by more than ``2**-6`` of their largest entry, all rows on a tie. So one
+    tensor rotated wrongly (a bias left alone, ``W_O`` by ``R`` instead of ``R^T``) does not bend
+    the rotation the others show."""
+    size = pairs[0][0].shape[1]
+    subsets = [pairs] + [[pair] for pair in pairs if pair[0].shape[0] >= size]
+    best, fewest = None, None
+    for subset in subsets:
+        A, B = torch.cat([a for a, _b in subset]), torch.cat([b for _a, b in subset])
+        U, _S, Vh = torch.linalg.svd(A.T @ B)
+        R = U @ Vh if project is None else project(U @ Vh)
+        off = sum(float((a @ R - b).abs().max()) > 2.0**-6 * max(float(b.abs().max()), 1e-30) for a, b in pairs)
+        if fewest is None or off < fewest:
+            best, fewest = R, off
+    return best
+
+
+def nearest_commuting(R: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """The rotation nearest ``R`` that commutes with the rotary embedding: each rotary pair's
+    block made ``[[c, s], [-s, c]]`` and normalised, the rest orthogonalised, the rest cut off."""
+    half = (cfg.rotary_dim or cfg.d_head) // 2
+    out = torch.zeros_like(R)
+    i = torch.arange(half)
+    c = (R[..., i, i] + R[..., i + half, i + half]) / 2
+    s = (R[..., i, i + half] - R[..., i + half, i]) / 2
+    norm = torch.sqrt(c * c + s * s).clamp_min(1e-300)
+    c, s = c / norm, s / norm
+    out[..., i, i], out[..., i + half, i + half], out[..., i, i + half], out[..., i + half, i] = c, c, s, -s
+    rest = slice(2 * half, cfg.d_head)
+    if 2 * half < cfg.d_head:
+        U, _S, Vh = torch.linalg.svd(R[..., rest, rest])
+        out[..., rest, rest] = U @ Vh
+    return out
+
+
+def recover_head_rotations(before: StateDict, after: StateDict, cfg: Config) -> dict[str, torch.Tensor] | None:
+    """``{"value": R_v, "query_key": R_qk}`` (float64 ``[n_layers, kv_heads, d_head, d_head]``, a side
+    left out where nothing changed) with ``after`` close to ``rotate_heads(before, cfg, **them)``, or
+    ``None`` when neither side changed. Per key/value head, orthogonal Procrustes (:func:`_fit`)
+    on the rows of :func:`_head_rows`, on a rotary model's query/key side made the nearest rotation
+    that commutes with the rotary embedding. Not verified here."""
+
+    sides = {"value": ("V", "O"), "query_key": ("Q", "K")}
+    found = {}
+    for side, (first, second) in sides.items():
+        names = [f"blocks.{l}.attn.{n}" for l in range(cfg.n_layers) for letter in (first, second)
+                 for n in (attention_names(cfg, letter)[:2] if letter != "O" else ("W_O",))]
+        if any(n not in before or n not in after or before[n].shape != after[n].shape for n in names):
+            return None
+        if all(torch.equal(before[n], after[n]) for n in names):
+            continue
+        R = torch.empty(cfg.n_layers, len(key_value_groups(cfg)), cfg.d_head, cfg.d_head, dtype=torch.float64)
+        project = (lambda Q: nearest_commuting(Q, cfg)) if side == "query_key" and cfg.positional_embedding_type == "rotary" else None
+        for layer in range(cfg.n_layers):
+            for g, heads in enumerate(key_value_groups(cfg)):
+                R[layer, g] = _fit([(a.double().cpu(), b.double().cpu()) for a, b in
+                                    zip(_head_rows(before, cfg, layer, g, heads, side), _head_rows(after, cfg, layer, g, heads, side))],
+                                   project)
+        found[side] = R
     return found or None
