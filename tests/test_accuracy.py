@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from circuitmath import (
     CircuitMathError, Config, OverflowedError, fold_layer_norm, migrate_norm_scales, process_weights, random_state_dict,
-    rescale_residual_stream, rotate_heads, rotate_residual_stream,
+    rescale_residual_stream, rotate_heads, rotate_residual_stream, scale_neurons,
 )
 from circuitmath._processing.pipeline import STEPS
 from circuitmath.strategies import models
@@ -128,6 +128,8 @@ _HALF_PRECISION_CASES = [
         256, dtype=torch.float64, generator=torch.Generator().manual_seed(0))))) for arch in ("RMS", "LN", "RMSPre")),
     ("RMS", functools.partial(rotate_heads, value=_ORTHOGONAL_64[0])),
     ("LN", functools.partial(rotate_heads, value=_ORTHOGONAL_64[0], query_key=_ORTHOGONAL_64[1])),
+    ("RMS", functools.partial(scale_neurons, scales=torch.exp(torch.randn(
+        512, dtype=torch.float64, generator=torch.Generator().manual_seed(2))))),
 ]
 
 

@@ -52,6 +52,7 @@ CHECKERS = {
     "permute_neurons": (testing.check_permute_neurons, {}),
     "migrate_norm_scales": (testing.check_migrate_norm_scales, {"normalization_type": "RMS", "gated_mlp": True}),
     "rotate_heads": (testing.check_rotate_heads, {"n_heads": 4, "n_key_value_heads": 2}),
+    "scale_neurons": (testing.check_scale_neurons, {"normalization_type": "RMS", "gated_mlp": True}),
 }
 
 

@@ -272,3 +272,62 @@ def test_case_b_negative_control_without_the_centering_everything_is_exact():
     after, after_cfg = _pipeline(sd, cfg, smooth=False)
     report = diagnose(sd, after, cfg, after_cfg=after_cfg)
     assert report.ok and all(f.rewrite == "exact" for f in report.findings if f.kind == "identity"), report
+
+
+# -- scales through the MLP's product or its ReLU --------------------------------------------
+
+
+@pytest.mark.parametrize("changes", [{}, {"gated_mlp": False, "act_fn": "relu", "normalization_type": "LN"}])
+def test_neuron_scales_keep_the_function_and_are_recovered(changes):
+    cfg, sd = _model(**changes)
+    s = torch.exp(torch.randn(cfg.n_layers, cfg.d_mlp, dtype=F64, generator=torch.Generator().manual_seed(2)))
+    copies = {k: v.clone() for k, v in sd.items()}
+    out, out_cfg = cm.scale_neurons(sd, cfg, s)
+    assert all(torch.equal(sd[k], copies[k]) for k in sd) and out_cfg.applied == ("scale_neurons",)
+    assert_equivalent(sd, out, cfg, after_cfg=out_cfg)
+    assert torch.allclose(cm.recover_neuron_scales(sd, out, cfg), s, rtol=1e-13, atol=0)
+    assert cm.recover_neuron_scales(sd, dict(sd), cfg) is None
+    if cfg.gated_mlp:  # any nonzero scale through the product
+        assert_equivalent(sd, *cm.scale_neurons(sd, cfg, -s)[:1], cfg, after_cfg=out_cfg)
+
+
+@pytest.mark.parametrize("changes, scale, found", [
+    ({"gated_mlp": False, "act_fn": "gelu"}, 2.0, "act_fn is 'gelu' in an ungated MLP"),
+    ({"gated_mlp": False, "act_fn": "silu"}, 2.0, "act_fn is 'silu' in an ungated MLP"),
+    ({"gated_mlp": False, "act_fn": "relu"}, -2.0, "negative scales through ReLU"),
+])
+def test_scales_through_a_non_homogeneous_activation_are_refused(changes, scale, found):
+    cfg, sd = _model(**changes)
+    with pytest.raises(cm.PreconditionError, match="reaches W_out linearly") as caught:
+        cm.scale_neurons(sd, cfg, torch.full((cfg.d_mlp,), scale, dtype=F64))
+    assert caught.value.identity == "scale_neurons" and found in str(caught.value)
+    # negative control: the rewrite applied regardless changes the model, and the diagnosis names the refusal
+    after, after_cfg = cm.get_identity("scale_neurons").wrong_rewrites["regardless"](
+        sd, cfg, torch.full((cfg.n_layers, cfg.d_mlp), scale, dtype=F64))
+    with pytest.raises(NotEquivalentError):
+        assert_equivalent(sd, after, cfg, after_cfg=after_cfg)
+    row = next(f for f in testing.check_scale_neurons(sd, after, cfg, after_cfg=after_cfg).findings if f.name == "scale_neurons")
+    assert row.rewrite == "scale_neurons.regardless" and row.precondition == "the scaled pre-activation reaches W_out linearly"
+
+
+@pytest.mark.parametrize("wrong", ["through_gate", "out_not_divided", "bias_not_scaled"])
+def test_the_planted_neuron_scale_error_is_named(wrong):
+    cfg, sd = _model(n_key_value_heads=2)
+    after, after_cfg = cm.get_identity("scale_neurons").wrong_rewrites[wrong](sd, cfg)
+    report = testing.check_scale_neurons(sd, after, cfg, after_cfg=after_cfg)
+    assert not report.ok
+    assert [f.rewrite for f in report.findings if f.kind == "identity"] == [f"scale_neurons.{wrong}"], report
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_neuron_scaling_computed_elsewhere_is_accepted_and_named(dtype):
+    cfg, sd = _model(dtype, n_key_value_heads=2)
+    s = torch.exp(torch.randn(cfg.d_mlp, generator=torch.Generator().manual_seed(2))).to(dtype)
+    after = dict(sd)
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}.mlp"
+        after[f"{p}.W_in"], after[f"{p}.b_in"] = sd[f"{p}.W_in"] * s, sd[f"{p}.b_in"] * s
+        after[f"{p}.W_out"] = sd[f"{p}.W_out"] / s[:, None]
+    assert_equivalent(sd, after, cfg)
+    report = diagnose(sd, after, cfg)
+    assert [(f.name, f.rewrite) for f in report.findings if f.kind == "identity"] == [("scale_neurons", "exact")]

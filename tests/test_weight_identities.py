@@ -77,7 +77,7 @@ def test_the_transform_is_pure_keeps_the_dtype_records_itself_and_runs_once(iden
 #: Symmetries whose transform composes with itself (two rotations are a rotation; two
 #: permutations a permutation): applying them twice is exact and is not refused.
 COMPOSING = {"layer_norm_rotation", "rms_norm_rotation", "rotate_residual_stream", "permute_heads", "permute_neurons",
-             "rotate_heads"}
+             "rotate_heads", "scale_neurons"}
 
 
 #: Identities whose checker cannot recognise their exact rewrite (strict xfail: a gap that closes

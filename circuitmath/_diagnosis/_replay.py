@@ -161,20 +161,15 @@ class _Replay:
         when it refuses the model; otherwise its wrong rewrites and the wrong rewrites of other
         identities that record it as applied, and nothing that its exact rewrite, which
         records ``records``, does not (a wrong pipeline is no wrong version of one of its steps)."""
-        if refused:
-            return [
-                candidate
-                for name, wrong in identity.wrong_rewrites.items() if wrong.regardless
-                for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), wrong.function, state, cfg)
-            ]
-        if identity.name in SYMMETRIES:  # tried only where the symmetry is: not in every search
-            # each wrong rewrite with its own parameter and with the one recovered from ``after``
-            found = (identity.recover(state, self.after, cfg) if identity.recover is not None
+        if refused or identity.name in SYMMETRIES:  # a symmetry's tried only where the symmetry is: not in every search
+            # each with its own parameter and, for a symmetry, with the one recovered from ``after``
+            found = (None if identity.name not in SYMMETRIES
+                     else identity.recover(state, self.after, cfg) if identity.recover is not None
                      else _best_rotation(state, self.after, cfg) if identity is ROTATION_INVARIANCE and _same_names(state, self.after)
                      else None)
             return [
                 candidate
-                for name, wrong in identity.wrong_rewrites.items() if not wrong.regardless
+                for name, wrong in identity.wrong_rewrites.items() if wrong.regardless == refused
                 for function in (wrong.function, *([] if found is None else [_given(wrong.function, found)]))
                 for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), function, state, cfg)
             ]

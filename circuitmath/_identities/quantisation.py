@@ -1,5 +1,6 @@
 """The rewrites of quantisation pipelines, made before anything is quantised: scale migration across
-a norm (SmoothQuant), rotations inside the heads (QuaRot, SpinQuant).
+a norm (SmoothQuant), rotations inside the heads (QuaRot, SpinQuant), scales through a gated MLP's
+product or a ReLU (SmoothQuant/AWQ between up and down projections, cross-layer equalisation).
 
 Symbols (row-vector convention, one position of the stream; ``d`` = d_model, ``e`` = d_head,
 ``m`` = d_mlp, ``k`` the columns of the free test matrices ``T``):
@@ -29,11 +30,16 @@ from .._processing.quantisation import (
     HEAD_ROTATIONS,
     SCALES_PER_CHANNEL,
     migrate_norm_scales,
+    NEURON_SCALES,
+    SCALE_REACHES_OUTPUT_LINEARLY,
     nearest_commuting,
     recover_head_rotations,
+    recover_neuron_scales,
     recover_norm_scales,
     rotate_heads,
+    scale_neurons,
 )
+from .._processing.rotation import HAS_MLPS
 from .._state import attention_names, key_value_groups, per_query_head
 from .._proof import Fact, Proof, Step, Twin
 from .._registry import Identity, WrongRewrite, register
@@ -363,5 +369,131 @@ ROTATE_HEADS = register(
         },
         recover=recover_head_rotations,
         with_parameters=lambda state_dict, cfg, rotations: rotate_heads(state_dict, cfg, **rotations),
+    )
+)
+
+
+# -- scales through the MLP's product or its ReLU -------------------------------------------
+
+x_row = MatrixSymbol("x", 1, d)
+W_in, W_gate_, W_out = MatrixSymbol(r"W_{in}", d, m), MatrixSymbol(r"W_{gate}", d, m), MatrixSymbol(r"W_{out}", m, d)
+b_in = MatrixSymbol(r"b_{in}", 1, m)
+s_m = MatrixSymbol("s", m, 1)
+S_m = DiagMatrix(s_m)
+g = MatrixSymbol("g", m, 1)  # act(x W_gate)^T: the gate, which the rewrite leaves alone
+g_s = MatrixSymbol("g_s", m, 1)  # act(x W_gate diag(s))^T: the twin's gate, no function of g
+F_relu, F_s = MatrixSymbol("f", 1, m), MatrixSymbol("f_s", 1, m)  # an ungated ReLU MLP's hidden row
+F_neg = MatrixSymbol("f_-", 1, m)
+T_g, T_r = free_matrix(r"T_{gated}", d), free_matrix(r"T_{relu}", d)
+
+
+def _neuron_claim(*, up=S_m, bias=True, gate=g, out=None, relu=F_s):
+    """A gated MLP (times ``T_gated``) and an ungated ReLU MLP (times ``T_relu``) at one position, their up projection scaled by ``up``, ``W_out`` by ``out`` (``diag(s)^-1``
+    by default), the gate's activations ``gate`` and the ReLU's ``relu``."""
+    out = Inverse(S_m) if out is None else out
+    pre = MatAdd(MatMul(x_row, W_in, up), MatMul(b_in, up) if bias else b_in)
+    gated = MatMul(pre, DiagMatrix(gate), out, W_out, T_g)
+    return MatAdd(gated, MatMul(relu, out, W_out, T_r))
+
+
+def _neuron_scales_proof() -> Proof:
+    rhs = MatAdd(MatMul(MatAdd(MatMul(x_row, W_in), b_in), DiagMatrix(g), W_out, T_g), MatMul(F_relu, W_out, T_r))
+    return Proof(
+        lhs=_neuron_claim(),
+        rhs=rhs,
+        steps=(
+            Step(MatAdd(MatMul(MatAdd(MatMul(x_row, W_in), b_in), DiagMatrix(g), S_m, Inverse(S_m), W_out, T_g),
+                        MatMul(F_relu, S_m, Inverse(S_m), W_out, T_r)),
+                 r"the product with the gate is entrywise: $\operatorname{diag}(s) \operatorname{diag}(g) ="
+                 r" \operatorname{diag}(g) \operatorname{diag}(s)$; ReLU: $f_s = f \operatorname{diag}(s)$"),
+            Step(rhs, r"$\operatorname{diag}(s) \operatorname{diag}(s)^{-1} = I$"),
+        ),
+        facts=(
+            Fact(F_s, MatMul(F_relu, S_m), "relu(p diag(s)) = relu(p) diag(s) entry by entry: positive homogeneity, s > 0"),
+            Fact.invertible(S_m, "every scale is nonzero"),
+            Fact(MatMul(S_m, DiagMatrix(g)), MatMul(DiagMatrix(g), S_m), "diagonal matrices commute"),
+        ),
+        samplers={s_m: _positive_vector},
+        explicit_dims={n: 2, d: 2, m: 3, k: 1},
+        assumptions=(
+            "gated: g = act(x W_gate)^T, which the rewrite leaves alone; the MLP's hidden row is (x W_in + b_in) diag(g)",
+            "ungated: f = relu(p) for the pre-activations p = x W_in + b_in; s > 0, so relu(p diag(s)) = f diag(s)",
+        ),
+        twins=(
+            Twin("through_gate", "scale the gate's columns instead of W_in's: act(z s) is no function of act(z) s"
+                 " (SiLU, GELU), so the gate becomes an unrelated g_s", _neuron_claim(up=Eye(m), gate=g_s), rhs),
+            Twin("out_not_divided", "scale W_in but leave W_out", _neuron_claim(out=Eye(m)), rhs),
+            Twin("bias_not_scaled", "scale W_in but not b_in", _neuron_claim(bias=False), rhs),
+            Twin("not_homogeneous", "an ungated GELU or SiLU MLP, or ReLU with a negative scale: act(p diag(s)) is"
+                 " another row f_-, not f diag(s)", _neuron_claim(relu=F_neg), rhs),
+        ),
+    )
+
+
+def _positive_vector(rng, shape):
+    return sympy.Matrix(*shape, lambda i, j: sympy.Rational(rng.randint(1, 9), rng.randint(1, 4)))
+
+
+def check_neuron_scales(cfg) -> torch.Tensor:
+    """The scales the numeric checks use: ``exp(N(0, 1))`` per neuron and layer (float64)."""
+    generator = torch.Generator(device="cpu").manual_seed(CHECK_SEED)
+    return torch.exp(torch.randn(cfg.n_layers, cfg.d_mlp or 0, generator=generator, dtype=torch.float64))
+
+
+def _scale_neurons(state_dict, cfg, scales=None):
+    return scale_neurons(state_dict, cfg, check_neuron_scales(cfg) if scales is None else scales)
+
+
+def _neurons_but(leaf=None, into=None):
+    """A wrong scaling: the exact one, then every layer's ``mlp.<leaf>`` put back, or the scales
+    applied to ``mlp.<into>``'s columns as well."""
+    def wrong(state_dict, cfg, scales=None):
+        scales = check_neuron_scales(cfg) if scales is None else scales
+        out, out_cfg = scale_neurons(state_dict, cfg, scales)
+        for layer in range(cfg.n_layers):
+            p = f"blocks.{layer}.mlp"
+            if leaf is not None:
+                out[f"{p}.{leaf}"] = state_dict[f"{p}.{leaf}"]
+            if into is not None:
+                W = state_dict[f"{p}.{into}"]
+                s = scales.double() if scales.ndim == 1 else scales[layer].double()
+                out[f"{p}.{into}"] = (W.double() * s.to(W.device)).to(W.dtype)
+        return out, out_cfg
+    return wrong
+
+
+def _regardless(state_dict, cfg, scales=None):
+    """Scale the neurons of an MLP the identity refuses (GELU or SiLU without a gate, or ReLU with a
+    negative scale): the activation is not positively homogeneous there."""
+    scales = check_neuron_scales(cfg) if scales is None else scales
+    out = dict(state_dict)
+    for layer in range(cfg.n_layers):
+        p, s = f"blocks.{layer}.mlp", (scales.double() if scales.ndim == 1 else scales[layer].double())
+        for name, shaped in (("W_in", s), ("b_in", s), ("W_out", 1 / s[:, None])):
+            W = state_dict[f"{p}.{name}"]
+            out[f"{p}.{name}"] = (W.double() * shaped.to(W.device)).to(W.dtype)
+    return out, cfg.replace(applied=cfg.applied + ("scale_neurons",))
+
+
+SCALE_NEURONS = register(
+    Identity(
+        name="scale_neurons",
+        title="Scaling neurons through a gated product or a ReLU (cross-layer equalisation)",
+        summary="W_in diag(s), b_in s, diag(1/s) W_out: exact through a gated MLP's up projection for any nonzero s,"
+        " through ReLU for s > 0; not through the gate, GELU or SiLU, or ReLU with s < 0",
+        preconditions=(HAS_MLPS, NEURON_SCALES, SCALE_REACHES_OUTPUT_LINEARLY),
+        function="scale_neurons",
+        check_note="the scales are recovered from each neuron's W_in column (or W_out row) and every tensor is"
+        " certified against the scaling by them",
+        build_proof=_neuron_scales_proof,
+        transform=_scale_neurons,
+        wrong_rewrites={
+            "through_gate": WrongRewrite(_neurons_but(leaf="W_in", into="W_gate"), differs_on=lambda cfg: cfg.gated_mlp),
+            "out_not_divided": _neurons_but(leaf="W_out"),
+            "bias_not_scaled": _neurons_but(leaf="b_in"),
+            "regardless": WrongRewrite(_regardless, regardless=True),
+        },
+        recover=recover_neuron_scales,
+        with_parameters=scale_neurons,
     )
 )

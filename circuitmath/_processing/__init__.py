@@ -29,7 +29,9 @@ from .quantisation import (
     migrate_norm_scales as migrate_norm_scales,
     recover_head_rotations as recover_head_rotations,
     recover_norm_scales as recover_norm_scales,
+    recover_neuron_scales as recover_neuron_scales,
     rotate_heads as rotate_heads,
+    scale_neurons as scale_neurons,
 )
 from .rotation import (
     hadamard as hadamard,

@@ -8,6 +8,8 @@ migration): ``w -> w / s``, ``b -> b / s`` (LayerNorm), ``W -> diag(s) W`` for `
 finds the ``s`` that maps one model onto another, for the diagnosis. :func:`rotate_heads`
 rotates each head's value/output space (``W_V R``, ``R^T W_O``) and query/key space (``W_Q R``,
 ``W_K R``, ``R`` commuting with a rotary embedding); :func:`recover_head_rotations` finds them.
+:func:`scale_neurons` scales each neuron's input by ``s`` and its output by ``1 / s`` through a
+gated MLP's product or a ReLU (cross-layer equalisation); :func:`recover_neuron_scales` finds ``s``.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from .._errors import Precondition, PreconditionError
 from .._state import StateDict, attention_names, key_value_groups, validate_state_dict
 from ._common import readers, require, rewrite
 from .layer_norm import reader_preconditions
-from .rotation import ORTHOGONALITY_SAFETY
+from .rotation import HAS_MLPS, ORTHOGONALITY_SAFETY
 
 __all__ = ["migrate_norm_scales", "recover_norm_scales", "rotate_heads", "recover_head_rotations", "rotary_generator", "nearest_commuting",
+           "scale_neurons", "recover_neuron_scales", "NEURON_SCALES", "SCALE_REACHES_OUTPUT_LINEARLY",
            "HAS_A_NORM", "SCALES_PER_CHANNEL", "GAINS_AS_STORED", "HEAD_ROTATIONS", "COMMUTES_WITH_ROTARY"]
 
 HAS_A_NORM = Precondition(
@@ -233,6 +236,8 @@ def _head_rotations(identity: str, R, cfg: Config, dtype: torch.dtype, side: str
         raise PreconditionError(identity, HEAD_ROTATIONS, f"{side} has shape {list(R.shape)}, expected {list(shape)}"
                                 f" or [{cfg.d_head}, {cfg.d_head}]")
     R = R.detach().to(device="cpu", dtype=torch.float64)
+    if not R.numel():  # no layers (the ends of a model cut into parts): nothing to rotate
+        return R
     if not bool(torch.isfinite(R).all()):
         raise PreconditionError(identity, HEAD_ROTATIONS, f"{side} has NaN or infinite entries")
     tolerance = ORTHOGONALITY_SAFETY * cfg.d_head * torch.finfo(dtype).eps
@@ -347,3 +352,83 @@ def recover_head_rotations(before: StateDict, after: StateDict, cfg: Config) -> 
                                    project)
         found[side] = R
     return found or None
+
+
+# -- scales through the MLP's product or its ReLU -------------------------------------------
+
+NEURON_SCALES = Precondition(
+    "a finite nonzero scale per neuron",
+    "s is a floating [d_mlp] or [n_layers, d_mlp] tensor, finite and nonzero",
+)
+SCALE_REACHES_OUTPUT_LINEARLY = Precondition(
+    "the scaled pre-activation reaches W_out linearly",
+    "the MLP is gated (the up projection W_in enters the product act(x W_gate) * (x W_in) linearly), or its"
+    " activation is ReLU and every scale positive (relu(s z) = s relu(z) for s > 0)",
+)
+
+
+@rewrite("scale_neurons")
+def scale_neurons(state_dict: StateDict, cfg: Config, scales) -> tuple[dict[str, torch.Tensor], Config]:
+    """Scale each MLP neuron's input by ``s`` and its output by ``1 / s``.
+
+    ``scales`` is ``[d_mlp]`` (every layer) or ``[n_layers, d_mlp]``: ``W_in -> W_in diag(s)``
+    (``[d_model, d_mlp]``), ``b_in -> b_in s``, ``W_out -> diag(1/s) W_out`` (``[d_mlp, d_model]``).
+    A gated MLP computes ``act(x W_gate) * (x W_in + b_in)``: the up projection enters the product
+    linearly, so any nonzero ``s`` is exact (SmoothQuant and AWQ between ``up`` and ``down``);
+    ``W_gate`` is left alone, since ``act(z s) != act(z) s``. An ungated MLP is exact only through
+    ReLU with ``s > 0`` (cross-layer equalisation: ``relu(s z) = s relu(z)``); GELU, SiLU and
+    negative scales are refused. Identity ``scale_neurons``. Computed in float64 and rounded once;
+    dtypes and devices kept. Two scalings are one, so a second application is not refused; each
+    records ``"scale_neurons"``.
+    """
+    identity = "scale_neurons"
+    require(identity, HAS_MLPS, not cfg.attn_only, "the model is attention-only: there are no neurons to scale")
+    validate_state_dict(state_dict, cfg)
+    if not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
+        raise PreconditionError(identity, NEURON_SCALES, f"got {type(scales).__name__}, not a floating tensor")
+    s = scales.detach().to(device="cpu", dtype=torch.float64)
+    if s.ndim == 1:
+        s = s.expand(cfg.n_layers, -1)
+    if tuple(s.shape) != (cfg.n_layers, cfg.d_mlp):
+        raise PreconditionError(identity, NEURON_SCALES,
+                                f"shape {list(scales.shape)}, expected [{cfg.d_mlp}] or [{cfg.n_layers}, {cfg.d_mlp}]")
+    bad = int((~torch.isfinite(s) | (s == 0)).sum())
+    if bad:
+        raise PreconditionError(identity, NEURON_SCALES, f"{bad} zero, NaN or infinite scales")
+    if not cfg.gated_mlp:
+        require(identity, SCALE_REACHES_OUTPUT_LINEARLY, cfg.act_fn == "relu",
+                f"act_fn is {cfg.act_fn!r} in an ungated MLP: {cfg.act_fn}(s z) is not s {cfg.act_fn}(z)")
+        negative = int((s < 0).sum())
+        require(identity, SCALE_REACHES_OUTPUT_LINEARLY, negative == 0,
+                f"{negative} negative scales through ReLU: relu(s z) = -s relu(-z), not s relu(z), when s < 0")
+    out = dict(state_dict)
+    for layer in range(cfg.n_layers):
+        p, scale = f"blocks.{layer}.mlp", s[layer]
+        for name, shaped in (("W_in", scale), ("b_in", scale), ("W_out", 1 / scale[:, None])):
+            tensor = state_dict[f"{p}.{name}"]
+            out[f"{p}.{name}"] = (tensor.double() * shaped.to(tensor.device)).to(tensor.dtype)
+    return out, cfg.replace(applied=cfg.applied + (identity,))
+
+
+def recover_neuron_scales(before: StateDict, after: StateDict, cfg: Config) -> torch.Tensor | None:
+    """``[n_layers, d_mlp]`` float64: the scales with ``after`` close to ``scale_neurons(before, cfg,
+    s)``, or ``None`` when no MLP's ``W_in`` or ``W_out`` changed. Per neuron, the least-squares
+    ratio of its ``W_in`` column (after over before), or, where that column did not change, the
+    inverse ratio of its ``W_out`` row. Not verified here."""
+    if cfg.attn_only:
+        return None
+    names = [f"blocks.{l}.mlp.{n}" for l in range(cfg.n_layers) for n in ("W_in", "W_out")]
+    if any(n not in before or n not in after or before[n].shape != after[n].shape for n in names):
+        return None
+    if all(torch.equal(before[n], after[n]) for n in names):
+        return None
+    out = torch.ones(cfg.n_layers, cfg.d_mlp, dtype=torch.float64)
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}.mlp"
+        W, V = before[f"{p}.W_in"].double().cpu(), after[f"{p}.W_in"].double().cpu()
+        if not torch.equal(W, V):
+            out[layer] = (W * V).sum(0) / (W * W).sum(0).clamp_min(1e-300)
+        else:
+            W, V = before[f"{p}.W_out"].double().cpu(), after[f"{p}.W_out"].double().cpu()
+            out[layer] = (W * W).sum(1) / (W * V).sum(1).where((W * V).sum(1) != 0, torch.tensor(1.0, dtype=torch.float64))
+    return torch.where(torch.isfinite(out) & (out != 0), out, torch.ones_like(out))
