@@ -331,3 +331,12 @@ def test_a_neuron_scaling_computed_elsewhere_is_accepted_and_named(dtype):
     assert_equivalent(sd, after, cfg)
     report = diagnose(sd, after, cfg)
     assert [(f.name, f.rewrite) for f in report.findings if f.kind == "identity"] == [("scale_neurons", "exact")]
+
+
+def test_a_query_key_rotation_is_refused_under_qk_norm_and_values_still_rotate():
+    cfg, sd = _model(qk_norm=True)
+    with pytest.raises(cm.PreconditionError, match="QK-norm") as caught:
+        cm.rotate_heads(sd, cfg, query_key=_head_rotations(cfg, rotary_commuting=True))
+    assert caught.value.identity == "rotate_heads"
+    out, out_cfg = cm.rotate_heads(sd, cfg, value=_head_rotations(cfg))
+    assert_equivalent(sd, out, cfg, after_cfg=out_cfg)

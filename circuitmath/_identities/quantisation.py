@@ -22,7 +22,7 @@ import torch
 from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Transpose
 
 from .._errors import NOT_APPLIED
-from .._processing._common import NORM_READ_LINEARLY, PRE_NORM, readers
+from .._processing._common import NO_QK_NORM, NORM_READ_LINEARLY, PRE_NORM, readers
 from .._processing.quantisation import (
     COMMUTES_WITH_ROTARY,
     GAINS_AS_STORED,
@@ -353,7 +353,7 @@ ROTATE_HEADS = register(
         title="Rotating the value/output and query/key spaces of each head",
         summary="W_V U, b_V U, U^T W_O (one U per key/value head, shared by its group) and W_Q R, W_K R with R"
         " commuting with the rotary embedding: every head's scores and output are what they were",
-        preconditions=(HEAD_ROTATIONS, COMMUTES_WITH_ROTARY),
+        preconditions=(HEAD_ROTATIONS, COMMUTES_WITH_ROTARY, NO_QK_NORM),
         function="rotate_heads",
         check_note="the rotations are recovered per key/value head (orthogonal Procrustes; on a rotary model the"
         " nearest rotation that commutes with it) and every tensor is certified against the rotation by them",

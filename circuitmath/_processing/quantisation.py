@@ -21,7 +21,7 @@ import torch
 from .._config import Config
 from .._errors import Precondition, PreconditionError
 from .._state import StateDict, attention_names, key_value_groups, validate_state_dict
-from ._common import readers, require, rewrite
+from ._common import NO_QK_NORM, readers, require, rewrite
 from .layer_norm import reader_preconditions
 from .rotation import HAS_MLPS, ORTHOGONALITY_SAFETY
 
@@ -285,6 +285,9 @@ def rotate_heads(state_dict: StateDict, cfg: Config, *, value=None, query_key=No
     if R_v is not None:
         changes |= {"value": R_v, "output": R_v.transpose(-1, -2)}
     if R_qk is not None:
+        require(identity, NO_QK_NORM, not cfg.qk_norm,
+                "the model normalises each head's queries and keys (QK-norm): its gain diag(w) sits between W_Q R and"
+                " the scores and does not commute with R; rotate the values only")
         changes |= {"query": R_qk, "key": R_qk}
     return _change_bases(state_dict, cfg, **changes), cfg.replace(applied=cfg.applied + (identity,))
 
