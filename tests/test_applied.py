@@ -129,15 +129,19 @@ POSTCONDITIONS = {
     "permute_heads": None,
     "permute_neurons": None,
     "migrate_norm_scales": None,
+    "rotate_heads": None,
+    "scale_neurons": None,
 }
 
 #: Identities that move the weights off an earlier record's normal form by design, so that the
 #: record describes the model before them: a rotation of the residual basis (centering is about
 #: the all-ones direction of the basis it was made in; ``Q^T 1`` after the rotation), a scale
-#: migrated into a folded norm's gain (the gain the fold removed comes back, as ``1 / s``).
+#: migrated into a folded norm's gain (the gain the fold removed comes back, as ``1 / s``), a
+#: rotation inside the heads (the refactored factors' balanced basis).
 MOVES_OFF = {
     "rotate_residual_stream": {"center_writing_weights", "center_reading_weights"},
     "migrate_norm_scales": {"fold_layer_norm", "fold_rms_norm", "center_reading_weights"},
+    "rotate_heads": {"refactor_factored_attn_matrices"},  # a rotation of a balanced head's basis: no longer diagonal
 }
 
 #: Every registered weight identity's rewrite (``slicegpt_route`` and ``process_weights`` record
