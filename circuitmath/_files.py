@@ -45,6 +45,21 @@ _ITEM_BYTES = {
 }
 
 
+#: torch's name of each safetensors dtype code, read or not (an error names a dtype as torch does).
+_TORCH_NAMES = {
+    "BOOL": "torch.bool", "U8": "torch.uint8", "I8": "torch.int8", "F8_E5M2": "torch.float8_e5m2",
+    "F8_E4M3": "torch.float8_e4m3fn", "I16": "torch.int16", "U16": "torch.uint16", "F16": "torch.float16",
+    "BF16": "torch.bfloat16", "I32": "torch.int32", "U32": "torch.uint32", "F32": "torch.float32",
+    "I64": "torch.int64", "U64": "torch.uint64", "F64": "torch.float64", "C64": "torch.complex64",
+    "C128": "torch.complex128", "F8_E8M0": "torch.float8_e8m0fnu", "F4": "torch.float4_e2m1fn_x2",
+}
+
+
+def _dtype_name(code) -> str:
+    """A safetensors dtype code as torch names it (``'C64'`` -> ``torch.complex64 ('C64')``)."""
+    return f"{_TORCH_NAMES[code]} ({code!r})" if isinstance(code, str) and code in _TORCH_NAMES else repr(code)
+
+
 def _regular_file(path: Path) -> int:
     """The size of the regular file at ``path``; anything else (absent, a folder, a FIFO, a
     device such as /dev/zero) is refused before it is opened, so no read can block or run on."""
@@ -179,7 +194,8 @@ def _entry_problem(entry, data_bytes: int) -> str | None:
         return "is not described by exactly a dtype, a shape and data_offsets"
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or dtype not in _ITEM_BYTES:
-        return f"has dtype {dtype!r}, not one circuitmath reads ({', '.join(_ITEM_BYTES)})"
+        return (f"has dtype {_dtype_name(dtype)}, not one circuitmath reads"
+                f" ({', '.join(_TORCH_NAMES[code].removeprefix('torch.') for code in _ITEM_BYTES)})")
     if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in shape):
         return f"has shape {shape!r}, not a list of sizes (each at least 0 and below 2**63)"
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) and not isinstance(n, bool) for n in offsets)):
@@ -188,7 +204,8 @@ def _entry_problem(entry, data_bytes: int) -> str | None:
     if not 0 <= begin <= end <= data_bytes:
         return f"has data_offsets {offsets} outside the {data_bytes} bytes of data"
     if end - begin != math.prod(shape) * _ITEM_BYTES[dtype]:
-        return f"of shape {shape} and dtype {dtype} needs {math.prod(shape) * _ITEM_BYTES[dtype]} bytes, its offsets hold {end - begin}"
+        return (f"of shape {shape} and dtype {_TORCH_NAMES[dtype]} needs {math.prod(shape) * _ITEM_BYTES[dtype]} bytes,"
+                f" its offsets hold {end - begin}")
     return None
 
 
@@ -201,12 +218,61 @@ def load_tensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict
     """
     path = Path(path)
     header, metadata = read_header(path)
+    largest = max(header, key=lambda name: _bytes(header[name]))
+    _refuse_beyond_memory(path, header, largest)
+    reading = largest  # safe_open maps the whole file: a failure there is the largest tensor's
     try:
         with safe_open(str(path), framework="pt") as handle:
-            tensors = {name: handle.get_tensor(name) for name in header}
-    except (SafetensorError, OSError, RuntimeError) as error:
-        raise StateDictError(f"{path}: the tensors cannot be read: {error}") from None
+            tensors = {}
+            for reading in header:
+                tensors[reading] = handle.get_tensor(reading)
+    except (SafetensorError, OSError, RuntimeError, MemoryError) as error:
+        entry = header[reading]
+        raise StateDictError(
+            f"{path}: tensor {reading!r} ({_TORCH_NAMES[entry['dtype']]}, shape {entry['shape']}, {_bytes(entry):,}"
+            f" bytes) cannot be read into memory: {error}; the file's tensors take {_total(header):,} bytes"
+        ) from None
     return tensors, metadata
+
+
+def _bytes(entry: dict) -> int:
+    return entry["data_offsets"][1] - entry["data_offsets"][0]
+
+
+def _total(header: dict) -> int:
+    return sum(_bytes(entry) for entry in header.values())
+
+
+def _memory_limit() -> tuple[int, str] | None:
+    """The bytes this process can hold at most, and why: the address-space limit (``ulimit -v``)
+    or the machine's memory, whichever is smaller (``None`` when neither is known)."""
+    limits = []
+    try:
+        import resource
+
+        soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            limits.append((soft, "this process's address-space limit (ulimit -v)"))
+    except (ImportError, OSError, ValueError):
+        pass
+    try:
+        limits.append((os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this machine's memory"))
+    except (OSError, ValueError, AttributeError):
+        pass
+    return min(limits) if limits else None
+
+
+def _refuse_beyond_memory(path: Path, header: dict, largest: str) -> None:
+    """Refuse, naming the largest tensor, a file whose tensors cannot all be held in memory at once."""
+    limit = _memory_limit()
+    total = _total(header)
+    if limit is None or total <= limit[0]:
+        return
+    entry = header[largest]
+    raise StateDictError(
+        f"{path}: its tensors take {total:,} bytes, more than {limit[1]} ({limit[0]:,} bytes), the largest"
+        f" {largest!r} ({_TORCH_NAMES[entry['dtype']]}, shape {entry['shape']}, {_bytes(entry):,} bytes): a"
+        " file is read whole; check a checkpoint folder (read a block at a time) or use a machine with more memory")
 
 
 def stored_config(path: str | os.PathLike, metadata: Mapping[str, str]) -> Config | None:

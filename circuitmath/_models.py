@@ -29,7 +29,7 @@ import torch
 from ._config import Config
 from ._errors import StateDictError
 
-__all__ = ["as_state_dict", "is_model_object"]
+__all__ = ["as_state_dict", "is_model_object", "own_config"]
 
 
 def _is_bridge(source) -> bool:
@@ -39,6 +39,14 @@ def _is_bridge(source) -> bool:
 def is_model_object(source) -> bool:
     """Whether ``source`` is a model object (a bridge or an ``nn.Module``), not a state dict or a path."""
     return _is_bridge(source) or isinstance(source, torch.nn.Module)
+
+
+def own_config(source):
+    """The config a model object carries (a ``transformers`` config; for a bridge, its wrapped
+    model's), or ``None``."""
+    if _is_bridge(source):
+        return getattr(getattr(source, "original_model", None), "config", None)
+    return getattr(source, "config", None) if isinstance(source, torch.nn.Module) else None
 
 
 def as_state_dict(source, cfg=None, *, required: bool = True):

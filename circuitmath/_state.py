@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from ._config import Config
-from ._errors import InputError, StateDictError
+from ._errors import InputError, StateDictError, config_expected
 
 __all__ = [
     "attention_names",
@@ -224,8 +224,7 @@ def _config_problem(state_dict: Mapping, cfg) -> str | None:
     """Why ``cfg`` cannot describe ``state_dict``, decided before anything proportional to the
     config is built (a config read from a file may claim 10**9 layers)."""
     if not isinstance(cfg, Config):
-        hint = " (build one with Config.from_dict)" if isinstance(cfg, Mapping) else ""
-        return f"expected a circuitmath Config, got {type(cfg).__name__}{hint}"
+        return config_expected(cfg, state_dict, "validate_state_dict(state_dict, cfg)")
     # Every layer has at least 8 attention tensors, so more layers than tensors cannot fit.
     if 8 * cfg.n_layers > len(state_dict):
         layers = {key.split(".")[1] for key in state_dict if isinstance(key, str) and key.startswith("blocks.")}
@@ -264,6 +263,8 @@ def _same_tensors(refs: dict, state_dict: StateDict) -> bool:
 
 def _validate(state_dict: StateDict, cfg: Config) -> torch.dtype:
     """:func:`validate_state_dict`'s checks, every time."""
+    if isinstance(state_dict, Config):
+        raise StateDictError(config_expected(cfg, state_dict, "validate_state_dict(state_dict, cfg)"))
     if not isinstance(state_dict, Mapping):
         raise StateDictError(f"expected a mapping of names to tensors, got {type(state_dict).__name__}")
     check_config_fits(state_dict, cfg)

@@ -59,6 +59,7 @@ from ._diagnosis._unexplained import NEAR_ULPS
 from ._errors import ArgumentTypeError
 from ._state import validated_once
 from ._threads import with_check_threads
+from ._diagnosis._inputs import speaking_input_names
 from ._diagnosis import Diagnosis as Diagnosis, Finding as Finding, ParameterMismatch as ParameterMismatch
 
 __all__ = [
@@ -95,6 +96,7 @@ class NotEquivalentError(AssertionError):
 
 @torch.no_grad()  # weights that require grad are compared as plain tensors
 @with_check_threads
+@speaking_input_names
 def assert_equivalent(
     before,
     after,
@@ -207,6 +209,7 @@ def _assert_checkpoints_equivalent(before, after, cfg, after_cfg, tokens, atol) 
                 f"{which} is the checkpoint folder {getattr(model, 'path', model)}, the other model is a"
                 f" {type(other).__name__}: pass two folders (checked a block at a time), or load the folder"
                 " (circuitmath.io.open_checkpoint(folder).load()) and pass two state dicts")
+    _diagnosis._inputs.refuse_misused_checkpoints(before, after, cfg)
     report = check_processed(before, after, cfg, tokens=default_tokens if tokens is None else tokens)
     row = report.rows[0]
     result = Comparison(max_abs_error=row["max_abs_error"], tolerance=row["tolerance"], where=tuple(row["where"]))
@@ -231,6 +234,7 @@ def _shrinking() -> bool:
 
 
 @with_check_threads
+@speaking_input_names
 def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress=None) -> "Diagnosis":
     """Explain ``after`` as a processing of ``before``: which identities, which went wrong, where.
 
@@ -259,6 +263,7 @@ def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress=N
 
 
 @with_check_threads
+@speaking_input_names
 def check_model(model, cfg=None, *, tokens=None, progress=None) -> "Diagnosis":
     """Apply every weight identity that applies to ``model`` and compare log-probs, one row each.
 
@@ -275,6 +280,7 @@ def check_model(model, cfg=None, *, tokens=None, progress=None) -> "Diagnosis":
 
 
 @with_check_threads
+@speaking_input_names
 def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
     """Check that ``after`` is the registered identity ``name`` applied to ``before``.
 

@@ -219,7 +219,9 @@ def test_hugging_face_state_dicts_are_converted():
     broken["transformer.h.1.attn.c_proj.bias"] = hf["transformer.h.1.attn.c_proj.bias"].flip(0)
     with pytest.raises(NotEquivalentError) as caught:
         assert_equivalent(hf, broken, config.to_dict())
-    assert [p.name for p in caught.value.diagnosis.culprits()] == ["blocks.1.attn.b_O"]
+    # named as the input names it (issue 35), circuitmath's name kept beside it
+    assert [p.name for p in caught.value.diagnosis.culprits()] == ["transformer.h.1.attn.c_proj.bias"]
+    assert [p.as_dict()["circuitmath_name"] for p in caught.value.diagnosis.culprits()] == ["blocks.1.attn.b_O"]
 
 
 def test_transformer_lens_buffers_are_ignored():

@@ -647,10 +647,11 @@ def test_a_processed_folder_with_nan_where_the_tokens_do_not_read_is_refused(tmp
 
 
 def test_a_processed_folder_of_steps_outside_the_pipeline_is_checked_by_its_log_probs(tmp_path, capsys):
-    sd, cfg = cm.remove_key_biases(cm.random_state_dict(CFG, seed=0), CFG)
-    before = tmp_path / "before.safetensors"
-    io.save(before, sd, cfg)
-    io.process_checkpoint(model_file(tmp_path), tmp_path / "after", steps=[])
+    # the original first: the model with the key biases removed (recorded) is the processed one
+    before = model_file(tmp_path)
+    sd, cfg = cm.remove_key_biases(cm.random_state_dict(CFG, seed=0, dtype=torch.float64), CFG)
+    io.save(tmp_path / "removed.safetensors", sd, cfg)
+    io.process_checkpoint(tmp_path / "removed.safetensors", tmp_path / "after", steps=[])
     status, out, err = run_cli(capsys, "check", before, "--processed", tmp_path / "after")
     assert status == 0 and "Traceback" not in err, (out, err)
     assert re.search(r"^tensors\s+not compared", out, re.M) and re.search(r"^log-probs\s+holds", out, re.M), out

@@ -6,6 +6,7 @@ rows. The row builders turn a replayed stage and its log-prob comparison into a 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ from .._compare import Comparison
 from .._config import Config
 from ._tensors import CERTIFICATE_ULPS, ParameterMismatch, _json_number, _mismatch, _relative_difference
 
-__all__ = ["Finding", "Diagnosis", "TABLE_COLUMNS"]
+__all__ = ["Finding", "Diagnosis", "TABLE_COLUMNS", "in_input_names"]
 
 
 @dataclass(frozen=True)
@@ -348,3 +349,40 @@ def _residual_finding(parameters, comparison: Comparison | None, replay, dtype,
         explanation="\n".join(lines) or None,
         parameters=parameters,
     )
+
+
+@dataclass(frozen=True)
+class _Named(ParameterMismatch):
+    """A :class:`ParameterMismatch` named as the input names the tensor (``name``), with the
+    entries of it this parameter (or its heads) takes (``where``: ``[8:16, :]``, empty for all of it)."""
+
+    where: str = ""
+    circuitmath_name: str = ""
+
+    def __str__(self) -> str:
+        return str(dataclasses.replace(ParameterMismatch(**{f.name: getattr(self, f.name) for f in
+                                                            dataclasses.fields(ParameterMismatch)}),
+                                       name=self.name + self.where))
+
+    def as_dict(self) -> dict:
+        return super().as_dict() | {"where": self.where, "circuitmath_name": self.circuitmath_name}
+
+
+def _renamed(parameter: ParameterMismatch, names) -> ParameterMismatch:
+    full = names.name(parameter.name, parameter.heads)
+    if full == parameter.name:
+        return parameter
+    stored = names.name(parameter.name).split("[", 1)[0]
+    fields = {f.name: getattr(parameter, f.name) for f in dataclasses.fields(ParameterMismatch)}
+    return _Named(**(fields | {"name": stored}), where=full[len(stored):], circuitmath_name=parameter.name)
+
+
+def in_input_names(diagnosis: Diagnosis, names) -> Diagnosis:
+    """``diagnosis`` speaking the input's names (``names``: an :class:`~._inputs.InputNames`; ``None``
+    keeps circuitmath's, which the input used): every parameter, explanation and reason."""
+    if names is None:
+        return diagnosis
+    findings = tuple(dataclasses.replace(
+        f, parameters=tuple(_renamed(p, names) for p in f.parameters), explanation=names.text(f.explanation),
+        reason=names.text(f.reason)) for f in diagnosis.findings)
+    return dataclasses.replace(diagnosis, findings=findings)

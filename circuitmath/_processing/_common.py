@@ -8,7 +8,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from .._config import Config
-from .._errors import NOT_APPLIED, AlreadyAppliedError, OverflowedError, Precondition, PreconditionError, StateDictError
+from .._errors import (NOT_APPLIED, AlreadyAppliedError, OverflowedError, Precondition, PreconditionError, StateDictError,
+                       config_expected)
 from .._state import attention_names, entries_checked_here, not_finite
 
 __all__ = [
@@ -78,8 +79,7 @@ def rewrite(identity: str, *, check_output: bool = True) -> Callable:
         @functools.wraps(transform)
         def run(state_dict, cfg, *args, **kwargs):
             if not isinstance(cfg, Config):
-                hint = " (build one with Config.from_dict)" if isinstance(cfg, dict) else ""
-                raise StateDictError(f"{identity}: expected a circuitmath Config, got {type(cfg).__name__}{hint}")
+                raise StateDictError(f"{identity}: {config_expected(cfg, state_dict, f'{identity}(state_dict, cfg)')}")
             if not isinstance(state_dict, Mapping):
                 raise StateDictError(f"{identity}: expected a mapping of names to tensors, got {type(state_dict).__name__}")
             with torch.no_grad():
@@ -94,7 +94,7 @@ def rewrite(identity: str, *, check_output: bool = True) -> Callable:
                     if bad:
                         dtype = next(iter(out.values())).dtype
                         raise OverflowedError(
-                            f"{identity}: the rewrite of finite weights left the range of {dtype}: "
+                            f"{identity}: the rewrite of finite weights overflowed {dtype} (left its range): "
                             + ", ".join(f"{name} has {count} NaN or Inf entries" for name, count in bad.items())
                             + "; nothing is returned (compute in a wider dtype)"
                         )
