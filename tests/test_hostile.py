@@ -646,15 +646,20 @@ def test_a_processed_folder_with_nan_where_the_tokens_do_not_read_is_refused(tmp
             naming=(after, "embed.W_E", "NaN or Inf"))
 
 
-def test_a_processed_folder_of_steps_outside_the_pipeline_is_checked_by_its_log_probs(tmp_path, capsys):
-    # the original first: the model with the key biases removed (recorded) is the processed one
+def test_a_processed_folder_of_steps_outside_the_pipeline_is_replayed(tmp_path, capsys):
+    """The original first, the folder recording remove_key_biases (no process_weights step) second:
+    its recorded identity is replayed, and the tensors and log-probs hold. Given the other way
+    round the pair is refused as swapped (tests/test_misuse.py)."""
     before = model_file(tmp_path)
     sd, cfg = cm.remove_key_biases(cm.random_state_dict(CFG, seed=0, dtype=torch.float64), CFG)
     io.save(tmp_path / "removed.safetensors", sd, cfg)
     io.process_checkpoint(tmp_path / "removed.safetensors", tmp_path / "after", steps=[])
     status, out, err = run_cli(capsys, "check", before, "--processed", tmp_path / "after")
     assert status == 0 and "Traceback" not in err, (out, err)
-    assert re.search(r"^tensors\s+not compared", out, re.M) and re.search(r"^log-probs\s+holds", out, re.M), out
+    assert re.search(r"^tensors\s+holds", out, re.M) and re.search(r"^log-probs\s+holds", out, re.M), out
+    assert "remove_key_biases of before" in out
+    status, out, err = run_cli(capsys, "check", tmp_path / "removed.safetensors", "--processed", before)
+    assert status == 2 and "swapped?" in err
 
 
 HF_FIELD_CASES = {
