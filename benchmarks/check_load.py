@@ -36,6 +36,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -108,13 +109,22 @@ def readme_examples() -> float:
         blocks = re.findall(r"```python\n(.*?)```", handle.read(), flags=re.S)
     namespace: dict = {"__name__": "readme"}
     start = time.perf_counter()
-    with contextlib.redirect_stdout(open(os.devnull, "w")):
-        for number, block in enumerate(blocks, 1):
-            exec(compile(block, f"README.md python block {number}", "exec"), namespace)
-        for name, value in list(namespace.items()):
-            if name.startswith("test_") and callable(value):
-                value()
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory() as scratch, contextlib.redirect_stdout(open(os.devnull, "w")):
+        os.chdir(scratch)  # the examples write files
+        try:
+            _run_blocks(blocks, namespace)
+        finally:
+            os.chdir(here)
     return time.perf_counter() - start
+
+
+def _run_blocks(blocks: list[str], namespace: dict) -> None:
+    for number, block in enumerate(blocks, 1):
+        exec(compile(block, f"README.md python block {number}", "exec"), namespace)
+    for name, value in list(namespace.items()):
+        if name.startswith("test_") and callable(value):
+            value()
 
 
 def median_seconds(run, repeats: int) -> float:
