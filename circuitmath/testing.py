@@ -6,7 +6,14 @@ centering the unembed legitimately shifts every logit of a position by the same 
 
 Models are accepted as state dicts in TransformerLens format (with a :class:`~circuitmath.Config`)
 or Hugging Face format (with the Hugging Face config, converted by :func:`circuitmath.io.from_hf`),
-or as safetensors files (a file written by :func:`circuitmath.io.save` carries its config).
+or as safetensors files (a file written by :func:`circuitmath.io.save` carries its config), or as
+model objects: a ``transformers`` model, a TransformerLens ``TransformerBridge`` (each with its
+config) or any ``nn.Module`` whose state dict is in one of those namings. A diagnosis names each
+tensor as the input does (``model.layers.1.mlp.up_proj.weight``, with the entries a head takes).
+Misuse (the processed model given first, two architectures, arguments in the wrong order) is a
+:class:`~circuitmath.CircuitMathError` saying what to do. Checks compute with as many torch
+threads as cores are idle (at most torch's setting, restored after): a busy machine does not
+stall them.
 
 When two models differ, :func:`diagnose` explains how: it replays the registered identities on
 the original model and compares the processed model's tensors with each exact rewrite, then with
@@ -124,7 +131,8 @@ def assert_equivalent(
     identity names passes, in bfloat16 too, and a change of one row fails. Checkpoint folders are
     judged by the same rule, a part at a time.
 
-    ``before`` and ``after`` are state dicts, safetensors paths or checkpoint folders (a Hugging
+    ``before`` and ``after`` are state dicts, model objects (see the module's documentation),
+    safetensors paths or checkpoint folders (a Hugging
     Face folder, sharded or not, or one written by ``python -m circuitmath process``: checked a
     block at a time, never loaded whole, as ``check MODEL --processed OTHER`` does); ``cfg`` is ``before``'s
     :class:`~circuitmath.Config` or Hugging Face config (``None`` for a file that carries its
