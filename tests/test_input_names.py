@@ -36,6 +36,13 @@ def test_the_names_and_entries_of_each_view():
     assert names.name("blocks.0.attn.b_V", (0, 2)) == "transformer.h.0.attn.c_attn.bias[64:72], [80:88]"
     assert names.name("blocks.0.attn.W_O", (3,)) == "transformer.h.0.attn.c_proj.weight[24:32, :]"
     assert names.name("blocks.0.mlp.W_in") == "transformer.h.0.mlp.c_fc.weight"
+    neox = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=50,
+        max_position_embeddings=16))
+    names = InputNames.of(hf_layout(neox.config), neox.state_dict())  # heads interleaved: [q k v] per head
+    fused = "gpt_neox.layers.0.attention.query_key_value"
+    assert names.name("blocks.0.attn.W_K", (1,)) == f"{fused}.weight[32:40, :]"
+    assert names.name("blocks.0.attn.b_V") == f"{fused}.bias[16:24], [40:48], [64:72], [88:96]"
     names = InputNames.of(hf_layout(llama().config), llama().state_dict())
     assert names.name("blocks.1.attn.W_Q", (1,)) == "model.layers.1.self_attn.q_proj.weight[8:16, :]"
     assert names.name("blocks.1.attn._W_V", (1,)) == "model.layers.1.self_attn.v_proj.weight[8:16, :]"

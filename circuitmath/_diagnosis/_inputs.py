@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -113,9 +114,15 @@ class InputNames:
         stored, shape, view_shape, strides, offset = found
         if shape is None:
             return stored
-        boxes = [[(h, h) if axis == 0 else (0, size - 1) for axis, size in enumerate(view_shape)] for h in heads] or [
-            [(0, size - 1) for size in view_shape]]
-        slices = [_slice(shape, strides, offset, box) for box in boxes]
+        whole = [(0, size - 1) for size in view_shape]
+        boxes = [[(h, h), *whole[1:]] for h in heads] or [whole]
+        slices = []
+        for box in boxes:
+            described = _slice(shape, strides, offset, box)
+            if described is None and view_shape:  # strided across the stored tensor: one piece per index of axis 0
+                pieces = [_slice(shape, strides, offset, [(i, i), *box[1:]]) or "" for i in range(box[0][0], box[0][1] + 1)]
+                described = ", ".join(pieces if len(pieces) <= 4 else [*pieces[:2], f"... ({len(pieces)} pieces)"])
+            slices.append(described or "")
         return stored + ", ".join(dict.fromkeys(s for s in slices if s))
 
     def text(self, text: str | None) -> str | None:
@@ -130,7 +137,8 @@ class InputNames:
 def _slice(shape: tuple[int, ...], strides, offset: int, box) -> str:
     """The entries of a stored tensor of ``shape`` (contiguous) that the box ``box`` (first and
     last index per axis) of a view (``strides``, ``offset``) covers, as ``[a:b, :]`` (empty when
-    the whole tensor): from the box's corners, exact for views that permute, split and narrow axes."""
+    the whole tensor; ``None`` when the box's entries are strided across the stored tensor, not a
+    box of it): from the box's corners, exact for views that permute, split and narrow axes."""
     low, high = [None] * len(shape), [None] * len(shape)
     for corner in range(2 ** len(box)):
         flat = offset + sum(box[k][(corner >> k) & 1] * strides[k] for k in range(len(box)))
@@ -138,6 +146,8 @@ def _slice(shape: tuple[int, ...], strides, offset: int, box) -> str:
             flat, index = divmod(flat, shape[axis])
             low[axis] = index if low[axis] is None else min(low[axis], index)
             high[axis] = index if high[axis] is None else max(high[axis], index)
+    if math.prod(b - a + 1 for a, b in zip(low, high)) != math.prod(b - a + 1 for a, b in box):
+        return None  # the box's entries do not fill the stored box: strided
     parts = [":" if (a, b) == (0, n - 1) else str(a) if a == b else f"{a}:{b + 1}" for a, b, n in zip(low, high, shape)]
     return "" if all(p == ":" for p in parts) else f"[{', '.join(parts)}]"
 
