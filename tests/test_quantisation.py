@@ -340,3 +340,27 @@ def test_a_query_key_rotation_is_refused_under_qk_norm_and_values_still_rotate()
     assert caught.value.identity == "rotate_heads"
     out, out_cfg = cm.rotate_heads(sd, cfg, value=_head_rotations(cfg))
     assert_equivalent(sd, out, cfg, after_cfg=out_cfg)
+
+
+@pytest.mark.parametrize("wrong_step, wrong, tensors", [
+    ("heads", "rotate_heads.per_query_head", ["blocks.0.attn.W_O", "blocks.1.attn.W_O"]),
+    ("smooth", "migrate_norm_scales.gate_unscaled", ["blocks.0.mlp.W_gate", "blocks.1.mlp.W_gate"]),
+])
+def test_one_wrong_step_in_a_pipeline_is_named_with_its_tensors(wrong_step, wrong, tensors):
+    """fold -> rotate -> per-head rotate -> smooth with one step wrong: the other steps exact, the
+    wrong one named with the tensors it got wrong."""
+    cfg, sd = _model(torch.float32, n_key_value_heads=2)
+    out, out_cfg = cm.fold_rms_norm({k: v.double() for k, v in sd.items()}, cfg)
+    out, out_cfg = cm.rotate_residual_stream(out, out_cfg, cm.random_orthogonal(cfg.d_model, seed=3))
+    heads, smooth = cm.get_identity("rotate_heads"), cm.get_identity("migrate_norm_scales")
+    rotations = {"value": _head_rotations(cfg)}
+    out, out_cfg = (heads.wrong_rewrites["per_query_head"] if wrong_step == "heads" else heads.transform)(out, out_cfg, rotations)
+    out, out_cfg = (smooth.wrong_rewrites["gate_unscaled"] if wrong_step == "smooth" else smooth.transform)(
+        out, out_cfg, _scales(cfg, seed=7))
+    after = {k: v.float() for k, v in out.items()}
+    report = diagnose(sd, after, cfg, after_cfg=out_cfg.replace(applied=()))
+    assert not report.ok
+    rows = {f.name: f for f in report.findings if f.kind == "identity"}
+    assert set(rows) == {"fold_rms_norm", "rotate_residual_stream", "rotate_heads", "migrate_norm_scales"}
+    assert [(name, f.rewrite) for name, f in rows.items() if f.rewrite != "exact"] == [(wrong.split(".")[0], wrong)]
+    assert sorted(p.name for p in rows[wrong.split(".")[0]].parameters) == tensors

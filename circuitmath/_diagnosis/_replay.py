@@ -262,7 +262,8 @@ class _Replay:
                     best = found
         stages, state, state_cfg = best[:3] if best else replayed
         for permutation in (PERMUTE_HEADS, PERMUTE_NEURONS, *RECOVERED):
-            stage = self.stage(permutation, state, state_cfg, forced=False, search=False)
+            # a recovered parameter makes its wrong rewrites comparable here: a mistake in this step is named
+            stage = self.stage(permutation, state, state_cfg, forced=False, search=permutation in RECOVERED)
             if stage is not None:
                 stages, state, state_cfg = stages + [stage], stage.state, stage.cfg
         found = self.residual(state, before)
