@@ -116,7 +116,7 @@ def check_scales(cfg) -> dict[str, torch.Tensor]:
     """The scales the numeric checks migrate: ``s = exp(N(0, 1))`` per channel (float64), one
     draw per norm, of the spread SmoothQuant's ``max|X|^a / max|W|^(1-a)`` takes on outliers."""
     generator = torch.Generator(device="cpu").manual_seed(CHECK_SEED)
-    return {norm: torch.exp(torch.randn(cfg.d_model, generator=generator, dtype=torch.float64))
+    return {norm: torch.exp(torch.randn(cfg.d_model, generator=generator, dtype=torch.float64, device="cpu"))
             for norm, _pairs in readers(cfg)}
 
 
@@ -287,7 +287,7 @@ def check_head_rotations(cfg) -> dict[str, torch.Tensor]:
     rotary embedding on a rotary model."""
     shape = (cfg.n_layers, len(key_value_groups(cfg)), cfg.d_head, cfg.d_head)
     generator = torch.Generator(device="cpu").manual_seed(CHECK_SEED)
-    value, query_key = (torch.linalg.qr(torch.randn(*shape, generator=generator, dtype=torch.float64))[0] for _ in "vq")
+    value, query_key = (torch.linalg.qr(torch.randn(*shape, generator=generator, dtype=torch.float64, device="cpu"))[0] for _ in "vq")
     if cfg.positional_embedding_type == "rotary":
         query_key = nearest_commuting(query_key, cfg)
     return {"value": value, "query_key": query_key}
@@ -342,7 +342,7 @@ def _query_key_generic(state_dict, cfg, rotations=None):
 
     rotations = check_head_rotations(cfg) if rotations is None else rotations
     out, out_cfg = rotate_heads(state_dict, cfg, value=rotations["value"])
-    generic = torch.linalg.qr(torch.randn(rotations["value"].shape, dtype=torch.float64,
+    generic = torch.linalg.qr(torch.randn(rotations["value"].shape, dtype=torch.float64, device="cpu",
                                           generator=torch.Generator(device="cpu").manual_seed(CHECK_SEED + 1)))[0]
     return _change_bases(out, cfg, query=generic, key=generic), out_cfg
 
@@ -437,7 +437,7 @@ def _positive_vector(rng, shape):
 def check_neuron_scales(cfg) -> torch.Tensor:
     """The scales the numeric checks use: ``exp(N(0, 1))`` per neuron and layer (float64)."""
     generator = torch.Generator(device="cpu").manual_seed(CHECK_SEED)
-    return torch.exp(torch.randn(cfg.n_layers, cfg.d_mlp or 0, generator=generator, dtype=torch.float64))
+    return torch.exp(torch.randn(cfg.n_layers, cfg.d_mlp or 0, generator=generator, dtype=torch.float64, device="cpu"))
 
 
 def _scale_neurons(state_dict, cfg, scales=None):

@@ -160,7 +160,7 @@ def recover_norm_scales(before: StateDict, after: StateDict, cfg: Config) -> dic
         if gain_after is None or tuple(gain_after.shape) != (cfg.d_model,):
             return None
         gain = before.get(f"{norm}.w")
-        gain = torch.ones(cfg.d_model, dtype=torch.float64) if gain is None else gain.double().cpu()
+        gain = torch.ones(cfg.d_model, dtype=torch.float64, device="cpu") if gain is None else gain.double().cpu()
         gain_after = gain_after.double().cpu()
         if not estimates and torch.equal(gain, gain_after):
             continue
@@ -215,8 +215,8 @@ def rotary_generator(cfg: Config) -> torch.Tensor:
     rotary rotation (one angle per pair, the frequencies distinct) exactly when it commutes with
     ``J`` (whose pairs' distinct values stand for the distinct frequencies)."""
     half = (cfg.rotary_dim or cfg.d_head) // 2
-    J = torch.zeros(cfg.d_head, cfg.d_head, dtype=torch.float64)
-    index = torch.arange(half)
+    J = torch.zeros(cfg.d_head, cfg.d_head, dtype=torch.float64, device="cpu")
+    index = torch.arange(half, device="cpu")
     J[index, index + half] = (index + 1).double()
     J[index + half, index] = -(index + 1).double()
     return J
@@ -241,7 +241,7 @@ def _head_rotations(identity: str, R, cfg: Config, dtype: torch.dtype, side: str
     if not bool(torch.isfinite(R).all()):
         raise PreconditionError(identity, HEAD_ROTATIONS, f"{side} has NaN or infinite entries")
     tolerance = ORTHOGONALITY_SAFETY * cfg.d_head * torch.finfo(dtype).eps
-    error = float((R.transpose(-1, -2) @ R - torch.eye(cfg.d_head, dtype=torch.float64)).abs().max())
+    error = float((R.transpose(-1, -2) @ R - torch.eye(cfg.d_head, dtype=torch.float64, device="cpu")).abs().max())
     require(identity, HEAD_ROTATIONS, error <= tolerance,
             f"{side}: max |R^T R - I| is {error:.3g}, above {tolerance:.3g} for a {str(dtype).removeprefix('torch.')} model"
             " (orthogonalise it in float64, e.g. torch.linalg.qr)")
@@ -281,6 +281,8 @@ def rotate_heads(state_dict: StateDict, cfg: Config, *, value=None, query_key=No
     R_qk = _head_rotations(identity, query_key, cfg, dtype, "query_key")
     if R_v is None and R_qk is None:
         raise PreconditionError(identity, HEAD_ROTATIONS, "neither value nor query_key is given")
+    device = state_dict["embed.W_E"].device
+    R_v, R_qk = (None if R is None else R.to(device) for R in (R_v, R_qk))
     changes = {}
     if R_v is not None:
         changes |= {"value": R_v, "output": R_v.transpose(-1, -2)}
@@ -317,7 +319,7 @@ def nearest_commuting(R: torch.Tensor, cfg: Config) -> torch.Tensor:
     block made ``[[c, s], [-s, c]]`` and normalised, the rest orthogonalised, the rest cut off."""
     half = (cfg.rotary_dim or cfg.d_head) // 2
     out = torch.zeros_like(R)
-    i = torch.arange(half)
+    i = torch.arange(half, device=R.device)
     c = (R[..., i, i] + R[..., i + half, i + half]) / 2
     s = (R[..., i, i + half] - R[..., i + half, i]) / 2
     norm = torch.sqrt(c * c + s * s).clamp_min(1e-300)
@@ -346,7 +348,8 @@ def recover_head_rotations(before: StateDict, after: StateDict, cfg: Config) -> 
             return None
         if all(torch.equal(before[n], after[n]) for n in names):
             continue
-        R = torch.empty(cfg.n_layers, len(key_value_groups(cfg)), cfg.d_head, cfg.d_head, dtype=torch.float64)
+        R = torch.empty(cfg.n_layers, len(key_value_groups(cfg)), cfg.d_head, cfg.d_head, dtype=torch.float64,
+                        device="cpu")
         project = (lambda Q: nearest_commuting(Q, cfg)) if side == "query_key" and cfg.positional_embedding_type == "rotary" else None
         for layer in range(cfg.n_layers):
             for g, heads in enumerate(key_value_groups(cfg)):
@@ -425,7 +428,7 @@ def recover_neuron_scales(before: StateDict, after: StateDict, cfg: Config) -> t
         return None
     if all(torch.equal(before[n], after[n]) for n in names):
         return None
-    out = torch.ones(cfg.n_layers, cfg.d_mlp, dtype=torch.float64)
+    out = torch.ones(cfg.n_layers, cfg.d_mlp, dtype=torch.float64, device="cpu")
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}.mlp"
         W, V = before[f"{p}.W_in"].double().cpu(), after[f"{p}.W_in"].double().cpu()
@@ -433,5 +436,5 @@ def recover_neuron_scales(before: StateDict, after: StateDict, cfg: Config) -> t
             out[layer] = (W * V).sum(0) / (W * W).sum(0).clamp_min(1e-300)
         else:
             W, V = before[f"{p}.W_out"].double().cpu(), after[f"{p}.W_out"].double().cpu()
-            out[layer] = (W * W).sum(1) / (W * V).sum(1).where((W * V).sum(1) != 0, torch.tensor(1.0, dtype=torch.float64))
+            out[layer] = (W * W).sum(1) / (W * V).sum(1).where((W * V).sum(1) != 0, torch.tensor(1.0, dtype=torch.float64, device="cpu"))
     return torch.where(torch.isfinite(out) & (out != 0), out, torch.ones_like(out))
