@@ -219,6 +219,7 @@ def _assert_checkpoints_equivalent(before, after, cfg, after_cfg, tokens, atol) 
                 " (circuitmath.io.open_checkpoint(folder).load()) and pass two state dicts")
     _diagnosis._inputs.refuse_misused_checkpoints(before, after, cfg)
     report = check_processed(before, after, cfg, tokens=default_tokens if tokens is None else tokens)
+    report = _diagnosis._inputs.speak(report, _diagnosis._inputs.checkpoint_names(after))  # in after's names
     row = report.rows[0]
     result = Comparison(max_abs_error=row["max_abs_error"], tolerance=row["tolerance"], where=tuple(row["where"]))
     tolerance = result.tolerance if atol is None else atol

@@ -105,6 +105,7 @@ def test_a_bridge_processed_by_transformer_lens_checks_against_the_model(family)
     assert_equivalent(before, after)
     assert_equivalent(model, after)
     assert diagnose(before, after).ok
+    assert check_model(before).ok
     # negative control: a weight changed where the bridge's forward pass reads it
     with torch.no_grad():
         after.state_dict()["blocks.1.mlp.out.weight"][1] *= 1.5
