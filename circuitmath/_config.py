@@ -63,6 +63,15 @@ class Config:
       gains as ``w`` and scales by ``1 + w``).
     - ``embedding_scale``: the token embeddings are multiplied by this number, first rounded to
       the model's dtype as transformers does (Gemma: ``sqrt(d_model)``).
+    - ``rotary_interleaved``: the rotary embedding rotates the pairs of neighbouring dimensions
+      ``(2i, 2i + 1)`` (GPT-J) instead of ``(i, i + rotary_dim / 2)`` (GPT-NeoX, LLaMA).
+    - ``attention_scale``: the scores ``q k^T`` are multiplied by this number instead of
+      ``1 / sqrt(d_head)`` (Gemma 2's ``query_pre_attn_scalar ** -0.5``).
+    - ``attn_softcap``, ``logit_softcap``: the scaled scores and the logits pass through
+      ``cap * tanh(. / cap)`` (Gemma 2).
+    - ``post_norms``: each sub-layer's output passes through an RMSNorm of its own (gains
+      ``ln1_post.w``, ``ln2_post.w``) before it is added to the residual stream (Gemma 2's
+      sandwich norms); it needs a pre-RMSNorm model.
 
     ``applied`` records, in order, the weight transforms that produced the state dict. A former
     name of an identity (a config saved before the rename, see :data:`FORMER_NAMES`) is read as
@@ -93,6 +102,11 @@ class Config:
     qk_norm: bool = False
     norm_gain_offset: float = 0.0
     embedding_scale: float | None = None
+    attention_scale: float | None = None
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
+    post_norms: bool = False
+    rotary_interleaved: bool = False
     applied: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -105,8 +119,9 @@ class Config:
         object.__setattr__(self, "rotary_base", float(self.rotary_base))
         object.__setattr__(self, "eps", float(self.eps))
         object.__setattr__(self, "norm_gain_offset", float(self.norm_gain_offset))
-        if self.embedding_scale is not None:
-            object.__setattr__(self, "embedding_scale", float(self.embedding_scale))
+        for name in ("embedding_scale", "attention_scale", "attn_softcap", "logit_softcap"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))
         if self.sliding_window_layers is not None:
             object.__setattr__(self, "sliding_window_layers", tuple(self.sliding_window_layers))
 
@@ -229,7 +244,8 @@ def _type_problems(cfg: Config) -> list[str]:
         value = getattr(cfg, name)
         if not (value is None or isinstance(value, str)) or value not in allowed:
             problems.append(f"{name} must be one of {allowed}, got {value!r}")
-    for name in ("causal", "gated_mlp", "parallel_attn_mlp", "embedding_norm", "qk_norm"):
+    for name in ("causal", "gated_mlp", "parallel_attn_mlp", "embedding_norm", "qk_norm", "post_norms",
+                 "rotary_interleaved"):
         if not isinstance(getattr(cfg, name), bool):
             problems.append(f"{name} must be True or False, got {getattr(cfg, name)!r}")
     if not _is_number(cfg.rotary_base) or cfg.rotary_base <= 0:
@@ -238,8 +254,10 @@ def _type_problems(cfg: Config) -> list[str]:
         problems.append(f"eps must be a finite number >= 0, got {cfg.eps!r}")
     if not _is_number(cfg.norm_gain_offset):
         problems.append(f"norm_gain_offset must be a finite number, got {cfg.norm_gain_offset!r}")
-    if cfg.embedding_scale is not None and (not _is_number(cfg.embedding_scale) or cfg.embedding_scale <= 0):
-        problems.append(f"embedding_scale must be None or a finite number > 0, got {cfg.embedding_scale!r}")
+    for name in ("embedding_scale", "attention_scale", "attn_softcap", "logit_softcap"):
+        value = getattr(cfg, name)
+        if value is not None and (not _is_number(value) or value <= 0):
+            problems.append(f"{name} must be None or a finite number > 0, got {value!r}")
     layers = cfg.sliding_window_layers
     if layers is not None and (isinstance(layers, (str, bytes)) or not isinstance(layers, (list, tuple))
                                or not all(_is_int(i) and i >= 0 for i in layers)):
@@ -273,6 +291,8 @@ def _relation_problems(cfg: Config) -> list[str]:
             problems.append("sliding_window_layers needs a sliding_window")
     if cfg.norm_gain_offset and cfg.normalization_type in ("LN", "LNPre"):
         problems.append("norm_gain_offset is for RMSNorm gains stored as w and applied as offset + w (Gemma); no LayerNorm family has it")
+    if cfg.post_norms and (cfg.norm_position != "pre" or cfg.parallel_attn_mlp or cfg.normalization_type in ("LN", "LNPre")):
+        problems.append("post_norms (sandwich RMSNorms after each sub-layer) need a sequential pre-norm model without LayerNorm")
     if cfg.sliding_window is not None and not cfg.causal:
         problems.append("sliding_window is a causal mask; it needs causal=True")
     if cfg.n_key_value_heads is not None and cfg.n_heads % cfg.n_key_value_heads:

@@ -57,6 +57,16 @@ FAMILIES: tuple[Family, ...] = (
            "LLaMA with an RMSNorm of each head's queries and keys (QK-norm)"),
     Family("Gemma", "gemma", _SMALL | {"head_dim": 8, "hidden_act": "gelu_pytorch_tanh"},
            "LLaMA with RMSNorm gains applied as 1 + w, embeddings scaled by sqrt(d_model), tied unembedding"),
+    Family("Gemma2", "gemma2", _SMALL | {"head_dim": 8, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 16,
+                                         "sliding_window": 4, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0},
+           "Gemma with sandwich norms, softcaps on attention scores and logits (small here, so that they bite),"
+           " a query scale and sliding-window layers"),
+    Family("Phi3", "phi3", _SMALL | {"pad_token_id": 0,
+                                     "rope_parameters": _ROPE | {"partial_rotary_factor": 0.5}},
+           "LLaMA with fused query/key/value and gate/up projections and partial rotary"),
+    Family("GPT-J", "gptj", {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4,
+                             "n_positions": 16, "n_inner": 48, "bos_token_id": 0, "eos_token_id": 0},
+           "LayerNorm, attention and MLP in parallel on one norm, interleaved partial rotary, an unembedding bias"),
 )
 
 
@@ -70,12 +80,14 @@ def family(name: str) -> Family:
 
 def feature_preconditions() -> frozenset:
     """The preconditions an architecture feature breaks (rotary embeddings, QK-norm, gains applied
-    as ``1 + w``): an identity that refuses a family by one of them is *not exact* there; one that
+    as ``1 + w``, softcaps, sandwich norms): an identity that refuses a family by one of them is *not exact* there; one that
     refuses by any other (attention-only, a LayerNorm model, a layer count) does not apply."""
-    from ._processing._common import NO_QK_NORM, NOT_ROTARY
+    from ._processing._common import NO_ATTN_SOFTCAP, NO_LOGIT_SOFTCAP, NO_POST_NORMS, NO_QK_NORM, NOT_ROTARY
     from ._processing.quantisation import GAINS_AS_STORED
+    from ._processing.rotation import POST_NORM_GAINS_EQUAL
 
-    return frozenset({NOT_ROTARY, NO_QK_NORM, GAINS_AS_STORED})
+    return frozenset({NOT_ROTARY, NO_QK_NORM, GAINS_AS_STORED, NO_ATTN_SOFTCAP, NO_LOGIT_SOFTCAP, NO_POST_NORMS,
+                      POST_NORM_GAINS_EQUAL})
 
 
 def identity_table(identities, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> dict[str, dict[str, str]]:

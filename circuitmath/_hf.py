@@ -383,60 +383,141 @@ def from_hf_gemma(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor
     return _llama_layout(config, "Gemma").convert(state_dict)
 
 
-#: What each LLaMA-like architecture adds: biases on q/k/v, a bias on o_proj (``None``: the
-#: config's ``attention_bias``), QK-norm, and Gemma's 1 + w gains and embedding scale.
-_LLAMA_LIKE = {"LLaMA": (None, None, False, False), "Mistral": (False, False, False, False),
-               "Qwen2": (True, False, False, False), "Qwen3": (None, None, True, False),
-               "Gemma": (None, None, False, True)}
+def from_hf_gemma2(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face Gemma 2 checkpoint: Gemma's, with sandwich norms
+    (``post_attention_layernorm`` after attention is ``ln1_post``, ``pre_feedforward_layernorm``
+    is ``ln2``, ``post_feedforward_layernorm`` is ``ln2_post``; ``Config.post_norms``), scores
+    scaled by ``query_pre_attn_scalar ** -0.5`` (``attention_scale``), softcaps on the scores and
+    the logits (``attn_softcap``, ``logit_softcap``) and a sliding window in the layers
+    ``layer_types`` names."""
+    return _llama_layout(config, "Gemma2").convert(state_dict)
 
 
-def _llama_layout(config, arch: str = "LLaMA") -> Layout:
+def from_hf_phi3(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face Phi-3 checkpoint: LLaMA's, with the query, key and value projections
+    fused in ``qkv_proj`` (rows: the queries, then the keys, then the values) and the gate and up
+    projections in ``gate_up_proj`` (rows: the gate, then up), each read as views of the fused
+    matrix; partial rotary (``partial_rotary_factor``) is kept."""
+    return _llama_layout(config, "Phi3").convert(state_dict)
+
+
+@dataclass(frozen=True)
+class _Variant:
+    """What a LLaMA-like architecture adds: biases on q/k/v and on o_proj (``None``: the config's
+    ``attention_bias``), QK-norm, Gemma's 1 + w gains and embedding scale, Gemma 2's sandwich
+    norms, query scale and softcaps, Phi-3's fused projections (and partial rotary)."""
+
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    qk_norm: bool = False
+    gemma: bool = False
+    sandwich: bool = False
+    fused: bool = False
+
+
+_LLAMA_LIKE = {"LLaMA": _Variant(), "Mistral": _Variant(False, False), "Qwen2": _Variant(True, False),
+               "Qwen3": _Variant(qk_norm=True), "Gemma": _Variant(gemma=True), "Gemma2": _Variant(gemma=True, sandwich=True),
+               "Phi3": _Variant(False, False, fused=True)}
+
+
+def _gemma2_options(config, arch: str) -> dict:
+    """Gemma 2's query scale and softcaps as :class:`Config` fields."""
+    scalar = _number(config, "query_pre_attn_scalar", arch, 256)
+    _require(scalar > 0, arch, f"query_pre_attn_scalar={scalar} is not positive")
+    caps = {}
+    for field, name in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "logit_softcap")):
+        value = _option(config, field)
+        caps[name] = None if value is None else _number(config, field, arch, 0.0)
+    return {"attention_scale": scalar**-0.5, "post_norms": True, **caps}
+
+
+def _hidden_act(config) -> tuple[str, str]:
+    """The activation's name and the field that gives it (Gemma 2 names it ``hidden_activation``)."""
+    for field in ("hidden_activation", "hidden_act"):
+        if _option(config, field) is not None:
+            return _option(config, field), field
+    return "silu", "hidden_act"
+
+
+def _llama_config(config, arch: str, variant: _Variant) -> Config:
+    """The :class:`Config` of a LLaMA-like architecture's ``config``."""
     d, heads, layers = _int(config, "hidden_size", arch), _int(config, "num_attention_heads", arch), _int(config, "num_hidden_layers", arch, floor=0)
     d_head = _int(config, "head_dim", arch, None) or d // heads
     _require(d_head >= 1, arch, f"hidden_size={d} is smaller than num_attention_heads={heads} and no head_dim is given")
     kv_heads = _int(config, "num_key_value_heads", arch, None) or heads
     base, rotary_dim = _rotary(config, d_head, arch)
-    _require(rotary_dim == d_head, arch, "partial rotary (LLaMA rotates every query/key dimension)")
+    _require(rotary_dim == d_head or variant.fused, arch, "partial rotary (LLaMA rotates every query/key dimension)")
     _require(not _option(config, "mlp_bias", False), arch, "mlp_bias=True puts a bias inside the gate, which the reference lacks")
-    qkv_bias, o_bias, qk_norm, gemma = _LLAMA_LIKE[arch]
     _require(not _option(config, "use_bidirectional_attention", False), arch, "use_bidirectional_attention=True (not causal)")
-    attention_bias = bool(_option(config, "attention_bias", False))
-    qkv_bias = attention_bias if qkv_bias is None else qkv_bias
-    o_bias = attention_bias if o_bias is None else o_bias
     window, window_layers = _sliding_window(config, layers, arch)
-    cfg = Config(
+    return Config(
         n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
         n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "intermediate_size", arch),
-        act_fn=_activation(_option(config, "hidden_act", "silu"), "hidden_act", arch), normalization_type="RMS",
+        act_fn=_activation(*_hidden_act(config), arch), normalization_type="RMS",
         eps=_number(config, "rms_norm_eps", arch, 1e-6), positional_embedding_type="rotary", rotary_base=base,
+        rotary_dim=rotary_dim if rotary_dim != d_head else None,
         gated_mlp=True, n_key_value_heads=kv_heads if kv_heads != heads else None,
-        sliding_window=window, sliding_window_layers=window_layers, qk_norm=qk_norm,
-        norm_gain_offset=1.0 if gemma else 0.0,
-        embedding_scale=float(torch.tensor(d**0.5, dtype=torch.float32)) if gemma else None,
+        sliding_window=window, sliding_window_layers=window_layers, qk_norm=variant.qk_norm,
+        norm_gain_offset=1.0 if variant.gemma else 0.0,
+        embedding_scale=float(torch.tensor(d**0.5, dtype=torch.float32)) if variant.gemma else None,
+        **(_gemma2_options(config, arch) if variant.sandwich else {}),
     )
-    m = cfg.d_mlp
+
+
+def _llama_attention(src: _Source, cfg: Config, h: str, p: str, variant: _Variant, qkv_bias: bool) -> dict:
+    """Block ``h``'s query, key and value projections (separate or fused in ``qkv_proj``)."""
+    out, d, e = {}, cfg.d_model, cfg.d_head
+    names = [attention_names(cfg, name) for name in "QKV"]
+    if variant.fused:
+        rows = [n * e for _w, _b, n in names]
+        fused = src.linear(f"{h}.self_attn.qkv_proj.weight", sum(rows), d)
+        for (weight, bias, n), start, size in zip(names, (0, rows[0], rows[0] + rows[1]), rows):
+            out[f"{p}.attn.{weight}"] = _heads_from_columns(fused[:, start:start + size], n, e)
+            out[f"{p}.attn.{bias}"] = src.zeros(n, e)
+        return out
+    for (weight, bias, n), proj in zip(names, ("q_proj", "k_proj", "v_proj")):
+        out[f"{p}.attn.{weight}"], out[f"{p}.attn.{bias}"] = _linear_heads(src, f"{h}.self_attn.{proj}", n, e, d, qkv_bias)
+    return out
+
+
+def _llama_mlp(src: _Source, cfg: Config, h: str, p: str, variant: _Variant) -> dict:
+    """Block ``h``'s gated MLP (gate and up separate or fused in ``gate_up_proj``)."""
+    d, m = cfg.d_model, cfg.d_mlp
+    if variant.fused:
+        fused = src.linear(f"{h}.mlp.gate_up_proj.weight", 2 * m, d)
+        gate, up = fused[:, :m], fused[:, m:]
+    else:
+        gate, up = src.linear(f"{h}.mlp.gate_proj.weight", m, d), src.linear(f"{h}.mlp.up_proj.weight", m, d)
+    return {f"{p}.mlp.W_in": up, f"{p}.mlp.W_gate": gate, f"{p}.mlp.b_in": src.zeros(m),
+            f"{p}.mlp.W_out": src.linear(f"{h}.mlp.down_proj.weight", d, m), f"{p}.mlp.b_out": src.zeros(d)}
+
+
+def _llama_layout(config, arch: str = "LLaMA") -> Layout:
+    variant = _LLAMA_LIKE[arch]
+    cfg = _llama_config(config, arch, variant)
+    attention_bias = bool(_option(config, "attention_bias", False))
+    qkv_bias = attention_bias if variant.qkv_bias is None else variant.qkv_bias
+    o_bias = attention_bias if variant.o_bias is None else variant.o_bias
+    post_attention = "pre_feedforward_layernorm" if variant.sandwich else "post_attention_layernorm"
+    d, d_head, heads = cfg.d_model, cfg.d_head, cfg.n_heads
 
     def embed(src: _Source) -> dict:
         return {"embed.W_E": src.take("embed_tokens.weight", cfg.d_vocab, d)}
 
     def block(src: _Source, layer: int) -> dict:
-        h, p, out = f"layers.{layer}", f"blocks.{layer}", {}
-        out[f"{p}.ln1.w"] = src.take(f"{h}.input_layernorm.weight")
-        for name, proj in (("Q", "q_proj"), ("K", "k_proj"), ("V", "v_proj")):
-            weight, b, n = attention_names(cfg, name)
-            out[f"{p}.attn.{weight}"], out[f"{p}.attn.{b}"] = _linear_heads(src, f"{h}.self_attn.{proj}", n, d_head, d, qkv_bias)
-        if qk_norm:
+        h, p = f"layers.{layer}", f"blocks.{layer}"
+        out = {f"{p}.ln1.w": src.take(f"{h}.input_layernorm.weight")}
+        out |= _llama_attention(src, cfg, h, p, variant, qkv_bias)
+        if variant.qk_norm:
             out[f"{p}.attn.q_norm.w"] = src.take(f"{h}.self_attn.q_norm.weight", d_head)
             out[f"{p}.attn.k_norm.w"] = src.take(f"{h}.self_attn.k_norm.weight", d_head)
         out[f"{p}.attn.W_O"] = src.linear(f"{h}.self_attn.o_proj.weight", d, heads * d_head).reshape(heads, d_head, d)
         out[f"{p}.attn.b_O"] = src.take(f"{h}.self_attn.o_proj.bias") if o_bias else src.zeros(d)
-        out[f"{p}.ln2.w"] = src.take(f"{h}.post_attention_layernorm.weight")
-        out[f"{p}.mlp.W_in"] = src.linear(f"{h}.mlp.up_proj.weight", m, d)
-        out[f"{p}.mlp.W_gate"] = src.linear(f"{h}.mlp.gate_proj.weight", m, d)
-        out[f"{p}.mlp.b_in"] = src.zeros(cfg.d_mlp)
-        out[f"{p}.mlp.W_out"] = src.linear(f"{h}.mlp.down_proj.weight", d, m)
-        out[f"{p}.mlp.b_out"] = src.zeros(d)
-        return out
+        out[f"{p}.ln2.w"] = src.take(f"{h}.{post_attention}.weight")
+        if variant.sandwich:
+            out[f"{p}.ln1_post.w"] = src.take(f"{h}.post_attention_layernorm.weight", d)
+            out[f"{p}.ln2_post.w"] = src.take(f"{h}.post_feedforward_layernorm.weight", d)
+        return out | _llama_mlp(src, cfg, h, p, variant)
 
     def final(src: _Source) -> dict:
         tied = "lm_head.weight" not in src
@@ -448,6 +529,63 @@ def _llama_layout(config, arch: str = "LLaMA") -> Layout:
         }
 
     return Layout(cfg, ("model.",), r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", embed, block, final)
+
+
+def from_hf_gptj(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face GPT-J checkpoint (``GPTJModel`` or ``GPTJForCausalLM``).
+
+    Attention and MLP run in parallel on one LayerNorm, ``x + attn(ln_1(x)) + mlp(ln_1(x))``: the
+    reference's ``ln1`` and ``ln2`` are both views of ``ln_1`` (stored once; a processed model
+    keeps them equal or is written in circuitmath's names). The rotary embedding rotates the
+    first ``rotary_dim`` entries of each head in neighbouring pairs (``rotary_interleaved``); the
+    projections have no biases (zeros) and ``lm_head`` has one (``b_U``).
+    """
+    return _gptj_layout(config).convert(state_dict)
+
+
+def _gptj_layout(config) -> Layout:
+    arch = "GPT-J"
+    d, heads, layers = _int(config, "n_embd", arch), _int(config, "n_head", arch), _int(config, "n_layer", arch, floor=0)
+    _require(d % heads == 0, arch, f"n_embd={d} is not a multiple of n_head={heads}")
+    d_head = d // heads
+    rotary_dim = _int(config, "rotary_dim", arch, None)
+    _require(rotary_dim is not None and rotary_dim % 2 == 0 and rotary_dim <= d_head, arch,
+             f"rotary_dim={rotary_dim}: the reference rotates an even number of each head's {d_head} entries"
+             " (transformers' GPT-J without rotary_dim draws its angles for n_embd, not a head)")
+    cfg = Config(
+        n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
+        n_ctx=_int(config, "n_positions", arch), d_mlp=_int(config, "n_inner", arch, None) or 4 * d,
+        act_fn=_activation(_option(config, "activation_function", "gelu_new"), "activation_function", arch),
+        eps=_number(config, "layer_norm_epsilon", arch, 1e-5), positional_embedding_type="rotary",
+        rotary_dim=rotary_dim if rotary_dim != d_head else None, rotary_interleaved=True, parallel_attn_mlp=True,
+    )
+    m = cfg.d_mlp
+
+    def embed(src: _Source) -> dict:
+        return {"embed.W_E": src.take("wte.weight", cfg.d_vocab, d)}
+
+    def block(src: _Source, layer: int) -> dict:
+        h, p, out = f"h.{layer}", f"blocks.{layer}", {}
+        for norm in ("ln1", "ln2"):  # one LayerNorm read by both branches
+            out[f"{p}.{norm}.w"], out[f"{p}.{norm}.b"] = src.take(f"{h}.ln_1.weight", d), src.take(f"{h}.ln_1.bias", d)
+        for name, proj in (("Q", "q_proj"), ("K", "k_proj"), ("V", "v_proj")):
+            out[f"{p}.attn.W_{name}"], out[f"{p}.attn.b_{name}"] = _linear_heads(src, f"{h}.attn.{proj}", heads, d_head, d, False)
+        out[f"{p}.attn.W_O"] = src.linear(f"{h}.attn.out_proj.weight", d, d).reshape(heads, d_head, d)
+        out[f"{p}.attn.b_O"] = src.zeros(d)
+        out[f"{p}.mlp.W_in"], out[f"{p}.mlp.b_in"] = src.linear(f"{h}.mlp.fc_in.weight", m, d), src.take(f"{h}.mlp.fc_in.bias", m)
+        out[f"{p}.mlp.W_out"], out[f"{p}.mlp.b_out"] = src.linear(f"{h}.mlp.fc_out.weight", d, m), src.take(f"{h}.mlp.fc_out.bias", d)
+        return out
+
+    def final(src: _Source) -> dict:
+        tied = "lm_head.weight" not in src
+        _require(not tied or _option(config, "tie_word_embeddings", False), arch, "no lm_head.weight and untied embeddings")
+        return {
+            "ln_final.w": src.take("ln_f.weight", d), "ln_final.b": src.take("ln_f.bias", d),
+            "unembed.W_U": src.take("wte.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
+            "unembed.b_U": src.take("lm_head.bias", cfg.d_vocab) if "lm_head.bias" in src else src.zeros(cfg.d_vocab),
+        }
+
+    return Layout(cfg, ("transformer.",), r"h\.\d+\.attn\.(masked_)?bias", embed, block, final)
 
 
 def from_hf_bert(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
@@ -520,10 +658,14 @@ def _bert_layout(config) -> Layout:
 
 
 CONVERTERS = {"gpt2": from_hf_gpt2, "gpt_neox": from_hf_gpt_neox, "llama": from_hf_llama, "bert": from_hf_bert,
-              "mistral": from_hf_mistral, "qwen2": from_hf_qwen2, "qwen3": from_hf_qwen3, "gemma": from_hf_gemma}
+              "mistral": from_hf_mistral, "qwen2": from_hf_qwen2, "qwen3": from_hf_qwen3, "gemma": from_hf_gemma,
+              "gemma2": from_hf_gemma2,
+              "phi3": from_hf_phi3, "gptj": from_hf_gptj}
 _LAYOUTS = {"gpt2": _gpt2_layout, "gpt_neox": _gpt_neox_layout, "llama": _llama_layout, "bert": _bert_layout,
             "mistral": lambda config: _llama_layout(config, "Mistral"), "qwen2": lambda config: _llama_layout(config, "Qwen2"),
-            "qwen3": lambda config: _llama_layout(config, "Qwen3"), "gemma": lambda config: _llama_layout(config, "Gemma")}
+            "qwen3": lambda config: _llama_layout(config, "Qwen3"), "gemma": lambda config: _llama_layout(config, "Gemma"),
+            "gemma2": lambda config: _llama_layout(config, "Gemma2"),
+            "phi3": lambda config: _llama_layout(config, "Phi3"), "gptj": _gptj_layout}
 
 
 def hf_layout(config) -> Layout:

@@ -65,7 +65,9 @@ def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Rotary embedding of ``x: [batch, pos, head, d_head]`` (GPT-NeoX layout: halves rotate)."""
+    """Rotary embedding of ``x: [batch, pos, head, d_head]``: the first ``rotary_dim`` entries
+    rotate in pairs ``(i, i + rotary_dim / 2)`` (GPT-NeoX layout), or ``(2i, 2i + 1)`` with
+    ``cfg.rotary_interleaved`` (GPT-J), pair ``i`` by the angle ``pos * base^(-i / (rotary_dim / 2))``."""
     rotary_dim = cfg.rotary_dim or cfg.d_head
     half = rotary_dim // 2
     positions = torch.arange(x.shape[1], dtype=torch.float64, device=x.device)
@@ -73,6 +75,10 @@ def _rotate(x: torch.Tensor, cfg: Config) -> torch.Tensor:
     angles = positions[:, None] * freqs[None, :]
     cos = torch.cos(angles).to(x.dtype)[None, :, None, :]
     sin = torch.sin(angles).to(x.dtype)[None, :, None, :]
+    if cfg.rotary_interleaved:
+        x1, x2, rest = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2], x[..., rotary_dim:]
+        pairs = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        return torch.cat([pairs, rest], dim=-1)
     x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
@@ -94,8 +100,12 @@ def _project(params: StateDict, p: str, cfg: Config, name: str, x: torch.Tensor)
 def pattern_from_scores(scores: torch.Tensor, cfg: Config, layer: int | None = None) -> torch.Tensor:
     """The attention pattern from raw scores ``q k^T`` ``[..., query, key]``: scaled by
     ``1/sqrt(d_head)``, the future masked (causal models) and, in a layer with a sliding window
-    (``cfg.window(layer)``), the keys ``sliding_window`` or more positions back; softmax over keys."""
-    scores = scores / math.sqrt(cfg.d_head)
+    (``cfg.window(layer)``), the keys ``sliding_window`` or more positions back; softmax over keys.
+    ``cfg.attention_scale`` replaces ``1/sqrt(d_head)``; ``cfg.attn_softcap`` caps the scaled
+    scores, ``cap * tanh(scores / cap)``, before the mask."""
+    scores = scores / math.sqrt(cfg.d_head) if cfg.attention_scale is None else scores * cfg.attention_scale
+    if cfg.attn_softcap is not None:
+        scores = _softcap(scores, cfg.attn_softcap)
     if cfg.causal:
         n = scores.shape[-1]
         future = torch.triu(torch.ones(n, n, dtype=torch.bool, device=scores.device), diagonal=1)
@@ -104,6 +114,11 @@ def pattern_from_scores(scores: torch.Tensor, cfg: Config, layer: int | None = N
             future |= torch.tril(torch.ones(n, n, dtype=torch.bool, device=scores.device), diagonal=-window)
         scores = scores.masked_fill(future, float("-inf"))
     return torch.softmax(scores, dim=-1)
+
+
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)``, as transformers computes it (Gemma 2's attention and logit softcaps)."""
+    return torch.tanh(x / cap) * cap
 
 
 def _head_norm(params: StateDict, name: str, cfg: Config, x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +177,8 @@ def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, *, record:
     """Logits ``[batch, pos, d_vocab]`` for integer ``tokens: [batch, pos]``.
 
     Pre-norm block: ``x += attn(norm1(x)); x += mlp(norm2(x))`` (parallel: ``x += attn(norm1(x))
-    + mlp(norm2(x))``), then ``norm_final`` and the unembed. Post-norm block: ``x = norm1(x + attn(x)); x = norm2(x + mlp(x))``, no final norm;
+    + mlp(norm2(x))``; with ``post_norms`` each sub-layer's output is RMS-normed before it is added),
+    then ``norm_final``, the unembed and the logit softcap. Post-norm block: ``x = norm1(x + attn(x)); x = norm2(x + mlp(x))``, no final norm;
     with ``embedding_norm`` the embeddings are normed (``embed.ln``) before the first block.
     With shortformer embeddings ``W_pos`` is added to the query and key inputs after ``ln1``
     and never enters the residual stream.
@@ -221,10 +237,18 @@ def block(params: StateDict, layer: int, cfg: Config, x: torch.Tensor, pos: torc
     attn_out = _attention(params, f"{p}.attn", cfg, qk_in, qk_in, normed, record, layer)
     if cfg.parallel_attn_mlp:
         return x + attn_out + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x, centering))
-    x = x + attn_out
+    x = x + _post_norm(params, f"{p}.ln1_post", cfg, attn_out)
     if not cfg.attn_only:
-        x = x + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x, centering))
+        x = x + _post_norm(params, f"{p}.ln2_post", cfg, _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x, centering)))
     return x
+
+
+def _post_norm(params: StateDict, prefix: str, cfg: Config, out: torch.Tensor) -> torch.Tensor:
+    """A sub-layer's output ``[batch, pos, d_model]`` through its sandwich RMSNorm (``cfg.post_norms``),
+    with gain ``offset + w``; the output itself without one."""
+    if not cfg.post_norms:
+        return out
+    return normalize(out, "RMS", params[f"{prefix}.w"], None, cfg.eps, offset=cfg.norm_gain_offset)
 
 
 def unembed(params: StateDict, cfg: Config, x: torch.Tensor, *, centering: Centering | None = None) -> torch.Tensor:
@@ -232,7 +256,8 @@ def unembed(params: StateDict, cfg: Config, x: torch.Tensor, *, centering: Cente
     ``centering``: see :data:`Centering`."""
     if cfg.norm_position == "pre":
         x = _norm(params, "ln_final", cfg, x, centering)
-    return x @ params["unembed.W_U"] + params["unembed.b_U"]
+    logits = x @ params["unembed.W_U"] + params["unembed.b_U"]
+    return logits if cfg.logit_softcap is None else _softcap(logits, cfg.logit_softcap)
 
 
 def log_probs(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> torch.Tensor:

@@ -192,6 +192,8 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}.attn.q_norm.w"] = shapes[f"{p}.attn.k_norm.w"] = (e,)
         shapes[f"{p}.attn.W_O"] = (h, e, d)
         shapes[f"{p}.attn.b_O"] = (d,)
+        if cfg.post_norms:
+            shapes[f"{p}.ln1_post.w"] = (d,)
         if not cfg.attn_only:
             shapes |= _norm_shapes(f"{p}.ln2", cfg.normalization_type, d)
             shapes[f"{p}.mlp.W_in"] = (d, cfg.d_mlp)
@@ -200,6 +202,8 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}.mlp.b_in"] = (cfg.d_mlp,)
             shapes[f"{p}.mlp.W_out"] = (cfg.d_mlp, d)
             shapes[f"{p}.mlp.b_out"] = (d,)
+            if cfg.post_norms:
+                shapes[f"{p}.ln2_post.w"] = (d,)
     if cfg.norm_position == "pre":
         shapes |= _norm_shapes("ln_final", cfg.normalization_type, d)
     shapes["unembed.W_U"] = (d, cfg.d_vocab)

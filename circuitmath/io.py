@@ -20,7 +20,11 @@ reference conventions (TransformerLens names, row vectors ``x @ W``, per-head
 - :func:`from_hf_mistral`, :func:`from_hf_qwen2`, :func:`from_hf_qwen3`: LLaMA's layout with a
   sliding window (Mistral), query/key/value biases (Qwen2), per-head QK-norm (Qwen3);
 - :func:`from_hf_gemma`: LLaMA's layout with gains applied as ``1 + w`` and embeddings scaled by
-  ``sqrt(d_model)``;
+  ``sqrt(d_model)``; :func:`from_hf_gemma2`: Gemma's with sandwich norms, a query scale, softcaps
+  on the attention scores and the logits, and sliding-window layers; :func:`from_hf_phi3`: LLaMA's
+  with fused ``qkv_proj`` and ``gate_up_proj`` and partial rotary;
+- :func:`from_hf_gptj`: GPT-J (parallel attention and MLP on one LayerNorm, interleaved partial
+  rotary);
 - :func:`from_hf_bert`: BERT (post-LN, embedding LayerNorm, bidirectional attention).
 
 :data:`FAMILIES` lists each architecture family as a tiny ``config.json`` (:class:`Family`), and
@@ -59,6 +63,9 @@ from ._hf import (
     from_hf_bert,
     from_hf_gpt2,
     from_hf_gemma,
+    from_hf_gemma2,
+    from_hf_phi3,
+    from_hf_gptj,
     from_hf_gpt_neox,
     from_hf_llama,
     from_hf_mistral,
@@ -86,6 +93,9 @@ __all__ = [
     "from_hf_qwen2",
     "from_hf_qwen3",
     "from_hf_gemma",
+    "from_hf_gemma2",
+    "from_hf_phi3",
+    "from_hf_gptj",
     "from_hf_bert",
     "load_hf_directory",
     "Family",

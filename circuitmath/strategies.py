@@ -89,6 +89,9 @@ def configs(
     sliding_window=(False,),
     qk_norm=(False,),
     norm_gain_offsets=(0.0,),
+    softcaps=(False,),
+    post_norms=(False,),
+    rotary_interleaved=(False,),
 ) -> st.SearchStrategy[Config]:
     """Strategy for :class:`~circuitmath.Config`\\ s no larger than the ``max_*`` sizes.
 
@@ -112,7 +115,11 @@ def configs(
     common case are off unless asked for: ``sliding_window=(False, True)`` draws a window of
     keys (shorter than ``n_ctx`` where it can be) in some or all layers of causal models,
     ``qk_norm=(False, True)`` an RMSNorm of each head's queries and keys, and
-    ``norm_gain_offsets=(0.0, 1.0)`` RMSNorm gains stored as ``w`` and applied as ``1 + w`` (Gemma).
+    ``norm_gain_offsets=(0.0, 1.0)`` RMSNorm gains stored as ``w`` and applied as ``1 + w`` (Gemma),
+    ``softcaps=(False, True)`` softcaps on the attention scores and the logits, small enough to
+    bite, and a query scale of its own, and ``post_norms=(False, True)`` sandwich RMSNorms after
+    each sub-layer of sequential models without LayerNorm (Gemma 2), and
+    ``rotary_interleaved=(False, True)`` rotary embeddings that rotate neighbouring pairs (GPT-J).
     The normalization and positional-embedding types are
     all drawn unless narrowed: a test names the ones its library processes.
 
@@ -150,6 +157,9 @@ def configs(
     sliding_window = _check_choices("sliding_window", sliding_window, (False, True))
     qk_norm = _check_choices("qk_norm", qk_norm, (False, True))
     norm_gain_offsets = _check_choices("norm_gain_offsets", norm_gain_offsets, (0.0, 1.0))
+    softcaps = _check_choices("softcaps", softcaps, (False, True))
+    post_norms = _check_choices("post_norms", post_norms, (False, True))
+    rotary_interleaved = _check_choices("rotary_interleaved", rotary_interleaved, (False, True))
     if norm_positions == ("post",) and normalization_types == (None,):
         raise InvalidArgument("post-norm models need a normalization type other than None")
 
@@ -174,13 +184,18 @@ def configs(
             if draw(st.booleans()):
                 window_layers = tuple(draw(st.sets(st.integers(0, max(0, n_layers - 1)))))
         normalization = draw(st.sampled_from(norms))
+        parallel = mlp and position == "pre" and draw(st.sampled_from(parallel_attn_mlp))
+        capped = draw(st.sampled_from(softcaps))
+        caps = {name: draw(st.floats(0.5, 5.0)) if capped else None
+                for name in ("attn_softcap", "logit_softcap", "attention_scale")}
+        sandwich = position == "pre" and not parallel and normalization not in ("LN", "LNPre") and draw(st.sampled_from(post_norms))
         return Config(
             n_layers=n_layers,
             d_model=draw(st.integers(min_d_model, max_d_model)),
             n_heads=n_heads,
             n_key_value_heads=kv_heads,
             gated_mlp=mlp and draw(st.sampled_from(gated_mlp)),
-            parallel_attn_mlp=mlp and position == "pre" and draw(st.sampled_from(parallel_attn_mlp)),
+            parallel_attn_mlp=parallel,
             d_head=d_head,
             d_mlp=draw(st.integers(1, max_d_mlp)) if mlp else None,
             d_vocab=draw(st.integers(2, max_vocab)),
@@ -193,6 +208,9 @@ def configs(
             sliding_window_layers=window_layers,
             qk_norm=draw(st.sampled_from(qk_norm)),
             norm_gain_offset=0.0 if normalization in ("LN", "LNPre") else draw(st.sampled_from(norm_gain_offsets)),
+            post_norms=sandwich,
+            rotary_interleaved=positional == "rotary" and draw(st.sampled_from(rotary_interleaved)),
+            **caps,
         )
 
     return build()

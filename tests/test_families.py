@@ -34,7 +34,8 @@ def _model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overr
         for param_name, param in model.named_parameters():
             value = torch.randn(param.shape, generator=g, dtype=torch.float64)
             if param.ndim == 1:
-                value = torch.exp(0.3 * value) - float(name == "Gemma") if param_name.endswith("norm.weight") else 0.5 * value
+                gain = param_name.endswith(("norm.weight", "ln_1.weight", "ln_f.weight"))
+                value = torch.exp(0.3 * value) - float(name.startswith("Gemma")) if gain else 0.5 * value
             else:
                 value = value * param.shape[-1] ** -0.5
             param.copy_(value.to(dtype))
@@ -90,18 +91,31 @@ def _without(feature: str):
         "qk_norm": lambda cfg: cfg.replace(qk_norm=False),
         "1 + w": lambda cfg: cfg.replace(norm_gain_offset=0.0),
         "embedding_scale": lambda cfg: cfg.replace(embedding_scale=None),
+        "logit_softcap": lambda cfg: cfg.replace(logit_softcap=None),
+        "attn_softcap": lambda cfg: cfg.replace(attn_softcap=None),
+        "attention_scale": lambda cfg: cfg.replace(attention_scale=None),
+        "post_norms": lambda cfg: cfg.replace(post_norms=False),
+        "gate_up_order": lambda cfg: cfg,  # the state dict's halves are swapped below
+        "full_rotary": lambda cfg: cfg.replace(rotary_dim=None),
+        "rotary_interleaved": lambda cfg: cfg.replace(rotary_interleaved=False),
     }[feature]
 
 
 @pytest.mark.parametrize("name,feature", [("Mistral", "window"), ("Mistral", "window+1"), ("Qwen3", "qk_norm"),
-                                          ("Gemma", "1 + w"), ("Gemma", "embedding_scale")])
+                                          ("Gemma", "1 + w"), ("Gemma", "embedding_scale"), ("Gemma2", "logit_softcap"),
+                                          ("Gemma2", "attn_softcap"), ("Gemma2", "attention_scale"),
+                                          ("Gemma2", "post_norms"), ("Gemma2", "window"), ("Phi3", "gate_up_order"),
+                                          ("Phi3", "full_rotary"), ("GPT-J", "rotary_interleaved")])
 def test_negative_control_a_feature_left_out_is_caught(name, feature):
     tokens = _tokens()
     model, config = _model(name)
     sd, cfg = io.from_hf(model.state_dict(), config)
     wrong = _without(feature)(cfg)
-    if feature == "qk_norm":
-        sd = {k: v for k, v in sd.items() if "_norm." not in k}
+    if feature == "gate_up_order":  # gate_up_proj read as [up | gate]
+        sd = sd | {k.replace("W_in", "W_gate"): v for k, v in sd.items() if k.endswith("W_in")} \
+            | {k.replace("W_gate", "W_in"): v for k, v in sd.items() if k.endswith("W_gate")}
+    if feature in ("qk_norm", "post_norms"):
+        sd = {k: v for k, v in sd.items() if ("_norm." if feature == "qk_norm" else "_post.") not in k}
     assert (_ours(sd, wrong, tokens) - _hf_log_probs(model, tokens)).abs().max() > 1e-2
 
 
@@ -115,7 +129,9 @@ def test_negative_control_qwen2_biases_read_as_llama_are_refused():
 
 #: The steps whose output a family's layout holds, where the defaults make something it cannot:
 #: Qwen2 has no o_proj bias to receive the folded value biases.
-FITTING_STEPS = {"Qwen2": ("fold_ln", "center_unembed")}
+FITTING_STEPS = {"Qwen2": ("fold_ln", "center_unembed"),
+                 # GPT-J's q/k/v have no biases to receive ln_1's bias
+                 "GPT-J": ("fold_value_biases", "center_writing_weights", "center_unembed")}
 #: Families whose tiny config ties the unembedding to the embedding, processed untied here (a
 #: tied folder falls back to circuitmath's names: see the next test).
 UNTIED = {"tie_word_embeddings": False}
@@ -125,7 +141,8 @@ UNTIED = {"tie_word_embeddings": False}
 def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
     """process writes the family's names, config.json and layout (the layout key in the metadata);
     transformers loads it as the same class and computes the input's log-probs (float32 rounding
-    of the folded weights; measured below 1e-5). Control: the first folded norm's gain put back."""
+    of the folded weights; measured below 1e-5). Control: a folded norm's gain put back (GPT-J,
+    whose fitting steps fold no norm: a LayerNorm gain negated)."""
     model, _config = _model(name, **UNTIED)
     folder = tmp_path / "in"
     model.save_pretrained(folder)
@@ -138,20 +155,25 @@ def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
     tokens = _tokens()
     expected = _hf_log_probs(model, tokens)
     assert (_hf_log_probs(loaded, tokens) - expected).abs().max() < 1e-4
+    assert cfg.applied
     with torch.no_grad():
-        loaded.model.layers[1].input_layernorm.weight.copy_(model.model.layers[1].input_layernorm.weight)
+        if name == "GPT-J":
+            loaded.transformer.h[1].ln_1.weight.mul_(-1)
+        else:
+            loaded.model.layers[1].input_layernorm.weight.copy_(model.model.layers[1].input_layernorm.weight)
     assert (_hf_log_probs(loaded, tokens) - expected).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["Qwen2", "Gemma"])
+@pytest.mark.parametrize("name", ["Qwen2", "Gemma", "GPT-J"])
 def test_what_the_layout_cannot_hold_is_written_in_circuitmath_names(tmp_path, name):
-    """The defaults fold Qwen2's value biases into an output bias its layout lacks, and Gemma's
-    final norm into an unembedding it ties to the embedding: the folder is written in
-    circuitmath's names, and computes the input's log-probs."""
+    """The defaults fold Qwen2's value biases into an output bias its layout lacks, Gemma's
+    final norm into an unembedding it ties to the embedding, and GPT-J's LayerNorm bias into
+    query/key/value biases it lacks: the folder is written in circuitmath's names, and computes
+    the input's log-probs."""
     model, _config = _model(name)
     model.save_pretrained(tmp_path / "in")
     cfg = io.process_checkpoint(tmp_path / "in", tmp_path / "out")
-    assert "fold_rms_norm" in cfg.applied and not (tmp_path / "out" / "config.json").exists()
+    assert {"fold_rms_norm", "fold_layer_norm"} & set(cfg.applied) and not (tmp_path / "out" / "config.json").exists()
     sd, got_cfg = io.open_checkpoint(tmp_path / "out").load()
     assert got_cfg == cfg
     if name == "Qwen2":
@@ -185,6 +207,10 @@ EXPECTED = {  # (family, identity): the verdict's start (a refusal names the fea
     ("Gemma", "fold_rms_norm"): "exact",
     ("Qwen2", "fold_value_biases"): "exact",
     ("Mistral", "rotate_residual_stream"): "exact",
+    ("Gemma2", "center_unembed"): "not exact: no logit softcap",
+    ("Gemma2", "rotate_residual_stream"): "not exact: each sandwich norm's gain is one number",
+    ("Gemma2", "fold_rms_norm"): "exact",
+    ("Gemma2", "fold_value_biases"): "exact",
 }
 
 
@@ -204,13 +230,15 @@ from hypothesis import given, settings  # noqa: E402
 from circuitmath import strategies  # noqa: E402
 
 FEATURES = strategies.configs(sliding_window=(False, True), qk_norm=(False, True), norm_gain_offsets=(0.0, 1.0),
-                              grouped_query=(False, True), max_ctx=6)
+                              softcaps=(False, True), post_norms=(False, True), rotary_interleaved=(False, True),
+                              grouped_query=(False, True), max_ctx=6,
+                              min_d_model=4)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(cfg=FEATURES, data=strategies.st.data())
 def test_identities_hold_or_refuse_with_every_feature_drawn(cfg, data):
-    """On drawn models with sliding windows, QK-norm and 1 + w gains, each registered identity's
+    """On drawn models with sliding windows, QK-norm, 1 + w gains, softcaps and sandwich norms, each registered identity's
     check passes or it refuses; a wrong rewrite that differs on the model is rejected."""
     sd = data.draw(strategies.state_dicts(cfg, min_gain_spread=0.2))
     for identity in cm.identities():
@@ -235,3 +263,18 @@ def test_fold_of_gains_stored_as_w_uses_one_plus_w():
     folded, _ = cm.fold_rms_norm(half, cfg)
     once = (half["blocks.0.attn.W_Q"].double() * (1 + half["blocks.0.ln1.w"].double())[:, None]).to(torch.bfloat16)
     assert torch.equal(folded["blocks.0.attn.W_Q"], once)
+
+
+@pytest.mark.parametrize("name,identity", [("Gemma2", "center_unembed"), ("Qwen3", "remove_key_biases"),
+                                           ("Gemma2", "remove_key_biases")])
+def test_a_refused_rewrite_applied_regardless_changes_the_function(name, identity):
+    """Where a feature breaks an identity, its rewrite applied anyway (the wrong rewrite the
+    diagnosis tries when the identity refuses) changes the log-probs: the refusal is needed.
+    The Gemma2 and Qwen3 cases: a logit softcap, QK-norm (with rotary), an attention softcap."""
+    cfg = family(name).cfg
+    if identity == "remove_key_biases":  # give the keys biases to remove (neither family has any)
+        cfg = cfg.replace(positional_embedding_type="standard", n_ctx=16)
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    with pytest.raises(cm.PreconditionError):
+        cm.get_identity(identity).check(sd, cfg)
+    assert not cm.get_identity(identity).check_wrong_rewrite("regardless", sd, cfg).passed

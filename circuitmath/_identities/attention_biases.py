@@ -24,10 +24,11 @@ import torch
 from sympy import DiagMatrix, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol, Transpose
 
 from .._processing import fold_value_biases, remove_key_biases
-from .._processing._common import NOT_APPLIED, NOT_ROTARY, NO_QK_NORM
+from .._processing._common import NO_ATTN_SOFTCAP, NOT_APPLIED, NOT_ROTARY, NO_QK_NORM
 from .._proof import Definition, Fact, Proof, Step, Twin
-from .._registry import Identity, register
+from .._registry import Identity, WrongRewrite, register
 from .._state import attention_names
+from .layer_norm import REGARDLESS
 
 n, d, e = (Symbol(s, positive=True, integer=True) for s in ("n", "d", "e"))
 ones = OneMatrix(n, 1)
@@ -301,6 +302,15 @@ def _fold_through(select):
     return transform
 
 
+def _remove_key_biases_regardless(state_dict, cfg):
+    """Zero the key biases although the keys are rotated, normed or the scores capped after them."""
+    _weight, bias, _heads = attention_names(cfg, "K")
+    out = dict(state_dict)
+    for layer in range(cfg.n_layers):
+        out[f"blocks.{layer}.attn.{bias}"] = torch.zeros_like(state_dict[f"blocks.{layer}.attn.{bias}"])
+    return out, cfg.replace(applied=cfg.applied + ("remove_key_biases",))
+
+
 def _drop_query_biases(state_dict, cfg):
     """Zero the query biases instead of the key biases."""
     _unused, new_cfg = remove_key_biases(state_dict, cfg)
@@ -335,9 +345,12 @@ REMOVE_KEY_BIASES = register(
         name="remove_key_biases",
         title="Removing key biases",
         summary="q_i . (k_j + b_K) = q_i . k_j + q_i . b_K, the same for every key j, and softmax over j ignores it",
-        preconditions=(NOT_ROTARY, NO_QK_NORM, NOT_APPLIED),
+        preconditions=(NOT_ROTARY, NO_QK_NORM, NO_ATTN_SOFTCAP, NOT_APPLIED),
         build_proof=_key_bias_proof,
         transform=remove_key_biases,
-        wrong_rewrites={"drop_query_biases": _drop_query_biases},
+        wrong_rewrites={
+            "drop_query_biases": _drop_query_biases,
+            "regardless": WrongRewrite(_remove_key_biases_regardless, REGARDLESS, regardless=True),
+        },
     )
 )

@@ -23,7 +23,7 @@ import torch
 from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, OneMatrix, Rational, Sum, Symbol, exp, log
 
 from .._processing import center_unembed, center_writing_weights, writers
-from .._processing._common import NOT_APPLIED, PRE_NORM
+from .._processing._common import NO_LOGIT_SOFTCAP, NOT_APPLIED, PRE_NORM
 from .._processing.centering import CENTERING_NORM
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, WrongRewrite, register
@@ -220,6 +220,14 @@ def _center_unembed_over_d_model(state_dict, cfg):
     return out, new_cfg
 
 
+def _center_unembed_regardless(state_dict, cfg):
+    """Center W_U and b_U over the vocabulary although a logit softcap follows them."""
+    out = dict(state_dict)
+    for name in ("unembed.W_U", "unembed.b_U"):
+        out[name] = state_dict[name] - state_dict[name].mean(dim=-1, keepdim=True)
+    return out, cfg.replace(applied=cfg.applied + ("center_unembed",))
+
+
 def _center_writers_regardless(state_dict, cfg):
     """Center every write to the residual stream over d_model whatever the norm."""
     out = dict(state_dict)
@@ -258,10 +266,14 @@ CENTER_UNEMBED = register(
         " log_softmax is shift invariant, so the log-probs are unchanged",
         preconditions=(
             "the logits are read through a softmax: compare log-probs, not raw logits",
+            NO_LOGIT_SOFTCAP,
             NOT_APPLIED,
         ),
         build_proof=_unembed_proof,
         transform=center_unembed,
-        wrong_rewrites={"over_d_model": _center_unembed_over_d_model},
+        wrong_rewrites={
+            "over_d_model": _center_unembed_over_d_model,
+            "regardless": WrongRewrite(_center_unembed_regardless, REGARDLESS, regardless=True),
+        },
     )
 )

@@ -27,7 +27,7 @@ from .._processing import (
     rescale_residual_stream,
     writers,
 )
-from .._processing._common import NORM_READ_LINEARLY, NOT_APPLIED, PRE_NORM
+from .._processing._common import NO_POST_NORMS, NORM_READ_LINEARLY, NOT_APPLIED, PRE_NORM
 from .._processing.norms import BEHIND_A_NORM, EPS_ZERO, IS_LNPRE, IS_RMS, SCALE_POSITIVE, WRITES_CENTERED
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, WrongRewrite, register
@@ -331,7 +331,7 @@ SCALE_INVARIANCE = register(
         title="LayerNorm is invariant to positive scaling exactly when eps = 0",
         summary="LNPre(s x) = LNPre(x) for s > 0 when eps = 0; with eps > 0 it is not, while the"
         " LayerNorm fold, which holds for any normaliser, stays exact",
-        preconditions=(EPS_ZERO, PRE_NORM, BEHIND_A_NORM, SCALE_POSITIVE, NOT_APPLIED),
+        preconditions=(EPS_ZERO, PRE_NORM, BEHIND_A_NORM, NO_POST_NORMS, SCALE_POSITIVE, NOT_APPLIED),
         build_proof=_scale_invariance_proof,
         transform=functools.partial(rescale_residual_stream, scale=CHECK_SCALE),
         wrong_rewrites={"negative_scale": _rescale_by_negative_scale},

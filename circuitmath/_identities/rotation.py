@@ -30,6 +30,7 @@ from .._processing.layer_norm import IS_LN
 from .._processing.norms import IS_LNPRE
 from .._processing.rotation import (
     NO_NORM_GAIN,
+    POST_NORM_GAINS_EQUAL,
     Q_FIXES_ONES,
     Q_ORTHOGONAL,
     Q_SQUARE,
@@ -538,7 +539,7 @@ ROTATION_INVARIANCE = register(
         title="Rotating the residual stream of a pre-RMSNorm model",
         summary="writers W Q (W_E, W_pos, W_O, b_O, W_out, b_out), readers Q^T W (W_Q, W_K, W_V, W_in,"
         " W_gate, W_U): the stream becomes x Q and every reader computes what it did",
-        preconditions=(PRE_NORM, NO_NORM_GAIN, Q_SQUARE, Q_ORTHOGONAL),
+        preconditions=(PRE_NORM, NO_NORM_GAIN, POST_NORM_GAINS_EQUAL, Q_SQUARE, Q_ORTHOGONAL),
         function="rotate_residual_stream",
         check_note="the rotation Q is recovered from the tensors (orthogonal Procrustes) and verified on every tensor",
         build_proof=_model_rotation_proof,

@@ -14,7 +14,8 @@ from .._state import attention_names, entries_checked_here, not_finite
 
 __all__ = [
     "readers", "require", "refuse_reapplication", "rewrite", "undone_by",
-    "NOT_APPLIED", "PRE_NORM", "NORM_READ_LINEARLY", "NOT_ROTARY", "NO_QK_NORM",
+    "NOT_APPLIED", "PRE_NORM", "NORM_READ_LINEARLY", "NOT_ROTARY", "NO_QK_NORM", "NO_LOGIT_SOFTCAP", "NO_ATTN_SOFTCAP",
+    "NO_POST_NORMS",
 ]
 
 #: Shared by the transforms that need them (each identity lists the ones its transform raises).
@@ -30,6 +31,19 @@ NOT_ROTARY = Precondition(
 NO_QK_NORM = Precondition(
     "no QK-norm",
     "queries and keys are not normalised after their projection (no QK-norm): each score is bilinear in the stream",
+)
+
+NO_LOGIT_SOFTCAP = Precondition(
+    "no logit softcap",
+    "the logits reach the softmax as they are: no softcap cap * tanh(l / cap), which is not shift-invariant",
+)
+NO_ATTN_SOFTCAP = Precondition(
+    "no attention-score softcap",
+    "the scores reach the softmax as they are: no softcap cap * tanh(s / cap), which is not shift-invariant",
+)
+NO_POST_NORMS = Precondition(
+    "no sandwich norms",
+    "each sub-layer writes its output to the residual stream as it is, not through a norm of its own (post_norms)",
 )
 
 

@@ -6,7 +6,7 @@ import torch
 
 from .._config import Config
 from .._state import StateDict, attention_names, key_value_groups, validate_state_dict
-from ._common import NO_QK_NORM, NOT_ROTARY, refuse_reapplication, require, rewrite
+from ._common import NO_ATTN_SOFTCAP, NO_QK_NORM, NOT_ROTARY, refuse_reapplication, require, rewrite
 from ._memory import new_tensor
 
 __all__ = ["fold_value_biases", "remove_key_biases", "refactor_factored_attn_matrices"]
@@ -82,7 +82,8 @@ def remove_key_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
     A key bias adds ``q_i · b_K`` to every score of query ``i``: the same number for every key
     ``j``, which the softmax over ``j`` cancels. Refused for rotary models, where the key bias is
     rotated by the key's position and ``q_i · R_j b_K`` changes along the row, and for models with
-    QK-norm, where the bias enters the key before its root mean square is taken. Records
+    QK-norm, where the bias enters the key before its root mean square is taken, and under an
+    attention-score softcap, which is not shift-invariant. Records
     ``"remove_key_biases"``.
     """
     identity = "remove_key_biases"
@@ -97,6 +98,9 @@ def remove_key_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
         "the key bias is added before the key is divided by its root mean square, so it changes each"
         " key by a different amount and the scores of a row by different amounts",
     )
+    require(identity, NO_ATTN_SOFTCAP, cfg.attn_softcap is None,
+            f"the scores pass through the softcap {cfg.attn_softcap:g} * tanh(s / {cfg.attn_softcap:g}), which turns"
+            " the constant q . b_K added to a row into different amounts per key" if cfg.attn_softcap else "")
     validate_state_dict(state_dict, cfg)
     _weight, bias, _heads = attention_names(cfg, "K")
     out = dict(state_dict)

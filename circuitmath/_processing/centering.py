@@ -8,7 +8,7 @@ from .._compare import compute_dtype
 from .._config import Config
 from .._errors import Precondition
 from .._state import StateDict, validate_state_dict
-from ._common import PRE_NORM, refuse_reapplication, require, rewrite
+from ._common import NO_LOGIT_SOFTCAP, PRE_NORM, refuse_reapplication, require, rewrite
 from ._memory import new_tensor, rows_per_block, scratch
 
 __all__ = ["writers", "center_writing_weights", "center_unembed", "centered_last_axis", "CENTERING_NORM"]
@@ -131,12 +131,16 @@ def center_unembed(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.
 
     Every position's logits ``l`` become ``l - mean(l)``: each raw logit of a position shifts by
     the same constant, and ``log_softmax(l + c) = log_softmax(l)``, so the log-probabilities are
-    unchanged (the raw logits are not: compare log-probs). Holds for every architecture: it only
-    uses the softmax at the output. Records ``"center_unembed"``. Half precision is centered in
+    unchanged (the raw logits are not: compare log-probs). Holds for every architecture that reads
+    the logits straight into the softmax; refused under a logit softcap (Gemma 2), which is not
+    shift-invariant. Records ``"center_unembed"``. Half precision is centered in
     float32 and rounded once (:func:`centered_last_axis`).
     """
     identity = "center_unembed"
     refuse_reapplication(identity, cfg)
+    require(identity, NO_LOGIT_SOFTCAP, cfg.logit_softcap is None,
+            f"the logits pass through the softcap {cfg.logit_softcap:g} * tanh(l / {cfg.logit_softcap:g}) before the"
+            " softmax, and a shift of l is not a shift of the capped logits" if cfg.logit_softcap else "")
     validate_state_dict(state_dict, cfg)
     out = dict(state_dict)
     W_U, b_U = state_dict["unembed.W_U"], state_dict["unembed.b_U"]

@@ -12,7 +12,7 @@ import torch
 from .._config import Config
 from .._errors import InputError, Precondition
 from .._state import StateDict, validate_state_dict
-from ._common import readers, refuse_reapplication, require, rewrite
+from ._common import NO_POST_NORMS, readers, refuse_reapplication, require, rewrite
 from .centering import center_writing_weights, require_pre_norm, writers
 from .layer_norm import fold_layer_norm, reader_preconditions
 
@@ -186,6 +186,11 @@ def rescale_residual_stream(
     require(
         identity, BEHIND_A_NORM, cfg.normalization_type is not None,
         "normalization_type is None: the readers see the residual stream's scale",
+    )
+    require(
+        identity, NO_POST_NORMS, not cfg.post_norms,
+        "each sub-layer writes through a sandwich norm of its own, which undoes a scale of W_O, b_O, W_out, b_out"
+        " but not of the embeddings" if cfg.post_norms else "",
     )
     require(
         identity, EPS_ZERO, cfg.eps == 0,

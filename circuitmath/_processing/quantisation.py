@@ -204,21 +204,29 @@ HEAD_ROTATIONS = Precondition(
 )
 COMMUTES_WITH_ROTARY = Precondition(
     "the query/key rotation commutes with the rotary embedding",
-    "on a rotary model the query/key rotation turns each rotary pair (i, i + rotary_dim/2) within itself"
+    "on a rotary model the query/key rotation turns each rotary pair (i, i + rotary_dim/2), or (2i, 2i + 1) when"
+    " interleaved, within itself"
     " ([[c, s], [-s, c]]) and the dimensions past rotary_dim among themselves",
 )
 
 
+def _rotary_pairs(cfg: Config, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two dimensions of each rotary pair, as index tensors on ``device``: ``(i, i + rotary_dim / 2)``
+    (NeoX layout) or ``(2i, 2i + 1)`` (``cfg.rotary_interleaved``, GPT-J)."""
+    half = (cfg.rotary_dim or cfg.d_head) // 2
+    index = torch.arange(half, device=device)
+    return (2 * index, 2 * index + 1) if cfg.rotary_interleaved else (index, index + half)
+
+
 def rotary_generator(cfg: Config) -> torch.Tensor:
-    """``J`` ``[d_head, d_head]`` (float64): ``J[i, i + h] = i + 1 = -J[i + h, i]`` for the rotary
-    pairs (``h = rotary_dim / 2``, NeoX layout), zero elsewhere. A matrix commutes with every
+    """``J`` ``[d_head, d_head]`` (float64): ``J[a_i, b_i] = i + 1 = -J[b_i, a_i]`` for the rotary
+    pairs ``(a_i, b_i)`` (:func:`_rotary_pairs`), zero elsewhere. A matrix commutes with every
     rotary rotation (one angle per pair, the frequencies distinct) exactly when it commutes with
     ``J`` (whose pairs' distinct values stand for the distinct frequencies)."""
-    half = (cfg.rotary_dim or cfg.d_head) // 2
+    first, second = _rotary_pairs(cfg, "cpu")
     J = torch.zeros(cfg.d_head, cfg.d_head, dtype=torch.float64, device="cpu")
-    index = torch.arange(half, device="cpu")
-    J[index, index + half] = (index + 1).double()
-    J[index + half, index] = -(index + 1).double()
+    J[first, second] = (torch.arange(len(first), device="cpu") + 1).double()
+    J[second, first] = -(torch.arange(len(first), device="cpu") + 1).double()
     return J
 
 
@@ -319,13 +327,13 @@ def nearest_commuting(R: torch.Tensor, cfg: Config) -> torch.Tensor:
     block made ``[[c, s], [-s, c]]`` and normalised, the rest orthogonalised, the rest cut off."""
     half = (cfg.rotary_dim or cfg.d_head) // 2
     out = torch.zeros_like(R)
-    i = torch.arange(half, device=R.device)
-    c = (R[..., i, i] + R[..., i + half, i + half]) / 2
-    s = (R[..., i, i + half] - R[..., i + half, i]) / 2
+    i, j = _rotary_pairs(cfg, R.device)
+    c = (R[..., i, i] + R[..., j, j]) / 2
+    s = (R[..., i, j] - R[..., j, i]) / 2
     norm = torch.sqrt(c * c + s * s).clamp_min(1e-300)
     c, s = c / norm, s / norm
-    out[..., i, i], out[..., i + half, i + half], out[..., i, i + half], out[..., i + half, i] = c, c, s, -s
-    rest = slice(2 * half, cfg.d_head)
+    out[..., i, i], out[..., j, j], out[..., i, j], out[..., j, i] = c, c, s, -s
+    rest = slice(2 * half, cfg.d_head)  # past rotary_dim in both layouts
     if 2 * half < cfg.d_head:
         U, _S, Vh = torch.linalg.svd(R[..., rest, rest])
         out[..., rest, rest] = U @ Vh

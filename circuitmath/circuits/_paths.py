@@ -14,7 +14,7 @@ import torch
 
 from .._config import Config
 from .._errors import InputError, Precondition
-from .._processing._common import NO_QK_NORM, require
+from .._processing._common import NO_LOGIT_SOFTCAP, NO_POST_NORMS, NO_QK_NORM, require
 from .._reference import _project, _rotate, forward, pattern_from_scores
 from .._state import StateDict, validate_state_dict, validated_once
 from ._heads import _layer_bias, _layer_weight
@@ -32,15 +32,21 @@ PATH_MODEL = (
     Precondition("attention-only", "attention-only: no MLP, whose non-linearity would mix the paths"),
     Precondition("pre-norm", "pre-norm (or no norm): each norm's scale is frozen at the stream it read"),
     Precondition("known positional embedding", f"positional_embedding_type is one of {POSITIONS}"),
+    NO_LOGIT_SOFTCAP,
+    NO_POST_NORMS,
 )
 
 
 def _require_path_model(cfg: Config, identity: str) -> None:
-    attention_only, pre_norm, known_positions = PATH_MODEL
+    attention_only, pre_norm, known_positions, no_logit_softcap, no_post_norms = PATH_MODEL
     require(identity, attention_only, cfg.attn_only, "the model has MLPs, which are not linear in the residual stream")
     require(identity, pre_norm, cfg.norm_position == "pre", "a post-norm model normalises the residual stream itself")
     require(identity, known_positions, cfg.positional_embedding_type in POSITIONS,
             f"positional_embedding_type is {cfg.positional_embedding_type!r}")
+    require(identity, no_logit_softcap, cfg.logit_softcap is None,
+            "the logits pass through a softcap, so they are not the sum of the path terms")
+    require(identity, no_post_norms, not cfg.post_norms,
+            "each layer writes through a sandwich norm of its own, which the path terms do not freeze")
 
 
 @dataclass(frozen=True)
