@@ -208,3 +208,21 @@ def test_a_mistake_hidden_under_a_later_step_is_blamed_on_its_step_and_tensors()
     assert not found.ok
     assert {p.name for p in found.culprits()} == set(bug.touched()), str(found)
     assert [f.name for f in found.violations if f.kind == "identity"] == ["fold_value_biases"], str(found)
+
+
+# -- folding a gain stored as w and applied as 1 + w (Gemma) -----------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_gain_applied_as_one_plus_w_is_folded_as_one_plus_w_rounded_once(dtype):
+    """``(1 + w)[:, None] * W`` computed in float64 and rounded once: with ``w`` about ``1e-3``, a
+    ``1 + w`` rounded to bfloat16 first (or ``1 - w``) gives other bits."""
+    cfg = LN.replace(normalization_type="RMS", norm_gain_offset=1.0)
+    sd = cm.random_state_dict(cfg, seed=0, dtype=dtype)
+    generator = torch.Generator().manual_seed(1)
+    sd = dict(sd, **{n: (1e-3 * torch.randn(cfg.d_model, generator=generator, dtype=torch.float64)).to(dtype)
+                     for n in sd if n.endswith(".w")})
+    folded, _ = cm.fold_rms_norm(sd, cfg)
+    W, w = sd["blocks.1.attn.W_Q"], sd["blocks.1.ln1.w"]
+    expected = (W.double() * (1 + w.double())[:, None]).to(dtype)
+    assert torch.equal(folded["blocks.1.attn.W_Q"], expected)
