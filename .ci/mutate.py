@@ -136,7 +136,8 @@ def targets() -> dict[str, list[str]]:
         importers = [] if not name.startswith("_") else [  # a public module's importers are most tests
             str(p.relative_to(ROOT)) for p, text in tests_text.items()
             if re.search(rf"\b{re.escape(dotted)}\b", text) or re.search(rf"from {re.escape(package)} import .*\b{name}\b", text)]
-        found[path] = list(dict.fromkeys(found[path] + own + EXTRA_TESTS.get(path, []) + importers))
+        # the module's own tests first: pytest -x stops at the first failure, so a mutant they kill costs little
+        found[path] = list(dict.fromkeys(own + EXTRA_TESTS.get(path, []) + importers + found[path]))
     for path, tests in found.items():
         missing = [t for t in tests if not (ROOT / t).exists()]
         if missing:
