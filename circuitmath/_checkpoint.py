@@ -73,7 +73,10 @@ def _mapped(path: Path, offset: int, entry: dict) -> torch.Tensor:
 def _read(path: Path, offset: int, entry: dict) -> torch.Tensor:
     """The tensor ``entry`` read into memory of its own (no map, no file left open)."""
     begin, end = entry["data_offsets"]
-    tensor = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+    try:
+        tensor = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+    except (RuntimeError, MemoryError) as error:
+        raise InputError(f"{path}: cannot be held in memory ({error})") from None
     try:
         with open(path, "rb") as handle:
             handle.seek(offset + begin)
@@ -99,7 +102,12 @@ class _Tensors(Mapping):
         self.entries, self.fetch = entries, fetch
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.fetch(*self.entries[name])
+        path, offset, entry = self.entries[name]
+        try:
+            return self.fetch(path, offset, entry)
+        except InputError as error:  # name the tensor too: a map or a read of it failed
+            raise type(error)(f"{error}: tensor {name!r} ({DTYPES[entry['dtype']]}, shape {entry['shape']},"
+                              f" {entry['data_offsets'][1] - entry['data_offsets'][0]:,} bytes)") from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.entries)
