@@ -67,6 +67,13 @@ FAMILIES: tuple[Family, ...] = (
     Family("GPT-J", "gptj", {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4,
                              "n_positions": 16, "n_inner": 48, "bos_token_id": 0, "eos_token_id": 0},
            "LayerNorm, attention and MLP in parallel on one norm, interleaved partial rotary, an unembedding bias"),
+    Family("OPT", "opt", {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                          "ffn_dim": 48, "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1},
+           "pre-LayerNorm, learned positions read with an offset of 2, ReLU MLP, tied unembedding"),
+    Family("OPT-post", "opt", {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "ffn_dim": 48, "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 0,
+                               "pad_token_id": 1, "do_layer_norm_before": False},
+           "OPT with post-LayerNorm blocks (do_layer_norm_before=False, as OPT-350m) and no final norm"),
 )
 
 

@@ -588,6 +588,67 @@ def _gptj_layout(config) -> Layout:
     return Layout(cfg, ("transformer.",), r"h\.\d+\.attn\.(masked_)?bias", embed, block, final)
 
 
+def from_hf_opt(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face OPT checkpoint (``OPTModel`` or ``OPTForCausalLM``).
+
+    Learned positions with an offset: position ``p`` reads row ``p + 2`` of ``embed_positions``
+    (``W_pos`` is rows 2 onwards; the first two rows are never read, so a processed OPT is
+    written in circuitmath's names). ReLU MLP (``fc1``, ``fc2``); ``do_layer_norm_before``
+    picks pre-norm (``self_attn_layer_norm`` is ``ln1``, ``final_layer_norm`` ``ln2``, the
+    decoder's ``final_layer_norm`` ``ln_final``) or post-norm (no final norm). Refused:
+    ``word_embed_proj_dim != hidden_size`` (project_in/out), LayerNorms without gains.
+    """
+    return _opt_layout(config).convert(state_dict)
+
+
+def _opt_layout(config) -> Layout:
+    arch = "OPT"
+    d, heads, layers = _dimensions(config, arch)
+    d_head, offset = d // heads, 2
+    _require((_int(config, "word_embed_proj_dim", arch, None) or d) == d, arch,
+             "word_embed_proj_dim differs from hidden_size (project_in and project_out), which the reference lacks")
+    _require(_option(config, "layer_norm_elementwise_affine", True), arch, "LayerNorms without gain and bias")
+    pre = bool(_option(config, "do_layer_norm_before", True))
+    _require(not pre or not _option(config, "_remove_final_layer_norm", False), arch, "a pre-norm OPT without its final norm")
+    bias = bool(_option(config, "enable_bias", True))
+    cfg = Config(
+        n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
+        n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "ffn_dim", arch),
+        act_fn=_activation(_option(config, "activation_function", "relu"), "activation_function", arch),
+        norm_position="pre" if pre else "post",
+    )
+    m = cfg.d_mlp
+
+    def embed(src: _Source) -> dict:
+        return {"embed.W_E": src.take("embed_tokens.weight", cfg.d_vocab, d),
+                "pos_embed.W_pos": src.take("embed_positions.weight", cfg.n_ctx + offset, d)[offset:]}
+
+    def block(src: _Source, layer: int) -> dict:
+        h, p, out = f"layers.{layer}", f"blocks.{layer}", {}
+        for norm, name in (("ln1", "self_attn_layer_norm"), ("ln2", "final_layer_norm")):
+            out[f"{p}.{norm}.w"], out[f"{p}.{norm}.b"] = src.take(f"{h}.{name}.weight", d), src.take(f"{h}.{name}.bias", d)
+        for name, proj in (("Q", "q_proj"), ("K", "k_proj"), ("V", "v_proj")):
+            out[f"{p}.attn.W_{name}"], out[f"{p}.attn.b_{name}"] = _linear_heads(src, f"{h}.self_attn.{proj}", heads, d_head, d, bias)
+        out[f"{p}.attn.W_O"] = src.linear(f"{h}.self_attn.out_proj.weight", d, d).reshape(heads, d_head, d)
+        out[f"{p}.attn.b_O"] = src.take(f"{h}.self_attn.out_proj.bias", d) if bias else src.zeros(d)
+        out[f"{p}.mlp.W_in"] = src.linear(f"{h}.fc1.weight", m, d)
+        out[f"{p}.mlp.b_in"] = src.take(f"{h}.fc1.bias", m) if bias else src.zeros(m)
+        out[f"{p}.mlp.W_out"] = src.linear(f"{h}.fc2.weight", d, m)
+        out[f"{p}.mlp.b_out"] = src.take(f"{h}.fc2.bias", d) if bias else src.zeros(d)
+        return out
+
+    def final(src: _Source) -> dict:
+        tied = "lm_head.weight" not in src
+        _require(not tied or _option(config, "tie_word_embeddings", True), arch, "no lm_head.weight and untied embeddings")
+        out = {"unembed.W_U": src.take("embed_tokens.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
+               "unembed.b_U": src.zeros(cfg.d_vocab)}
+        if pre:
+            out["ln_final.w"], out["ln_final.b"] = src.take("final_layer_norm.weight", d), src.take("final_layer_norm.bias", d)
+        return out
+
+    return Layout(cfg, ("model.decoder.", "decoder."), None, embed, block, final)
+
+
 def from_hf_bert(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
     """Convert a Hugging Face BERT encoder (``BertModel``, or the ``bert.`` part of a task model).
 
@@ -660,12 +721,14 @@ def _bert_layout(config) -> Layout:
 CONVERTERS = {"gpt2": from_hf_gpt2, "gpt_neox": from_hf_gpt_neox, "llama": from_hf_llama, "bert": from_hf_bert,
               "mistral": from_hf_mistral, "qwen2": from_hf_qwen2, "qwen3": from_hf_qwen3, "gemma": from_hf_gemma,
               "gemma2": from_hf_gemma2,
-              "phi3": from_hf_phi3, "gptj": from_hf_gptj}
+              "phi3": from_hf_phi3, "gptj": from_hf_gptj,
+              "opt": from_hf_opt}
 _LAYOUTS = {"gpt2": _gpt2_layout, "gpt_neox": _gpt_neox_layout, "llama": _llama_layout, "bert": _bert_layout,
             "mistral": lambda config: _llama_layout(config, "Mistral"), "qwen2": lambda config: _llama_layout(config, "Qwen2"),
             "qwen3": lambda config: _llama_layout(config, "Qwen3"), "gemma": lambda config: _llama_layout(config, "Gemma"),
             "gemma2": lambda config: _llama_layout(config, "Gemma2"),
-            "phi3": lambda config: _llama_layout(config, "Phi3"), "gptj": _gptj_layout}
+            "phi3": lambda config: _llama_layout(config, "Phi3"), "gptj": _gptj_layout,
+            "opt": _opt_layout}
 
 
 def hf_layout(config) -> Layout:
