@@ -21,6 +21,7 @@ import sympy
 import torch
 from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Transpose
 
+from .._compare import named_generator
 from .._errors import NOT_APPLIED
 from .._processing._common import NO_QK_NORM, NORM_READ_LINEARLY, PRE_NORM, readers
 from .._processing.quantisation import (
@@ -114,9 +115,11 @@ CHECK_SEED = 0
 
 def check_scales(cfg) -> dict[str, torch.Tensor]:
     """The scales the numeric checks migrate: ``s = exp(N(0, 1))`` per channel (float64), one
-    draw per norm, of the spread SmoothQuant's ``max|X|^a / max|W|^(1-a)`` takes on outliers."""
-    generator = torch.Generator(device="cpu").manual_seed(CHECK_SEED)
-    return {norm: torch.exp(torch.randn(cfg.d_model, generator=generator, dtype=torch.float64, device="cpu"))
+    draw per kind of norm (``ln1``, ``ln2``, ``ln_final``), of the spread SmoothQuant's
+    ``max|X|^a / max|W|^(1-a)`` takes on outliers. Every block draws the same, so a streamed
+    part, numbered from 0, migrates what its block migrates in the whole model."""
+    return {norm: torch.exp(torch.randn(cfg.d_model, generator=named_generator(norm.rsplit(".", 1)[-1], CHECK_SEED),
+                                        dtype=torch.float64, device="cpu"))
             for norm, _pairs in readers(cfg)}
 
 
@@ -284,10 +287,13 @@ def _head_rotation_proof() -> Proof:
 def check_head_rotations(cfg) -> dict[str, torch.Tensor]:
     """The rotations the numeric checks use (float64 ``[n_layers, kv_heads, d_head, d_head]``):
     random orthogonal for the values; for queries and keys the same, made to commute with the
-    rotary embedding on a rotary model."""
-    shape = (cfg.n_layers, len(key_value_groups(cfg)), cfg.d_head, cfg.d_head)
+    rotary embedding on a rotary model. Every block draws the same, so a streamed part,
+    numbered from 0, rotates what its block rotates in the whole model."""
+    shape = (1, len(key_value_groups(cfg)), cfg.d_head, cfg.d_head)
     generator = torch.Generator(device="cpu").manual_seed(CHECK_SEED)
-    value, query_key = (torch.linalg.qr(torch.randn(*shape, generator=generator, dtype=torch.float64, device="cpu"))[0] for _ in "vq")
+    value, query_key = (
+        torch.linalg.qr(torch.randn(*shape, generator=generator, dtype=torch.float64, device="cpu"))[0]
+        .expand(cfg.n_layers, *shape[1:]).clone() for _ in "vq")
     if cfg.positional_embedding_type == "rotary":
         query_key = nearest_commuting(query_key, cfg)
     return {"value": value, "query_key": query_key}
@@ -435,9 +441,12 @@ def _positive_vector(rng, shape):
 
 
 def check_neuron_scales(cfg) -> torch.Tensor:
-    """The scales the numeric checks use: ``exp(N(0, 1))`` per neuron and layer (float64)."""
+    """The scales the numeric checks use: ``exp(N(0, 1))`` per neuron (float64
+    ``[n_layers, d_mlp]``), the same in every block, so a streamed part, numbered from 0,
+    scales what its block scales in the whole model."""
     generator = torch.Generator(device="cpu").manual_seed(CHECK_SEED)
-    return torch.exp(torch.randn(cfg.n_layers, cfg.d_mlp or 0, generator=generator, dtype=torch.float64, device="cpu"))
+    drawn = torch.exp(torch.randn(1, cfg.d_mlp or 0, generator=generator, dtype=torch.float64, device="cpu"))
+    return drawn.expand(cfg.n_layers, -1).clone()
 
 
 def _scale_neurons(state_dict, cfg, scales=None):
