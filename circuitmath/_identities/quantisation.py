@@ -350,6 +350,7 @@ def _query_key_generic(state_dict, cfg, rotations=None):
     out, out_cfg = rotate_heads(state_dict, cfg, value=rotations["value"])
     generic = torch.linalg.qr(torch.randn(rotations["value"].shape, dtype=torch.float64, device="cpu",
                                           generator=torch.Generator(device="cpu").manual_seed(CHECK_SEED + 1)))[0]
+    generic = generic.to(state_dict["embed.W_E"].device)  # the products run where the weights are
     return _change_bases(out, cfg, query=generic, key=generic), out_cfg
 
 
