@@ -69,6 +69,7 @@ class Config:
       ``1 / sqrt(d_head)`` (Gemma 2's ``query_pre_attn_scalar ** -0.5``).
     - ``attn_softcap``, ``logit_softcap``: the scaled scores and the logits pass through
       ``cap * tanh(. / cap)`` (Gemma 2).
+    - ``logit_scale``: the logits are multiplied by this number (Cohere), before any softcap.
     - ``post_norms``: each sub-layer's output passes through an RMSNorm of its own (gains
       ``ln1_post.w``, ``ln2_post.w``) before it is added to the residual stream (Gemma 2's
       sandwich norms); it needs a pre-RMSNorm model.
@@ -107,6 +108,7 @@ class Config:
     logit_softcap: float | None = None
     post_norms: bool = False
     rotary_interleaved: bool = False
+    logit_scale: float | None = None
     applied: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -119,7 +121,7 @@ class Config:
         object.__setattr__(self, "rotary_base", float(self.rotary_base))
         object.__setattr__(self, "eps", float(self.eps))
         object.__setattr__(self, "norm_gain_offset", float(self.norm_gain_offset))
-        for name in ("embedding_scale", "attention_scale", "attn_softcap", "logit_softcap"):
+        for name in ("embedding_scale", "attention_scale", "attn_softcap", "logit_softcap", "logit_scale"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))
         if self.sliding_window_layers is not None:
@@ -254,7 +256,7 @@ def _type_problems(cfg: Config) -> list[str]:
         problems.append(f"eps must be a finite number >= 0, got {cfg.eps!r}")
     if not _is_number(cfg.norm_gain_offset):
         problems.append(f"norm_gain_offset must be a finite number, got {cfg.norm_gain_offset!r}")
-    for name in ("embedding_scale", "attention_scale", "attn_softcap", "logit_softcap"):
+    for name in ("embedding_scale", "attention_scale", "attn_softcap", "logit_softcap", "logit_scale"):
         value = getattr(cfg, name)
         if value is not None and (not _is_number(value) or value <= 0):
             problems.append(f"{name} must be None or a finite number > 0, got {value!r}")

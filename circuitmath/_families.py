@@ -74,6 +74,9 @@ FAMILIES: tuple[Family, ...] = (
                                "ffn_dim": 48, "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 0,
                                "pad_token_id": 1, "do_layer_norm_before": False},
            "OPT with post-LayerNorm blocks (do_layer_norm_before=False, as OPT-350m) and no final norm"),
+    Family("Cohere", "cohere", _SMALL | {"logit_scale": 0.25, "pad_token_id": 0},
+           "LLaMA's body with attention and gated MLP in parallel on one bias-free LayerNorm, interleaved rotary,"
+           " a logit scale, tied unembedding"),
 )
 
 

@@ -439,8 +439,9 @@ def _hidden_act(config) -> tuple[str, str]:
     return "silu", "hidden_act"
 
 
-def _llama_config(config, arch: str, variant: _Variant) -> Config:
-    """The :class:`Config` of a LLaMA-like architecture's ``config``."""
+def _llama_config(config, arch: str, variant: _Variant, eps: tuple[str, float] = ("rms_norm_eps", 1e-6)) -> Config:
+    """The :class:`Config` of a LLaMA-like architecture's ``config`` (``eps``: the field of its
+    norms' epsilon and its default)."""
     d, heads, layers = _int(config, "hidden_size", arch), _int(config, "num_attention_heads", arch), _int(config, "num_hidden_layers", arch, floor=0)
     d_head = _int(config, "head_dim", arch, None) or d // heads
     _require(d_head >= 1, arch, f"hidden_size={d} is smaller than num_attention_heads={heads} and no head_dim is given")
@@ -454,7 +455,7 @@ def _llama_config(config, arch: str, variant: _Variant) -> Config:
         n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
         n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "intermediate_size", arch),
         act_fn=_activation(*_hidden_act(config), arch), normalization_type="RMS",
-        eps=_number(config, "rms_norm_eps", arch, 1e-6), positional_embedding_type="rotary", rotary_base=base,
+        eps=_number(config, eps[0], arch, eps[1]), positional_embedding_type="rotary", rotary_base=base,
         rotary_dim=rotary_dim if rotary_dim != d_head else None,
         gated_mlp=True, n_key_value_heads=kv_heads if kv_heads != heads else None,
         sliding_window=window, sliding_window_layers=window_layers, qk_norm=variant.qk_norm,
@@ -649,6 +650,50 @@ def _opt_layout(config) -> Layout:
     return Layout(cfg, ("model.decoder.", "decoder."), None, embed, block, final)
 
 
+def from_hf_cohere(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face Cohere (Command-R) checkpoint: LLaMA's names, with attention and
+    the gated MLP in parallel on one LayerNorm (gain only: its bias is zero; ``ln1`` and ``ln2``
+    are both views of ``input_layernorm``), rotary pairs interleaved (``rotary_interleaved``),
+    the logits multiplied by ``logit_scale``. ``use_qk_norm`` is refused (a LayerNorm per head
+    the reference lacks)."""
+    return _cohere_layout(config).convert(state_dict)
+
+
+def _cohere_layout(config) -> Layout:
+    arch = "Cohere"
+    _require(not _option(config, "use_qk_norm", False), arch, "use_qk_norm=True (a LayerNorm of each head's queries and keys)")
+    llama = _llama_config(config, arch, _Variant(), eps=("layer_norm_eps", 1e-5))
+    scale = _option(config, "logit_scale")
+    cfg = llama.replace(normalization_type="LN", gated_mlp=True, parallel_attn_mlp=True, rotary_interleaved=True,
+                        logit_scale=None if scale is None else _number(config, "logit_scale", arch, 1.0))
+    bias = bool(_option(config, "attention_bias", False))
+    d, d_head, heads = cfg.d_model, cfg.d_head, cfg.n_heads
+
+    def embed(src: _Source) -> dict:
+        return {"embed.W_E": src.take("embed_tokens.weight", cfg.d_vocab, d)}
+
+    def block(src: _Source, layer: int) -> dict:
+        h, p = f"layers.{layer}", f"blocks.{layer}"
+        out = {}
+        for norm in ("ln1", "ln2"):  # one LayerNorm, gain only, read by both branches
+            out[f"{p}.{norm}.w"], out[f"{p}.{norm}.b"] = src.take(f"{h}.input_layernorm.weight", d), src.zeros(d)
+        out |= _llama_attention(src, cfg, h, p, _Variant(), bias)
+        out[f"{p}.attn.W_O"] = src.linear(f"{h}.self_attn.o_proj.weight", d, heads * d_head).reshape(heads, d_head, d)
+        out[f"{p}.attn.b_O"] = src.take(f"{h}.self_attn.o_proj.bias") if bias else src.zeros(d)
+        return out | _llama_mlp(src, cfg, h, p, _Variant())
+
+    def final(src: _Source) -> dict:
+        tied = "lm_head.weight" not in src
+        _require(not tied or _option(config, "tie_word_embeddings", True), arch, "no lm_head.weight and untied embeddings")
+        return {
+            "ln_final.w": src.take("norm.weight", d), "ln_final.b": src.zeros(d),
+            "unembed.W_U": src.take("embed_tokens.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
+            "unembed.b_U": src.zeros(cfg.d_vocab),
+        }
+
+    return Layout(cfg, ("model.",), r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", embed, block, final)
+
+
 def from_hf_bert(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
     """Convert a Hugging Face BERT encoder (``BertModel``, or the ``bert.`` part of a task model).
 
@@ -722,13 +767,13 @@ CONVERTERS = {"gpt2": from_hf_gpt2, "gpt_neox": from_hf_gpt_neox, "llama": from_
               "mistral": from_hf_mistral, "qwen2": from_hf_qwen2, "qwen3": from_hf_qwen3, "gemma": from_hf_gemma,
               "gemma2": from_hf_gemma2,
               "phi3": from_hf_phi3, "gptj": from_hf_gptj,
-              "opt": from_hf_opt}
+              "opt": from_hf_opt, "cohere": from_hf_cohere}
 _LAYOUTS = {"gpt2": _gpt2_layout, "gpt_neox": _gpt_neox_layout, "llama": _llama_layout, "bert": _bert_layout,
             "mistral": lambda config: _llama_layout(config, "Mistral"), "qwen2": lambda config: _llama_layout(config, "Qwen2"),
             "qwen3": lambda config: _llama_layout(config, "Qwen3"), "gemma": lambda config: _llama_layout(config, "Gemma"),
             "gemma2": lambda config: _llama_layout(config, "Gemma2"),
             "phi3": lambda config: _llama_layout(config, "Phi3"), "gptj": _gptj_layout,
-            "opt": _opt_layout}
+            "opt": _opt_layout, "cohere": _cohere_layout}
 
 
 def hf_layout(config) -> Layout:

@@ -257,6 +257,8 @@ def unembed(params: StateDict, cfg: Config, x: torch.Tensor, *, centering: Cente
     if cfg.norm_position == "pre":
         x = _norm(params, "ln_final", cfg, x, centering)
     logits = x @ params["unembed.W_U"] + params["unembed.b_U"]
+    if cfg.logit_scale is not None:
+        logits = logits * cfg.logit_scale
     return logits if cfg.logit_softcap is None else _softcap(logits, cfg.logit_softcap)
 
 

@@ -25,7 +25,8 @@ reference conventions (TransformerLens names, row vectors ``x @ W``, per-head
   with fused ``qkv_proj`` and ``gate_up_proj`` and partial rotary;
 - :func:`from_hf_gptj`: GPT-J (parallel attention and MLP on one LayerNorm, interleaved partial
   rotary); :func:`from_hf_opt`: OPT (learned positions read with an offset of 2, ReLU, pre- or
-  post-norm);
+  post-norm); :func:`from_hf_cohere`: Cohere (parallel attention and gated MLP on one bias-free
+  LayerNorm, interleaved rotary, a logit scale);
 - :func:`from_hf_bert`: BERT (post-LN, embedding LayerNorm, bidirectional attention).
 
 :data:`FAMILIES` lists each architecture family as a tiny ``config.json`` (:class:`Family`), and
@@ -68,6 +69,7 @@ from ._hf import (
     from_hf_phi3,
     from_hf_gptj,
     from_hf_opt,
+    from_hf_cohere,
     from_hf_gpt_neox,
     from_hf_llama,
     from_hf_mistral,
@@ -99,6 +101,7 @@ __all__ = [
     "from_hf_phi3",
     "from_hf_gptj",
     "from_hf_opt",
+    "from_hf_cohere",
     "from_hf_bert",
     "load_hf_directory",
     "Family",

@@ -99,6 +99,7 @@ def _without(feature: str):
         "full_rotary": lambda cfg: cfg.replace(rotary_dim=None),
         "rotary_interleaved": lambda cfg: cfg.replace(rotary_interleaved=False),
         "position_offset": lambda cfg: cfg,  # W_pos read from row 0 below
+        "logit_scale": lambda cfg: cfg.replace(logit_scale=None),
     }[feature]
 
 
@@ -107,7 +108,8 @@ def _without(feature: str):
                                           ("Gemma2", "attn_softcap"), ("Gemma2", "attention_scale"),
                                           ("Gemma2", "post_norms"), ("Gemma2", "window"), ("Phi3", "gate_up_order"),
                                           ("Phi3", "full_rotary"), ("GPT-J", "rotary_interleaved"),
-                                          ("OPT", "position_offset")])
+                                          ("OPT", "position_offset"), ("Cohere", "logit_scale"),
+                                          ("Cohere", "rotary_interleaved")])
 def test_negative_control_a_feature_left_out_is_caught(name, feature):
     tokens = _tokens()
     model, config = _model(name)
@@ -150,8 +152,8 @@ OWN_LAYOUT = [name for name in NAMES if not name.startswith("OPT")]
 def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
     """process writes the family's names, config.json and layout (the layout key in the metadata);
     transformers loads it as the same class and computes the input's log-probs (float32 rounding
-    of the folded weights; measured below 1e-5). Control: a folded norm's gain put back (GPT-J,
-    whose fitting steps fold no norm: a LayerNorm gain negated)."""
+    of the folded weights; measured below 1e-5). Control: a folded norm's gain put back (GPT-J and Cohere,
+    whose norm both branches read: that gain negated)."""
     model, _config = _model(name, **UNTIED)
     folder = tmp_path / "in"
     model.save_pretrained(folder)
@@ -166,8 +168,8 @@ def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
     assert (_hf_log_probs(loaded, tokens) - expected).abs().max() < 1e-4
     assert cfg.applied
     with torch.no_grad():
-        if name == "GPT-J":
-            loaded.transformer.h[1].ln_1.weight.mul_(-1)
+        if name in ("GPT-J", "Cohere"):  # a LayerNorm's gain read by both branches
+            (loaded.transformer.h[1].ln_1 if name == "GPT-J" else loaded.model.layers[1].input_layernorm).weight.mul_(-1)
         else:
             loaded.model.layers[1].input_layernorm.weight.copy_(model.model.layers[1].input_layernorm.weight)
     assert (_hf_log_probs(loaded, tokens) - expected).abs().max() > 1e-2
