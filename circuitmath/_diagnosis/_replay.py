@@ -37,7 +37,7 @@ from .._processing.rotation import (
     rotated_tensors,
     rotation_mismatches,
 )
-from ._tensors import _certificate, _largest_entry, _natural_order, _relative_difference, _Thresholds
+from ._tensors import _HEAD_AXIS, _certificate, _largest_entry, _location, _natural_order, _relative_difference, _Thresholds
 
 __all__ = ["weight_identities", "SYMMETRIES"]
 
@@ -428,6 +428,10 @@ class _Replay:
         searched_residual = self.residual(searched[1], before)
         if len(searched_residual) < len(residual):  # on a tie the exact replay explains as much
             (stages, final, final_cfg), residual = searched, searched_residual
+        if residual:  # heads or neurons permuted by hand in some tensors, wherever in the composition
+            found = self.permuted(final, final_cfg, residual, before)
+            if found is not None:
+                stages, final, residual = stages + [found], found.state, self.residual(found.state, before)
         improved = True
         while residual and improved:
             improved = False
@@ -438,6 +442,45 @@ class _Replay:
                     improved = True
                     break
         return stages, final, final_cfg, residual
+
+    def permuted(self, state: dict, cfg: Config, residual: list[str], before: Mapping) -> _Stage | None:
+        """A stage that permutes the heads (or neurons) of ``residual`` tensors of ``state`` to
+        reproduce ``after`` (each tensor's units matched to within the recognition threshold):
+        ``permute_heads`` or ``permute_neurons``, exact where every tensor of those units in a
+        layer moved alike, else the wrong rewrite ``.partial`` naming the tensors that moved
+        (two heads' ``W_O`` swapped and nothing else); ``None`` when no tensor is so permuted."""
+        moved: dict[tuple[str, int | None, tuple], list[str]] = {}
+        for name in residual:
+            unit = _unit_axis(name, cfg)
+            ours, theirs = state.get(name), self.after.get(name)
+            if unit is None or ours is None or theirs is None or ours.shape != theirs.shape:
+                continue
+            perm = _slice_permutation(ours, theirs, unit[1], self.thresholds.recognise)
+            if perm is not None:
+                layer = _tensors_layer(name)
+                moved.setdefault((unit[0], layer, perm), []).append(name)
+        if not moved:
+            return None
+        out, rewrites = dict(state), {}
+        for (kind, layer, perm), names in moved.items():
+            for name in names:
+                axis = _unit_axis(name, cfg)[1]
+                out[name] = state[name].index_select(axis, torch.tensor(perm, device=state[name].device))
+            every = [n for n in state if _tensors_layer(n) == layer and (u := _unit_axis(n, cfg)) and u[0] == kind
+                     and state[n].shape[u[1]] == len(perm) and n not in names]
+            index = torch.tensor(perm)
+            if not all(self.same(n, state[n].index_select(_unit_axis(n, cfg)[1], index.to(state[n].device)), None)
+                       for n in every):  # the others of these units stayed: a partial permutation
+                rewrites.setdefault(kind, []).extend(names)
+        identity = PERMUTE_HEADS if "heads" in {kind for kind, _l, _p in moved} else PERMUTE_NEURONS
+        touched = {n for names in moved.values() for n in names}
+        stage = _Stage(identity.name, out, cfg, touched, None if rewrites else out, None)
+        for kind, names in rewrites.items():
+            key = f"{identity.name}.partial"
+            stage.rewrites.setdefault(key, []).extend(names)
+            stage.descriptions[key] = (f"the {kind} of {', '.join(names)} permuted, and not the other tensors of the"
+                                       f" same {kind}: each {kind[:-1]} must move with all its tensors")
+        return stage
 
     def _downstream_trial(self, before, cfg, plan, stages, i, residual):
         """Try each wrong rewrite of stage ``i`` followed by the rest of the replay; return the first
@@ -534,3 +577,34 @@ def _best_rotation(state: Mapping, after: Mapping, cfg: Config) -> torch.Tensor:
     which uncentered readers then fix."""
     fits = [procrustes(state, after, cfg, names) for names in _anchor_sets(cfg)]
     return min(fits, key=lambda Q: len(rotation_mismatches(state, after, cfg, Q)))
+
+
+def _unit_axis(name: str, cfg: Config) -> tuple[str, int] | None:
+    """``("heads", axis)`` or ``("neurons", axis)``: the axis of ``name`` that indexes heads or
+    MLP neurons (``None`` for other tensors)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if ".attn." in name and leaf in _HEAD_AXIS:
+        return "heads", _HEAD_AXIS[leaf]
+    if ".mlp." in name and leaf in ("W_in", "W_gate", "b_in", "W_out"):
+        return "neurons", 1 if leaf in ("W_in", "W_gate") else 0
+    return None
+
+
+def _tensors_layer(name: str) -> int | None:
+    return _location(name)[0]
+
+
+def _slice_permutation(ours: torch.Tensor, theirs: torch.Tensor, axis: int, threshold: float) -> tuple | None:
+    """The permutation ``p`` (not the identity) with ``theirs`` = ``ours`` indexed by ``p`` along
+    ``axis``, each slice within ``threshold`` of the tensors' largest entry, or ``None``."""
+    a, b = (t.movedim(axis, 0).reshape(t.shape[axis], -1).double() for t in (ours, theirs))
+    scale = max(float(a.abs().max()), float(b.abs().max())) if a.numel() else 0.0
+    if a.shape[0] < 2 or scale == 0:
+        return None
+    distance = torch.cdist(b, a, p=float("inf")) if a.shape[1] else torch.zeros(a.shape[0], a.shape[0])
+    perm = distance.argmin(dim=1)
+    close = distance.gather(1, perm[:, None]).flatten() <= threshold * scale
+    if not bool(close.all()) or len(set(perm.tolist())) != len(perm) or torch.equal(perm, torch.arange(len(perm))):
+        return None
+    return tuple(perm.tolist())
+
