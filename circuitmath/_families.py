@@ -77,6 +77,15 @@ FAMILIES: tuple[Family, ...] = (
     Family("Cohere", "cohere", _SMALL | {"logit_scale": 0.25, "pad_token_id": 0},
            "LLaMA's body with attention and gated MLP in parallel on one bias-free LayerNorm, interleaved rotary,"
            " a logit scale, tied unembedding"),
+    Family("Falcon", "falcon", {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "max_position_embeddings": 16, "ffn_hidden_size": 48, "rope_parameters": _ROPE,
+                                "bos_token_id": 0, "eos_token_id": 0, "bias": True},
+           "LayerNorm, multi-query attention fused in query_key_value, attention and MLP in parallel on one norm"),
+    Family("Falcon-sequential", "falcon", {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+                                           "num_attention_heads": 4, "max_position_embeddings": 16, "ffn_hidden_size": 48,
+                                           "rope_parameters": _ROPE, "bos_token_id": 0, "eos_token_id": 0,
+                                           "multi_query": False, "parallel_attn": False},
+           "Falcon with per-head fused q/k/v and sequential attention and MLP, two norms"),
 )
 
 

@@ -694,6 +694,85 @@ def _cohere_layout(config) -> Layout:
     return Layout(cfg, ("model.",), r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", embed, block, final)
 
 
+def from_hf_falcon(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face Falcon checkpoint of the first architecture (Falcon-7B style).
+
+    ``query_key_value`` fuses the projections: with ``multi_query`` the rows are every query
+    head, then one key head and one value head (grouped-query attention with one key/value
+    head); without, ``[q | k | v]`` per head (GPT-NeoX's layout). With ``parallel_attn`` both
+    branches read ``input_layernorm`` (``ln1`` and ``ln2`` are views of it), else the MLP reads
+    ``post_attention_layernorm``. Refused: ``alibi``, ``new_decoder_architecture`` (its grouped
+    rows are no view of per-head weights).
+    """
+    return _falcon_layout(config).convert(state_dict)
+
+
+def _falcon_layout(config) -> Layout:
+    arch = "Falcon"
+    _require(not _option(config, "alibi", False), arch, "alibi=True (ALiBi position biases, which the reference lacks)")
+    _require(not _option(config, "new_decoder_architecture", False), arch,
+             "new_decoder_architecture=True (Falcon-40B/180B's grouped fused rows)")
+    d, heads, layers = _dimensions(config, arch)
+    d_head = d // heads
+    multi_query, parallel = bool(_option(config, "multi_query", True)), bool(_option(config, "parallel_attn", True))
+    bias = bool(_option(config, "bias", False))
+    base, rotary_dim = _rotary(config, d_head, arch)
+    cfg = Config(
+        n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
+        n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "ffn_hidden_size", arch, None) or 4 * d,
+        act_fn=_activation(_option(config, "activation", "gelu"), "activation", arch),
+        eps=_number(config, "layer_norm_epsilon", arch, 1e-5), positional_embedding_type="rotary", rotary_base=base,
+        rotary_dim=rotary_dim if rotary_dim != d_head else None, parallel_attn_mlp=parallel,
+        n_key_value_heads=1 if multi_query and heads > 1 else None,
+    )
+    m = cfg.d_mlp
+
+    def embed(src: _Source) -> dict:
+        return {"embed.W_E": src.take("word_embeddings.weight", cfg.d_vocab, d)}
+
+    def attention(src: _Source, h: str, p: str) -> dict:
+        out, names = {}, [attention_names(cfg, name) for name in "QKV"]
+        rows = heads * d_head + 2 * d_head if multi_query else 3 * d
+        fused = src.linear(f"{h}.self_attention.query_key_value.weight", rows, d)
+        fused_b = src.take(f"{h}.self_attention.query_key_value.bias", rows) if bias else None
+        for i, (weight, b, n) in enumerate(names):
+            if multi_query:
+                start = (0, heads * d_head, heads * d_head + d_head)[i]
+                columns = slice(start, start + n * d_head)
+                out[f"{p}.attn.{weight}"] = _heads_from_columns(fused[:, columns], n, d_head)
+                out[f"{p}.attn.{b}"] = fused_b[columns].reshape(n, d_head) if bias else src.zeros(n, d_head)
+            else:
+                out[f"{p}.attn.{weight}"] = fused.reshape(d, heads, 3, d_head)[:, :, i, :].permute(1, 0, 2)
+                out[f"{p}.attn.{b}"] = fused_b.reshape(heads, 3, d_head)[:, i, :] if bias else src.zeros(heads, d_head)
+        return out
+
+    def block(src: _Source, layer: int) -> dict:
+        h, p = f"h.{layer}", f"blocks.{layer}"
+        out = {}
+        norms = (("ln1", "input_layernorm"), ("ln2", "input_layernorm" if parallel else "post_attention_layernorm"))
+        for norm, name in norms:
+            out[f"{p}.{norm}.w"], out[f"{p}.{norm}.b"] = src.take(f"{h}.{name}.weight", d), src.take(f"{h}.{name}.bias", d)
+        out |= attention(src, h, p)
+        out[f"{p}.attn.W_O"] = src.linear(f"{h}.self_attention.dense.weight", d, d).reshape(heads, d_head, d)
+        out[f"{p}.attn.b_O"] = src.take(f"{h}.self_attention.dense.bias", d) if bias else src.zeros(d)
+        out[f"{p}.mlp.W_in"] = src.linear(f"{h}.mlp.dense_h_to_4h.weight", m, d)
+        out[f"{p}.mlp.b_in"] = src.take(f"{h}.mlp.dense_h_to_4h.bias", m) if bias else src.zeros(m)
+        out[f"{p}.mlp.W_out"] = src.linear(f"{h}.mlp.dense_4h_to_h.weight", d, m)
+        out[f"{p}.mlp.b_out"] = src.take(f"{h}.mlp.dense_4h_to_h.bias", d) if bias else src.zeros(d)
+        return out
+
+    def final(src: _Source) -> dict:
+        tied = "lm_head.weight" not in src
+        _require(not tied or _option(config, "tie_word_embeddings", True), arch, "no lm_head.weight and untied embeddings")
+        return {
+            "ln_final.w": src.take("ln_f.weight", d), "ln_final.b": src.take("ln_f.bias", d),
+            "unembed.W_U": src.take("word_embeddings.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
+            "unembed.b_U": src.zeros(cfg.d_vocab),
+        }
+
+    return Layout(cfg, ("transformer.",), r"(h\.\d+\.self_attention\.)?rotary_emb\.inv_freq", embed, block, final)
+
+
 def from_hf_bert(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
     """Convert a Hugging Face BERT encoder (``BertModel``, or the ``bert.`` part of a task model).
 
@@ -767,13 +846,13 @@ CONVERTERS = {"gpt2": from_hf_gpt2, "gpt_neox": from_hf_gpt_neox, "llama": from_
               "mistral": from_hf_mistral, "qwen2": from_hf_qwen2, "qwen3": from_hf_qwen3, "gemma": from_hf_gemma,
               "gemma2": from_hf_gemma2,
               "phi3": from_hf_phi3, "gptj": from_hf_gptj,
-              "opt": from_hf_opt, "cohere": from_hf_cohere}
+              "opt": from_hf_opt, "cohere": from_hf_cohere, "falcon": from_hf_falcon}
 _LAYOUTS = {"gpt2": _gpt2_layout, "gpt_neox": _gpt_neox_layout, "llama": _llama_layout, "bert": _bert_layout,
             "mistral": lambda config: _llama_layout(config, "Mistral"), "qwen2": lambda config: _llama_layout(config, "Qwen2"),
             "qwen3": lambda config: _llama_layout(config, "Qwen3"), "gemma": lambda config: _llama_layout(config, "Gemma"),
             "gemma2": lambda config: _llama_layout(config, "Gemma2"),
             "phi3": lambda config: _llama_layout(config, "Phi3"), "gptj": _gptj_layout,
-            "opt": _opt_layout, "cohere": _cohere_layout}
+            "opt": _opt_layout, "cohere": _cohere_layout, "falcon": _falcon_layout}
 
 
 def hf_layout(config) -> Layout:

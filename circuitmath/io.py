@@ -26,7 +26,8 @@ reference conventions (TransformerLens names, row vectors ``x @ W``, per-head
 - :func:`from_hf_gptj`: GPT-J (parallel attention and MLP on one LayerNorm, interleaved partial
   rotary); :func:`from_hf_opt`: OPT (learned positions read with an offset of 2, ReLU, pre- or
   post-norm); :func:`from_hf_cohere`: Cohere (parallel attention and gated MLP on one bias-free
-  LayerNorm, interleaved rotary, a logit scale);
+  LayerNorm, interleaved rotary, a logit scale); :func:`from_hf_falcon`: Falcon-7B style (fused
+  multi-query or per-head q/k/v, parallel or sequential blocks);
 - :func:`from_hf_bert`: BERT (post-LN, embedding LayerNorm, bidirectional attention).
 
 :data:`FAMILIES` lists each architecture family as a tiny ``config.json`` (:class:`Family`), and
@@ -70,6 +71,7 @@ from ._hf import (
     from_hf_gptj,
     from_hf_opt,
     from_hf_cohere,
+    from_hf_falcon,
     from_hf_gpt_neox,
     from_hf_llama,
     from_hf_mistral,
@@ -102,6 +104,7 @@ __all__ = [
     "from_hf_gptj",
     "from_hf_opt",
     "from_hf_cohere",
+    "from_hf_falcon",
     "from_hf_bert",
     "load_hf_directory",
     "Family",

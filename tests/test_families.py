@@ -137,7 +137,10 @@ def test_negative_control_qwen2_biases_read_as_llama_are_refused():
 #: Qwen2 has no o_proj bias to receive the folded value biases.
 FITTING_STEPS = {"Qwen2": ("fold_ln", "center_unembed"),
                  # GPT-J's q/k/v have no biases to receive ln_1's bias
-                 "GPT-J": ("fold_value_biases", "center_writing_weights", "center_unembed")}
+                 "GPT-J": ("fold_value_biases", "center_writing_weights", "center_unembed"),
+                 # Falcon's final LayerNorm bias would fold into an unembedding bias Falcon lacks
+                 "Falcon": ("fold_value_biases", "center_writing_weights", "center_unembed"),
+                 "Falcon-sequential": ("fold_value_biases", "center_writing_weights", "center_unembed")}
 #: Families whose tiny config ties the unembedding to the embedding, processed untied here (a
 #: tied folder falls back to circuitmath's names: see the next test).
 UNTIED = {"tie_word_embeddings": False}
@@ -152,8 +155,8 @@ OWN_LAYOUT = [name for name in NAMES if not name.startswith("OPT")]
 def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
     """process writes the family's names, config.json and layout (the layout key in the metadata);
     transformers loads it as the same class and computes the input's log-probs (float32 rounding
-    of the folded weights; measured below 1e-5). Control: a folded norm's gain put back (GPT-J and Cohere,
-    whose norm both branches read: that gain negated)."""
+    of the folded weights; measured below 1e-5). Control: a folded norm's gain put back (GPT-J,
+    Cohere, Falcon: a norm's gain negated)."""
     model, _config = _model(name, **UNTIED)
     folder = tmp_path / "in"
     model.save_pretrained(folder)
@@ -168,14 +171,15 @@ def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
     assert (_hf_log_probs(loaded, tokens) - expected).abs().max() < 1e-4
     assert cfg.applied
     with torch.no_grad():
-        if name in ("GPT-J", "Cohere"):  # a LayerNorm's gain read by both branches
-            (loaded.transformer.h[1].ln_1 if name == "GPT-J" else loaded.model.layers[1].input_layernorm).weight.mul_(-1)
+        if name in ("GPT-J", "Cohere", "Falcon", "Falcon-sequential"):  # a norm left, or one both branches read
+            layers = loaded.model.layers if name == "Cohere" else loaded.transformer.h
+            (layers[1].ln_1 if name == "GPT-J" else layers[1].input_layernorm).weight.mul_(-1)
         else:
             loaded.model.layers[1].input_layernorm.weight.copy_(model.model.layers[1].input_layernorm.weight)
     assert (_hf_log_probs(loaded, tokens) - expected).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["Qwen2", "Gemma", "GPT-J", "OPT", "OPT-post"])
+@pytest.mark.parametrize("name", ["Qwen2", "Gemma", "GPT-J", "OPT", "OPT-post", "Falcon"])
 def test_what_the_layout_cannot_hold_is_written_in_circuitmath_names(tmp_path, name):
     """The defaults fold Qwen2's value biases into an output bias its layout lacks, Gemma's
     final norm into an unembedding it ties to the embedding, and GPT-J's LayerNorm bias into
