@@ -3,6 +3,7 @@ in their architecture's names (with the entries a head takes), circuitmath's onl
 used them."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -67,7 +68,8 @@ def test_a_hugging_face_input_is_diagnosed_in_its_names(as_model):
     found = diagnose(model, after) if as_model else diagnose(model.state_dict(), after, model.config)
     assert not found.ok
     assert {p.name for f in found.violations for p in f.parameters} == {"model.layers.1.mlp.up_proj.weight"}
-    assert "model.layers.1.mlp.up_proj.weight (layer 1)" in str(found)
+    assert re.search(r"model\.layers\.1\.mlp\.up_proj\.weight \(layer 1\): max .* the largest at \[5, [0-6]\]\)",
+                     str(found)), str(found)  # the row and column as the input indexes the tensor
     assert "blocks.1" not in str(found) and "W_in" not in str(found)
     with pytest.raises(NotEquivalentError) as raised:
         assert_equivalent(model, after)

@@ -125,6 +125,15 @@ class InputNames:
             slices.append(described or "")
         return stored + ", ".join(dict.fromkeys(s for s in slices if s))
 
+    def index(self, name: str, at: tuple[int, ...]) -> str:
+        """The entry ``at`` of ``name`` (a circuitmath name) as the input indexes its stored tensor:
+        ``"[5, 3]"`` (empty when the view is not known)."""
+        found = self.views.get(name)
+        if found is None or found[1] is None or len(at) != len(found[2]):
+            return ""
+        _stored, shape, _view_shape, strides, offset = found
+        return _slice(shape, strides, offset, [(i, i) for i in at]) or ""
+
     def text(self, text: str | None) -> str | None:
         """``text`` with every circuitmath name the input does not use replaced by the input's."""
         if not text:

@@ -358,14 +358,18 @@ class _Named(ParameterMismatch):
 
     where: str = ""
     circuitmath_name: str = ""
+    #: :attr:`at` as the input indexes its tensor (``"[5, 3]"``; empty when not known).
+    stored_at: str = ""
 
     def __str__(self) -> str:
-        return str(dataclasses.replace(ParameterMismatch(**{f.name: getattr(self, f.name) for f in
-                                                            dataclasses.fields(ParameterMismatch)}),
-                                       name=self.name + self.where))
+        plain = ParameterMismatch(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ParameterMismatch)})
+        return str(dataclasses.replace(plain, name=self.name + self.where)).replace(
+            f"the largest at {self._at()}", f"the largest at {self.stored_at}" if self.stored_at else "the largest"
+            f" at {self._at()} of {self.circuitmath_name}")
 
     def as_dict(self) -> dict:
-        return super().as_dict() | {"where": self.where, "circuitmath_name": self.circuitmath_name}
+        return super().as_dict() | {"where": self.where, "circuitmath_name": self.circuitmath_name,
+                                    "stored_at": self.stored_at}
 
 
 def _renamed(parameter: ParameterMismatch, names) -> ParameterMismatch:
@@ -374,7 +378,8 @@ def _renamed(parameter: ParameterMismatch, names) -> ParameterMismatch:
         return parameter
     stored = names.name(parameter.name).split("[", 1)[0]
     fields = {f.name: getattr(parameter, f.name) for f in dataclasses.fields(ParameterMismatch)}
-    return _Named(**(fields | {"name": stored}), where=full[len(stored):], circuitmath_name=parameter.name)
+    return _Named(**(fields | {"name": stored}), where=full[len(stored):], circuitmath_name=parameter.name,
+                  stored_at=names.index(parameter.name, parameter.at) if parameter.at else "")
 
 
 def in_input_names(diagnosis: Diagnosis, names) -> Diagnosis:

@@ -40,6 +40,8 @@ class ParameterMismatch:
     relative_error: float
     problem: str | None = None
     written_by: str | None = None
+    #: The index of the largest difference (the first, in order; ``()`` when none was measured).
+    at: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         where = [f"layer {self.layer}"] if self.layer is not None else []
@@ -48,7 +50,11 @@ class ParameterMismatch:
         place = f"{self.name} ({', '.join(where)})" if where else self.name
         if self.problem:
             return f"{place}: {self.problem}"
-        return f"{place}: max |Δ| {self.max_abs_error:.3g} ({self.relative_error:.2g} of its largest entry)"
+        at = f", the largest at {self._at()}" if self.at else ""
+        return f"{place}: max |Δ| {self.max_abs_error:.3g} ({self.relative_error:.2g} of its largest entry{at})"
+
+    def _at(self) -> str:
+        return f"[{', '.join(map(str, self.at))}]"
 
     def as_dict(self) -> dict:
         return {
@@ -59,6 +65,7 @@ class ParameterMismatch:
             "relative_error": _json_number(self.relative_error),
             "problem": self.problem,
             "written_by": self.written_by,
+            "at": list(self.at),
         }
 
 
@@ -287,4 +294,19 @@ def _mismatch(name: str, got, expected, reference, threshold: float, written_by:
         dtype = torch.promote_types(got.dtype, expected.dtype)
         per_head = (got.to(dtype) - expected.to(dtype)).abs().movedim(head_axis, 0).flatten(1).amax(dim=1)
         heads = tuple(int(h) for h in torch.nonzero(per_head > threshold * (absolute / relative)).flatten())
-    return ParameterMismatch(name, layer, heads, absolute, relative, None, written_by)
+    at = _largest_at(got, expected) if relative > 0 else ()
+    return ParameterMismatch(name, layer, heads, absolute, relative, None, written_by, at)
+
+
+def _largest_at(got: torch.Tensor, expected: torch.Tensor, chunk: int = 1 << 20) -> tuple[int, ...]:
+    """The index of the largest ``|got - expected|`` (NaN counts as largest; the first, in order),
+    a chunk of entries at a time (no temporary the size of the tensors)."""
+    dtype = torch.promote_types(got.dtype, expected.dtype)
+    a, b = got.reshape(-1), expected.reshape(-1)
+    best, where = -1.0, 0
+    for start in range(0, a.numel(), chunk):
+        difference = (a[start:start + chunk].to(dtype) - b[start:start + chunk].to(dtype)).abs().nan_to_num(math.inf)
+        index = int(difference.argmax())
+        if float(difference[index]) > best:
+            best, where = float(difference[index]), start + index
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(where), tuple(got.shape)))
