@@ -142,14 +142,14 @@ def _check(args) -> int:
     progress = _ProgressLine(sys.stderr) if sys.stderr.isatty() and not args.json else None
     try:
         cfg = io.read_config(args.config) if args.config else None
-        with _diagnosis._inputs.input_names() as names:
+        with _diagnosis._names.input_names() as names:
             report = _checked(args, cfg, tokens, progress, device)
     finally:
         if progress is not None:
             progress.close()
     if names[0] is None and Path(args.processed or args.model).is_dir():  # a folder, read a block at a time
-        names[0] = _diagnosis._inputs.checkpoint_names(args.processed or args.model, None if args.processed else cfg)
-    report = _diagnosis._inputs.speak(report, names[0])
+        names[0] = _diagnosis._names.checkpoint_names(args.processed or args.model, None if args.processed else cfg)
+    report = _diagnosis._names.speak(report, names[0])
     print(json.dumps(report.as_dicts(), indent=2) if args.json else str(report).lstrip("\n"))
     return 0 if report.ok else 1
 
@@ -161,7 +161,7 @@ def _checked(args, cfg, tokens, progress, device):
     if args.processed and (Path(args.processed).is_dir() or (Path(args.model) / INDEX).exists()):
         from ._streaming_check import check_processed  # checkpoint folders: read a block at a time
 
-        _diagnosis._inputs.refuse_misused_checkpoints(args.model, args.processed, cfg)
+        _diagnosis._misuse.refuse_misused_checkpoints(args.model, args.processed, cfg)
         report = check_processed(
             args.model, args.processed, cfg, tokens=tokens, progress=progress, device=device)
     elif args.processed:

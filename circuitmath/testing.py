@@ -66,7 +66,7 @@ from ._diagnosis._unexplained import NEAR_ULPS
 from ._errors import ArgumentTypeError
 from ._state import validated_once
 from ._threads import with_check_threads
-from ._diagnosis._inputs import speaking_input_names
+from ._diagnosis._names import speaking_input_names
 from ._diagnosis import Diagnosis as Diagnosis, Finding as Finding, ParameterMismatch as ParameterMismatch
 
 __all__ = [
@@ -217,9 +217,9 @@ def _assert_checkpoints_equivalent(before, after, cfg, after_cfg, tokens, atol) 
                 f"{which} is the checkpoint folder {getattr(model, 'path', model)}, the other model is a"
                 f" {type(other).__name__}: pass two folders (checked a block at a time), or load the folder"
                 " (circuitmath.io.open_checkpoint(folder).load()) and pass two state dicts")
-    _diagnosis._inputs.refuse_misused_checkpoints(before, after, cfg)
+    _diagnosis._misuse.refuse_misused_checkpoints(before, after, cfg)
     report = check_processed(before, after, cfg, tokens=default_tokens if tokens is None else tokens)
-    report = _diagnosis._inputs.speak(report, _diagnosis._inputs.checkpoint_names(after))  # in after's names
+    report = _diagnosis._names.speak(report, _diagnosis._names.checkpoint_names(after))  # in after's names
     row = report.rows[0]
     result = Comparison(max_abs_error=row["max_abs_error"], tolerance=row["tolerance"], where=tuple(row["where"]))
     tolerance = result.tolerance if atol is None else atol

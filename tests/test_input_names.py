@@ -12,7 +12,7 @@ import transformers
 import circuitmath as cm
 from circuitmath import io
 from circuitmath._cli import main
-from circuitmath._diagnosis._inputs import InputNames
+from circuitmath._diagnosis._names import InputNames
 from circuitmath._hf import hf_layout
 from circuitmath.testing import NotEquivalentError, assert_equivalent, check_model, diagnose
 
