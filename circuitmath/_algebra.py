@@ -28,6 +28,7 @@ from sympy import (
     MatrixExpr,
     MatrixSymbol,
     OneMatrix,
+    Trace,
     Transpose,
     ZeroMatrix,
 )
@@ -104,6 +105,10 @@ def shape_of(expr, definitions: Mapping | None = None, invertible=()) -> tuple |
     def declared(matrix) -> bool:
         if _invertible(matrix, invertible):
             return True
+        if isinstance(matrix, MatMul):  # a product of invertible square matrices, times a nonzero number
+            scalars = [a for a in matrix.args if not _is_matrix(a)]
+            return all(sympy.sympify(c).is_nonzero for c in scalars) and all(
+                declared(a) for a in matrix.args if _is_matrix(a))
         if not context:
             context.append(_Context(definitions, invertible))
         ctx = context[0]
@@ -115,6 +120,10 @@ def shape_of(expr, definitions: Mapping | None = None, invertible=()) -> tuple |
     def shape(e):
         if not _is_matrix(e):
             require_exact(e)
+            for trace in sympy.sympify(e).atoms(Trace):
+                rows, cols = shape(trace.arg)
+                if not same_size(rows, cols):
+                    fail(trace, f"the trace of a {rows} x {cols} matrix, which is not square")
             return None
         if _explicit(e):
             require_exact(e)
@@ -203,6 +212,8 @@ class _Context:
     def __init__(self, definitions: Mapping, invertible=()):
         self.definitions = dict(definitions)
         self._factors: dict = {}
+        #: The canonical products under a trace met so far, each with the symbol standing for it.
+        self.traces: dict = {}
         declared = [self.atom(a) for a in invertible]
         # diag(D u) = D diag(u) is invertible exactly when D and diag(u) are (square factors).
         self.invertible = frozenset(declared + [p for a in declared for p in self.split(a)])
@@ -233,7 +244,8 @@ class _Context:
                 return DiagMatrix(factors[0] if len(factors) == 1 else MatMul(*factors))
             return expr
         if isinstance(expr, Inverse):
-            return Inverse(self.atom(expr.arg))
+            inner = self.atom(expr.arg)
+            return inner.arg if isinstance(inner, Inverse) else Inverse(inner)
         if isinstance(expr, Transpose):
             inner = self.atom(expr.arg)
             return _transpose_atom(inner) if inner is not expr.arg else expr
@@ -326,7 +338,7 @@ def _expand(expr, ctx: _Context) -> Terms:
     if isinstance(expr, MatMul):
         scalar = sympy.Integer(1)
         result: Terms = {(): sympy.Integer(1)}
-        for arg in expr.args:
+        for arg in _cancel_inverses(expr.args, ctx):
             if _is_matrix(arg):
                 result = _multiply(result, _expand(arg, ctx), ctx)
             else:
@@ -344,8 +356,44 @@ def _expand(expr, ctx: _Context) -> Terms:
         return {tuple(_transpose_atom(a) for a in reversed(f)): c for f, c in inner.items()}
     if isinstance(expr, Inverse) and expr.arg in definitions:
         raise IllTyped(f"cannot expand the inverse of a defined expression: {expr}")
+    if isinstance(expr, Inverse) and isinstance(expr.arg, MatMul):
+        inverted = _inverse_of_product(expr.arg, ctx)
+        if inverted is not None:
+            return inverted
     # An atom: a symbol, its transpose, a ones matrix, diag(v), an inverse of a symbol.
     return {ctx.split(ctx.atom(expr)): sympy.Integer(1)}
+
+
+def _cancel_inverses(args, ctx: _Context) -> list:
+    """The factors of a product with every ``S S^{-1}`` and ``S^{-1} S`` of neighbours dropped, for a
+    declared-invertible ``S`` that expansion would take apart (a sum): ``(A + B)(A + B)^{-1} = I``."""
+    args = list(args)
+    i = 0
+    while i < len(args) - 1:
+        a, b = args[i], args[i + 1]
+        pair = (a, b.arg) if isinstance(b, Inverse) else (b, a.arg) if isinstance(a, Inverse) else None
+        if pair is not None and pair[0] == pair[1] and isinstance(pair[0], MatAdd) and pair[0] in ctx.invertible:
+            del args[i : i + 2]
+            i = max(i - 1, 0)
+        else:
+            i += 1
+    return args
+
+
+def _inverse_atom(atom):
+    return atom.arg if isinstance(atom, Inverse) else Inverse(atom)
+
+
+def _inverse_of_product(product, ctx: _Context) -> Terms | None:
+    """``(c X_1 ... X_k)^{-1} = c^{-1} X_k^{-1} ... X_1^{-1}`` when the product expands to one term
+    with a nonzero number ``c`` and every ``X_i`` declared invertible (``None`` otherwise)."""
+    terms = _expand(product, ctx)
+    if len(terms) != 1:
+        return None
+    (factors, coeff), = terms.items()
+    if not factors or not sympy.sympify(coeff).is_nonzero or not all(_invertible(f, ctx.invertible) for f in factors):
+        return None
+    return {tuple(_inverse_atom(f) for f in reversed(factors)): 1 / coeff}
 
 
 def _product_pattern(expr, ctx: _Context) -> Factors:
@@ -355,30 +403,153 @@ def _product_pattern(expr, ctx: _Context) -> Factors:
     return next(iter(terms))
 
 
+def _ones_split(factor, side: str):
+    """``1_{a x b}`` as ``1_a 1_b^T``: its column of ones and the row left over (``side="right"``),
+    or its row of ones and the column left over (``"left"``); ``None`` for any other factor."""
+    if not isinstance(factor, OneMatrix) or factor.shape[0] == 1 or factor.shape[1] == 1:
+        return None
+    rows, cols = factor.shape
+    column, row = OneMatrix(rows, 1), OneMatrix(1, cols)
+    return (column, row) if side == "right" else (row, column)
+
+
+def _find(factors: Factors, pattern: Factors):
+    """Where ``pattern`` occurs in ``factors``: ``(start, end, before, after)``, the slice it covers
+    and the factors it leaves of a ones matrix it matched half of (``1_{a x b} = 1_a 1_b^T``: a fact
+    ``A 1 = 1`` applies to ``A 1 1^T``, which the expansion has merged into ``A 1_{n x n}``)."""
+    n = len(pattern)
+    for i in range(len(factors) - n + 1):
+        if factors[i : i + n] == pattern:
+            return i, i + n, (), ()
+    for i in range(len(factors) - n + 1):
+        head, tail = factors[i : i + n - 1], factors[i + n - 1]
+        split = _ones_split(tail, "right")
+        if head == pattern[:-1] and split is not None and split[0] == pattern[-1]:
+            return i, i + n, (), (split[1],)
+        split = _ones_split(factors[i], "left")
+        if split is not None and split[0] == pattern[0] and factors[i + 1 : i + n] == pattern[1:]:
+            return i, i + n, (split[1],), ()
+    return None
+
+
 def _rewrite(terms: Terms, facts, ctx: _Context, limit: int = 200) -> Terms:
-    """Replace every contiguous occurrence of a fact's left side by its right side."""
+    """Replace every contiguous occurrence of a fact's left side by its right side (also where
+    the side ends or starts with a vector of ones that a ones matrix holds, see :func:`_find`)."""
     patterns = [(_product_pattern(lhs, ctx), rhs) for lhs, rhs in facts]
     for _ in range(limit):
         out: Terms = {}
         changed = False
         for factors, coeff in terms.items():
-            hit = next(
-                ((i, len(p), rhs) for p, rhs in patterns for i in range(len(factors) - len(p) + 1)
-                 if factors[i : i + len(p)] == p),
-                None,
-            )
+            hit = next(((found, rhs) for p, rhs in patterns if (found := _find(factors, p)) is not None), None)
             if hit is None:
                 _add(out, factors, coeff)
                 continue
             changed = True
-            i, n, rhs = hit
-            replaced = _multiply(_multiply({factors[:i]: coeff}, _expand(rhs, ctx), ctx), {factors[i + n :]: 1}, ctx)
+            (i, end, before, after), rhs = hit
+            value = _multiply(_multiply({before: 1}, _expand(rhs, ctx), ctx), {after: 1}, ctx)
+            replaced = _multiply(_multiply({factors[:i]: coeff}, value, ctx), {factors[end:]: 1}, ctx)
             for f, c in replaced.items():
                 _add(out, f, c)
         terms = out
         if not changed:
             return terms
     raise ValueError("rewriting with the facts did not terminate")
+
+
+# ---------------------------------------------------------------------------------------------
+# The canonical form: equal terms that the expansion writes differently
+
+
+def _diagonal(atom) -> bool:
+    return isinstance(atom, DiagMatrix) or (isinstance(atom, Inverse) and isinstance(atom.arg, DiagMatrix))
+
+
+def _key(factors: Factors) -> tuple:
+    return tuple(sympy.srepr(f) for f in factors)
+
+
+def _sorted_diagonals(factors: Factors) -> Factors:
+    """Each run of neighbouring diagonal matrices (``diag(u)``, ``diag(u)^{-1}``) sorted: diagonal
+    matrices of one size commute. A matrix and its inverse sort next to each other."""
+    out, run = [], []
+    for f in (*factors, None):
+        if f is not None and _diagonal(f):
+            run.append(f)
+            continue
+        out += sorted(run, key=lambda a: (sympy.srepr(a.arg if isinstance(a, Inverse) else a), isinstance(a, Inverse)))
+        run = []
+        if f is not None:
+            out.append(f)
+    return tuple(out)
+
+
+def _scalars_out(factors: Factors) -> tuple[Factors, sympy.Expr]:
+    """The product with each 1 x 1 stretch (``x^T A y``) taken out as the scalar ``tr(x^T A y)``:
+    a 1 x 1 matrix is a scalar, and a scalar commutes with every factor."""
+    out, scalar, i = [], sympy.Integer(1), 0
+    while i < len(factors):
+        if factors[i].shape[0] == 1:
+            j = next((j for j in range(i, len(factors)) if factors[j].shape[1] == 1), None)
+            if j is not None:
+                stretch = factors[i : j + 1]
+                scalar *= Trace(MatMul(*stretch) if len(stretch) > 1 else stretch[0])
+                i = j + 1
+                continue
+        out.append(factors[i])
+        i += 1
+    return tuple(out), scalar
+
+
+def _cyclic(factors: Factors, ctx: _Context) -> sympy.Expr:
+    """``tr(X_1 ... X_k)`` with the product turned to a canonical one of its rotations and of the
+    rotations of its transpose (``tr(AB) = tr(BA)``, ``tr(M^T) = tr(M)``), as the symbol that
+    stands for it in this normal form; a rotation on which a product rule applies (``1^T 1 = n``)
+    is reduced first."""
+    words = (factors, tuple(_transpose_atom(a) for a in reversed(factors)))
+    rotations = [w[i:] + w[:i] for w in words for i in range(len(w))]
+    for rotation in rotations:
+        reduced = _reduce_product(_sorted_diagonals(rotation), sympy.Integer(1), ctx)
+        if not reduced:
+            return sympy.Integer(0)
+        (shorter, coeff), = reduced.items()
+        if len(shorter) < len(factors):
+            return coeff * (_cyclic(shorter, ctx) if shorter else rotation[0].shape[0])
+    best = _key(min(rotations, key=_key))
+    # an opaque scalar per canonical trace: sympy's simplify is slow on Trace nodes
+    return ctx.traces.setdefault(best, sympy.Dummy(f"tr{len(ctx.traces)}"))
+
+
+def _traces(coeff, ctx: _Context, facts) -> sympy.Expr:
+    """``coeff`` with every trace written in the canonical form: ``tr`` of the expanded argument,
+    by linearity, each product turned by :func:`_cyclic`."""
+    found = sympy.sympify(coeff).atoms(Trace)
+    if not found:
+        return coeff
+    values = {}
+    for trace in found:
+        terms = _expand(trace.arg, ctx)
+        if facts:
+            terms = _rewrite(terms, facts, ctx)
+        values[trace] = sympy.Add(*(c * _cyclic(f, ctx) if f else c * trace.arg.shape[0] for f, c in terms.items()))
+    return sympy.sympify(coeff).xreplace(values)
+
+
+def _canonical(terms: Terms, ctx: _Context, facts=()) -> Terms:
+    """``terms`` rewritten by rules the expansion does not apply as it goes: diagonal matrices
+    commute, a 1 x 1 product is a scalar equal to its transpose, traces are cyclic. Each rule holds
+    for every size; like terms are collected again and zeros dropped."""
+    out: Terms = {}
+    for factors, coeff in terms.items():
+        current = {factors: coeff}
+        for _ in range(len(factors) + 1):  # sorting and cancelling until neither changes the product
+            (f, c), = current.items()
+            current = _reduce_product(_sorted_diagonals(f), c, ctx)
+            if not current or next(iter(current)) == f:
+                break
+        for f, c in current.items():
+            rest, scalar = _scalars_out(f)
+            _add(out, rest, _traces(c * scalar, ctx, facts))
+    return {f: c for f, c in ((f, sympy.simplify(c)) for f, c in out.items()) if c != 0}
 
 
 def _check_definitions(definitions: Mapping, invertible) -> None:
@@ -414,7 +585,10 @@ def normal_form(expr, definitions: Mapping | None = None, facts=(), invertible=(
     terms = _expand(expr, ctx)
     if facts:
         terms = _rewrite(terms, facts, ctx)
-    return {f: c for f, c in ((f, sympy.simplify(c)) for f, c in terms.items()) if c != 0}
+    terms = {f: c for f, c in ((f, sympy.simplify(c)) for f, c in terms.items()) if c != 0}
+    # What is left may still vanish by the rules of the canonical form; when it does not, the
+    # terms are returned as expanded, which is how a reader wrote them.
+    return terms if terms and _canonical(terms, ctx, facts) else {}
 
 
 def is_zero(expr, definitions: Mapping | None = None, facts=(), invertible=()) -> bool:

@@ -9,9 +9,17 @@ from dataclasses import dataclass, field, replace
 import sympy
 from sympy import Identity, Inverse, MatAdd, MatMul, MatrixExpr, MatrixSymbol, OneMatrix, Symbol, ZeroMatrix
 
+from ._errors import InputError
 from ._algebra import IllTyped, NotExact, evaluate, normal_form, random_instance, same_size, shape_of, to_latex
 
-__all__ = ["Definition", "Fact", "Nonzero", "Step", "Twin", "Proof", "ProofReport", "StepReport", "TwinReport"]
+__all__ = [
+    "Definition", "Fact", "FactError", "Nonzero", "Step", "Twin", "Proof", "ProofReport", "StepReport", "TwinReport",
+]
+
+
+class FactError(InputError):
+    """A fact that cannot hold or means nothing (sides of different shapes, a singular matrix
+    declared invertible, a float): bad input, named, before anything is checked."""
 
 
 @dataclass(frozen=True)
@@ -262,6 +270,14 @@ def _symbols_of(expr) -> set:
     return found
 
 
+def _singular(matrix, definitions, invertible) -> bool:
+    """``matrix`` is singular whatever its symbols: zero, a matrix of ones, or explicit with
+    determinant 0."""
+    if (isinstance(matrix, OneMatrix) and matrix.shape != (1, 1)) or (isinstance(matrix, sympy.MatrixBase) and matrix.det() == 0):
+        return True
+    return not normal_form(matrix, definitions, (), invertible)
+
+
 def _mentions(expr, symbols) -> set:
     """The members of ``symbols`` that occur in ``expr``."""
     expr = sympy.sympify(expr)
@@ -451,6 +467,9 @@ class Proof:
                     rows, cols = self._shape(f.invertible_matrix)
                     if not same_size(rows, cols):
                         errors.append(f"fact {f.text!r}: a {rows} x {cols} matrix cannot be invertible")
+                    elif _singular(f.invertible_matrix, self._definitions, self._invertible):
+                        errors.append(f"fact {f.text!r} declares {to_latex(f.invertible_matrix)} invertible, which is"
+                                      " singular (zero, a matrix of ones, or of determinant 0)")
                     continue
                 left, right = self._shape(f.product), self._shape(f.value)
                 if f.fixes is not None and left is None and right is None:
@@ -528,8 +547,12 @@ class Proof:
         return agree, reasons
 
     def verify(self, name: str = "") -> ProofReport:
+        """Check the chain and the twins. A malformed fact raises :class:`FactError`."""
         start = time.perf_counter()
-        reasons = self._definition_errors() + self._fact_errors() + self._nonzero_errors()
+        malformed = self._fact_errors()
+        if malformed:
+            raise FactError(f"{name or 'proof'}: " + "; ".join(malformed) + ": fix or drop the fact")
+        reasons = self._definition_errors() + self._nonzero_errors()
         for lemma_name, lemma in self.lemmas:
             reasons += [f"lemma {lemma_name}: {r}" for r in lemma.verify(lemma_name).reasons]
         try:
