@@ -466,7 +466,7 @@ class Proof:
                 if f.invertible_matrix is not None:
                     rows, cols = self._shape(f.invertible_matrix)
                     if not same_size(rows, cols):
-                        errors.append(f"fact {f.text!r}: a {rows} x {cols} matrix cannot be invertible")
+                        errors.append(f"fact {f.text!r}: a {rows} x {cols} matrix is not square: it cannot be invertible")
                     elif _singular(f.invertible_matrix, self._definitions, self._invertible):
                         errors.append(f"fact {f.text!r} declares {to_latex(f.invertible_matrix)} invertible, which is"
                                       " singular (zero, a matrix of ones, or of determinant 0)")
