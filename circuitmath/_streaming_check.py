@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -228,8 +228,8 @@ class _Tensors:
             if change.near or not math.isfinite(ratio):  # a near miss: refused entry by entry
                 self.worst = max(self.worst, ratio) if not math.isnan(ratio) else math.inf
                 self.wrong.append((name, ratio))
-            else:  # a change no identity explains: judged in float64 at the end (_judge_changes)
-                self.changes.append(change)
+            else:  # a change no identity explains: judged in float64 at the end (_judge_changes), its
+                self.changes.append(replace(change, tensor=None, mask=None))  # tensor read again
 
     def row(self, after_dtype: torch.dtype) -> dict:
         row = {"name": "tensors", "kind": "rewrite", "max_abs_error": None, "tolerance": None}
@@ -264,25 +264,32 @@ class _Tensors:
             f" part in {self.compute} ({self.equal} equal to it rounded, bit for bit, so within half a unit{certified})")}
 
 
-def _judge_changes(before: Checkpoint, tensors: _Tensors, tokens: torch.Tensor, device) -> Comparison:
+def _judge_changes(before: Checkpoint, after: Checkpoint, tensors: _Tensors, tokens: torch.Tensor,
+                   device) -> Comparison:
     """The float64 comparison of :mod:`circuitmath._diagnosis._unexplained` for ``tensors``'
-    changes: a second pass over ``before``'s parts, each replayed as the first pass replayed it,
-    beside the same part with the changes (on the first positions of ``tokens``:
-    :func:`~circuitmath._diagnosis._logprobs.sensitivity_window`)."""
+    changes: a second pass over the parts, each of ``before`` replayed as the first pass replayed
+    it, beside it with the changed entries of ``after``'s part, read again (nothing of the first
+    pass is kept but the names), on the first positions of ``tokens``
+    (:func:`~circuitmath._diagnosis._logprobs.sensitivity_window`)."""
     rows, positions = sensitivity_window(tokens)
     passes = ChangePasses(tensors.after_cfg, tokens[:rows, :positions].to(device))
-    changes = {c.name: c for c in tensors.changes}
+    changed = {c.name for c in tensors.changes}
     parts = Parts(PartReader(before, tensors.compute), before.cfg, tensors.compute, device, before.path)
-    ends = None
+    ends = ends_changes = None
     for layer in [None, *range(before.cfg.n_layers)]:
         rewrite = replayed(parts, layer, tensors.keywords)[0]
+        theirs = after.ends() if layer is None else after.block(layer)
+        names = [n for n in rewrite if n in changed]
+        changes = {c.name: c for c in changes_of(names, {n: theirs[n].to(device) for n in names},
+                                                 {n: rewrite[n].to(tensors.compute) for n in names}, tensors.thresholds)
+                   if not c.near}
         if layer is None:
-            ends = rewrite
+            ends, ends_changes = rewrite, changes
             passes.start(ends, changes)
         else:
             passes.step(rewrite, layer, changes)
-        del rewrite
-    return passes.finish(ends, changes)
+        del rewrite, theirs, changes
+    return passes.finish(ends, ends_changes)
 
 
 def _finite(part: dict[str, torch.Tensor], path) -> dict[str, torch.Tensor]:
@@ -375,7 +382,7 @@ def _rows(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress,
                                 f"after records {after.cfg.applied}, not {before.cfg.applied} followed by"
                                 f" {process_weights.__name__} steps")}]
     if tensors.changes and not tensors.wrong and tensors.refused is None:
-        tensors.judged = _judge_changes(before, tensors, tokens, device)
+        tensors.judged = _judge_changes(before, after, tensors, tokens, device)
     return [log_probs, tensors.row(after.dtype)]
 
 
