@@ -364,3 +364,32 @@ def test_one_wrong_step_in_a_pipeline_is_named_with_its_tensors(wrong_step, wron
     assert set(rows) == {"fold_rms_norm", "rotate_residual_stream", "rotate_heads", "migrate_norm_scales"}
     assert [(name, f.rewrite) for name, f in rows.items() if f.rewrite != "exact"] == [(wrong.split(".")[0], wrong)]
     assert sorted(p.name for p in rows[wrong.split(".")[0]].parameters) == tensors
+
+
+def test_the_wrong_head_rotations_multiply_on_the_weights_device():
+    """The diagnosis replays these wrong rewrites on a model wherever it lies (a GPU): the
+    rotations, drawn on the host, go to the weights' device, never the weights to the host. The
+    weights here lie on ``meta`` and any operation mixing two devices raises."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_leaves
+
+    from circuitmath._identities.quantisation import _output_not_transposed, _per_query_head, check_head_rotations
+
+    class OneDevice(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.ndim}
+            if len(devices) > 1:
+                raise RuntimeError(f"{func} mixes the devices {sorted(map(str, devices))}")
+            return func(*args, **kwargs)
+
+    cfg, sd = _model(n_key_value_heads=2)
+    names = [f"blocks.{l}.attn.W_O" for l in range(cfg.n_layers)]
+    before = {n: sd[n].to("meta") for n in names}
+    for change in (_per_query_head, _output_not_transposed):
+        out = dict(before)
+        with OneDevice():
+            change(out, before, cfg, check_head_rotations(cfg))
+        assert all(out[n].device.type == "meta" for n in names), change.__name__
+    with pytest.raises(RuntimeError, match="mixes the devices"), OneDevice():  # negative control: the trap springs
+        _ = torch.ones(2, 2, dtype=F64) @ before[names[0]][0, :2]

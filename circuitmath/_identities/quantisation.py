@@ -319,10 +319,10 @@ def _per_query_head(out, before, cfg, rotations):
     other = torch.roll(R, 1, dims=1) if R.shape[1] > 1 else R.transpose(-1, -2)
     for layer in range(cfg.n_layers):
         name = f"blocks.{layer}.attn.W_O"
-        W = out[name].clone()
+        W, turns = out[name].clone(), other[layer].to(before[name].device)  # multiplied where the weights are
         for g, heads in enumerate(key_value_groups(cfg)):
             for h in list(heads)[1::2]:
-                W[h] = (other[layer, g].T @ before[name][h].double()).to(W.dtype)
+                W[h] = (turns[g].T @ before[name][h].double()).to(W.dtype)
         out[name] = W
 
 
@@ -330,7 +330,7 @@ def _output_not_transposed(out, before, cfg, rotations):
     R = per_query_head(rotations["value"].double(), cfg, rotations["value"].shape[1], dim=1)
     for layer in range(cfg.n_layers):
         name = f"blocks.{layer}.attn.W_O"
-        out[name] = (R[layer] @ before[name].double()).to(before[name].dtype)
+        out[name] = (R[layer].to(before[name].device) @ before[name].double()).to(before[name].dtype)
 
 
 def _put_back(sides):
