@@ -39,6 +39,7 @@ from .._processing.quantisation import (
     recover_norm_scales,
     rotate_heads,
     scale_neurons,
+    scaled_neurons,
 )
 from .._processing.rotation import HAS_MLPS
 from .._state import attention_names, key_value_groups, per_query_head
@@ -476,13 +477,7 @@ def _regardless(state_dict, cfg, scales=None):
     """Scale the neurons of an MLP the identity refuses (GELU or SiLU without a gate, or ReLU with a
     negative scale): the activation is not positively homogeneous there."""
     scales = check_neuron_scales(cfg) if scales is None else scales
-    out = dict(state_dict)
-    for layer in range(cfg.n_layers):
-        p, s = f"blocks.{layer}.mlp", (scales.double() if scales.ndim == 1 else scales[layer].double())
-        for name, shaped in (("W_in", s), ("b_in", s), ("W_out", 1 / s[:, None])):
-            W = state_dict[f"{p}.{name}"]
-            out[f"{p}.{name}"] = (W.double() * shaped.to(W.device)).to(W.dtype)
-    return out, cfg.replace(applied=cfg.applied + ("scale_neurons",))
+    return scaled_neurons(state_dict, cfg, scales), cfg.replace(applied=cfg.applied + ("scale_neurons",))
 
 
 SCALE_NEURONS = register(

@@ -26,7 +26,7 @@ from .layer_norm import reader_preconditions
 from .rotation import HAS_MLPS, ORTHOGONALITY_SAFETY
 
 __all__ = ["migrate_norm_scales", "recover_norm_scales", "rotate_heads", "recover_head_rotations", "rotary_generator", "nearest_commuting",
-           "scale_neurons", "recover_neuron_scales", "NEURON_SCALES", "SCALE_REACHES_OUTPUT_LINEARLY",
+           "scale_neurons", "scaled_neurons", "recover_neuron_scales", "NEURON_SCALES", "SCALE_REACHES_OUTPUT_LINEARLY",
            "HAS_A_NORM", "SCALES_PER_CHANNEL", "GAINS_AS_STORED", "HEAD_ROTATIONS", "COMMUTES_WITH_ROTARY"]
 
 HAS_A_NORM = Precondition(
@@ -415,13 +415,21 @@ def scale_neurons(state_dict: StateDict, cfg: Config, scales) -> tuple[dict[str,
         negative = int((s < 0).sum())
         require(identity, SCALE_REACHES_OUTPUT_LINEARLY, negative == 0,
                 f"{negative} negative scales through ReLU: relu(s z) = -s relu(-z), not s relu(z), when s < 0")
+    return scaled_neurons(state_dict, cfg, s), cfg.replace(applied=cfg.applied + (identity,))
+
+
+def scaled_neurons(state_dict: StateDict, cfg: Config, s: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:func:`scale_neurons`'s rewrite without its preconditions (``s`` ``[n_layers, d_mlp]`` or
+    ``[d_mlp]``): ``W_in diag(s)``, ``b_in s``, ``diag(1/s) W_out``, in float64 on each tensor's
+    device, rounded once to its dtype."""
+    s = s.double().expand(cfg.n_layers, -1)
     out = dict(state_dict)
     for layer in range(cfg.n_layers):
         p, scale = f"blocks.{layer}.mlp", s[layer]
         for name, shaped in (("W_in", scale), ("b_in", scale), ("W_out", 1 / scale[:, None])):
             tensor = state_dict[f"{p}.{name}"]
             out[f"{p}.{name}"] = (tensor.double() * shaped.to(tensor.device)).to(tensor.dtype)
-    return out, cfg.replace(applied=cfg.applied + (identity,))
+    return out
 
 
 def recover_neuron_scales(before: StateDict, after: StateDict, cfg: Config) -> torch.Tensor | None:
