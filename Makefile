@@ -46,8 +46,13 @@ prove-lowest-sympy: env $(SYMPY_LOWEST_DIR)/sympy/__init__.py
 		|| { cat .cache/prove-sympy-$(SYMPY_LOWEST).txt; echo "proofs fail on sympy $(SYMPY_LOWEST)"; exit 1; }
 	@tail -1 .cache/prove-sympy-$(SYMPY_LOWEST).txt | sed 's/^/sympy $(SYMPY_LOWEST): /'
 
-book: env $(MATHJAX) prove
-	$(VENV)/bin/jupyter-book build book --all --warningiserror --keep-going
+# Quiet: the proof table and Sphinx's and the kernels' chatter go to .cache/, shown when they fail.
+book: env $(MATHJAX)
+	@mkdir -p .cache && $(PY) -m circuitmath prove > .cache/prove.txt || { cat .cache/prove.txt; exit 1; }
+	@tail -1 .cache/prove.txt
+	@echo "building the book: every chapter executed (log: .cache/book.log)"
+	@$(VENV)/bin/jupyter-book build book --all --warningiserror --keep-going > .cache/book.log 2>&1 \
+		|| { tail -n 60 .cache/book.log; echo "the book did not build: .cache/book.log"; exit 1; }
 	@echo "book built: book/_build/html/index.html"
 
 test: env $(MATHJAX) chromium prove-lowest-sympy

@@ -9,6 +9,7 @@ import warnings
 
 import matplotlib
 import matplotlib.pyplot as plt
+import torch
 from IPython.display import Image, Markdown, display
 
 from circuitmath import render
@@ -33,6 +34,10 @@ STYLE = {
     "axes.grid": False,
 }
 matplotlib.rcParams.update(STYLE)
+
+# Every chapter computes on small models, one at a time: a second thread only waits for the first
+# on a busy machine (a small check took 4.3 s with two threads against 0.1 s with one there).
+torch.set_num_threads(1)
 
 #: Every report proved on this page, with its identity, and every numeric-check row, in order.
 PROVED: list = []
@@ -193,12 +198,68 @@ def _parts(artist):
     return [] if artist is None else [artist]
 
 
+def _threshold(line, ax) -> bool:
+    """Whether ``line`` spans its axes across at one height or position (``axhline``, ``axvline``)."""
+    from matplotlib.transforms import BlendedAffine2D, BlendedGenericTransform
+
+    blended = (BlendedAffine2D, BlendedGenericTransform)
+    transform = line.get_transform()
+    parts = [transform, getattr(transform, "_a", None), getattr(transform, "_b", None)]
+    return any(isinstance(part, blended) for part in parts)
+
+
+def _marks(ax):
+    """Where the data of ``ax`` is drawn, as display boxes: every marker or vertex of a plotted
+    line (not a threshold spanning the axes), every scatter point and every bar."""
+    import numpy as np
+    from matplotlib.patches import Rectangle
+    from matplotlib.transforms import Bbox
+
+    points = []
+    for line in ax.lines:
+        if line.get_visible() and not _threshold(line, ax) and len(line.get_xydata()):
+            points += list(line.get_transform().transform(line.get_xydata()))
+    for collection in ax.collections:
+        offsets = collection.get_offsets()
+        if collection.get_visible() and len(offsets) and type(collection).__name__ == "PathCollection":
+            points += list(collection.get_offset_transform().transform(offsets))
+    bars = []
+    for patch in ax.patches:
+        if not patch.get_visible():
+            continue
+        if isinstance(patch, Rectangle):  # a bar: all of it
+            box = patch.get_window_extent()
+            bars += [box] if box.width * box.height else []
+        else:  # an outline (a step histogram): its corners
+            points += list(patch.get_transform().transform(patch.get_path().vertices))
+    boxes = [Bbox([p - 2, p + 2]) for p in np.asarray(points, dtype=float).reshape(-1, 2) if np.isfinite(p).all()]
+    return boxes + bars
+
+
 def check_figure(fig) -> None:
     """Fail the build unless ``fig`` fits the text column at its own size, every text in it is at
-    least :data:`MIN_TEXT_PX` high as shown, and every legend tells its entries apart and shows
-    each in the colour of what it labels (every bar, line or point carrying that label)."""
+    least :data:`MIN_TEXT_PX` high as shown, it has a title (each of its axes, or the figure), a
+    threshold line across an axes (``axhline``, ``axvline``) is named in its legend, no legend
+    covers a plotted point or bar, and every legend tells its entries apart and shows each in
+    the colour of what it labels (every bar, line or point carrying that label)."""
     width_px = fig.get_size_inches()[0] * fig.dpi
     assert width_px <= COLUMN_PX + 0.5, f"figure {width_px:.0f} px wide: the column holds {COLUMN_PX} px"
+    fig.canvas.draw()
+    titles = [fig._suptitle] + [ax.title for ax in fig.axes]
+    assert any(t is not None and t.get_text().strip() for t in titles), "a figure without a title: set_title or suptitle"
+    for ax in fig.axes:
+        if not ax.get_visible() or not ax.has_data():
+            continue
+        legend = ax.get_legend()
+        named = {t.get_text() for shown in [legend, *fig.legends] if shown is not None for t in shown.get_texts()}
+        for line in ax.lines:  # axes through 0 and the separators of an image's blocks need no name
+            at = line.get_xydata()[0][0 if line.get_xydata()[0][1] == 0 and line.get_xydata()[1][1] == 1 else 1]
+            if _threshold(line, ax) and at != 0 and not ax.images:
+                assert line.get_label() in named, f"a threshold line at {line.get_xydata()[0]} is not in the legend"
+        if legend is not None:
+            box = legend.get_window_extent()
+            covered = [b for b in _marks(ax) if b.overlaps(box)]
+            assert not covered, f"the legend of {ax.get_title()!r} covers {len(covered)} plotted points or bars"
     for text in fig.findobj(matplotlib.text.Text):
         if text.get_visible() and text.get_text().strip():
             shown = text.get_fontsize() * fig.dpi / 72

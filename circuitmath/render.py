@@ -25,9 +25,86 @@ __all__ = [
     "summary", "established",
 ]
 
-#: Characters of LaTeX source per displayed line: MathJax 3 does not break long formulas itself.
-LINE_BUDGET = 110
+#: Width of a displayed line, in units of :func:`_width` (MathJax 3 does not break long formulas
+#: itself): 36 units take 370 to 580 px, so a step, its ``=`` and its number fit the book's 688 px
+#: column at a 1280 px window; on a phone a display scrolls inside its own box.
+LINE_BUDGET = 36
 QUAD = r"\quad"
+_SILENT = {"left", "right", "Big", "big", "Bigg", "bigg", "displaystyle", "limits", "nolimits"}
+_WRAPPERS = {"mathrm", "operatorname", "mathbf", "text", "mathbb", "bar", "hat", "tilde", "boldsymbol", "mathcal",
+             "mathit", "overline", "underbrace", "widetilde"}
+_SPACES = {"quad": 1.0, "qquad": 2.0, ",": 0.17, ";": 0.28, ":": 0.22, "!": -0.17, " ": 0.25}
+
+
+def _argument(latex: str, i: int) -> tuple[str, int]:
+    """The group ``{...}`` (or the single token) starting at ``latex[i]``, and the index after it."""
+    while i < len(latex) and latex[i] == " ":
+        i += 1
+    if i >= len(latex):
+        return "", i
+    if latex[i] == "{":
+        depth = 0
+        for j in range(i, len(latex)):
+            depth += (latex[j] == "{") - (latex[j] == "}")
+            if depth == 0:
+                return latex[i + 1:j], j + 1
+        return latex[i + 1:], len(latex)
+    if latex[i] == "\\":
+        m = re.match(r"\\([A-Za-z]+|.)", latex[i:])
+        return m.group(0), i + len(m.group(0))
+    return latex[i], i + 1
+
+
+def _width(latex: str) -> float:
+    """About how wide ``latex`` is typeset, in widths of a lowercase italic letter (an upright
+    name counts its letters, a fraction its wider part, a sub- or superscript 0.7 of its own;
+    measured against MathJax 3's rendering: 10 to 16 px a unit in the book's column)."""
+    total, i = 0.0, 0
+    while i < len(latex):
+        c = latex[i]
+        if c == "\\":
+            m = re.match(r"\\([A-Za-z]+|.)", latex[i:])
+            name, i = m.group(1), i + len(m.group(0))
+            if name in _SILENT:
+                continue
+            if name in _SPACES:
+                total += _SPACES[name]
+            elif name in _WRAPPERS:
+                arg, i = _argument(latex, i)
+                total += _width(arg)
+            elif name in ("frac", "tfrac", "dfrac"):
+                a, i = _argument(latex, i)
+                b, i = _argument(latex, i)
+                total += max(_width(a), _width(b)) * (0.75 if name == "tfrac" else 0.9) + 0.3
+            elif name == "sqrt":
+                a, i = _argument(latex, i)
+                total += _width(a) + 1.0
+            elif name in ("sum", "prod"):
+                total += 1.6
+            elif name in ("log", "exp", "max", "min", "det", "tr"):
+                total += 0.55 * len(name) + 0.2
+            elif name in ("otimes", "cdot", "times", "ne", "le", "ge", "approx", "oplus", "circ"):
+                total += 2.0
+            else:
+                total += 1.1
+        elif c in "_^":
+            arg, i = _argument(latex, i + 1)
+            total += 0.7 * _width(arg)
+        elif c in "{}& ":
+            i += 1
+        elif c in "+=<>":
+            total += 2.0
+            i += 1
+        elif c == "-":
+            total += 1.6
+            i += 1
+        elif c in "(),|[]":
+            total += 0.5
+            i += 1
+        else:
+            total += 1.35 if c.isupper() else 0.95
+            i += 1
+    return total
 
 
 def md_text(text: str) -> str:
@@ -37,7 +114,6 @@ def md_text(text: str) -> str:
     return text
 
 
-_WORD_SUBSCRIPTS = ("in", "out", "pos", "gate", "writing", "eff")
 #: ASCII fragments of plain-text preconditions and their typeset form.
 _ASCII_MATH = [
     (re.compile(r"\b(LNPre|LN|RMSPre|RMS)\((\w)\)"), lambda m: rf"\mathrm{{{m.group(1)}}}({m.group(2)})"),
@@ -50,15 +126,77 @@ _ASCII_MATH = [
     (re.compile(r"\bR\^(\d+)"), lambda m: rf"\mathbb{{R}}^{m.group(1)}"),
     (re.compile(r"\b(rho|eps)\b"), lambda m: {"rho": r"\rho", "eps": r"\varepsilon"}[m.group(1)]),
     (re.compile(r"(?<![\w`])([A-Za-z])_([A-Za-z]\w*|\d+)(?![\w(])"),
-     lambda m: rf"{m.group(1)}_\mathrm{{{m.group(2)}}}" if m.group(2) in _WORD_SUBSCRIPTS else f"{m.group(1)}_{{{m.group(2)}}}"),
+     lambda m: rf"{m.group(1)}_\mathrm{{{m.group(2)}}}" if len(m.group(2)) > 1 and m.group(2).isalpha()
+     else f"{m.group(1)}_{{{m.group(2)}}}"),
 ]
 _CODE_NAME = re.compile(r"(?<![\w`$\\])([a-z][a-z0-9]+(?:_[a-z0-9]+)+)(?![\w`])")
 
+_FUNCTIONS = {"diag": r"\operatorname{diag}", "exp": r"\exp", "log": r"\log", "act": r"\operatorname{act}",
+              "log_softmax": r"\operatorname{log\_softmax}", "LNPre": r"\mathrm{LNPre}", "LN": r"\mathrm{LN}",
+              "RMSPre": r"\mathrm{RMSPre}", "RMS": r"\mathrm{RMS}", "sqrt": r"\sqrt"}
+_FUNCTION = "|".join(sorted(_FUNCTIONS, key=len, reverse=True))
+_ATOM = (rf"(?:(?:{_FUNCTION})\([^()]*(?:\([^()]*\)[^()]*)*\)|rho|eps|\d+(?:\.\d+)?"
+         r"|[A-Za-z](?:_[A-Za-z0-9]+)?'?)")
+_SUP = r"(?:\^(?:-?T\b|-?\d+|[A-Za-z]\b|\{[^}]*\}|\([^()]*\)))?"
+_FACTOR = rf"[-±]?[(|]*{_ATOM}{_SUP}(?:[)|]+{_SUP})*"
+_OPERATOR = r"(?:\s*(?:!=|<=|>=|=|\+|-|/|<|>|⊗|·)\s*|\s+|(?=[(|]))"
+#: A formula written in ASCII inside a sentence: factors joined by operators or side by side (or a
+#: transpose alone); :func:`_formulas` keeps those that an operator, power, norm, function or
+#: subscript tells from words.
+_FORMULA = re.compile(rf"(?<![\w`$\\'(]){_FACTOR}(?:{_OPERATOR}{_FACTOR})+(?![\w(])|(?<![\w`$\\'])[A-Za-z]\^-?T\b")
+_MATHY = re.compile(rf"[=<>+/^|⊗·]| - |\b(?:{_FUNCTION})\(|\w_\w|\b(?:rho|eps)\b")
+
+
+def _balanced(text: str) -> str:
+    """The longest start of ``text`` whose parentheses balance (a formula ends before a bracket
+    of the sentence around it)."""
+    depth, cut = 0, len(text)
+    for i, char in enumerate(text):
+        depth += (char == "(") - (char == ")")
+        if depth < 0:
+            return text[:i].rstrip()
+        if depth == 0:
+            cut = i + 1
+    return text if depth == 0 else text[:cut].rstrip()
+
+
+def _formulas(text: str):
+    """``(start, end, latex)`` of every ASCII formula in ``text``."""
+    at = 0
+    while (m := _FORMULA.search(text, at)) is not None:
+        start, found = m.start(), _balanced(m.group(0))
+        if found.startswith("a "):  # the article, not a factor
+            start, found = start + 2, found[2:]
+        at = max(start + len(found), m.start() + 1)
+        if len(found) > 1 and _MATHY.search(found) and _FORMULA.fullmatch(found):
+            yield start, start + len(found), _formula_latex(found)
+
+
+def _formula_latex(ascii_math: str) -> str:
+    """The LaTeX of an ASCII formula found by :func:`_formulas`."""
+    symbols = {"!=": r"\ne", "<=": r"\le", ">=": r"\ge", "⊗": r"\otimes", "·": r"\cdot ", "±": r"\pm "}
+    latex = re.sub(r"!=|<=|>=|⊗|·|±", lambda m: symbols[m.group(0)], ascii_math)
+    latex = re.sub(r"\^\{?(-?)T\}?", lambda m: r"^{-\top}" if m.group(1) else r"^\top", latex)
+    latex = re.sub(r"\^\(([^()]*)\)", r"^{\1}", latex)
+    latex = re.sub(r"\^(-\d+)", r"^{\1}", latex)
+    latex = re.sub(r"\bsqrt\(([^()]*)\)", r"\\sqrt{\1}", latex)
+    latex = re.sub(rf"\b({_FUNCTION})(?=\()", lambda m: _FUNCTIONS[m.group(1)], latex)
+    latex = re.sub(r"\b(rho|eps)\b", lambda m: {"rho": r"\rho", "eps": r"\varepsilon"}[m.group(1)], latex)
+    latex = re.sub(r"\b([A-Za-z])_hat\b", r"\\hat{\1}", latex)
+    latex = re.sub(r"\b([A-Za-z])_([A-Za-z0-9]+)",
+                   lambda m: rf"{m.group(1)}_\mathrm{{{m.group(2)}}}" if len(m.group(2)) > 1 and m.group(2).isalpha()
+                   else rf"{m.group(1)}_{{{m.group(2)}}}", latex)
+    if re.search(r"\b1\^|[A-Za-z)] 1\b|\b1 [A-Za-z]", ascii_math):  # 1 times matrices: the all-ones vector
+        latex = re.sub(r"(?<![\w./^{])(?<!\{-)1(?![\w./}])", r"\\mathbf{1}", latex)
+    bars = iter([r"\lVert ", r" \rVert"] * latex.count("|"))
+    return re.sub(r"\|", lambda m: next(bars), latex)
+
 
 def prose(text: str) -> str:
-    """Plain text that names weights and norms in ASCII (``W_Q``, ``LNPre(x)``, ``eps == 0``) as
-    Markdown with those names typeset as math and code identifiers (``normalization_type``) as code."""
-    spans = []
+    """Plain text that names weights and norms in ASCII (``W_Q``, ``LNPre(x)``, ``eps == 0``) or
+    writes formulas in it (``|x G| != |x|``, ``Q^T``, ``rho = (|x|^2/d + eps)^(-1/2)``) as Markdown
+    with those typeset as math and code identifiers (``normalization_type``) as code."""
+    spans = [(start, end, f"${latex}$") for start, end, latex in _formulas(text)]
     for pattern, latex in _ASCII_MATH:
         spans += [(m.start(), m.end(), f"${latex(m)}$") for m in pattern.finditer(text)]
     spans += [(m.start(), m.end(), f"`{m.group(1)}`") for m in _CODE_NAME.finditer(text)]
@@ -128,7 +266,7 @@ def _pack(pieces: list[list[str]], budget: int) -> list[str]:
     when both fit in ``budget``."""
     lines: list[str] = []
     for piece in pieces:
-        if lines and len(lines[-1]) + 1 + len(piece[0]) <= budget:
+        if lines and _width(lines[-1]) + _width(piece[0]) <= budget:
             lines[-1] += " " + piece[0]
             lines += piece[1:]
         else:
@@ -140,39 +278,77 @@ def _lines(latex: str, budget: int) -> list[str]:
     """``latex`` cut into balanced lines of about ``budget`` characters: a sum between its terms,
     a product between its factors, and a parenthesised group too long for one line opened into
     ``\\Big(`` ... ``\\Big)`` lines. MathJax 3 does not break long formulas itself."""
-    if len(latex) <= budget:
+    if _width(latex) <= budget:
         return [latex]
     terms = _split_sum(latex)
     if len(terms) > 1:
         pieces = []
         for k, term in enumerate(terms):
             sign = "" if k == 0 or term.startswith("-") else "+ "
-            sub = _lines(term, budget - len(sign))
+            sub = _lines(term, budget - _width(sign))
             pieces.append([sign + sub[0], *sub[1:]])
         return _pack(pieces, budget)
     pieces = []
     for token in _factors(latex):
-        inner = _group(token) if len(token) > budget else None
+        inner = _group(token) if _width(token) > budget else None
         if inner is None:
             pieces.append([token])
         else:
-            sub = _lines(inner, budget - 5)
+            sub = _lines(inner, budget - 2)
             sub[0] = "\\Big(" + sub[0]
             sub[-1] = sub[-1] + "\\Big)"
             pieces.append(sub)
     return _pack(pieces, budget)
 
 
+def _positive_first(latex: str) -> str:
+    """A sum written in LaTeX with its first positive term moved to the front (matrices add
+    commutatively): ``- A + B`` reads ``B - A``."""
+    terms = _split_sum(latex)
+    first = next((k for k, term in enumerate(terms) if not term.startswith("-")), 0)
+    if first == 0:
+        return latex
+    terms.insert(0, terms.pop(first))
+    return " ".join([terms[0]] + [t if t.startswith("-") else "+ " + t for t in terms[1:]])
+
+
+def _tidy(latex: str) -> str:
+    """``latex`` as a reader expects it, the same expression: in every sum (inside each
+    ``\\left( ... \\right)`` group too) a positive term first, and a group of two terms that
+    cancel, such as ``(1 - 1)`` left by a step that has not yet dropped it, marked as zero."""
+    out, depth, start, i = [], 0, 0, 0
+    while i < len(latex):
+        if latex.startswith("\\left(", i):
+            if depth == 0:
+                out.append(latex[start:i])
+                start = i
+            depth, i = depth + 1, i + 6
+        elif latex.startswith("\\right)", i):
+            depth, i = depth - 1, i + 7
+            if depth == 0:
+                inner = _tidy(latex[start + 6:i - 7])
+                terms = _split_sum(inner)
+                group = f"\\left({inner}\\right)"
+                cancels = len(terms) == 2 and terms[1].startswith("-") and terms[1][1:].strip() == terms[0]
+                out.append(f"\\underbrace{{{group}}}_{{0}}" if cancels else group)
+                start = i
+        else:
+            i += 1
+    out.append(latex[start:])
+    return _positive_first("".join(out))
+
+
 def _broken(expr, budget: int) -> list[str]:
-    """LaTeX lines of the matrix expression ``expr`` (see :func:`_lines`)."""
-    return _lines(to_latex(expr), budget)
+    """LaTeX lines of the matrix expression ``expr`` (see :func:`_lines` and :func:`_tidy`)."""
+    return _lines(_tidy(to_latex(expr)), budget)
 
 
 def _rows(expr, lead: str, budget: int, tag: str = "") -> list[str]:
-    """Rows of an ``aligned`` block for ``expr``: ``lead`` before the first, ``tag`` after its last."""
+    """Rows of an ``aligned`` block for ``expr``: ``lead`` before the first, ``tag`` after its
+    last; a continuation row is indented under the expression, leaving the ``=`` column alone."""
     rows = []
     for j, line in enumerate(_broken(expr, budget)):
-        rows.append(f"{lead if j == 0 else QUAD} & {line}")
+        rows.append(f"{lead} & {line}" if j == 0 else f" & {QUAD} {line}")
     if tag:
         rows[-1] += f" && {tag}"
     return rows
@@ -213,7 +389,7 @@ def _split_sum(latex: str) -> list[str]:
 def _long_latex(latex: str, budget: int = LINE_BUDGET) -> str:
     """A LaTeX sum already printed, as a display cut into lines; a coefficient 1 is not written."""
     terms = [re.sub(r"^(-\s*)?1 (?=[\\A-Za-z{(])", lambda m: m.group(1) or "", term) for term in _split_sum(latex)]
-    lines = _lines(" + ".join(terms).replace("+ -", "-"), budget)
+    lines = _lines(_tidy(" + ".join(terms).replace("+ -", "-")), budget)
     return display_math("\\begin{aligned}\n& " + " \\\\\n& \\quad ".join(lines) + "\n\\end{aligned}")
 
 
@@ -259,8 +435,8 @@ def definitions(identity_or_proof) -> str:
     lines = []
     if own or values:
         lines += ["| symbol | definition | meaning |", "|---|---|---|"]
-        lines += [f"| ${to_latex(d.symbol)}$ | ${to_latex(d.value)}$ | {md_text(d.text)} |" for d in own]
-        lines += [f"| ${to_latex(f.product)}$ | ${to_latex(f.value)}$ | {md_text(f.text)} (assumed: a fact of the claim) |"
+        lines += [f"| ${to_latex(d.symbol)}$ | ${to_latex(d.value)}$ | {prose(d.text)} |" for d in own]
+        lines += [f"| ${to_latex(f.product)}$ | ${to_latex(f.value)}$ | {prose(f.text)} (assumed: a fact of the claim) |"
                   for f in values]
     if notation:
         lines += ["", f"and {notation} definitions of the form $(A \\otimes B) \\cdot X := A X B^\\top$, one for each"
@@ -296,7 +472,7 @@ def twins(report: ProofReport, identity_or_proof=None) -> str:
     lines = ["| twin | the mistake | rejected | counterexample gap |", "|---|---|---|---|"]
     for t in report.twins:
         gap = "none found" if t.counterexample_gap is None else f"{t.counterexample_gap:g}"
-        lines.append(f"| `{t.name}` | {md_text(t.description)} | {'yes' if t.rejected else '**NO**'} | {gap} |")
+        lines.append(f"| `{t.name}` | {prose(t.description)} | {'yes' if t.rejected else '**NO**'} | {gap} |")
     proof_twins = _proof(identity_or_proof).twins if identity_or_proof is not None else [None] * len(report.twins)
     for twin, t in zip(proof_twins, report.twins):
         claim = equation(twin.lhs, twin.rhs) if twin is not None else display_math(t.claim)
@@ -347,6 +523,21 @@ def _axioms(report: ProofReport) -> list[str] | None:
     return shown
 
 
+def _once(items: list[str]) -> list[str]:
+    """``items`` with each said once: items that differ only in their numbers (one per head:
+    ``head 1's row sums are positive``, ``head 2's ...``) become the first, then the others'
+    numbers (``(likewise 2, 3)``)."""
+    groups: dict[str, list[str]] = {}
+    for item in items:
+        groups.setdefault(re.sub(r"\d+", "#", item), []).append(item)
+    out = []
+    for same in groups.values():
+        numbers = [re.search(r"\d+", item) for item in same[1:]]
+        likewise = ", ".join(dict.fromkeys(m.group(0) for m in numbers if m))
+        out.append(same[0] + (f" (likewise {likewise})" if likewise else ""))
+    return out
+
+
 def established(proved, numbers=()) -> str:
     """What a chapter established, as Markdown: for each ``(report, identity)`` in ``proved``,
     what was proved and for which sizes, which wrong versions the proof refuted, which wrong
@@ -375,7 +566,7 @@ def established(proved, numbers=()) -> str:
             parts.append(f"wrong rewrite{'s' if len(identity.wrong_everywhere) > 1 else ''}: {names}")
         axioms = _axioms(report)
         if axioms is not None:
-            parts.append("rests on the axioms " + ", ".join(axioms) if axioms
+            parts.append("rests on the axioms " + ", ".join(_once(axioms)) if axioms
                          else "rests on no axiom beyond the definitions it unfolds")
         stated = [a["text"] for a in r.get("assumptions", ()) if a.get("kind") == "stated"]
         if stated:
