@@ -309,4 +309,4 @@ def _largest_at(got: torch.Tensor, expected: torch.Tensor, chunk: int = 1 << 20)
         index = int(difference.argmax())
         if float(difference[index]) > best:
             best, where = float(difference[index]), start + index
-    return tuple(int(i) for i in torch.unravel_index(torch.tensor(where), tuple(got.shape)))
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(where, device="cpu"), tuple(got.shape)))
