@@ -226,3 +226,12 @@ def test_a_gain_applied_as_one_plus_w_is_folded_as_one_plus_w_rounded_once(dtype
     W, w = sd["blocks.1.attn.W_Q"], sd["blocks.1.ln1.w"]
     expected = (W.double() * (1 + w.double())[:, None]).to(dtype)
     assert torch.equal(folded["blocks.1.attn.W_Q"], expected)
+
+
+def test_default_tokens_take_at_most_32_positions_from_a_fixed_seed():
+    from circuitmath.testing import default_tokens
+
+    long = LN.replace(n_ctx=40)
+    assert default_tokens(long).shape == (2, 32) and default_tokens(LN, batch=3).shape == (3, LN.n_ctx)
+    assert torch.equal(default_tokens(long), default_tokens(long)) and int(default_tokens(long).max()) < LN.d_vocab
+    assert not torch.equal(default_tokens(long), default_tokens(long, seed=1))
