@@ -393,3 +393,16 @@ def test_the_wrong_head_rotations_multiply_on_the_weights_device():
         assert all(out[n].device.type == "meta" for n in names), change.__name__
     with pytest.raises(RuntimeError, match="mixes the devices"), OneDevice():  # negative control: the trap springs
         _ = torch.ones(2, 2, dtype=F64) @ before[names[0]][0, :2]
+
+
+def test_no_head_rotation_is_recovered_between_row_blocks_that_differ():
+    """Positional query/key tables on one side only (a shortformer model against its tables) are
+    not a head rotation: recovery answers None instead of fitting blocks of different sizes, and
+    the diagnosis of TransformerLens's shortformer processing (the checking chapter) completes."""
+    cfg = cm.Config(n_layers=2, d_model=6, n_heads=2, d_head=3, d_vocab=9, n_ctx=5, d_mlp=12,
+                    positional_embedding_type="shortformer")
+    sd = cm.random_state_dict(cfg, seed=1, dtype=F64)
+    tables, tables_cfg = cm.shortformer_to_tables(sd, cfg)
+    moved = dict(tables, **{k: v.roll(1, -1) for k, v in tables.items() if k.endswith(("W_Q", "W_K"))})
+    assert cm.recover_head_rotations(tables, {k: v for k, v in moved.items() if ".pos_" not in k}, tables_cfg) is None
+    assert cm.recover_head_rotations(tables, moved, tables_cfg) is not None  # negative control: same blocks fit

@@ -361,9 +361,10 @@ def recover_head_rotations(before: StateDict, after: StateDict, cfg: Config) -> 
         project = (lambda Q: nearest_commuting(Q, cfg)) if side == "query_key" and cfg.positional_embedding_type == "rotary" else None
         for layer in range(cfg.n_layers):
             for g, heads in enumerate(key_value_groups(cfg)):
-                R[layer, g] = _fit([(a.double().cpu(), b.double().cpu()) for a, b in
-                                    zip(_head_rows(before, cfg, layer, g, heads, side), _head_rows(after, cfg, layer, g, heads, side))],
-                                   project)
+                rows = (_head_rows(before, cfg, layer, g, heads, side), _head_rows(after, cfg, layer, g, heads, side))
+                if len(rows[0]) != len(rows[1]) or any(a.shape != b.shape for a, b in zip(*rows)):
+                    return None  # other blocks (positional tables on one side only): no rotation maps one to the other
+                R[layer, g] = _fit([(a.double().cpu(), b.double().cpu()) for a, b in zip(*rows)], project)
         found[side] = R
     return found or None
 
