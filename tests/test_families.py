@@ -164,6 +164,7 @@ def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
     cfg = io.process_checkpoint(folder, out, steps=FITTING_STEPS.get(name))
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["metadata"][LAYOUT_KEY] == "config.json", cfg.applied
+    assert io.open_checkpoint(out).cfg == cfg  # read back in its layout (Phi-3: 6 stored tensors a block)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(loaded) is type(model)
     tokens = _tokens()
