@@ -101,9 +101,10 @@ def feature_preconditions() -> frozenset:
     """The preconditions an architecture feature breaks (rotary embeddings, QK-norm, gains applied
     as ``1 + w``, softcaps, sandwich norms): an identity that refuses a family by one of them is *not exact* there; one that
     refuses by any other (attention-only, a LayerNorm model, a layer count) does not apply."""
-    from ._processing._common import NO_ATTN_SOFTCAP, NO_LOGIT_SOFTCAP, NO_POST_NORMS, NO_QK_NORM, NOT_ROTARY
+    from ._processing._common import (
+        NO_ATTN_SOFTCAP, NO_LOGIT_SOFTCAP, NO_POST_NORMS, NO_QK_NORM, NOT_ROTARY, POST_NORM_GAINS_EQUAL,
+    )
     from ._processing.quantisation import GAINS_AS_STORED
-    from ._processing.rotation import POST_NORM_GAINS_EQUAL
 
     return frozenset({NOT_ROTARY, NO_QK_NORM, GAINS_AS_STORED, NO_ATTN_SOFTCAP, NO_LOGIT_SOFTCAP, NO_POST_NORMS,
                       POST_NORM_GAINS_EQUAL})

@@ -25,12 +25,11 @@ from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSy
 
 from .._processing import fold_layer_norm, fold_rms_norm, layer_norm_to_rms_norm
 from .._errors import Precondition
-from .._processing._common import PRE_NORM, require
+from .._processing._common import POST_NORM_GAINS_EQUAL, PRE_NORM, require
 from .._processing.layer_norm import IS_LN
 from .._processing.norms import IS_LNPRE
 from .._processing.rotation import (
     NO_NORM_GAIN,
-    POST_NORM_GAINS_EQUAL,
     Q_FIXES_ONES,
     Q_ORTHOGONAL,
     Q_SQUARE,

@@ -15,7 +15,7 @@ from .._state import attention_names, entries_checked_here, not_finite
 __all__ = [
     "readers", "require", "refuse_reapplication", "rewrite", "undone_by",
     "NOT_APPLIED", "PRE_NORM", "NORM_READ_LINEARLY", "NOT_ROTARY", "NO_QK_NORM", "NO_LOGIT_SOFTCAP", "NO_ATTN_SOFTCAP",
-    "NO_POST_NORMS",
+    "NO_POST_NORMS", "POST_NORM_GAINS_EQUAL", "require_even_post_norms",
 ]
 
 #: Shared by the transforms that need them (each identity lists the ones its transform raises).
@@ -45,6 +45,22 @@ NO_POST_NORMS = Precondition(
     "no sandwich norms",
     "each sub-layer writes its output to the residual stream as it is, not through a norm of its own (post_norms)",
 )
+
+POST_NORM_GAINS_EQUAL = Precondition(
+    "each sandwich norm's gain is one number",
+    "every sandwich norm (post_norms) applies the same gain to every dimension: a gain diag(g) after the norm commutes"
+    " with an orthogonal Q only when g is constant",
+)
+
+
+def require_even_post_norms(identity: str, state_dict, cfg: Config) -> None:
+    """Refuse (:data:`POST_NORM_GAINS_EQUAL`) a model with sandwich norms (``cfg.post_norms``) one
+    of whose gains ``[d_model]`` is not one number: a rotation of the stream does not commute with it."""
+    uneven = [name for name in state_dict if name.endswith(("ln1_post.w", "ln2_post.w"))
+              and bool((state_dict[name] != state_dict[name][0]).any())] if cfg.post_norms else []
+    require(identity, POST_NORM_GAINS_EQUAL, not uneven,
+            f"the sandwich norms {uneven[:3]} apply a gain that differs between dimensions after normalising each"
+            " write, and diag(g) Q != Q diag(g)")
 
 
 def _same(given, tensor: torch.Tensor) -> bool:

@@ -26,13 +26,12 @@ import torch
 from .._config import Config
 from .._errors import Precondition, PreconditionError
 from .._state import StateDict, attention_names, validate_state_dict
-from ._common import PRE_NORM, readers, require, rewrite
+from ._common import PRE_NORM, readers, require, require_even_post_norms, rewrite
 from .centering import center_writing_weights, require_pre_norm, writers
 from .layer_norm import fold_layer_norm
 from .norms import fold_rms_norm, layer_norm_to_rms_norm
 
 __all__ = [
-    "POST_NORM_GAINS_EQUAL",
     "rotate_residual_stream",
     "permute_heads",
     "permute_neurons",
@@ -65,11 +64,6 @@ NO_NORM_GAIN = Precondition(
     "every norm is RMSPre, LNPre or none: a gain diag(w) or a bias does not commute with Q (fold it first)",
 )
 Q_SQUARE = Precondition("Q is a floating [d_model, d_model] tensor")
-POST_NORM_GAINS_EQUAL = Precondition(
-    "each sandwich norm's gain is one number",
-    "every sandwich norm (post_norms) applies the same gain to every dimension: a gain diag(g) after the norm commutes"
-    " with Q only when g is constant",
-)
 Q_ORTHOGONAL = Precondition("Q is orthogonal", "Q is orthogonal to the precision of the weights")
 Q_FIXES_ONES = Precondition(
     "Q maps the all-ones direction to itself (Q 1 = 1 or Q 1 = -1)",
@@ -292,11 +286,7 @@ def rotate_residual_stream(
         }.get(kind, ""),
     )
     dtype = validate_state_dict(state_dict, cfg)
-    uneven = [name for name in state_dict if name.endswith(("ln1_post.w", "ln2_post.w"))
-              and bool((state_dict[name] != state_dict[name][0]).any())] if cfg.post_norms else []
-    require(identity, POST_NORM_GAINS_EQUAL, not uneven,
-            f"the sandwich norms {uneven[:3]} apply a gain that differs between dimensions after normalising each"
-            " write, and diag(g) Q != Q diag(g)")
+    require_even_post_norms(identity, state_dict, cfg)
     Q = _as_square(identity, Q, cfg.d_model)
     tolerance = ORTHOGONALITY_SAFETY * cfg.d_model * torch.finfo(dtype).eps
     error = orthogonality_error(Q)
