@@ -4,6 +4,8 @@ migration computed in bfloat16; rotations with W_E centered behind RMSNorm) and 
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 import circuitmath as cm
 from circuitmath import testing
@@ -366,22 +368,24 @@ def test_one_wrong_step_in_a_pipeline_is_named_with_its_tensors(wrong_step, wron
     assert sorted(p.name for p in rows[wrong.split(".")[0]].parameters) == tensors
 
 
+class OneDevice(TorchFunctionMode):
+    """Refuses any operation whose tensor operands (0-d scalars aside) lie on two devices: with
+    the default device set to ``meta`` this catches a hidden host tensor in a matrix product too,
+    which PyTorch otherwise computes on the first operand's device without a word."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.ndim}
+        if len(devices) > 1:
+            raise RuntimeError(f"{func} mixes the devices {sorted(map(str, devices))}")
+        return func(*args, **kwargs)
+
+
 def test_the_wrong_head_rotations_multiply_on_the_weights_device():
     """The diagnosis replays these wrong rewrites on a model wherever it lies (a GPU): the
     rotations, drawn on the host, go to the weights' device, never the weights to the host. The
     weights here lie on ``meta`` and any operation mixing two devices raises."""
-    from torch.overrides import TorchFunctionMode
-    from torch.utils._pytree import tree_leaves
-
     from circuitmath._identities.quantisation import _output_not_transposed, _per_query_head, check_head_rotations
-
-    class OneDevice(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            devices = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.ndim}
-            if len(devices) > 1:
-                raise RuntimeError(f"{func} mixes the devices {sorted(map(str, devices))}")
-            return func(*args, **kwargs)
 
     cfg, sd = _model(n_key_value_heads=2)
     names = [f"blocks.{l}.attn.W_O" for l in range(cfg.n_layers)]
@@ -393,6 +397,24 @@ def test_the_wrong_head_rotations_multiply_on_the_weights_device():
         assert all(out[n].device.type == "meta" for n in names), change.__name__
     with pytest.raises(RuntimeError, match="mixes the devices"), OneDevice():  # negative control: the trap springs
         _ = torch.ones(2, 2, dtype=F64) @ before[names[0]][0, :2]
+
+
+@pytest.mark.parametrize("name", ["migrate_norm_scales", "rotate_heads", "scale_neurons"])
+def test_transforms_wrong_rewrites_and_recovery_make_no_tensor_on_the_default_device(name):
+    """Each transform, each wrong rewrite and the recovery, with the default device ``meta`` and
+    no operation allowed to mix devices: a tensor made without ``device=`` fails even where it
+    only meets the weights in a matrix product."""
+    cfg, sd = _model(torch.float32, n_layers=1, d_model=16, d_mlp=32, n_key_value_heads=2)
+    identity = cm.get_identity(name)
+    torch.set_default_device("meta")
+    try:
+        with OneDevice():
+            for rewrite in [identity.transform, *identity.wrong_rewrites.values()]:
+                out, _ = rewrite(sd, cfg)
+                assert {t.device.type for t in out.values()} == {"cpu"}
+                assert identity.recover(sd, out, cfg) is not None
+    finally:
+        torch.set_default_device(None)
 
 
 def test_no_head_rotation_is_recovered_between_row_blocks_that_differ():
