@@ -17,6 +17,7 @@ import torch
 from .._compare import Comparison
 from .._config import Config
 from ._tensors import CERTIFICATE_ULPS, ParameterMismatch, _json_number, _mismatch, _relative_difference
+from ._unexplained import NEAR_ULPS
 
 __all__ = ["Finding", "Diagnosis", "TABLE_COLUMNS", "in_input_names"]
 
@@ -297,8 +298,10 @@ def _config_differences(replayed: Config, processed: Config) -> list[str]:
 def _residual_finding(parameters, comparison: Comparison | None, replay, dtype,
                       config_differences, off=()) -> Finding:
     """What the replayed identities leave unexplained: tensors (``parameters``, against the
-    replay's end), and config fields; ``comparison`` is the replay's end against ``after``
-    (``None``: not measured). ``off``: the tensors that fail their certificate (``uncertified``):
+    replay's end), and config fields; ``comparison`` is the float64 comparison of the changes no
+    identity explains (:mod:`._unexplained`), or the replay's end against ``after`` where a
+    tensor is missing or misshapen or a config field differs (``None``: not measured). ``off``: the near misses, tensors that fail their certificate by at most
+    :data:`~circuitmath._diagnosis._unexplained.NEAR_ULPS` units (``_unexplained``):
     they make the row violated whatever the log-probs say."""
     residual = [p.name for p in parameters]
     lines = []
@@ -335,7 +338,8 @@ def _residual_finding(parameters, comparison: Comparison | None, replay, dtype,
         lines.append(
             f"not the exact rewrite: {', '.join(off)} {'has' if len(off) == 1 else 'have'} entries more than"
             f" {CERTIFICATE_ULPS} unit in the last place of {replay.thresholds.dtype} from the replayed rewrite"
-            " (the tensor certificate), while the replay reproduces the model's other tensors"
+            f" (the tensor certificate) and none more than {NEAR_ULPS}: a slight change of the rewrite, which the log-probs"
+            " cannot tell from rounding at this precision"
         )
     elif residual and comparison is not None and comparison.passed:
         lines.append("the differences do not change the log-probs beyond rounding")
