@@ -198,6 +198,7 @@ def test_head_rotations_keep_the_function_and_are_recovered(n_key_value_heads):
     assert torch.allclose(found["value"], value, atol=1e-12) and torch.allclose(found["query_key"], query_key, atol=1e-12)
     again, again_cfg = cm.rotate_heads(out, out_cfg, value=value)  # two rotations are one: not refused
     assert again_cfg.applied == ("rotate_heads", "rotate_heads")
+    assert_equivalent(sd, again, cfg, after_cfg=again_cfg)
 
 
 def test_head_rotations_that_break_the_identity_are_refused():
@@ -291,6 +292,9 @@ def test_neuron_scales_keep_the_function_and_are_recovered(changes):
     assert cm.recover_neuron_scales(sd, dict(sd), cfg) is None
     if cfg.gated_mlp:  # any nonzero scale through the product
         assert_equivalent(sd, *cm.scale_neurons(sd, cfg, -s)[:1], cfg, after_cfg=out_cfg)
+    twice, twice_cfg = cm.scale_neurons(out, out_cfg, s)  # two scalings are one: not refused
+    assert twice_cfg.applied == ("scale_neurons", "scale_neurons")
+    assert_equivalent(sd, twice, cfg, after_cfg=twice_cfg)
 
 
 @pytest.mark.parametrize("changes, scale, found", [
