@@ -483,16 +483,15 @@ def _sorted_diagonals(factors: Factors) -> Factors:
     return tuple(out)
 
 
-def _scalars_out(factors: Factors) -> tuple[Factors, sympy.Expr]:
-    """The product with each 1 x 1 stretch (``x^T A y``) taken out as the scalar ``tr(x^T A y)``:
-    a 1 x 1 matrix is a scalar, and a scalar commutes with every factor."""
+def _scalars_out(factors: Factors, ctx: _Context) -> tuple[Factors, sympy.Expr]:
+    """The product with each 1 x 1 stretch (``x^T A y``) taken out as the scalar ``tr(x^T A y)``
+    (:func:`_cyclic`): a 1 x 1 matrix is a scalar, and a scalar commutes with every factor."""
     out, scalar, i = [], sympy.Integer(1), 0
     while i < len(factors):
         if factors[i].shape[0] == 1:
             j = next((j for j in range(i, len(factors)) if factors[j].shape[1] == 1), None)
             if j is not None:
-                stretch = factors[i : j + 1]
-                scalar *= Trace(MatMul(*stretch) if len(stretch) > 1 else stretch[0])
+                scalar *= _cyclic(factors[i : j + 1], ctx)
                 i = j + 1
                 continue
         out.append(factors[i])
@@ -547,9 +546,10 @@ def _canonical(terms: Terms, ctx: _Context, facts=()) -> Terms:
             if not current or next(iter(current)) == f:
                 break
         for f, c in current.items():
-            rest, scalar = _scalars_out(f)
-            _add(out, rest, _traces(c * scalar, ctx, facts))
-    return {f: c for f, c in ((f, sympy.simplify(c)) for f, c in out.items()) if c != 0}
+            rest, scalar = _scalars_out(f, ctx)
+            _add(out, rest, _traces(c, ctx, facts) * scalar)
+    # the coefficients were simplified before; what is new is sums and products of symbols
+    return {f: c for f, c in ((f, sympy.expand(c)) for f, c in out.items()) if c != 0}
 
 
 def _check_definitions(definitions: Mapping, invertible) -> None:
