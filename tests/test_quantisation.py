@@ -432,3 +432,16 @@ def test_no_head_rotation_is_recovered_between_row_blocks_that_differ():
     moved = dict(tables, **{k: v.roll(1, -1) for k, v in tables.items() if k.endswith(("W_Q", "W_K"))})
     assert cm.recover_head_rotations(tables, {k: v for k, v in moved.items() if ".pos_" not in k}, tables_cfg) is None
     assert cm.recover_head_rotations(tables, moved, tables_cfg) is not None  # negative control: same blocks fit
+
+
+def test_a_scaled_rotation_is_refused_in_half_precision():
+    """R = 1.2 I is no rotation: W_V R R^T W_O scales every head's output by 1.44. Orthogonality
+    is asked to the precision R is given in (float64 here), not to the model's bfloat16, whose
+    4 d_head eps (0.5 at d_head 16) let it through and recorded rotate_heads on a changed model."""
+    cfg, sd = _model(torch.bfloat16, d_head=16, n_heads=2)
+    with pytest.raises(cm.PreconditionError, match="an orthogonal rotation per key/value head") as caught:
+        cm.rotate_heads(sd, cfg, value=1.2 * torch.eye(16, dtype=F64))
+    assert "max |R^T R - I| is 0.44" in str(caught.value)
+    rounded = _head_rotations(cfg).to(torch.bfloat16)  # a rotation given in bfloat16: to bfloat16's precision
+    out, out_cfg = cm.rotate_heads(sd, cfg, value=rounded)
+    assert out_cfg.applied == ("rotate_heads",)

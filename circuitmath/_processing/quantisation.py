@@ -200,7 +200,8 @@ def _head_rows(sd: StateDict, cfg: Config, layer: int, group: int, heads, side: 
 HEAD_ROTATIONS = Precondition(
     "an orthogonal rotation per key/value head",
     "each rotation is a floating [n_layers, kv_heads, d_head, d_head] (or [d_head, d_head]) tensor, orthogonal"
-    " to the precision of the weights; a group of query heads shares its key/value head's",
+    " to the precision of the weights (of R, where R is given more precisely); a group of query heads shares its"
+    " key/value head's",
 )
 COMMUTES_WITH_ROTARY = Precondition(
     "the query/key rotation commutes with the rotary embedding",
@@ -243,12 +244,15 @@ def _head_rotations(identity: str, R, cfg: Config, dtype: torch.dtype, side: str
     if tuple(R.shape) != shape:
         raise PreconditionError(identity, HEAD_ROTATIONS, f"{side} has shape {list(R.shape)}, expected {list(shape)}"
                                 f" or [{cfg.d_head}, {cfg.d_head}]")
+    # orthogonal to the precision of the weights, or of R where R is given more precisely (a float64
+    # R for a bfloat16 model is held to float64's: the model's 4 d_head eps would pass 1.2 I)
+    given = min(torch.finfo(dtype).eps, torch.finfo(R.dtype).eps)
     R = R.detach().to(device="cpu", dtype=torch.float64)
     if not R.numel():  # no layers (the ends of a model cut into parts): nothing to rotate
         return R
     if not bool(torch.isfinite(R).all()):
         raise PreconditionError(identity, HEAD_ROTATIONS, f"{side} has NaN or infinite entries")
-    tolerance = ORTHOGONALITY_SAFETY * cfg.d_head * torch.finfo(dtype).eps
+    tolerance = ORTHOGONALITY_SAFETY * cfg.d_head * given
     error = float((R.transpose(-1, -2) @ R - torch.eye(cfg.d_head, dtype=torch.float64, device="cpu")).abs().max())
     require(identity, HEAD_ROTATIONS, error <= tolerance,
             f"{side}: max |R^T R - I| is {error:.3g}, above {tolerance:.3g} for a {str(dtype).removeprefix('torch.')} model"
