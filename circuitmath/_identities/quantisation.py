@@ -129,7 +129,8 @@ def _migrate(state_dict, cfg, scales=None):
 
 
 def _migrate_but(change):
-    """A wrong migration: the exact one, then ``change(out, before, cfg, norm, s)`` per norm."""
+    """A wrong migration: the exact one, then ``change(out, before, pairs, norm, s)`` per norm (``pairs``
+    its readers' (weight, bias) names)."""
     def wrong(state_dict, cfg, scales=None):
         scales = check_scales(cfg) if scales is None else scales
         out, out_cfg = migrate_norm_scales(state_dict, cfg, scales)
