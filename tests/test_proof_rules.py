@@ -179,3 +179,18 @@ def test_a_malformed_fact_is_bad_input_that_names_it(facts, words):
     with pytest.raises(FactError, match=words) as raised:
         claim.verify("malformed")
     assert isinstance(raised.value, CircuitMathError) and "malformed" in str(raised.value)
+
+
+def test_prove_exits_2_naming_a_malformed_fact(monkeypatch, capsys):
+    """The CLI treats a malformed fact as bad input: exit 2 and one line naming it, no traceback."""
+    import dataclasses
+
+    import circuitmath as cm
+    from circuitmath import _cli
+
+    identity = cm.get_identity("fold_value_biases")
+    broken = dataclasses.replace(identity.proof, facts=identity.proof.facts + invertible(sympy.ZeroMatrix(n, n)))
+    monkeypatch.setitem(identity.__dict__, "proof", broken)
+    assert _cli.main(["prove", "fold_value_biases"]) == 2
+    err = capsys.readouterr().err
+    assert "declares 0 invertible" in err and "Traceback" not in err
