@@ -12,7 +12,7 @@ from typing import Literal
 
 from ._errors import ConfigError
 
-__all__ = ["Config"]
+__all__ = ["Config", "config_expected"]
 
 Normalization = Literal["LN", "LNPre", "RMS", "RMSPre"] | None
 NORMALIZATIONS = ("LN", "LNPre", "RMS", "RMSPre", None)
@@ -300,3 +300,17 @@ def _relation_problems(cfg: Config) -> list[str]:
     if cfg.n_key_value_heads is not None and cfg.n_heads % cfg.n_key_value_heads:
         problems.append(f"n_key_value_heads must be None or a divisor of n_heads={cfg.n_heads}, got {cfg.n_key_value_heads!r}")
     return problems
+
+
+def config_expected(cfg, state_dict, call: str) -> str:
+    """What to say when ``cfg`` is no circuitmath Config: the arguments swapped (``state_dict`` is
+    the Config: name the right ``call``), a mapping of fields (build a Config from it), or else."""
+    found = type(cfg).__name__
+    if isinstance(state_dict, Config):
+        return (f"the arguments are in the wrong order (a Config, then a {found}): call {call}, the state dict"
+                " first and its Config second")
+    if isinstance(cfg, Mapping) and cfg and all(hasattr(value, "dtype") for value in cfg.values()):
+        return f"expected a circuitmath Config, got a state dict ({found} of tensors): call {call}"
+    hint = " (build one with Config.from_dict)" if isinstance(cfg, Mapping) else ""
+    return f"expected a circuitmath Config, got {found}{hint}"
+

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 
 __all__ = [
     "CircuitMathError",
@@ -16,7 +15,6 @@ __all__ = [
     "PreconditionError",
     "AlreadyAppliedError",
     "OverflowedError",
-    "config_expected",
 ]
 
 
@@ -111,18 +109,3 @@ class OverflowedError(StateDictError):
     """A rewrite of finite weights produced a NaN or an Inf (the dtype's range was exceeded):
     nothing is returned rather than a different model. The message says "overflow" and names the
     identity (or the pipeline) and the tensors whose entries are not finite."""
-
-
-def config_expected(cfg, state_dict=None, call: str = "process_weights(state_dict, cfg)") -> str:
-    """What to say when ``cfg`` is no circuitmath Config: the arguments swapped (``state_dict`` is
-    the Config: name the right ``call``), a mapping of fields (build a Config from it), or else."""
-    from ._config import Config
-
-    found = type(cfg).__name__
-    if isinstance(state_dict, Config):
-        return (f"the arguments are in the wrong order (a Config, then a {found}): call {call}, the state dict"
-                " first and its Config second")
-    if isinstance(cfg, Mapping) and cfg and all(hasattr(value, "dtype") for value in cfg.values()):
-        return f"expected a circuitmath Config, got a state dict ({found} of tensors): call {call}"
-    hint = " (build one with Config.from_dict)" if isinstance(cfg, Mapping) else ""
-    return f"expected a circuitmath Config, got {found}{hint}"

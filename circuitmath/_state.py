@@ -9,8 +9,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from ._config import Config
-from ._errors import InputError, StateDictError, config_expected
+from ._config import Config, config_expected
+from ._errors import InputError, StateDictError
 
 __all__ = [
     "attention_names",

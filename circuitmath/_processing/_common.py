@@ -7,9 +7,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .._config import Config
-from .._errors import (NOT_APPLIED, AlreadyAppliedError, OverflowedError, Precondition, PreconditionError, StateDictError,
-                       config_expected)
+from .._config import Config, config_expected
+from .._errors import NOT_APPLIED, AlreadyAppliedError, OverflowedError, Precondition, PreconditionError, StateDictError
 from .._state import attention_names, entries_checked_here, not_finite
 
 __all__ = [
