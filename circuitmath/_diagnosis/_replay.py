@@ -601,6 +601,10 @@ def _slice_permutation(ours: torch.Tensor, theirs: torch.Tensor, axis: int, thre
     scale = max(float(a.abs().max()), float(b.abs().max())) if a.numel() else 0.0
     if a.shape[0] < 2 or scale == 0:
         return None
+    # a permutation keeps the multiset of the slices' largest entries: a cheap test before all pairs
+    if a.shape[1] and float((a.abs().amax(1).sort().values - b.abs().amax(1).sort().values).abs().max()) > \
+            threshold * scale:
+        return None
     distance = torch.cdist(b, a, p=float("inf")) if a.shape[1] else torch.zeros(a.shape[0], a.shape[0])
     perm = distance.argmin(dim=1)
     close = distance.gather(1, perm[:, None]).flatten() <= threshold * scale
