@@ -10,7 +10,9 @@ import sympy
 from sympy import Identity, Inverse, MatAdd, MatMul, MatrixExpr, MatrixSymbol, OneMatrix, Symbol, ZeroMatrix
 
 from ._errors import InputError
-from ._algebra import IllTyped, NotExact, evaluate, normal_form, random_instance, same_size, shape_of, to_latex
+from ._algebra import IllTyped, NotExact, normal_form, same_size, shape_of
+from ._instances import evaluate, random_instance
+from ._latex import to_latex
 
 __all__ = [
     "Definition", "Fact", "FactError", "Nonzero", "Step", "Twin", "Proof", "ProofReport", "StepReport", "TwinReport",

@@ -15,7 +15,7 @@ import re
 
 from sympy import MatAdd
 
-from ._algebra import to_latex
+from ._latex import to_latex
 from ._kronecker import NOTATION, Apply
 from ._proof import Proof, ProofReport
 from ._registry import Identity

@@ -4,7 +4,9 @@ import pytest
 import sympy
 from sympy import DiagMatrix, Identity, MatAdd, MatMul, MatPow, MatrixSymbol, OneMatrix, Symbol, Transpose
 
-from circuitmath._algebra import IllTyped, evaluate, is_zero, normal_form, random_instance, to_latex
+from circuitmath._algebra import IllTyped, is_zero, normal_form
+from circuitmath._instances import evaluate, random_instance
+from circuitmath._latex import to_latex
 from circuitmath._proof import Proof, Step, Twin
 
 n, k = Symbol("n", positive=True, integer=True), Symbol("k", positive=True, integer=True)

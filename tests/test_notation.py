@@ -8,7 +8,9 @@ from sympy import Identity, MatAdd, MatMul, MatrixSymbol, Symbol, Transpose
 from sympy.matrices.expressions.kronecker import KroneckerProduct, combine_kronecker
 
 import circuitmath as cm
-from circuitmath._algebra import evaluate, is_zero, normal_form, random_instance, to_latex
+from circuitmath._algebra import is_zero, normal_form
+from circuitmath._instances import evaluate, random_instance
+from circuitmath._latex import to_latex
 from circuitmath._kronecker import Apply, act, expand_operator, notation_definitions, tensor
 from circuitmath._proof import Proof, Step
 from circuitmath.circuits import TensorProduct, vec
