@@ -62,7 +62,7 @@ FAMILIES = {
     "state validation": ("circuitmath/_state.py", ["tests/test_state_validation.py", "tests/test_io.py"]),
     "streaming": ("circuitmath/_streaming*.py", ["tests/test_streaming.py"]),
     "stored layout": ("circuitmath/_stored.py", ["tests/test_streaming.py"]),
-    "proof engine": ("circuitmath/_algebra.py circuitmath/_proof.py", ["tests/test_soundness.py", "tests/test_algebra.py"]),
+    "proof engine": ("circuitmath/_algebra.py circuitmath/_proof*.py", ["tests/test_soundness.py", "tests/test_algebra.py"]),
 }
 
 #: Tests of a module beyond those :func:`targets` derives (``test_<module>.py`` and the importers).
