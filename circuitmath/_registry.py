@@ -17,7 +17,6 @@ import torch
 
 from ._config import FORMER_NAMES, Config
 from ._proof import Proof, ProofReport
-from ._twin_descriptions import TWIN_DESCRIPTIONS
 from ._state import StateDict
 from ._compare import Comparison, compare_log_probs
 
@@ -134,14 +133,13 @@ class Identity:
 
     def describe(self, wrong: str) -> str:
         """The wrong rewrite ``wrong`` in words: its own description, the negative twin's of the
-        same name (stored in :data:`~circuitmath._twin_descriptions.TWIN_DESCRIPTIONS`, so that
-        naming it builds no proof), else its docstring's first line."""
+        same name, else its docstring's first line."""
         rewrite = self.wrong_rewrites[wrong]
         if rewrite.description:
             return rewrite.description
-        stored = TWIN_DESCRIPTIONS.get(self.name, {}).get(wrong)  # the twin's, stored: no proof is built
-        if stored is not None:
-            return stored
+        for twin in self.proof.twins:
+            if twin.name == wrong:
+                return twin.description
         doc = " ".join((getattr(rewrite.function, "__doc__", None) or "").strip().split("\n\n")[0].split()).rstrip(".")
         return doc[0].lower() + doc[1:] if doc else wrong.replace("_", " ")
 
