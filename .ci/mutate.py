@@ -77,7 +77,8 @@ EXTRA_TESTS = {
     "circuitmath/testing.py": ["tests/test_public_api.py", "tests/test_diagnosis.py"],
     "circuitmath/_state.py": ["tests/test_state.py"],
     "circuitmath/_proof.py": ["tests/test_registry.py"],
-    "circuitmath/_diagnosis/_replay.py": ["tests/test_rotation.py"],  # the recovery of rotations and permutations
+    "circuitmath/_diagnosis/_replay.py": ["tests/test_rotation.py"],
+    "circuitmath/_diagnosis/_recover.py": ["tests/test_rotation.py"],  # the recovery of rotations and permutations
 }
 
 #: Modules of the families above left out, with the reason.

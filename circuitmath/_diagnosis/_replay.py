@@ -31,13 +31,12 @@ from .._processing.rotation import (
     permute_neurons,
     procrustes,
     recover_head_permutation,
-    residual_writers,
     recover_neuron_permutation,
     rotate_residual_stream,
     rotated_tensors,
-    rotation_mismatches,
 )
-from ._tensors import _HEAD_AXIS, _certificate, _largest_entry, _location, _natural_order, _relative_difference, _Thresholds
+from ._recover import anchor_sets, best_rotation, fixes_ones, fixing_ones_exactly, slice_permutation, tensors_layer, unit_axis
+from ._tensors import _certificate, _largest_entry, _natural_order, _relative_difference, _Thresholds
 
 __all__ = ["weight_identities", "SYMMETRIES"]
 
@@ -165,7 +164,7 @@ class _Replay:
             # each with its own parameter and, for a symmetry, with the one recovered from ``after``
             found = (None if identity.name not in SYMMETRIES
                      else identity.recover(state, self.after, cfg) if identity.recover is not None
-                     else _best_rotation(state, self.after, cfg) if identity is ROTATION_INVARIANCE and _same_names(state, self.after)
+                     else best_rotation(state, self.after, cfg) if identity is ROTATION_INVARIANCE and _same_names(state, self.after)
                      else None)
             return [
                 candidate
@@ -214,9 +213,9 @@ class _Replay:
         if identity.name not in SYMMETRIES or not _same_names(state, self.after):
             return identity.transform
         if identity in (ROTATION_INVARIANCE, LAYER_NORM_ROTATION):
-            Q = _best_rotation(state, self.after, cfg)
-            if cfg.normalization_type == "LNPre" and _fixes_ones(Q):
-                Q = _fixing_ones_exactly(Q)  # to rounding: the Procrustes fit moves 1 by a little more
+            Q = best_rotation(state, self.after, cfg)
+            if cfg.normalization_type == "LNPre" and fixes_ones(Q):
+                Q = fixing_ones_exactly(Q)  # to rounding: the Procrustes fit moves 1 by a little more
             return lambda sd, c: rotate_residual_stream(sd, c, Q)
         recover, apply = {
             PERMUTE_HEADS.name: (recover_head_permutation, permute_heads),
@@ -248,7 +247,7 @@ class _Replay:
             if not _same_names(start, self.after):
                 continue
             routes = []
-            for names in _anchor_sets(start_cfg):
+            for names in anchor_sets(start_cfg):
                 if not self._norms_kept(start, (names or ["embed.W_E"])[0]):
                     continue  # a rotation keeps the norm of every row of a writer: no rotation from this start
                 Q = procrustes(start, self.after, start_cfg, names)
@@ -284,7 +283,7 @@ class _Replay:
         """``stages`` then the rotation recovered from ``state`` to ``after`` (or a known wrong
         rotation), after switching an ``LNPre`` model to RMSNorm when ``Q 1`` is neither ``1``
         nor ``-1``: ``(stages, final, final_cfg, residual)``, or ``None`` when it cannot apply."""
-        if state_cfg.normalization_type == "LNPre" and not _fixes_ones(procrustes(state, self.after, state_cfg)):
+        if state_cfg.normalization_type == "LNPre" and not fixes_ones(procrustes(state, self.after, state_cfg)):
             # LNPre rotates only by a Q with Q 1 = ±1; with centered writes switch to RMSNorm first
             switch = self.stage(LAYER_NORM_TO_RMS_NORM, state, state_cfg, forced=True, search=False)
             if switch is not None and switch.refusal is None:
@@ -451,25 +450,25 @@ class _Replay:
         (two heads' ``W_O`` swapped and nothing else); ``None`` when no tensor is so permuted."""
         moved: dict[tuple[str, int | None, tuple], list[str]] = {}
         for name in residual:
-            unit = _unit_axis(name, cfg)
+            unit = unit_axis(name, cfg)
             ours, theirs = state.get(name), self.after.get(name)
             if unit is None or ours is None or theirs is None or ours.shape != theirs.shape:
                 continue
-            perm = _slice_permutation(ours, theirs, unit[1], self.thresholds.recognise)
+            perm = slice_permutation(ours, theirs, unit[1], self.thresholds.recognise)
             if perm is not None:
-                layer = _tensors_layer(name)
+                layer = tensors_layer(name)
                 moved.setdefault((unit[0], layer, perm), []).append(name)
         if not moved:
             return None
         out, rewrites = dict(state), {}
         for (kind, layer, perm), names in moved.items():
             for name in names:
-                axis = _unit_axis(name, cfg)[1]
+                axis = unit_axis(name, cfg)[1]
                 out[name] = state[name].index_select(axis, torch.tensor(perm, device=state[name].device))
-            every = [n for n in state if _tensors_layer(n) == layer and (u := _unit_axis(n, cfg)) and u[0] == kind
+            every = [n for n in state if tensors_layer(n) == layer and (u := unit_axis(n, cfg)) and u[0] == kind
                      and state[n].shape[u[1]] == len(perm) and n not in names]
             index = torch.tensor(perm)
-            if not all(self.same(n, state[n].index_select(_unit_axis(n, cfg)[1], index.to(state[n].device)), None)
+            if not all(self.same(n, state[n].index_select(unit_axis(n, cfg)[1], index.to(state[n].device)), None)
                        for n in every):  # the others of these units stayed: a partial permutation
                 rewrites.setdefault(kind, []).extend(names)
         identity = PERMUTE_HEADS if "heads" in {kind for kind, _l, _p in moved} else PERMUTE_NEURONS
@@ -529,86 +528,3 @@ def _same_names(state: Mapping, after: Mapping) -> bool:
     it from, and the rotation before it is recovered all the same."""
     extra = set(after) - set(state)
     return set(state) <= set(after) and all(re.search(r"(^|\.)ln(1|2|_final)\.[wb]$", name) for name in extra)
-
-
-def _fixes_ones(Q: torch.Tensor) -> bool:
-    """Whether ``Q 1 = 1`` or ``Q 1 = -1`` to float64 rounding (``layer_norm_rotation`` may apply)."""
-    ones = torch.ones(Q.shape[0], dtype=Q.dtype, device=Q.device)
-    image = Q @ ones
-    return min(float((image - ones).abs().max()), float((image + ones).abs().max())) <= 1e-6
-
-
-def _anchors(cfg: Config) -> list[str]:
-    """The tensors a rotation is recovered from: ``W_E`` (``[d_vocab, d_model]``, which the usual
-    processing before a rotation leaves as it is once the writes are centered; the other tensors
-    then show a wrong rotation), or every writer's weight when ``d_vocab < d_model``."""
-    if cfg.d_vocab >= cfg.d_model:
-        return ["embed.W_E"]
-    return [n for n in residual_writers(cfg) if not n.rsplit(".", 1)[-1].startswith("b_")]
-
-
-def _anchor_sets(cfg: Config) -> list:
-    """The tensors a rotation is recovered from, each set tried: :func:`_anchors`; every tensor
-    (``None``); and, in a model with MLPs, the writers outside the heads and the embedding
-    (``W_pos``, ``b_O``, ``W_out``, ``b_out``: ``W_out`` first), which a rotation inside the heads
-    (``rotate_heads``) or a centered ``W_E`` leave as the rotation made them."""
-    sets = [_anchors(cfg), None]
-    if not cfg.attn_only:
-        outside = [n for n in residual_writers(cfg) if n != "embed.W_E" and not n.endswith("attn.W_O")]
-        sets.append(sorted(outside, key=lambda n: not n.endswith("mlp.W_out")))
-    return sets
-
-
-def _fixing_ones_exactly(Q: torch.Tensor) -> torch.Tensor:
-    """The orthogonal matrix nearest ``P Q P + s u u^T`` (``u = 1 / sqrt(d)``, ``P = I - u u^T``,
-    ``s = ±1`` the sign of ``u^T Q u``): ``Q`` with ``Q 1 = s 1`` to rounding (``u`` is a
-    singular vector of value 1)."""
-    u = torch.full((Q.shape[0], 1), Q.shape[0] ** -0.5, dtype=Q.dtype, device=Q.device)
-    P = torch.eye(Q.shape[0], dtype=Q.dtype, device=Q.device) - u @ u.T
-    sign = 1.0 if float(u.T @ Q @ u) >= 0 else -1.0
-    U, _S, Vh = torch.linalg.svd(P @ Q @ P + sign * (u @ u.T))
-    return U @ Vh
-
-
-def _best_rotation(state: Mapping, after: Mapping, cfg: Config) -> torch.Tensor:
-    """The Procrustes ``Q`` from ``W_E`` alone or from every tensor, whichever leaves fewer
-    tensors of ``after`` unexplained: ``W_E`` is robust to a wrong rotation of other tensors,
-    but leaves the image of a direction no writer has (1, once the writes are centered) free,
-    which uncentered readers then fix."""
-    fits = [procrustes(state, after, cfg, names) for names in _anchor_sets(cfg)]
-    return min(fits, key=lambda Q: len(rotation_mismatches(state, after, cfg, Q)))
-
-
-def _unit_axis(name: str, cfg: Config) -> tuple[str, int] | None:
-    """``("heads", axis)`` or ``("neurons", axis)``: the axis of ``name`` that indexes heads or
-    MLP neurons (``None`` for other tensors)."""
-    leaf = name.rsplit(".", 1)[-1]
-    if ".attn." in name and leaf in _HEAD_AXIS:
-        return "heads", _HEAD_AXIS[leaf]
-    if ".mlp." in name and leaf in ("W_in", "W_gate", "b_in", "W_out"):
-        return "neurons", 1 if leaf in ("W_in", "W_gate") else 0
-    return None
-
-
-def _tensors_layer(name: str) -> int | None:
-    return _location(name)[0]
-
-
-def _slice_permutation(ours: torch.Tensor, theirs: torch.Tensor, axis: int, threshold: float) -> tuple | None:
-    """The permutation ``p`` (not the identity) with ``theirs`` = ``ours`` indexed by ``p`` along
-    ``axis``, each slice within ``threshold`` of the tensors' largest entry, or ``None``."""
-    a, b = (t.movedim(axis, 0).reshape(t.shape[axis], -1).double() for t in (ours, theirs))
-    scale = max(float(a.abs().max()), float(b.abs().max())) if a.numel() else 0.0
-    if a.shape[0] < 2 or scale == 0:
-        return None
-    # a permutation keeps the multiset of the slices' largest entries: a cheap test before all pairs
-    if a.shape[1] and float((a.abs().amax(1).sort().values - b.abs().amax(1).sort().values).abs().max()) > \
-            threshold * scale:
-        return None
-    distance = torch.cdist(b, a, p=float("inf")) if a.shape[1] else torch.zeros(a.shape[0], a.shape[0])
-    perm = distance.argmin(dim=1)
-    close = distance.gather(1, perm[:, None]).flatten() <= threshold * scale
-    if not bool(close.all()) or len(set(perm.tolist())) != len(perm) or torch.equal(perm, torch.arange(len(perm))):
-        return None
-    return tuple(perm.tolist())
-

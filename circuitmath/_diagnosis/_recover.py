@@ -1,0 +1,99 @@
+"""Recovering a symmetry's free parameter from two state dicts: the residual rotation ``Q``
+(orthogonal Procrustes on anchor tensors, snapped to ``Q 1 = ±1`` where LayerNorm allows it) and
+the permutation of one tensor's heads or neurons (matching slices)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .._config import Config
+from .._processing.rotation import procrustes, residual_writers, rotation_mismatches
+from ._tensors import _HEAD_AXIS, _location
+
+__all__ = ["anchor_sets", "anchors", "best_rotation", "fixes_ones", "fixing_ones_exactly", "slice_permutation", "tensors_layer",
+           "unit_axis"]
+
+
+def fixes_ones(Q: torch.Tensor) -> bool:
+    """Whether ``Q 1 = 1`` or ``Q 1 = -1`` to float64 rounding (``layer_norm_rotation`` may apply)."""
+    ones = torch.ones(Q.shape[0], dtype=Q.dtype, device=Q.device)
+    image = Q @ ones
+    return min(float((image - ones).abs().max()), float((image + ones).abs().max())) <= 1e-6
+
+
+def anchors(cfg: Config) -> list[str]:
+    """The tensors a rotation is recovered from: ``W_E`` (``[d_vocab, d_model]``, which the usual
+    processing before a rotation leaves as it is once the writes are centered; the other tensors
+    then show a wrong rotation), or every writer's weight when ``d_vocab < d_model``."""
+    if cfg.d_vocab >= cfg.d_model:
+        return ["embed.W_E"]
+    return [n for n in residual_writers(cfg) if not n.rsplit(".", 1)[-1].startswith("b_")]
+
+
+def anchor_sets(cfg: Config) -> list:
+    """The tensors a rotation is recovered from, each set tried: :func:`anchors`; every tensor
+    (``None``); and, in a model with MLPs, the writers outside the heads and the embedding
+    (``W_pos``, ``b_O``, ``W_out``, ``b_out``: ``W_out`` first), which a rotation inside the heads
+    (``rotate_heads``) or a centered ``W_E`` leave as the rotation made them."""
+    sets = [anchors(cfg), None]
+    if not cfg.attn_only:
+        outside = [n for n in residual_writers(cfg) if n != "embed.W_E" and not n.endswith("attn.W_O")]
+        sets.append(sorted(outside, key=lambda n: not n.endswith("mlp.W_out")))
+    return sets
+
+
+def fixing_ones_exactly(Q: torch.Tensor) -> torch.Tensor:
+    """The orthogonal matrix nearest ``P Q P + s u u^T`` (``u = 1 / sqrt(d)``, ``P = I - u u^T``,
+    ``s = ±1`` the sign of ``u^T Q u``): ``Q`` with ``Q 1 = s 1`` to rounding (``u`` is a
+    singular vector of value 1)."""
+    u = torch.full((Q.shape[0], 1), Q.shape[0] ** -0.5, dtype=Q.dtype, device=Q.device)
+    P = torch.eye(Q.shape[0], dtype=Q.dtype, device=Q.device) - u @ u.T
+    sign = 1.0 if float(u.T @ Q @ u) >= 0 else -1.0
+    U, _S, Vh = torch.linalg.svd(P @ Q @ P + sign * (u @ u.T))
+    return U @ Vh
+
+
+def best_rotation(state: Mapping, after: Mapping, cfg: Config) -> torch.Tensor:
+    """The Procrustes ``Q`` from ``W_E`` alone or from every tensor, whichever leaves fewer
+    tensors of ``after`` unexplained: ``W_E`` is robust to a wrong rotation of other tensors,
+    but leaves the image of a direction no writer has (1, once the writes are centered) free,
+    which uncentered readers then fix."""
+    fits = [procrustes(state, after, cfg, names) for names in anchor_sets(cfg)]
+    return min(fits, key=lambda Q: len(rotation_mismatches(state, after, cfg, Q)))
+
+
+def unit_axis(name: str, cfg: Config) -> tuple[str, int] | None:
+    """``("heads", axis)`` or ``("neurons", axis)``: the axis of ``name`` that indexes heads or
+    MLP neurons (``None`` for other tensors)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if ".attn." in name and leaf in _HEAD_AXIS:
+        return "heads", _HEAD_AXIS[leaf]
+    if ".mlp." in name and leaf in ("W_in", "W_gate", "b_in", "W_out"):
+        return "neurons", 1 if leaf in ("W_in", "W_gate") else 0
+    return None
+
+
+def tensors_layer(name: str) -> int | None:
+    return _location(name)[0]
+
+
+def slice_permutation(ours: torch.Tensor, theirs: torch.Tensor, axis: int, threshold: float) -> tuple | None:
+    """The permutation ``p`` (not the identity) with ``theirs`` = ``ours`` indexed by ``p`` along
+    ``axis``, each slice within ``threshold`` of the tensors' largest entry, or ``None``."""
+    a, b = (t.movedim(axis, 0).reshape(t.shape[axis], -1).double() for t in (ours, theirs))
+    scale = max(float(a.abs().max()), float(b.abs().max())) if a.numel() else 0.0
+    if a.shape[0] < 2 or scale == 0:
+        return None
+    # a permutation keeps the multiset of the slices' largest entries: a cheap test before all pairs
+    if a.shape[1] and float((a.abs().amax(1).sort().values - b.abs().amax(1).sort().values).abs().max()) > \
+            threshold * scale:
+        return None
+    distance = torch.cdist(b, a, p=float("inf")) if a.shape[1] else torch.zeros(a.shape[0], a.shape[0], dtype=a.dtype, device=a.device)
+    perm = distance.argmin(dim=1)
+    close = distance.gather(1, perm[:, None]).flatten() <= threshold * scale
+    if not bool(close.all()) or len(set(perm.tolist())) != len(perm) or torch.equal(perm, torch.arange(len(perm), device=perm.device)):
+        return None
+    return tuple(perm.tolist())
+
