@@ -278,6 +278,22 @@ def test_orthogonality_tolerance_is_bounded_from_above(dtype):
     assert info.value.identity == "rotate_residual_stream"
 
 
+def test_a_precise_q_is_held_to_its_own_precision_on_a_half_precision_model():
+    """On a bfloat16 model d_model eps of bfloat16 is about 1 at d_model 32: held to the model's
+    precision alone, Q = 1.2 I (|x Q| = 1.2 |x|) would pass, be recorded as applied and change the
+    model. A float64 Q is held to float64's precision; a Q rounded to bfloat16 to bfloat16's."""
+    sd, cfg = _rms_model(torch.bfloat16, d_model=32)
+    assert ORTHOGONALITY_SAFETY * cfg.d_model * torch.finfo(torch.bfloat16).eps > 0.44
+    with pytest.raises(cm.PreconditionError, match="Q is orthogonal") as info:
+        cm.rotate_residual_stream(sd, cfg, 1.2 * torch.eye(cfg.d_model, dtype=torch.float64))
+    assert "float64 Q" in str(info.value)
+    Q = torch.linalg.qr(torch.randn(cfg.d_model, cfg.d_model, dtype=torch.float64,
+                                    generator=torch.Generator().manual_seed(0)))[0]
+    for given in (Q, Q.to(torch.bfloat16)):
+        out, out_cfg = cm.rotate_residual_stream(sd, cfg, given)
+        assert "rotate_residual_stream" in out_cfg.applied
+
+
 def test_measured_orthogonality_of_qr_is_within_the_safety_factor():
     """The measurement behind ORTHOGONALITY_SAFETY: QR leaves at most 1.25 d eps, a factor 3 below it."""
     worst = 0.0

@@ -64,7 +64,7 @@ NO_NORM_GAIN = Precondition(
     "every norm is RMSPre, LNPre or none: a gain diag(w) or a bias does not commute with Q (fold it first)",
 )
 Q_SQUARE = Precondition("Q is a floating [d_model, d_model] tensor")
-Q_ORTHOGONAL = Precondition("Q is orthogonal", "Q is orthogonal to the precision of the weights")
+Q_ORTHOGONAL = Precondition("Q is orthogonal", "Q is orthogonal to the precision of the weights (of Q, where Q is given more precisely)")
 Q_FIXES_ONES = Precondition(
     "Q maps the all-ones direction to itself (Q 1 = 1 or Q 1 = -1)",
     "Q 1 = 1 or Q 1 = -1: centering commutes with an orthogonal Q exactly then",
@@ -288,12 +288,15 @@ def rotate_residual_stream(
     dtype = validate_state_dict(state_dict, cfg)
     require_even_post_norms(identity, state_dict, cfg)
     Q = _as_square(identity, Q, cfg.d_model)
-    tolerance = ORTHOGONALITY_SAFETY * cfg.d_model * torch.finfo(dtype).eps
+    # the weights' precision, or Q's where Q is given more precisely: a float64 Q for a bfloat16
+    # model is held to float64's (d_model eps of bfloat16 would let 1.2 I through)
+    precision = min(torch.finfo(dtype).eps, torch.finfo(Q.dtype).eps)
+    tolerance = ORTHOGONALITY_SAFETY * cfg.d_model * precision
     error = orthogonality_error(Q)
     require(
         identity, Q_ORTHOGONAL, error <= tolerance,
-        f"max |Q^T Q - I| is {error:.3g}, above {tolerance:.3g} for a {str(dtype).removeprefix('torch.')} model with"
-        f" d_model {cfg.d_model}: the norms see |x Q| != |x|"
+        f"max |Q^T Q - I| is {error:.3g}, above {tolerance:.3g} for a {str(Q.dtype).removeprefix('torch.')} Q and a"
+        f" {str(dtype).removeprefix('torch.')} model with d_model {cfg.d_model}: the norms see |x Q| != |x|"
         + (" (orthogonalise Q in the model's precision, e.g. torch.linalg.qr in float64)" if error < 1e-3 else ""),
     )
     if kind == "LNPre":
