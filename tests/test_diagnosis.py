@@ -220,3 +220,22 @@ def test_an_exact_unknown_processing_split_across_identities_passes_without_clai
     assert unknown == {"center_reading_weights": ["blocks.0.attn.W_V"],
                        "center_writing_weights": ["blocks.0.attn.W_O"]}
     assert all(f.status == "holds" for f in report.findings)
+
+
+def test_folded_gemma_norms_kept_as_their_identity_are_read_as_rms_pre():
+    """Gemma applies its RMSNorm gains as 1 + w: a fold that keeps the norms stores w = 0, the
+    norm without a gain (a gain of 1 would double every normalised vector)."""
+    cfg = cm.Config(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=20, n_ctx=6, d_mlp=24,
+                    normalization_type="RMS", gated_mlp=True, act_fn="silu", norm_gain_offset=1.0)
+    before = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    after, _after_cfg = cm.fold_rms_norm(before, cfg)
+    for name in before:
+        if name.endswith(".w") and "ln" in name:
+            after[name] = torch.zeros_like(before[name])
+    report = diagnose(before, after, cfg)
+    assert report.ok, report
+    assert any("read as RMSPre" in note for note in report.notes)
+    for name in after:  # control: the gains stored as 1 are another function
+        if name.endswith(".w") and "ln" in name:
+            after[name] = torch.ones_like(before[name])
+    assert not diagnose(before, after, cfg).ok

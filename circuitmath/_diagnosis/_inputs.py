@@ -24,6 +24,7 @@ from .._files import _about
 from .._hf import hf_layout
 from .._models import as_state_dict, is_model_object, own_config
 from .._processing.norms import uncentered_writers
+from .._stored import identity_value
 from .._state import StateDict, check_config_fits, expected_shapes, validate_state_dict
 from ._misuse import CONFIG_FIRST, another_naming, is_hf_config, label, refuse_misuse
 from ._names import InputNames, named
@@ -213,16 +214,18 @@ def _norm_parameters(cfg: Config) -> list[str]:
 
 
 def _without_identity_norms(state_dict: StateDict, cfg: Config) -> tuple[dict, Config, str | None]:
-    """Drop norms whose gains are all 1 and biases all 0, which compute ``LNPre`` (``RMSPre``).
+    """Drop norms whose gains all apply 1 and biases are all 0, which compute ``LNPre`` (``RMSPre``):
+    stored as 1, or as 0 where the gain is applied as ``1 + w`` (Gemma).
 
     Tools that fold a norm often keep it with unit gain and zero bias (TransformerLens does); the
     replayed rewrite drops it. Returns the state dict, its config and a note saying what was read.
     """
     names = _norm_parameters(cfg)
-    if not names or any(not bool((state_dict[n] == (1 if n.endswith(".w") else 0)).all()) for n in names):
+    if not names or any(not bool((state_dict[n] == identity_value(n, cfg.norm_gain_offset)).all()) for n in names):
         return dict(state_dict), cfg, None
     bare = "LNPre" if cfg.normalization_type == "LN" else "RMSPre"
-    gains = "gain is 1 and bias 0" if cfg.normalization_type == "LN" else "gain is 1"
+    unit = f"stored gain is {identity_value('ln_final.w', cfg.norm_gain_offset):g}"
+    gains = f"{unit} and bias 0" if cfg.normalization_type == "LN" else unit
     note = f"every {cfg.normalization_type} {gains}: read as {bare}, the same function"
     return {k: v for k, v in state_dict.items() if k not in names}, cfg.replace(normalization_type=bare), note
 
