@@ -60,6 +60,9 @@ class Identity:
     ``preconditions`` are the conditions under which it holds; a transform refuses a model by
     raising one of them (:func:`circuitmath._processing._common.require` takes the very object,
     a :class:`~circuitmath._errors.Precondition`, so the error and the registry agree).
+    ``check_requires`` are what the numeric check needs of the model it runs the identity in,
+    for an identity that holds on its own (an identity of matrices, with no preconditions) but
+    is checked inside a model: the check refuses other models by raising one of them.
     ``prepare`` brings a model into the form the transform needs (e.g. folds the LayerNorm
     before reading weights are centered); the numeric check compares the prepared model with its
     transform, so it tests this identity alone. ``wrong_rewrites`` is the one catalogue of the
@@ -99,6 +102,7 @@ class Identity:
     compare: Compare | None = field(default=None, repr=False)
     function: str | None = None
     check_note: str | None = field(default=None, repr=False)
+    check_requires: tuple = ()
     aliases: tuple[str, ...] = ()
     recover: Callable[[StateDict, StateDict, Config], object] | None = field(default=None, repr=False)
     with_parameters: Callable[..., tuple[dict, Config]] | None = field(default=None, repr=False)

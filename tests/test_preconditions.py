@@ -36,7 +36,8 @@ def _configs():
 
 def _unregistered(error: cm.PreconditionError) -> str | None:
     """Why ``error`` names no registered precondition of its identity (``None``: it does)."""
-    registered = cm.get_identity(error.identity).preconditions
+    identity = cm.get_identity(error.identity)
+    registered = identity.preconditions + identity.check_requires
     if not isinstance(error.precondition, Precondition):
         return f"{error.identity}: {error.precondition!r} is a plain string, not a Precondition"
     if not any(error.precondition is p for p in registered):

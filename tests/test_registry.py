@@ -36,6 +36,8 @@ def test_identity_is_complete(identity):
     assert identity.summary and identity.title
     # a weight transform states when it applies; an identity of matrices alone may have no condition
     assert identity.preconditions or (identity.compare is not None and identity.name in PURE_LINEAR_ALGEBRA)
+    # what a numeric check needs of its model is no place for a transform's conditions
+    assert not identity.check_requires or identity.name in PURE_LINEAR_ALGEBRA
     assert identity.proof.steps, "a proof needs at least one step"
     assert identity.proof.twins, "every proof needs at least one negative twin"
     assert any(w.differs_on is None and not w.regardless for w in identity.wrong_rewrites.values()), \

@@ -341,6 +341,7 @@ KRONECKER_VEC = register(
         preconditions=(),  # an identity of matrices: it holds for every A, B and X
         check_note="the numeric check runs it inside an attention-only pre-norm model, each head's output computed as"
                    " kron(A, W_OV^T) vec(x) (the model it draws is a choice of the check, not a condition of the identity)",
+        check_requires=ATTENTION_ONLY,
         build_proof=_kronecker_vec_proof,
         transform=heads_route(_kron_heads(column_major=False), "kronecker_vec"),
         wrong_rewrites={"column_major": heads_route(_kron_heads(column_major=True), "kronecker_vec")},
