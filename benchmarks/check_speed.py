@@ -15,13 +15,12 @@ when a target is missed.
 Usage: ``python benchmarks/check_speed.py [--repeats N] [--layers L] [--threads T] [--no-model-check]``
 (one thread unless ``--threads`` says otherwise; 0: torch's default).
 
-Where the time goes (cProfile of one warm ``check --processed``, 7.2 s on a quiet machine before
-the sensitivity was made lazy): the two float32 passes 4.2 s; the rounding sensitivity 1.66 s,
-now measured only when the difference exceeds the tolerance's a-priori term (a correct float32
-processing is 1e-6 apart against 1e-2: no float64 pass); the replay 1.05 s, of which the tensor
-certificates 0.31 s (screened in float32, :func:`circuitmath._diagnosis._tensors._screen`) and
-the relative differences 0.2 s; the log-prob comparison 0.13 s. One reference forward pass of
-GPT-2-small on 4 x 128 tokens is about 127 GFLOP, 2.4-2.6 s with one quiet thread.
+Where the time goes in one warm ``check --processed`` (profile it with cProfile): the two
+float32 forward passes, most of it; the replay with its tensor certificates (screened in float32,
+:func:`circuitmath._diagnosis._tensors._screen`) and relative differences; the log-prob
+comparison. The rounding sensitivity (two float64 passes) is measured only when the difference
+exceeds the tolerance's a-priori term, so a correct float32 processing pays none. One reference
+forward pass of GPT-2-small on 4 x 128 tokens is about 127 GFLOP.
 """
 
 from __future__ import annotations
