@@ -333,13 +333,7 @@ def _opt_layout(config) -> Layout:
             out[f"{p}.{norm}.w"], out[f"{p}.{norm}.b"] = src.take(f"{h}.{name}.weight", d), src.take(f"{h}.{name}.bias", d)
         for name, proj in (("Q", "q_proj"), ("K", "k_proj"), ("V", "v_proj")):
             out[f"{p}.attn.W_{name}"], out[f"{p}.attn.b_{name}"] = _linear_heads(src, f"{h}.self_attn.{proj}", heads, d_head, d, bias)
-        out[f"{p}.attn.W_O"] = src.linear(f"{h}.self_attn.out_proj.weight", d, d).reshape(heads, d_head, d)
-        out[f"{p}.attn.b_O"] = src.take(f"{h}.self_attn.out_proj.bias", d) if bias else src.zeros(d)
-        out[f"{p}.mlp.W_in"] = src.linear(f"{h}.fc1.weight", m, d)
-        out[f"{p}.mlp.b_in"] = src.take(f"{h}.fc1.bias", m) if bias else src.zeros(m)
-        out[f"{p}.mlp.W_out"] = src.linear(f"{h}.fc2.weight", d, m)
-        out[f"{p}.mlp.b_out"] = src.take(f"{h}.fc2.bias", d) if bias else src.zeros(d)
-        return out
+        return out | _output_and_mlp(src, h, p, ("self_attn.out_proj", "fc1", "fc2"), (heads, d_head, d, m), bias)
 
     def final(src: _Source) -> dict:
         tied = "lm_head.weight" not in src
@@ -456,13 +450,8 @@ def _falcon_layout(config) -> Layout:
         for norm, name in norms:
             out[f"{p}.{norm}.w"], out[f"{p}.{norm}.b"] = src.take(f"{h}.{name}.weight", d), src.take(f"{h}.{name}.bias", d)
         out |= attention(src, h, p)
-        out[f"{p}.attn.W_O"] = src.linear(f"{h}.self_attention.dense.weight", d, d).reshape(heads, d_head, d)
-        out[f"{p}.attn.b_O"] = src.take(f"{h}.self_attention.dense.bias", d) if bias else src.zeros(d)
-        out[f"{p}.mlp.W_in"] = src.linear(f"{h}.mlp.dense_h_to_4h.weight", m, d)
-        out[f"{p}.mlp.b_in"] = src.take(f"{h}.mlp.dense_h_to_4h.bias", m) if bias else src.zeros(m)
-        out[f"{p}.mlp.W_out"] = src.linear(f"{h}.mlp.dense_4h_to_h.weight", d, m)
-        out[f"{p}.mlp.b_out"] = src.take(f"{h}.mlp.dense_4h_to_h.bias", d) if bias else src.zeros(d)
-        return out
+        return out | _output_and_mlp(src, h, p, ("self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+                                     (heads, d_head, d, m), bias)
 
     def final(src: _Source) -> dict:
         tied = "lm_head.weight" not in src
@@ -474,3 +463,21 @@ def _falcon_layout(config) -> Layout:
         }
 
     return Layout(cfg, ("transformer.",), r"(h\.\d+\.self_attention\.)?rotary_emb\.inv_freq", embed, block, final)
+
+
+def _output_and_mlp(src: _Source, h: str, p: str, names: tuple[str, str, str], dims: tuple, bias: bool) -> dict:
+    """A block's attention output and ungated MLP read from the linear layers ``names`` (output
+    projection, up, down) under ``h``, in circuitmath's names under ``p``; the biases zeros where
+    the architecture has none. ``dims``: ``(heads, d_head, d_model, d_mlp)``."""
+    heads, d_head, d, m = dims
+    out_proj, up, down = names
+
+    def bias_of(layer: str, size: int):
+        return src.take(f"{h}.{layer}.bias", size) if bias else src.zeros(size)
+
+    return {
+        f"{p}.attn.W_O": src.linear(f"{h}.{out_proj}.weight", d, d).reshape(heads, d_head, d),
+        f"{p}.attn.b_O": bias_of(out_proj, d),
+        f"{p}.mlp.W_in": src.linear(f"{h}.{up}.weight", m, d), f"{p}.mlp.b_in": bias_of(up, m),
+        f"{p}.mlp.W_out": src.linear(f"{h}.{down}.weight", d, m), f"{p}.mlp.b_out": bias_of(down, d),
+    }
