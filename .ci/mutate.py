@@ -18,8 +18,17 @@ float times 10, an int plus 1, ``True``/``False``), ``.double()`` or ``.float()`
 ``.mean(`` read as ``.sum(``, a sign dropped, a ``raise``, a call statement or an augmented
 assignment deleted. For each target every mutant of the kinds a float64 accumulation or a
 tolerance invites (see :func:`_priority`) is drawn, and ``--per-file`` of the others (seeded, so
-a run is reproducible) and each is run against the tests listed for its file, in a private copy of the
-repository; the mutant is *killed* when they fail (or hang past the time limit).
+a run is reproducible), each run in a private copy of the repository; the mutant is *killed* when
+its tests fail (or hang past the time limit).
+
+Its tests are those that can see it: first the suite (the book's build aside) runs once under
+coverage, each test file in a process of its own (so no other file's caches or fixtures hide the
+lines it needs) with the processes its tests start, and records which file runs which line
+(:func:`coverage_map`, cached by the hash of the code). A mutant is then run against every test
+file that runs one of its lines, the files listed for its module first; against all the listed
+files where a line of it runs while modules are imported; and it survives unrun where no test
+runs it. ``--listed-tests`` runs every mutant against the listed files instead, and
+``--confirm`` runs each survivor again against them.
 
 Mutants that cannot change behaviour are listed, with the reason, in ``.ci/equivalent_mutants.txt``
 and left out of the rate; a mutant is named by its function, not its line (``path::function::kind::k``,
@@ -33,6 +42,8 @@ from __future__ import annotations
 import argparse
 import ast
 import concurrent.futures
+import hashlib
+import json
 import os
 import random
 import re
@@ -168,6 +179,7 @@ class Mutant:
     index: int  # which candidate of the file, in the order _Mutator visits them
     scope: str  # the function (or class) it is in, dotted: ``Class.method``; ``<module>`` outside any
     ordinal: int  # which candidate of this kind in this scope
+    end_line: int = 0  # the last line of the changed node
 
     @property
     def id(self) -> str:
@@ -188,7 +200,8 @@ class _Mutator(ast.NodeTransformer):
         scope = ".".join(self._scope) or "<module>"
         ordinal = self._seen.get((scope, kind), 0)
         self._seen[scope, kind] = ordinal + 1
-        self.found.append(Mutant(self.path, node.lineno, node.col_offset, kind, len(self.found), scope, ordinal))
+        self.found.append(Mutant(self.path, node.lineno, node.col_offset, kind, len(self.found), scope, ordinal,
+                                 node.end_lineno or node.lineno))
         return len(self.found) - 1 == self.target
 
     def _scoped(self, node):
@@ -309,17 +322,97 @@ def _copy(into: Path) -> None:
     shutil.copy(ROOT / "pyproject.toml", into / "pyproject.toml")
 
 
+#: Test files the coverage run leaves out: the book's build and browser test (minutes; it runs the
+#: chapters' cells, which the other tests cover).
+SLOW_TESTS = ("tests/test_book.py",)
+COVERMAP = ROOT / ".ci" / "covermap"  # the pytest plugin and the subprocess hook of the coverage run
+PYTEST = ["-q", "-p", "no:cacheprovider", "-n", "0", "-p", "no:randomly", "--hypothesis-seed=0"]
+
+
+def _env(where: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(where), "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0",
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **extra}
+
+
 def _pytest(where: Path, tests: list[str], timeout: float) -> tuple[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(where), "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0",
-           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-n", "0", "-p", "no:randomly",
-               *[t for t in tests if (where / t.split("::")[0]).exists()]]
+    command = [sys.executable, "-m", "pytest", "-x", *PYTEST, *tests]
     start = time.perf_counter()
     try:
-        done = subprocess.run(command, cwd=where, env=env, capture_output=True, timeout=timeout)
+        done = subprocess.run(command, cwd=where, env=_env(where), capture_output=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return "timeout", time.perf_counter() - start
     return ("passed" if done.returncode == 0 else "failed"), time.perf_counter() - start
+
+
+#: ``path -> line -> the test files that ran it`` ("" for a line run while modules are imported).
+LineMap = dict[str, dict[int, set[str]]]
+
+
+def _lines_of(test: str, where: Path, paths: list[str]) -> LineMap:
+    """Runs one test file in its own process under coverage of ``paths`` (:mod:`covermap_plugin`),
+    the processes its tests start included: the lines each test file runs, with the caches and
+    fixtures of no other file warm."""
+    import coverage
+
+    data = where / f".covermap-{Path(test).stem}"
+    env = _env(where, PYTHONPATH=f"{COVERMAP}{os.pathsep}{where}", CM_COVERMAP_DATA=str(data),
+               CM_COVERMAP_INCLUDE=",".join(str(where / p) for p in paths))
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "covermap_plugin", *PYTEST, test],
+                   cwd=where, env=env, capture_output=True)
+    out: LineMap = {}
+    for data_file in [data, *where.glob(f"{data.name}.process*")]:
+        stored = coverage.CoverageData(basename=str(data_file))
+        stored.read()
+        for measured in stored.measured_files():
+            by_line = out.setdefault(str(Path(measured).relative_to(where)), {})
+            for line, contexts in stored.contexts_by_lineno(measured).items():
+                by_line.setdefault(line, set()).update("" if not c else test for c in contexts)
+        data_file.unlink(missing_ok=True)
+    return out
+
+
+def coverage_map(tests: list[str], paths: list[str], dirs: list[Path]) -> LineMap:
+    """Which test file runs which line of ``paths``: each of ``tests`` run once under coverage,
+    spread over ``dirs`` (private copies of the repository); cached in ``.cache/`` by the hash of
+    the code, the tests and the lists."""
+    digest = hashlib.sha256("\n".join(sorted(tests) + sorted(paths)).encode())
+    for file in sorted(ROOT.glob("circuitmath/**/*.py")) + sorted(ROOT.glob("tests/**/*.py")):
+        digest.update(file.read_bytes())
+    cache = ROOT / ".cache" / f"mutate-lines-{digest.hexdigest()[:16]}.json"
+    if cache.exists():
+        return {p: {int(k): set(v) for k, v in lines.items()} for p, lines in json.loads(cache.read_text()).items()}
+    start, out, free = time.perf_counter(), {}, list(dirs)
+
+    def run(test: str) -> LineMap:
+        where = free.pop()
+        try:
+            return _lines_of(test, where, paths)
+        finally:
+            free.append(where)
+
+    with concurrent.futures.ThreadPoolExecutor(len(dirs)) as pool:
+        for lines in pool.map(run, tests):
+            for path, by_line in lines.items():
+                for line, files in by_line.items():
+                    out.setdefault(path, {}).setdefault(line, set()).update(files)
+    print(f"coverage of {len(tests)} test files: {time.perf_counter() - start:.0f} s", flush=True)
+    cache.parent.mkdir(exist_ok=True)
+    cache.write_text(json.dumps({p: {k: sorted(v) for k, v in lines.items()} for p, lines in out.items()}))
+    return out
+
+
+def selected(mutant: Mutant, listed: list[str], lines: LineMap) -> list[str] | None:
+    """The test files run against ``mutant``: every file whose tests ran one of its lines, those
+    ``listed`` for its module first; all of ``listed`` where a line of it runs while modules are
+    imported (its effect reaches any test); ``None`` where no test runs it (it survives)."""
+    by_line = lines.get(mutant.path, {})
+    hits = set().union(*(by_line.get(n, set()) for n in range(mutant.line, max(mutant.end_line, mutant.line) + 1)))
+    if "" in hits:
+        return listed
+    if not hits:
+        return None
+    order = {test: i for i, test in enumerate(listed)}
+    return sorted(hits, key=lambda test: (order.get(test, len(order)), test))
 
 
 def _worker_dirs(jobs: int, base: Path) -> list[Path]:
@@ -331,7 +424,7 @@ def _worker_dirs(jobs: int, base: Path) -> list[Path]:
     return dirs
 
 
-def main(argv=None) -> int:
+def _arguments(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--per-file", type=int, default=4,
@@ -341,11 +434,14 @@ def main(argv=None) -> int:
     parser.add_argument("--list", action="store_true", help="list the drawn mutants and stop")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
     parser.add_argument("--rerun", default=None, help="run only the survivors listed in this earlier output")
-    args = parser.parse_args(argv)
+    parser.add_argument("--listed-tests", action="store_true",
+                        help="run every mutant against all the tests listed for its module, not only those that run its lines")
+    parser.add_argument("--confirm", action="store_true",
+                        help="run each survivor again against all the tests listed for its module")
+    return parser.parse_args(argv)
 
-    covered = targets()
-    found = {path: candidates(path) for path in covered}
-    known = equivalent(found)
+
+def _draw(args, covered: dict[str, list[str]], found: dict[str, list[Mutant]]) -> list[Mutant]:
     drawn: list[Mutant] = []
     for path in covered:
         if args.only and not any(text in path for text in args.only.split(",")):
@@ -360,35 +456,36 @@ def main(argv=None) -> int:
         again = {line.rsplit("  ", 1)[-1] for line in Path(args.rerun).read_text().splitlines()
                  if line.startswith("survived")}
         drawn = [m for m in drawn if m.id in again]
-    if args.list:
-        for path in dict.fromkeys(m.path for m in drawn):
-            print(f"{path}: {' '.join(covered[path])}")
-        for m in drawn:
-            print(f"line {m.line:4d}  {m.id}", "(equivalent)" if m.id in known else "")
-        return 0
+    return drawn
 
-    with tempfile.TemporaryDirectory(prefix="circuitmath-mutate-") as tmp:
-        dirs = _worker_dirs(args.jobs, Path(tmp))
-        free = list(dirs)
-        results: dict[str, str] = {}
 
-        def run(mutant: Mutant):
-            where = free.pop()
-            try:
-                (where / mutant.path).write_text(mutated_source(mutant.path, mutant.index))
-                outcome, seconds = _pytest(where, covered[mutant.path], args.timeout)
-            finally:
-                shutil.copy(ROOT / mutant.path, where / mutant.path)
-                free.append(where)
-            return mutant, outcome, seconds
+def _run(todo: list[Mutant], tests_of, dirs: list[Path], timeout: float) -> dict[str, str]:
+    """Runs each mutant against ``tests_of(mutant)`` (``None``: no test runs it, it survives
+    unrun) in the private copies ``dirs``, one at a time in each; prints each outcome."""
+    free, results = list(dirs), {}
 
-        todo = [m for m in drawn if m.id not in known]
-        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            for mutant, outcome, seconds in pool.map(run, todo):
-                results[mutant.id] = outcome
-                mark = "survived" if outcome == "passed" else f"killed ({outcome})"
-                print(f"{mark:18s} {seconds:6.1f} s  line {mutant.line:4d}  {mutant.id}", flush=True)
+    def run(mutant: Mutant):
+        tests = tests_of(mutant)
+        if tests is None:
+            return mutant, "passed", "no test runs it", 0.0
+        where = free.pop()
+        try:
+            (where / mutant.path).write_text(mutated_source(mutant.path, mutant.index))
+            outcome, seconds = _pytest(where, tests, timeout)
+        finally:
+            shutil.copy(ROOT / mutant.path, where / mutant.path)
+            free.append(where)
+        return mutant, outcome, f"{len(tests)} test files", seconds
 
+    with concurrent.futures.ThreadPoolExecutor(len(dirs)) as pool:
+        for mutant, outcome, ran, seconds in pool.map(run, todo):
+            results[mutant.id] = outcome
+            mark = "survived" if outcome == "passed" else f"killed ({outcome})"
+            print(f"{mark:18s} {seconds:6.1f} s  {ran:16s} line {mutant.line:4d}  {mutant.id}", flush=True)
+    return results
+
+
+def _report(drawn: list[Mutant], known: dict[str, str], results: dict[str, str]) -> None:
     survivors = [k for k, v in results.items() if v == "passed"]
     skipped = [m.id for m in drawn if m.id in known]
     killed = len(results) - len(survivors)
@@ -400,6 +497,35 @@ def main(argv=None) -> int:
         print(f"  {key}")
     rate = killed / len(results) if results else 1.0
     print(f"\nkill rate: {killed}/{len(results)} = {100 * rate:.1f} %")
+
+
+def main(argv=None) -> int:
+    args = _arguments(argv)
+    covered = targets()
+    found = {path: candidates(path) for path in covered}
+    known = equivalent(found)
+    drawn = _draw(args, covered, found)
+    if args.list:
+        for path in dict.fromkeys(m.path for m in drawn):
+            print(f"{path}: {' '.join(covered[path])}")
+        for m in drawn:
+            print(f"line {m.line:4d}  {m.id}", "(equivalent)" if m.id in known else "")
+        return 0
+    todo = [m for m in drawn if m.id not in known]
+    with tempfile.TemporaryDirectory(prefix="circuitmath-mutate-") as tmp:
+        dirs = _worker_dirs(args.jobs, Path(tmp))
+        if args.listed_tests:
+            tests_of = lambda m: covered[m.path]  # noqa: E731
+        else:
+            suite = sorted(str(t.relative_to(ROOT)) for t in (ROOT / "tests").glob("test_*.py"))
+            lines = coverage_map([t for t in suite if t not in SLOW_TESTS], sorted(covered), dirs)
+            tests_of = lambda m: selected(m, covered[m.path], lines)  # noqa: E731
+        results = _run(todo, tests_of, dirs, args.timeout)
+        if args.confirm:
+            again = [m for m in todo if results[m.id] == "passed"]
+            print(f"\nconfirming {len(again)} survivors against every listed test:", flush=True)
+            results.update(_run(again, lambda m: covered[m.path], dirs, args.timeout))
+    _report(drawn, known, results)
     return 0
 
 
