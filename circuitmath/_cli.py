@@ -20,7 +20,8 @@ from ._checkpoint import INDEX
 from ._config import Config
 from ._errors import CircuitMathError, InputError
 from ._identities import get_identity, identities
-from ._processing.pipeline import PIPELINE_STEPS, process_weights
+from ._processing.pipeline import process_weights
+from ._processing.steps import PIPELINE_STEPS
 from ._state import usable_device
 from ._threads import check_threads
 

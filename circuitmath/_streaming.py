@@ -12,7 +12,7 @@ Face folder is written in its own layout where the processed model fits it
 (:mod:`circuitmath._stored`): a tensor the processing hands back as it got it is copied by the
 kernel from the checkpoint's file (:func:`_untouched` finds which, on a small model of the same
 kind), and where the processing keeps its inputs' layout
-(:func:`~circuitmath._processing.pipeline.bits_free_of_strides`: the fused steps of a pre-RMSNorm
+(:func:`~circuitmath._processing.dispatch.bits_free_of_strides`: the fused steps of a pre-RMSNorm
 model) each product is computed from the mapped ``[out, in]`` matrix and written as it comes, so
 no matrix is transposed. Otherwise (circuitmath's layout, or other steps) a stored ``[out, in]``
 matrix is transposed in its own dtype (:func:`~circuitmath._processing._memory.in_memory`) into
@@ -40,7 +40,9 @@ from ._config import Config
 from ._errors import CircuitMathError, InputError
 from ._processing._memory import in_memory, new_tensor, recycling
 from ._processing._parts import InMemory, Parts
-from ._processing.pipeline import KEYWORD_OF, STEPS, bits_free_of_strides, process_weights, steps_between, steps_left_out
+from ._processing.dispatch import bits_free_of_strides
+from ._processing.pipeline import process_weights
+from ._processing.steps import KEYWORD_OF, STEPS, leaving_out, steps_between
 from ._state import DTYPES, expected_shapes, not_finite, usable_device
 from ._stored import NotStored, place
 
@@ -280,8 +282,8 @@ def process_checkpoint(
     stored = checkpoint.hf_config is not None
     while True:
         try:
-            with steps_left_out(left_out):
-                return _written(checkpoint, destination, keywords, dtype or checkpoint.dtype, device, progress, stored)
+            return _written(checkpoint, destination, leaving_out(keywords, left_out), dtype or checkpoint.dtype, device,
+                            progress, stored)
         except _PartsDisagree as disagreement:
             if disagreement.keywords <= left_out:  # cannot happen: a step left out applies nowhere
                 raise RuntimeError(f"process_checkpoint: the parts disagree on {sorted(left_out)} left out") from None

@@ -33,7 +33,7 @@ to every part (:func:`~circuitmath._processing.norms.writers_given`), so each pa
 the first refuses, as the whole model does in memory. And a step that ``process_weights`` is
 asked to apply where it can applies to the whole model only where it applies to every part:
 when a block applies other steps than the ends, the steps one of them leaves out are left out of
-every part (:func:`~circuitmath._processing.pipeline.steps_left_out`) and that identity's
+every part (the identity's ``with_parameters`` takes the steps left out) and that identity's
 passes start again.
 """
 
@@ -54,7 +54,7 @@ from ._diagnosis._tensors import _Thresholds
 from ._errors import PreconditionError
 from ._processing._parts import Parts
 from ._processing.norms import writers_given
-from ._processing.pipeline import steps_between, steps_left_out
+from ._processing.steps import steps_between
 from ._reference import check_tokens
 from ._state import validate_state_dict
 from ._processing._memory import in_memory
@@ -137,7 +137,7 @@ class _Run:
     writers64: _ModelWriters = field(default_factory=_ModelWriters)
     refusal: PreconditionError | None = None
     #: the steps of process_weights left to apply where they can that some part does not apply:
-    #: left out of every part (:func:`~circuitmath._processing.pipeline.steps_left_out`)
+    #: left out of every part (by the identity's ``with_parameters``)
     left_out: frozenset[str] = frozenset()
     #: what the transform of the ends applied, in the passes under way; ``None`` once a block
     #: applied otherwise (the passes then start again, with ``left_out`` grown)
@@ -163,13 +163,13 @@ class _Run:
             state64 = in_float64(state_dict) if self.exact is not None else None
             prepared, prepared_cfg = self.identity.prepared(state_dict, cfg)
             after_prepare = self.writers.calls
-            processed, processed_cfg = self.identity.transform(prepared, prepared_cfg)
+            processed, processed_cfg = self.applied_as_whole().transform(prepared, prepared_cfg)
             got.extend((prepared, prepared_cfg, processed, processed_cfg))
             if state64 is not None:
                 # float64 decides on the whole model's writers in float64 (recorded as the model's are)
                 self.writers64.start(layer)
                 with writers_given(self.writers64):
-                    chain = float64_chain(self.identity, state64, cfg)
+                    chain = float64_chain(self.applied_as_whole(), state64, cfg)
                 if not self.writers.recording or not self.writers.largest:  # not the recording pass
                     if chain is None:
                         self.exact = None  # refused in float64: the identity is checked in the model's dtype alone
@@ -180,9 +180,15 @@ class _Run:
                         self.identity, prepared, prepared_cfg, processed, chain, self.thresholds, _own(layer))
             return {}, processed_cfg
 
-        with writers_given(self.writers), steps_left_out(self.left_out):
+        with writers_given(self.writers):
             parts.run(layer, transform)
         return tuple(got)
+
+    def applied_as_whole(self):
+        """The identity as the whole model applies it: with the steps of :attr:`left_out` left
+        out (its ``with_parameters``; only ``process_weights`` leaves steps out where a part's
+        weights decide)."""
+        return self.identity if not self.left_out else _LeavingOut(self.identity, self.left_out)
 
     def agrees(self, processed_cfg: Config) -> bool:
         """Whether a block's transform applied what the ends' did; if not, the steps applied by
@@ -193,6 +199,21 @@ class _Run:
         self.left_out |= steps_between(processed_cfg.applied, self.applied)
         self.applied = None
         return False
+
+
+class _LeavingOut:
+    """``identity`` prepared as it is, and transformed with the steps ``left_out`` left out."""
+
+    def __init__(self, identity, left_out: frozenset[str]):
+        if identity.with_parameters is None:  # cannot happen: only process_weights' steps may differ by part
+            raise RuntimeError(f"{identity.name}: parts of the model applied other steps")
+        self.identity, self.left_out = identity, left_out
+
+    def prepared(self, state_dict, cfg):
+        return self.identity.prepared(state_dict, cfg)
+
+    def transform(self, state_dict, cfg):
+        return self.identity.with_parameters(state_dict, cfg, self.left_out)
 
 
 def _own(layer: int | None) -> Callable[[str], str | None]:

@@ -18,7 +18,7 @@ from circuitmath import (
     CircuitMathError, Config, OverflowedError, fold_layer_norm, migrate_norm_scales, process_weights, random_state_dict,
     rescale_residual_stream, rotate_heads, rotate_residual_stream, scale_neurons,
 )
-from circuitmath._processing.pipeline import STEPS
+from circuitmath._processing.steps import STEPS
 from circuitmath.strategies import models
 from circuitmath._processing.attention import value_bias_through_output
 from circuitmath._processing.layer_norm import fold_reader

@@ -9,7 +9,7 @@ import torch
 
 import circuitmath as cm
 from circuitmath._processing import readers, writers
-from circuitmath._processing.pipeline import STEPS
+from circuitmath._processing.steps import STEPS
 
 LN = cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
 

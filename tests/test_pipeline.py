@@ -9,9 +9,9 @@ from hypothesis import given, settings, strategies as st
 
 import circuitmath as cm
 from circuitmath._identities.pipeline import EVERYTHING_APPLICABLE
-from circuitmath._processing import fused as fused_module, pipeline as pipeline_module
+from circuitmath._processing import dispatch as dispatch_module, fused as fused_module
 from circuitmath._processing.fused import FUSED_RMS_STEPS, FUSED_STEPS, fusable, rms_fusable
-from circuitmath._processing.pipeline import PIPELINE_STEPS, steps_left_out
+from circuitmath._processing.steps import DEFAULTS, PIPELINE_STEPS, leaving_out
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
 from support import VISIBLE, assert_caught, assume_above, same, snapshot, wide
@@ -125,17 +125,17 @@ def fused_runs():
     too): a test of the fused pass requires it to have run. A spy, not monkeypatch: hypothesis
     tests take no function-scoped fixture."""
     calls = []
-    original = pipeline_module.fused_default_steps
+    original = dispatch_module.fused_default_steps
 
     def spy(state_dict, cfg, **kwargs):
         calls.append(cfg.normalization_type)
         return original(state_dict, cfg, **kwargs)
 
-    pipeline_module.fused_default_steps = spy
+    dispatch_module.fused_default_steps = spy
     try:
         yield calls
     finally:
-        pipeline_module.fused_default_steps = original
+        dispatch_module.fused_default_steps = original
 
 
 @DTYPES
@@ -390,14 +390,18 @@ def test_the_fused_bits_do_not_depend_on_the_block_sizes_of_a_device(monkeypatch
         assert torch.equal(tensor, expected[name]), name
 
 
-def test_steps_left_out_leaves_out_only_what_is_left_to_apply_where_it_can():
-    """The hook of the streamed check: a step asked for "if applicable" (None) is left out as if
-    it did not apply; asked for explicitly (True), it still applies; outside the block, as before."""
+def test_leaving_out_sets_only_what_is_left_to_apply_where_it_can():
+    """The whole model's decision that a part-at-a-time caller passes on: a step asked for "if
+    applicable" (None, also by default) is left out as if it did not apply; asked for explicitly
+    (True), it still applies; with nothing left out, as the keywords say."""
     cfg = cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
     sd = cm.random_state_dict(cfg, seed=0)
-    with steps_left_out(frozenset({"center_writing_weights"})):
-        left_out = cm.process_weights(sd, cfg)[1].applied
-        asked = cm.process_weights(sd, cfg, center_writing_weights=True)[1].applied
-    assert "center_writing_weights" not in left_out and "center_unembed" in left_out
+    left_out = frozenset({"center_writing_weights"})
+    assert leaving_out({}, left_out)["center_writing_weights"] is False
+    out = cm.process_weights(sd, cfg, **leaving_out({}, left_out))[1].applied
+    asked = cm.process_weights(sd, cfg, **leaving_out({"center_writing_weights": True}, left_out))[1].applied
+    assert "center_writing_weights" not in out and "center_unembed" in out
     assert "center_writing_weights" in asked
-    assert cm.process_weights(sd, cfg)[1].applied == FUSED_STEPS
+    assert cm.process_weights(sd, cfg, **leaving_out({}, frozenset()))[1].applied == FUSED_STEPS
+    assert DEFAULTS == {name: p.default for name, p in inspect.signature(cm.process_weights).parameters.items()
+                        if name in DEFAULTS}

@@ -28,7 +28,7 @@ import torch
 from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol
 
 from .._processing import center_reading_weights, fold_value_biases, process_weights, readers
-from .._processing.pipeline import PIPELINE_STEPS
+from .._processing.steps import PIPELINE_STEPS, leaving_out
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, register
 from .attention_biases import causal_exponentials
@@ -197,6 +197,12 @@ def process_everything(state_dict, cfg):
     return process_weights(state_dict, cfg, **EVERYTHING_APPLICABLE)
 
 
+def process_everything_but(state_dict, cfg, left_out: frozenset[str]):
+    """:func:`process_everything` with the steps of ``left_out`` left out: for a part of a model
+    whose other parts do not apply them (the whole model leaves them out)."""
+    return process_weights(state_dict, cfg, **leaving_out(EVERYTHING_APPLICABLE, left_out))
+
+
 def _gains(state_dict, cfg) -> dict[str, torch.Tensor]:
     """Each reader's norm gain (``[d_model]``), for the models that have one."""
     if cfg.normalization_type not in ("LN", "RMS"):
@@ -253,6 +259,7 @@ PROCESS_WEIGHTS = register(
         ),
         build_proof=_pipeline_proof,
         transform=process_everything,
+        with_parameters=process_everything_but,
         wrong_rewrites={
             "center_readers_before_fold": _center_readers_before_fold,
             "fold_gain_twice": _fold_gain_twice,
