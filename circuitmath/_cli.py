@@ -160,7 +160,7 @@ def _checked(args, cfg, tokens, progress, device):
     from . import _diagnosis
 
     if args.processed and (Path(args.processed).is_dir() or (Path(args.model) / INDEX).exists()):
-        from ._streaming_check import check_processed  # checkpoint folders: read a block at a time
+        from ._streaming_check_processed import check_processed  # checkpoint folders: read a block at a time
 
         _diagnosis._misuse.refuse_misused_checkpoints(args.model, args.processed, cfg)
         report = check_processed(
@@ -169,7 +169,7 @@ def _checked(args, cfg, tokens, progress, device):
         report = _diagnosis.diagnose(
             args.model, args.processed, cfg, tokens=tokens, progress=progress, device=device)
     elif Path(args.model).is_dir():
-        from ._streaming_model import check_model_streaming  # a checkpoint folder: read a block at a time
+        from ._streaming_check_model import check_model_streaming  # a checkpoint folder: read a block at a time
 
         report = check_model_streaming(args.model, cfg, tokens=tokens, progress=progress, device=device,
                                        exact=args.exact)

@@ -78,7 +78,7 @@ from ._hf import (
     from_hf_qwen2,
     from_hf_qwen3,
 )
-from ._streaming import process_checkpoint
+from ._streaming_process import process_checkpoint
 
 __all__ = [
     "CONFIG_KEY",

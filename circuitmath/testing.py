@@ -207,7 +207,7 @@ def _assert_checkpoints_equivalent(before, after, cfg, after_cfg, tokens, atol) 
     """:func:`assert_equivalent` for checkpoint folders, read a block at a time (the streaming
     check of ``python -m circuitmath check MODEL --processed OTHER``): the log-probs, and every
     tensor against its certificate when ``after`` records process_weights steps."""
-    from ._streaming_check import check_processed
+    from ._streaming_check_processed import check_processed
 
     if after_cfg is not None:
         raise ArgumentTypeError("after_cfg: a processed checkpoint carries its config; pass none")

@@ -195,10 +195,10 @@ class Identity:
 
 def with_identities(monkeypatch, *chosen):
     """The in-memory and the streamed ``check MODEL`` run ``chosen`` instead of the registry's identities."""
-    from circuitmath import _diagnosis, _streaming_model
+    from circuitmath import _diagnosis, _streaming_check_model
 
     monkeypatch.setattr(_diagnosis, "weight_identities", lambda symmetries: chosen)
-    monkeypatch.setattr(_streaming_model, "weight_identities", lambda symmetries: chosen)
+    monkeypatch.setattr(_streaming_check_model, "weight_identities", lambda symmetries: chosen)
 
 
 def same_rows(streamed, in_memory, tolerances: float | None = None):

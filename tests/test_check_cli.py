@@ -296,10 +296,10 @@ def test_device_cuda_gives_the_same_verdicts(files, tmp_path, capsys):
 def test_a_folder_is_checked_in_float64_too_with_exact(flags, exact, tmp_path, capsys, monkeypatch):
     """``check FOLDER --exact`` asks the streamed check for the float64 checks (a file always
     gets them); without it, not. Both hold on a valid bfloat16 model."""
-    from circuitmath import _streaming_model
+    from circuitmath import _streaming_check_model
 
-    asked, streamed = [], _streaming_model.check_model_streaming
-    monkeypatch.setattr(_streaming_model, "check_model_streaming",
+    asked, streamed = [], _streaming_check_model.check_model_streaming
+    monkeypatch.setattr(_streaming_check_model, "check_model_streaming",
                         lambda *a, **k: asked.append(k["exact"]) or streamed(*a, **k))
     io.save(tmp_path / "m.safetensors", cm.random_state_dict(CFG, seed=0, dtype=torch.bfloat16), CFG)
     io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "folder", steps=[])

@@ -10,10 +10,10 @@ import torch
 
 import circuitmath as cm
 from circuitmath import _diagnosis as diagnosis_module
-from circuitmath import _streaming_model as streaming_model
+from circuitmath import _streaming_check_model as streaming_model
 from circuitmath import io
 from circuitmath._diagnosis import weight_identities
-from circuitmath._streaming_model import check_model_streaming
+from circuitmath._streaming_check_model import check_model_streaming
 from support import Identity, same_rows, with_identities
 
 MODELS = {

@@ -84,14 +84,14 @@ def test_the_nudged_centering_removes_the_first_means_rounding_and_shifts_by_its
 
 @pytest.mark.parametrize("opened", [False, True], ids=["paths", "opened"])
 def test_assert_equivalent_streams_two_checkpoint_folders_and_loads_neither_whole(tmp_path, monkeypatch, opened):
-    from circuitmath import _checkpoint, _streaming_check, io
+    from circuitmath import _checkpoint, _streaming_check_processed, io
     from circuitmath.testing import NotEquivalentError, assert_equivalent
 
     sd = cm.random_state_dict(LN, seed=0)
     io.save(tmp_path / "m.safetensors", sd, LN)
     io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "before", steps=[])
     io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "after", steps="applicable")
-    streamed, check_processed = [], _streaming_check.check_processed
+    streamed, check_processed = [], _streaming_check_processed.check_processed
 
     def spied(*args, **kwargs):
         streamed.append(args[:2])
@@ -100,7 +100,7 @@ def test_assert_equivalent_streams_two_checkpoint_folders_and_loads_neither_whol
     def whole(self):
         raise AssertionError(f"{self.path} loaded whole")
 
-    monkeypatch.setattr(_streaming_check, "check_processed", spied)
+    monkeypatch.setattr(_streaming_check_processed, "check_processed", spied)
     monkeypatch.setattr(_checkpoint.Checkpoint, "load", whole)
     before, after = tmp_path / "before", tmp_path / "after"
     if opened:

@@ -12,7 +12,7 @@ apart (``circuitmath._compare._rounded_centering``). Pinned here:
   known in closed form, the sensitivity covers the float64 forward pass's own error on every
   seed, and stays within a small factor of it; without the centering term (the negative twin)
   it misses it by up to 100x;
-- the streamed check (``_streaming_check._Pass``) rounds the same means apart by the same signs
+- the streamed check (``_streaming_forward.ForwardPass``) rounds the same means apart by the same signs
   as the in-memory one, so its tolerance agrees where that term dominates;
 - on the zoo models the term leaves the tolerance nearly unchanged, and a small wrong change
   still fails on the two-dimensional models.
@@ -27,7 +27,8 @@ import torch
 import circuitmath as cm
 from circuitmath import _compare, io
 from circuitmath._reference import log_probs
-from circuitmath._streaming_check import _Pass, check_processed
+from circuitmath._streaming_check_processed import check_processed
+from circuitmath._streaming_forward import ForwardPass
 from circuitmath.testing import compare_log_probs, default_tokens, rounding_sensitivity
 
 SEEDS = range(20)
@@ -120,7 +121,7 @@ def test_the_streamed_check_rounds_the_same_means_apart(tmp_path, kind, layers, 
 def test_both_passes_center_with_the_same_signs():
     u = 2.0**-24  # float32's: the shift is measured here in float64
     x = torch.randn(2, 5, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 3.0
-    streamed = _Pass(torch.float64, nudge=u).centering
+    streamed = ForwardPass(torch.float64, nudge=u).centering
     in_memory = _compare._rounded_centering(_compare._computation_roundoff(u))
     for name in ("blocks.0.ln1", "ln_final"):
         assert torch.equal(streamed(name, x), in_memory(name, x))
@@ -129,7 +130,7 @@ def test_both_passes_center_with_the_same_signs():
         assert torch.allclose(shift[..., 0], shift[..., 1], rtol=0, atol=1e-6 * u)
         assert torch.allclose(shift[..., 0].abs(), 2 * u * x.abs().mean(dim=-1), rtol=1e-6, atol=0)
         assert (shift[..., 0] > 0).any() and (shift[..., 0] < 0).any()
-    assert _Pass(torch.float64).centering is None
+    assert ForwardPass(torch.float64).centering is None
     # the half precisions' forward pass rounds in float32
     assert _compare._computation_roundoff(2.0**-8) == 2.0**-24
 

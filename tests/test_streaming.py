@@ -1,4 +1,4 @@
-"""Checkpoints processed and checked a layer at a time (circuitmath._checkpoint, circuitmath._streaming):
+"""Checkpoints processed and checked a layer at a time (circuitmath._checkpoint, circuitmath._streaming_process):
 small sharded checkpoints built here, the streaming output equal to the in-memory transform
 tensor for tensor, streaming checks agreeing with the in-memory ones, and bad or interrupted
 runs leaving nothing behind."""
@@ -17,15 +17,16 @@ import transformers
 from safetensors.torch import save_file
 
 import circuitmath as cm
-from circuitmath import _cli, _streaming_model as streaming_model, io
+from circuitmath import _cli, _streaming_check_model as streaming_model, io
 from circuitmath import _diagnosis as diagnosis_module
 from circuitmath._checkpoint import INDEX, Checkpoint, CheckpointWriter
 from circuitmath._hf import hf_layout
 from circuitmath._processing.norms import WRITES_CENTERED
-from circuitmath._streaming import STEPS, _untouched
+from circuitmath._processing.steps import STEPS
+from circuitmath._streaming_process import _untouched
 from circuitmath._processing._memory import in_memory as streaming_in_memory
-from circuitmath._streaming_check import check_processed
-from circuitmath._streaming_model import check_model_streaming
+from circuitmath._streaming_check_processed import check_processed
+from circuitmath._streaming_check_model import check_model_streaming
 from circuitmath.testing import NotEquivalentError, assert_equivalent, compare_log_probs
 from support import Identity, same_rows, with_identities
 

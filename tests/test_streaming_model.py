@@ -1,4 +1,4 @@
-"""``check MODEL`` streamed (circuitmath._streaming_model) against the in-memory check, where the
+"""``check MODEL`` streamed (circuitmath._streaming_check_model) against the in-memory check, where the
 two could part: the model-wide decision of layer_norm_to_rms_norm and its refusal's reason when
 writers of several parts are off-center."""
 
@@ -7,10 +7,10 @@ import torch
 
 import circuitmath as cm
 from circuitmath import _diagnosis as diagnosis_module
-from circuitmath import _streaming_model as streaming_model
+from circuitmath import _streaming_check_model as streaming_model
 from circuitmath import io
 from circuitmath._processing.norms import WRITES_CENTERED
-from circuitmath._streaming_model import check_model_streaming
+from circuitmath._streaming_check_model import check_model_streaming
 from support import Identity, same_rows, with_identities
 
 CFG = cm.Config(n_layers=4, d_model=16, n_heads=2, d_head=8, d_vocab=13, n_ctx=6, d_mlp=32,

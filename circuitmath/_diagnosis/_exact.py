@@ -15,7 +15,7 @@ log-probs by a hundredth pass it. Two sharper checks go with it, for every dtype
   exact rewrite, rounded once.
 
 A row holds when all three pass (:func:`identity_row`). The in-memory and the streamed checks
-(:mod:`circuitmath._streaming_model`) build their rows here.
+(:mod:`circuitmath._streaming_check_model`) build their rows here.
 """
 
 from __future__ import annotations

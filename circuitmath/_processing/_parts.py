@@ -11,7 +11,7 @@ part is the whole model's, naming the real layer.
 
 Two users: half-precision processing in memory (each part cast to float32 while it is
 processed, so that no float32 copy of the whole model is made) and the processing of checkpoints
-larger than memory (``circuitmath._streaming``). A source is anything with ``ends()`` and
+larger than memory (``circuitmath._streaming_process``). A source is anything with ``ends()`` and
 ``block(layer)`` returning tensors in circuitmath names: a :class:`~circuitmath._checkpoint.Checkpoint`
 or :class:`InMemory`.
 """

@@ -118,7 +118,7 @@ def writers_given(given: Callable[[dict, float], tuple[dict, float]]):
     """Within this block :func:`uncentered_writers` (so :func:`layer_norm_to_rms_norm`) decides on
     ``given(means, M)`` instead of the state's own :func:`writer_means` and ``M``
     (:func:`writer_scale`). For a caller that transforms a model a part at a time
-    (``circuitmath._streaming_model``): each part is then judged on the whole model's writers,
+    (``circuitmath._streaming_check_model``): each part is then judged on the whole model's writers,
     named as in the whole model, as the whole model is in memory."""
     token = _GIVEN.set(given)
     try:

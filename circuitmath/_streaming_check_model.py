@@ -18,7 +18,7 @@ whole model's writers in float64 (its own recording, :attr:`_Run.writers64`), so
 refuses where the in-memory chain does. Peak
 memory: one part, read and converted, and one identity's prepared and transformed part, in the
 model's dtype and in float64, with its temporaries. The tolerance is :func:`~circuitmath.testing.logprob_tolerance` with the
-rounding sensitivity measured as :class:`~circuitmath._streaming_check._Pass` measures it for
+rounding sensitivity measured as :class:`~circuitmath._streaming_forward.ForwardPass` measures it for
 ``check --processed`` (float64 against float64 nudged, plus the compute dtype's own rounding),
 on the tokens of :func:`~circuitmath._diagnosis._logprobs.sensitivity_window`, as the in-memory check.
 
@@ -58,8 +58,8 @@ from ._processing.steps import steps_between
 from ._reference import check_tokens
 from ._state import validate_state_dict
 from ._processing._memory import in_memory
-from ._streaming import opened
-from ._streaming_check import _Pass
+from ._streaming_process import opened
+from ._streaming_forward import ForwardPass
 
 __all__ = ["check_model_streaming"]
 
@@ -130,8 +130,8 @@ class _Run:
     passes, and the refusal, when a part refuses."""
 
     identity: object
-    prepared: _Pass
-    processed: _Pass
+    prepared: ForwardPass
+    processed: ForwardPass
     writers: _ModelWriters = field(default_factory=_ModelWriters)
     #: the same for the identity in float64 (its own decisions: see :mod:`~circuitmath._diagnosis._exact`)
     writers64: _ModelWriters = field(default_factory=_ModelWriters)
@@ -147,7 +147,7 @@ class _Run:
     #: below float64 (see :mod:`~circuitmath._diagnosis._exact`): the float64 passes of the
     #: prepared model and its transform on the sensitivity tokens, the certificate's thresholds,
     #: and each part's tensors that fail it (by part: ``None``, the ends, then each layer)
-    exact: tuple[_Pass, _Pass] | None = None
+    exact: tuple[ForwardPass, ForwardPass] | None = None
     thresholds: _Thresholds | None = None
     mismatches: dict = field(default_factory=dict)
 
@@ -224,53 +224,66 @@ def _own(layer: int | None) -> Callable[[str], str | None]:
     return lambda name: f"blocks.{layer}.{name[len(prefix):]}" if name.startswith(prefix) else None
 
 
-def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | None, device, exact: bool) -> list[Finding]:
-    """The rows of :func:`check_model_streaming`, one per identity, in the registry's order."""
-    cfg, dtype = checkpoint.cfg, checkpoint.dtype
-    device = torch.device("cpu") if device is None else torch.device(device)
-    source = _OnePart(checkpoint)
-    parts = Parts(source, cfg, dtype, device, checkpoint.path)
-    run_in = compute_dtype(dtype)
-    runs = [_Run(identity, _Pass(run_in, device=device), _Pass(run_in, device=device))
-            for identity in weight_identities(symmetries=True)]
-    rows, positions = sensitivity_window(tokens)
-    sensitivity_tokens = tokens[:rows, :positions]
-    exact = exact and dtype != torch.float64
-    if exact:  # each identity in float64 too, and its rewrite certified (see _diagnosis._exact)
-        for run in runs:
-            run.exact = (_Pass(torch.float64, device=device), _Pass(torch.float64, device=device))
-            run.thresholds = _Thresholds.of(dtype, cfg)
-    report = progress or (lambda done, total, what: None)
-    validated: set = set()
+class _IdentityChecks:
+    """Every identity of ``weight_identities(symmetries=True)`` checked along the parts of
+    ``checkpoint`` (see the module's docstring): one :class:`_Run` each, the reference passes,
+    and the parts validated so far."""
 
-    def validate(layer: int | None) -> None:
-        """Each part validated once, before its first use: bad input names the file and the tensor."""
-        if layer not in validated:
-            parts.run(layer, lambda sd, part_cfg: (validate_state_dict(sd, part_cfg), ({}, part_cfg))[1])
-            validated.add(layer)
+    def __init__(self, checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | None, device, exact: bool):
+        self.cfg, self.dtype, self.tokens = checkpoint.cfg, checkpoint.dtype, tokens
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.source = _OnePart(checkpoint)
+        self.parts = Parts(self.source, self.cfg, self.dtype, self.device, checkpoint.path)
+        self.run_in = compute_dtype(self.dtype)
+        self.runs = [_Run(identity, self._pass(self.run_in), self._pass(self.run_in))
+                     for identity in weight_identities(symmetries=True)]
+        rows, positions = sensitivity_window(tokens)
+        self.sensitivity_tokens = tokens[:rows, :positions]
+        self.exact = exact and self.dtype != torch.float64
+        if self.exact:  # each identity in float64 too, and its rewrite certified (see _diagnosis._exact)
+            for run in self.runs:
+                run.exact = (self._pass(torch.float64), self._pass(torch.float64))
+                run.thresholds = _Thresholds.of(self.dtype, self.cfg)
+        self.report = progress or (lambda done, total, what: None)
+        self.validated: set = set()
+        self.done, self.total = 0, self.cfg.n_layers + 2
 
-    def transformed(run: _Run, layer: int | None) -> tuple | None:
+    def _pass(self, dtype: torch.dtype, nudge: float = 0.0) -> ForwardPass:
+        return ForwardPass(dtype, nudge=nudge, device=self.device)
+
+    def progressed(self, what: str) -> None:
+        self.done += 1
+        self.report(self.done, self.total, what)
+
+    def validate(self, layer: int | None) -> None:
+        """Part ``layer`` validated once, before its first use: bad input names the file and the tensor."""
+        if layer not in self.validated:
+            self.parts.run(layer, lambda sd, part_cfg: (validate_state_dict(sd, part_cfg), ({}, part_cfg))[1])
+            self.validated.add(layer)
+
+    def transformed(self, run: _Run, layer: int | None) -> tuple | None:
         """The part prepared and transformed (``None``, and ``run.refusal`` set, on a refusal)."""
-        validate(layer)
+        self.validate(layer)
         try:
-            return run.transformed(parts, layer)
+            return run.transformed(self.parts, layer)
         except PreconditionError as error:
             # kept without its traceback, whose frames hold the part's tensors
             run.refusal = error.with_traceback(None)
             run.refusal.__context__ = None
             return None
 
-    def start(run: _Run, got) -> None:
+    def start(self, run: _Run, got) -> None:
+        """``run``'s passes started on the ends it transformed (``got``)."""
         prepared, prepared_cfg, processed, processed_cfg = got[:4]
-        run.prepared.start(prepared, prepared_cfg, tokens)
-        run.processed.start(processed, processed_cfg, tokens)
+        run.prepared.start(prepared, prepared_cfg, self.tokens)
+        run.processed.start(processed, processed_cfg, self.tokens)
         for p, (state, state_cfg) in zip(run.exact or (), (got[4:6], got[6:8])):
-            p.start(state, state_cfg, sensitivity_tokens)
+            p.start(state, state_cfg, self.sensitivity_tokens)
         run.applied = processed_cfg.applied
 
-    def step(run: _Run, layer: int) -> None:
+    def step(self, run: _Run, layer: int) -> None:
         """``run``'s passes advanced by block ``layer``, unless it refuses or applies other steps."""
-        if run.refusal is None and run.applied is not None and (got := transformed(run, layer)) is not None:
+        if run.refusal is None and run.applied is not None and (got := self.transformed(run, layer)) is not None:
             prepared, prepared_cfg, processed, processed_cfg = got[:4]
             if run.agrees(processed_cfg):
                 run.prepared.step(prepared, 0, prepared_cfg)
@@ -278,93 +291,114 @@ def _rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | Non
                 for p, (state, state_cfg) in zip(run.exact or (), (got[4:6], got[6:8])):
                     p.step(state, 0, state_cfg)
 
-    # Which identities apply, as in memory. Each is tried on the ends; when they refuse, on
-    # block 0 too, whose refusal comes first (a block part has the whole model's config, the ends
-    # as stand-ins: it meets the preconditions in a whole model's order). The identities that
-    # reach layer_norm_to_rms_norm's decision (every part takes the same steps) record on every
-    # part its writers' means and largest entry, the decision deferred, and are decided again on
-    # the ends with the whole model's (a refusal there is the whole model's, unless a block
-    # refused in the first pass before reaching that decision: in memory its refusal comes
-    # first); the others start their passes on the ends at once.
-    for run in runs:
-        got = transformed(run, None)
-        if got is None and cfg.n_layers and not run.writers.largest:
-            refusal, run.refusal = run.refusal, None
-            if transformed(run, 0) is not None:
-                run.refusal = refusal
-        elif got is not None and not run.writers.largest:
-            start(run, got)
-        got = None
-    recording = [run for run in runs if run.writers.largest]
-    total = cfg.n_layers + 2 + (cfg.n_layers if recording else 0)
-    done = 1
-    report(done, total, "embedding and unembedding")
-    for layer in range(cfg.n_layers) if recording else ():
-        for run in recording:
-            if transformed(run, layer) is None and run.recorded is None:
-                run.recorded = run.writers.calls, run.refusal
-        done += 1
-        report(done, total, f"writers, block {layer}")
-    for run in recording:
-        run.writers.recording = run.writers64.recording = False
-        run.refusal = None
-        if (got := transformed(run, None)) is not None:
-            start(run, got)
-        elif run.recorded and run.recorded[0] < run.writers.calls:
-            run.refusal = run.recorded[1]  # a block refused before the decision that the ends refuse
-        got = run.recorded = None
-
-    # The main pass: the original on the sensitivity tokens (float64, float64 nudged, and the
-    # compute dtype), in its own names, and each identity's two passes, a part at a time.
-    reference = [_Pass(torch.float64, device=device), _Pass(torch.float64, nudge=_unit_roundoff(dtype), device=device)]
-    if run_in != torch.float64:
-        reference.append(_Pass(run_in, device=device))
-    if exact:  # float64's own sensitivity, for the identities checked in float64
-        reference.append(_Pass(torch.float64, nudge=_unit_roundoff(torch.float64), device=device))
-    for p in reference:
-        p.start(source.ends(), cfg, sensitivity_tokens)
-    for layer in range(cfg.n_layers):
-        for run in runs:
-            step(run, layer)
-        validate(layer)  # when every identity refused, still checked
-        for p in reference:
-            p.step(source.block(layer), layer, cfg)
-        done += 1
-        report(done, total, f"block {layer}")
-    # A step that process_weights applies to some parts and not to others: the whole model
-    # leaves it out, so its passes start again without it (rare: a condition on some block's weights).
-    while again := [run for run in runs if run.refusal is None and run.applied is None]:
-        for run in again:
-            if (got := transformed(run, None)) is not None:
-                start(run, got)
+    def try_on_the_ends(self) -> list[_Run]:
+        """Which identities apply, as in memory: each tried on the ends; when they refuse, on
+        block 0 too, whose refusal comes first (a block part has the whole model's config, the
+        ends as stand-ins: it meets the preconditions in a whole model's order). Those that
+        reach layer_norm_to_rms_norm's decision are returned (:meth:`record_writers` decides
+        them); the others start their passes on the ends at once."""
+        for run in self.runs:
+            got = self.transformed(run, None)
+            if got is None and self.cfg.n_layers and not run.writers.largest:
+                refusal, run.refusal = run.refusal, None
+                if self.transformed(run, 0) is not None:
+                    run.refusal = refusal
+            elif got is not None and not run.writers.largest:
+                self.start(run, got)
             got = None
-        for layer in range(cfg.n_layers):
+        recording = [run for run in self.runs if run.writers.largest]
+        self.total += self.cfg.n_layers if recording else 0
+        self.progressed("embedding and unembedding")
+        return recording
+
+    def record_writers(self, recording: list[_Run]) -> None:
+        """The identities of ``recording`` (every part takes the same steps) record on every part
+        its writers' means and largest entry, the decision deferred, and are decided again on the
+        ends with the whole model's: a refusal there is the whole model's, unless a block refused
+        in the first pass before reaching that decision (in memory its refusal comes first)."""
+        for layer in range(self.cfg.n_layers) if recording else ():
+            for run in recording:
+                if self.transformed(run, layer) is None and run.recorded is None:
+                    run.recorded = run.writers.calls, run.refusal
+            self.progressed(f"writers, block {layer}")
+        for run in recording:
+            run.writers.recording = run.writers64.recording = False
+            run.refusal = None
+            if (got := self.transformed(run, None)) is not None:
+                self.start(run, got)
+            elif run.recorded and run.recorded[0] < run.writers.calls:
+                run.refusal = run.recorded[1]  # a block refused before the decision that the ends refuse
+            got = run.recorded = None
+
+    def main_pass(self) -> list[ForwardPass]:
+        """Each identity's passes advanced a part at a time, with the reference passes of the
+        original on the sensitivity tokens (float64, float64 nudged, the compute dtype, and
+        float64's own sensitivity for the identities checked in float64), which it returns."""
+        reference = [self._pass(torch.float64), self._pass(torch.float64, _unit_roundoff(self.dtype))]
+        if self.run_in != torch.float64:
+            reference.append(self._pass(self.run_in))
+        if self.exact:
+            reference.append(self._pass(torch.float64, _unit_roundoff(torch.float64)))
+        for p in reference:
+            p.start(self.source.ends(), self.cfg, self.sensitivity_tokens)
+        for layer in range(self.cfg.n_layers):
+            for run in self.runs:
+                self.step(run, layer)
+            self.validate(layer)  # when every identity refused, still checked
+            for p in reference:
+                p.step(self.source.block(layer), layer, self.cfg)
+            self.progressed(f"block {layer}")
+        return reference
+
+    def again_where_parts_disagree(self) -> None:
+        """The passes of each identity whose parts applied other steps of process_weights started
+        again without them: the whole model leaves them out (rare: a condition on some block's weights)."""
+        while again := [run for run in self.runs if run.refusal is None and run.applied is None]:
             for run in again:
-                step(run, layer)
-    exact_lp, nudged, *others = (p.log_probs(source.ends(), cfg).double() for p in reference)
-    sensitivity = float((exact_lp - nudged).abs().max())
-    if run_in != torch.float64:
-        sensitivity += float((others[0] - exact_lp).abs().max())
-    sensitivity64 = float((others[-1] - exact_lp).abs().max()) if exact else None
-    findings = []
-    for run in runs:
-        got = transformed(run, None) if run.refusal is None else None
+                if (got := self.transformed(run, None)) is not None:
+                    self.start(run, got)
+                got = None
+            for layer in range(self.cfg.n_layers):
+                for run in again:
+                    self.step(run, layer)
+
+    def findings(self, reference: list[ForwardPass]) -> list[Finding]:
+        """One row per identity, its passes finished on the ends and compared within the
+        tolerance of the rounding sensitivity that the ``reference`` passes measure."""
+        exact_lp, nudged, *others = (p.log_probs(self.source.ends(), self.cfg).double() for p in reference)
+        sensitivity = float((exact_lp - nudged).abs().max())
+        if self.run_in != torch.float64:
+            sensitivity += float((others[0] - exact_lp).abs().max())
+        sensitivity64 = float((others[-1] - exact_lp).abs().max()) if self.exact else None
+        return [self._row(run, sensitivity, sensitivity64) for run in self.runs]
+
+    def _row(self, run: _Run, sensitivity: float, sensitivity64: float | None) -> Finding:
+        got = self.transformed(run, None) if run.refusal is None else None
         if got is None:
-            findings.append(Finding(run.identity.name, "identity", False, "not applicable", reason=str(run.refusal),
-                                    precondition=run.refusal.precondition))
-            continue
+            return Finding(run.identity.name, "identity", False, "not applicable", reason=str(run.refusal),
+                           precondition=run.refusal.precondition)
         passes = (run.prepared, run.processed, *(run.exact or ()))
         first, second, *in_float64_too = (
             p.log_probs(state, state_cfg).double() for p, state, state_cfg in zip(passes, got[0::2], got[1::2]))
         got = None
-        comparison, float64 = compared(first, second, cfg, dtype, sensitivity), None
+        comparison, float64 = compared(first, second, self.cfg, self.dtype, sensitivity), None
         if in_float64_too:
-            float64 = compared(*in_float64_too, cfg, torch.float64, sensitivity64)
-        mismatches = tuple(m for layer in [None, *range(cfg.n_layers)] for m in run.mismatches.get(layer, ()))
-        findings.append(identity_row(run.identity.name, comparison, float64, mismatches,
-                                     refused_in_float64=exact and run.exact is None))
-    source.drop()
-    report(total, total, "done")
+            float64 = compared(*in_float64_too, self.cfg, torch.float64, sensitivity64)
+        mismatches = tuple(m for layer in [None, *range(self.cfg.n_layers)] for m in run.mismatches.get(layer, ()))
+        return identity_row(run.identity.name, comparison, float64, mismatches,
+                            refused_in_float64=self.exact and run.exact is None)
+
+
+def _identity_rows(checkpoint: Checkpoint, tokens: torch.Tensor, progress: Progress | None, device,
+                   exact: bool) -> list[Finding]:
+    """The rows of :func:`check_model_streaming`, one per identity, in the registry's order."""
+    checks = _IdentityChecks(checkpoint, tokens, progress, device, exact)
+    checks.record_writers(checks.try_on_the_ends())
+    reference = checks.main_pass()
+    checks.again_where_parts_disagree()
+    findings = checks.findings(reference)
+    checks.source.drop()
+    checks.report(checks.total, checks.total, "done")
     return findings
 
 
@@ -385,4 +419,4 @@ def check_model_streaming(model, config=None, *, tokens, progress: Progress | No
     tokens = tokens(checkpoint.cfg) if callable(tokens) else tokens
     tokens = check_tokens(checkpoint.cfg, tokens)
     with torch.no_grad():
-        return Diagnosis(tuple(_rows(checkpoint, tokens, progress, device, exact)))
+        return Diagnosis(tuple(_identity_rows(checkpoint, tokens, progress, device, exact)))

@@ -10,13 +10,13 @@ plus the compute dtype's own rounding),
 every weight converted to float64 one tensor at a time as the pass reads it; and the processed
 tensors are compared one part at a time with the exact rewrite, replayed on the parts
 :func:`~circuitmath.io.process_checkpoint` processes. Each part of the original is read once
-(:class:`~circuitmath._streaming.PartReader`: contiguous, in its own dtype) for both.
+(:class:`~circuitmath._streaming_process.PartReader`: contiguous, in its own dtype) for both.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -30,103 +30,17 @@ from ._diagnosis._tensors import CERTIFICATE_ULPS, _certificate, _Thresholds
 from ._diagnosis._unexplained import NEAR_ULPS, Change, ChangePasses, changes_of
 from ._errors import InputError, StateDictError
 from ._processing.pipeline import process_weights
-from ._reference import block, check_tokens, embed, unembed
+from ._reference import check_tokens
 from ._state import not_finite
 from ._processing._parts import Parts
-from ._streaming import KEYWORD_OF, STEPS, PartReader, _untouched, opened, replayed
-from ._compare import _computation_roundoff, _rounded_centering, named_generator, _unit_roundoff, compute_dtype, logprob_tolerance
+from ._processing.steps import KEYWORD_OF, STEPS
+from ._streaming_forward import ForwardPass
+from ._streaming_process import PartReader, _untouched, opened, replayed
+from ._compare import _unit_roundoff, compute_dtype, logprob_tolerance
 
 __all__ = ["check_processed", "StreamingReport"]
 
 Progress = Callable[[int, int, str], None]
-
-
-class _Weights(Mapping):
-    """A part's tensors as one forward pass reads them: converted to ``dtype`` when looked up
-    (nothing kept), and with ``nudge`` each multiplied by ``1 + nudge * xi``, ``xi`` standard
-    normal drawn from a generator seeded by the name (as :func:`rounding_sensitivity` nudges,
-    one tensor at a time)."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, nudge: float = 0.0,
-                 seeds: Mapping[str, int] | None = None, scratch: list | None = None,
-                 device: torch.device | None = None):
-        self.tensors, self.dtype, self.nudge, self.seeds, self.device = tensors, dtype, nudge, seeds or {}, device
-        self.scratch = [torch.empty(0, device="cpu")] if scratch is None else scratch  # memory for the noise, reused
-
-    def _noise(self, shape: torch.Size, g: torch.Generator) -> torch.Tensor:
-        count = math.prod(shape)
-        if self.scratch[0].numel() < count:
-            self.scratch[0] = torch.empty(count, device="cpu")
-        return torch.randn(shape, generator=g, out=self.scratch[0][:count].view(shape))
-
-    def __contains__(self, name) -> bool:
-        return name in self.tensors
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = self.tensors[name]
-        converted = tensor.to(device=self.device, dtype=self.dtype)
-        if not self.nudge:
-            return converted
-        g = named_generator(name, self.seeds.get(name, 0))
-        # in place, without float32 and float64 temporaries of the tensor (the same numbers: a
-        # half-precision factor is converted to float32 exactly inside the product)
-        # drawn on the CPU (the same noise on every device), then moved: no copy on the CPU
-        change = self._noise(tensor.shape, g).to(converted.device).mul_(self.nudge)
-        change.mul_((tensor if torch.finfo(tensor.dtype).bits <= 32 else tensor.float()).to(converted.device))
-        return converted.add_(change) if converted is not tensor else converted + change
-
-    def __iter__(self):
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-
-#: Vocabulary entries per slice of the unembedding: each slice of ``W_U`` is converted to
-#: float64 on its own (a 7B model's whole ``W_U`` in float64 is 1 GiB).
-UNEMBED_COLUMNS = 4096
-
-
-@dataclass
-class _Pass:
-    """One forward pass of a checkpoint on the check tokens, block by block: weights read in
-    ``dtype``, activations of the tokens kept. With ``nudge``, the nudged pass of
-    :func:`~circuitmath.testing.rounding_sensitivity`: weights nudged by ``nudge`` and the
-    LayerNorms' means rounded apart as there (the same signs: they are seeded by the norms' names)."""
-
-    dtype: torch.dtype
-    nudge: float = 0.0
-    device: torch.device | None = None
-    x: torch.Tensor | None = None
-    pos: torch.Tensor | None = None
-    scratch: list = field(default_factory=lambda: [torch.empty(0, device="cpu")])
-
-    @property
-    def centering(self):
-        return _rounded_centering(_computation_roundoff(self.nudge)) if self.nudge else None
-
-    def weights(self, tensors) -> _Weights:
-        return _Weights(tensors, self.dtype, self.nudge, scratch=self.scratch, device=self.device)
-
-    def start(self, ends: Mapping[str, torch.Tensor], cfg: Config, tokens: torch.Tensor) -> None:
-        # Only the rows of W_E the tokens use are read and converted.
-        used, inverse = torch.unique(tokens, return_inverse=True)
-        params = dict(ends, **{"embed.W_E": ends["embed.W_E"][used]})
-        self.x, pos = embed(self.weights(params), cfg, inverse.to(self.device), centering=self.centering)
-        self.pos = None if pos is None else pos.clone()  # not a view that keeps the ends' W_pos
-
-    def step(self, tensors: Mapping[str, torch.Tensor], layer: int, cfg: Config) -> None:
-        self.x = block(self.weights(tensors), layer, cfg, self.x, self.pos, centering=self.centering)
-
-    def log_probs(self, ends: Mapping[str, torch.Tensor], cfg: Config) -> torch.Tensor:
-        logits = []
-        for start in range(0, cfg.d_vocab, UNEMBED_COLUMNS):
-            columns = slice(start, start + UNEMBED_COLUMNS)
-            params = dict(ends, **{"unembed.W_U": ends["unembed.W_U"][:, columns], "unembed.b_U": ends["unembed.b_U"][columns]})
-            weights = _Weights(params, self.dtype, self.nudge, seeds={"unembed.W_U": start, "unembed.b_U": start},
-                               scratch=self.scratch, device=self.device)
-            logits.append(unembed(weights, cfg, self.x, centering=self.centering))
-        return torch.log_softmax(torch.cat(logits, dim=-1), dim=-1)
 
 
 @dataclass
@@ -301,13 +215,50 @@ def _finite(part: dict[str, torch.Tensor], path) -> dict[str, torch.Tensor]:
     return part
 
 
-def _rows(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress, device=None, plan=None) -> list[dict]:
+@dataclass
+class _Walk:
+    """The forward passes of one walk over the parts of ``before`` and ``after``: ``mine``,
+    before's in the compute dtype ``run_in``, in float64 and in float64 nudged by the unit
+    roundoff of ``coarse`` (the coarser of the two dtypes); ``theirs``, after's in ``run_in``;
+    and the ends each keeps for the unembedding."""
+
+    run_in: torch.dtype
+    coarse: torch.dtype
+    mine: tuple[ForwardPass, ForwardPass, ForwardPass]
+    theirs: ForwardPass
+    before_ends: dict = field(default_factory=dict)
+    after_ends: dict = field(default_factory=dict)
+
+
+def _processed_rows(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress, device=None) -> list[dict]:
     """The ``log-probs`` and ``tensors`` rows, from one pass over the parts: each part of
     ``before`` is read once (contiguous, in its own dtype), replayed for the tensors and run
     forward on the tokens, three times (in the compute dtype, in float64, and in float64 nudged),
     beside ``after``'s part run forward once; the replay and the passes run on ``device``."""
     device = torch.device("cpu") if device is None else torch.device(device)
-    keywords = plan or _replay_keywords(before.cfg, after.cfg) or _replay_identities(before.cfg, after.cfg)
+    keywords = _replay_keywords(before.cfg, after.cfg) or _replay_identities(before.cfg, after.cfg)
+    walked = _walked(before, after, tokens, progress, device, keywords)
+    if walked is None:  # no pipeline call records after's config: a chain of identities does
+        walked = _walked(before, after, tokens, progress, device, _replay_identities(before.cfg, after.cfg))
+    tensors, walk = walked
+    log_probs = _log_probs_row(before, after, tokens, walk)
+    if tensors is None:
+        return [log_probs, {"name": "tensors", "kind": "rewrite", "max_abs_error": None, "tolerance": None,
+                            "status": "not compared", "explanation": (
+                                f"after records {after.cfg.applied}, not {before.cfg.applied} followed by"
+                                f" {process_weights.__name__} steps")}]
+    if tensors.changes and not tensors.wrong and tensors.refused is None:
+        tensors.judged = _judge_changes(before, after, tensors, tokens, device)
+    return [log_probs, tensors.row(after.dtype)]
+
+
+def _walked(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress, device: torch.device,
+            keywords) -> tuple[_Tensors | None, _Walk] | None:
+    """One walk over the parts: each part of ``after`` compared with ``before``'s replayed
+    through ``keywords`` (:func:`process_weights`' keywords, or a tuple of identities; ``None``:
+    no replay) and both run forward. Returns the tensors' comparison and the passes; ``None``
+    when the replay through keywords gives another config than after's but a chain of
+    identities may not (found on the ends, before any pass started)."""
     tensors = _Tensors(before, after, keywords) if keywords is not None else None
     # On the CPU the tensors the replay hands back unread come as zeros (compared as the
     # checkpoint holds them), and a block is converted once for the replay and the compute-dtype
@@ -319,71 +270,79 @@ def _rows(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progress,
     parts = Parts(reader, before.cfg, tensors.compute if tensors else before.dtype, device, before.path)
     coarse = max((before.dtype, after.dtype), key=lambda d: torch.finfo(d).eps)
     run_in = compute_dtype(coarse)
-    ours, theirs = _Pass(run_in, device=device), _Pass(run_in, device=device)
-    exact = _Pass(torch.float64, device=device)
-    nudged = _Pass(torch.float64, nudge=_unit_roundoff(coarse), device=device)
-    mine = (ours, exact, nudged)
+    walk = _Walk(run_in, coarse, (ForwardPass(run_in, device=device), ForwardPass(torch.float64, device=device),
+                                  ForwardPass(torch.float64, nudge=_unit_roundoff(coarse), device=device)),
+                 ForwardPass(run_in, device=device))
     total = before.cfg.n_layers + 1
     for layer in [None, *range(before.cfg.n_layers)]:
         processed = _finite(after.ends() if layer is None else after.block(layer), after.path)
         if tensors is not None and tensors.refused is None:  # the replay refuses what is not finite
             rewrite, rewrite_cfg, passed = replayed(parts, layer, keywords)
             if layer is None and rewrite_cfg != after.cfg and isinstance(keywords, dict) and \
-                    (identities := _replay_identities(before.cfg, after.cfg)) is not None:
-                return _rows(before, after, tokens, progress, device, identities)  # no pipeline call records it
+                    _replay_identities(before.cfg, after.cfg) is not None:
+                return None
             if layer is None and rewrite_cfg != after.cfg:
                 tensors.refused = f"the replay of {keywords} gives {rewrite_cfg}, after has {after.cfg}"
             else:
                 tensors.compare(rewrite, reader.natives, passed, processed)
             del rewrite
-            natives = reader.natives
         else:
             _finite(reader.ends() if layer is None else reader.block(layer), before.path)
-            natives = reader.natives
-        # the pass in the compute dtype reads a block's tensors as converted for the replay
-        handed = {n: natives[n] if n in reader.stand_ins else t for n, t in reader.handed.items()}
-        converted = [handed if handed and tensors is not None and p.dtype == tensors.compute else natives for p in mine]
-        reader.handed = {}
         if layer is None:
-            theirs.start(processed, after.cfg, tokens)
-            for p, weights in zip(mine, converted):
-                p.start(weights, before.cfg, tokens)
-            # kept for the unembedding; the embeddings go (their pages are mapped, some read)
-            before_ends, after_ends = ({n: t for n, t in ends.items() if not n.startswith(("embed.", "pos_embed."))}
-                                       for ends in (natives, processed))
+            walk.theirs.start(processed, after.cfg, tokens)
+            walk.after_ends = _kept_for_unembedding(processed)
         else:
-            theirs.step(processed, layer, after.cfg)
-            del processed  # its pages are mapped: gone before the three passes over before's block
-            for p, weights in zip(mine, converted):
-                p.step(weights, layer, before.cfg)
-        del natives, handed, converted
+            walk.theirs.step(processed, layer, after.cfg)
+        del processed  # its pages are mapped: gone before the three passes over before's part
+        _run_before(walk, reader, layer, before.cfg, tokens, tensors.compute if tensors is not None else None)
         if progress:
             progress(1 if layer is None else layer + 2, total, "embedding and unembedding" if layer is None else f"block {layer}")
-    a, reference, moved = (p.log_probs(before_ends, before.cfg).double() for p in mine)
-    b = theirs.log_probs(after_ends, after.cfg).double()
+    return tensors, walk
+
+
+def _kept_for_unembedding(ends: dict) -> dict:
+    """The ends a pass keeps for the unembedding; the embeddings go (their pages are mapped, some read)."""
+    return {n: t for n, t in ends.items() if not n.startswith(("embed.", "pos_embed."))}
+
+
+def _run_before(walk: _Walk, reader: PartReader, layer: int | None, cfg: Config, tokens: torch.Tensor,
+                compute: torch.dtype | None) -> None:
+    """Before's passes of ``walk`` started on the ends (``layer`` ``None``) or advanced by block
+    ``layer``, on the part ``reader`` read last (the pass in the ``compute`` dtype reads a
+    block's tensors as converted for the replay)."""
+    natives = reader.natives
+    handed = {n: natives[n] if n in reader.stand_ins else t for n, t in reader.handed.items()}
+    converted = [handed if handed and compute is not None and p.dtype == compute else natives for p in walk.mine]
+    reader.handed = {}
+    for p, weights in zip(walk.mine, converted):
+        if layer is None:
+            p.start(weights, cfg, tokens)
+        else:
+            p.step(weights, layer, cfg)
+    if layer is None:
+        walk.before_ends = _kept_for_unembedding(natives)
+
+
+def _log_probs_row(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, walk: _Walk) -> dict:
+    """The ``log-probs`` row: the passes of ``walk`` compared within the tolerance of the
+    rounding sensitivity they measure."""
+    a, reference, moved = (p.log_probs(walk.before_ends, before.cfg).double() for p in walk.mine)
+    b = walk.theirs.log_probs(walk.after_ends, after.cfg).double()
     sensitivity = float((reference - moved).abs().max())
-    if run_in != torch.float64:
+    if walk.run_in != torch.float64:
         sensitivity += float((a - reference).abs().max())
     differences = (a - b).abs()
     difference = float(differences.max())
     where = [int(i) for i in torch.unravel_index(differences.argmax(), differences.shape)]
-    tolerance = logprob_tolerance(before.cfg, coarse, float(a.abs().max()), sensitivity)
+    tolerance = logprob_tolerance(before.cfg, walk.coarse, float(a.abs().max()), sensitivity)
     holds = difference <= tolerance
-    log_probs = {
+    return {
         "name": "log-probs", "kind": "comparison", "status": "holds" if holds else "violated",
         "max_abs_error": difference, "tolerance": tolerance, "where": where,
-        "explanation": f"before -> after on {tokens.shape[0]} x {tokens.shape[1]} tokens, block by block in {run_in}"
+        "explanation": f"before -> after on {tokens.shape[0]} x {tokens.shape[1]} tokens, block by block in {walk.run_in}"
         f" (rounding sensitivity {sensitivity:.3g}, measured block by block in float64)"
         + ("" if holds else ": the processed model computes a different function"),
     }
-    if tensors is None:
-        return [log_probs, {"name": "tensors", "kind": "rewrite", "max_abs_error": None, "tolerance": None,
-                            "status": "not compared", "explanation": (
-                                f"after records {after.cfg.applied}, not {before.cfg.applied} followed by"
-                                f" {process_weights.__name__} steps")}]
-    if tensors.changes and not tensors.wrong and tensors.refused is None:
-        tensors.judged = _judge_changes(before, after, tensors, tokens, device)
-    return [log_probs, tensors.row(after.dtype)]
 
 
 def check_processed(
@@ -412,4 +371,4 @@ def check_processed(
     tokens = tokens(before.cfg) if callable(tokens) else tokens
     tokens = check_tokens(before.cfg, tokens)
     with torch.no_grad():
-        return StreamingReport(_rows(before, after, tokens, progress, device))
+        return StreamingReport(_processed_rows(before, after, tokens, progress, device))

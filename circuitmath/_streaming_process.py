@@ -42,11 +42,11 @@ from ._processing._memory import in_memory, new_tensor, recycling
 from ._processing._parts import InMemory, Parts
 from ._processing.dispatch import bits_free_of_strides
 from ._processing.pipeline import process_weights
-from ._processing.steps import KEYWORD_OF, STEPS, leaving_out, steps_between
+from ._processing.steps import STEPS, leaving_out, steps_between
 from ._state import DTYPES, expected_shapes, not_finite, usable_device
 from ._stored import NotStored, place
 
-__all__ = ["STEPS", "KEYWORD_OF", "process_checkpoint", "opened", "PartReader", "replayed"]
+__all__ = ["process_checkpoint", "opened", "PartReader", "replayed"]
 
 Progress = Callable[[int, int, str], None]
 
