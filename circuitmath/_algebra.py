@@ -15,33 +15,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import sympy
-from sympy import (
-    DiagMatrix,
-    Identity,
-    Inverse,
-    MatAdd,
-    MatMul,
-    MatPow,
-    MatrixExpr,
-    MatrixSymbol,
-    OneMatrix,
-    Trace,
-    Transpose,
-    ZeroMatrix,
-)
+from sympy import (DiagMatrix, Identity, Inverse, MatAdd, MatMul, MatPow, MatrixExpr, MatrixSymbol, OneMatrix, Trace,
+                   Transpose, ZeroMatrix)
 from sympy.matrices.expressions.kronecker import KroneckerProduct
 
 Factors = tuple[MatrixExpr, ...]
 Terms = dict[Factors, sympy.Expr]
 
-__all__ = [
-    "IllTyped",
-    "NotExact",
-    "same_size",
-    "shape_of",
-    "normal_form",
-    "is_zero",
-]
+__all__ = ["IllTyped", "NotExact", "same_size", "shape_of", "normal_form", "is_zero"]
 
 
 class IllTyped(ValueError):
@@ -91,94 +72,119 @@ def shape_of(expr, definitions: Mapping | None = None, invertible=()) -> tuple |
     ``invertible``, powers a square base; ``diag`` takes a vector. Floats are refused. A size is
     compared symbolically: ``n`` and ``m`` differ even where both happen to be 3.
     """
-    definitions = definitions or {}
-    invertible = frozenset(invertible)
-    context = []
+    return _Shapes(definitions or {}, frozenset(invertible)).of(expr)
 
-    def declared(matrix) -> bool:
-        if _invertible(matrix, invertible):
+
+def _fail(node, why):
+    raise IllTyped(f"{why}, in {node}")
+
+
+class _Shapes:
+    """:func:`shape_of` under ``definitions`` and the ``invertible`` matrices: one method per
+    kind of node (:data:`_NODE_RULES`)."""
+
+    def __init__(self, definitions: Mapping, invertible: frozenset):
+        self.definitions, self.invertible, self._context = definitions, invertible, None
+
+    def declared(self, matrix) -> bool:
+        """Whether ``matrix`` is declared invertible: itself, a product of such matrices times a
+        nonzero number, or a product of invertible factors once its definitions are expanded."""
+        if _invertible(matrix, self.invertible):
             return True
         if isinstance(matrix, MatMul):  # a product of invertible square matrices, times a nonzero number
             scalars = [a for a in matrix.args if not _is_matrix(a)]
             return all(sympy.sympify(c).is_nonzero for c in scalars) and all(
-                declared(a) for a in matrix.args if _is_matrix(a))
-        if not context:
-            context.append(_Context(definitions, invertible))
-        ctx = context[0]
+                self.declared(a) for a in matrix.args if _is_matrix(a))
+        if self._context is None:
+            self._context = _Context(self.definitions, self.invertible)
+        ctx = self._context
         return all(_invertible(p, ctx.invertible) for p in ctx.split(ctx.atom(matrix)))
 
-    def fail(node, why):
-        raise IllTyped(f"{why}, in {node}")
-
-    def shape(e):
+    def of(self, e):
         if not _is_matrix(e):
             require_exact(e)
             for trace in sympy.sympify(e).atoms(Trace):
-                rows, cols = shape(trace.arg)
+                rows, cols = self.of(trace.arg)
                 if not same_size(rows, cols):
-                    fail(trace, f"the trace of a {rows} x {cols} matrix, which is not square")
+                    _fail(trace, f"the trace of a {rows} x {cols} matrix, which is not square")
             return None
         if _explicit(e):
             require_exact(e)
             return e.shape
-        if e in definitions or isinstance(e, (MatrixSymbol, ZeroMatrix, Identity, OneMatrix)):
+        if e in self.definitions or isinstance(e, (MatrixSymbol, ZeroMatrix, Identity, OneMatrix)):
             return e.shape
         if getattr(e, "is_notation", False):  # an undefined notation node: an opaque atom of its shape
             return e.shape
-        if isinstance(e, MatAdd):
-            shapes = [shape(a) for a in e.args]
-            if any(s is None for s in shapes):
-                fail(e, "a scalar added to a matrix")
-            for s in shapes[1:]:
-                if not (same_size(s[0], shapes[0][0]) and same_size(s[1], shapes[0][1])):
-                    fail(e, f"a sum of a {shapes[0][0]} x {shapes[0][1]} and a {s[0]} x {s[1]} matrix")
-            return shapes[0]
-        if isinstance(e, MatMul):
-            current = None
-            for a in e.args:
-                s = shape(a)
-                if s is None:
-                    continue
-                if current is not None and not same_size(current[1], s[0]):
-                    fail(e, f"a {current[0]} x {current[1]} matrix times a {s[0]} x {s[1]} matrix")
-                current = s if current is None else (current[0], s[1])
-            if current is None:
-                fail(e, "a product without a matrix")
-            return current
-        if isinstance(e, Inverse):
-            rows, cols = shape(e.arg)
-            if not same_size(rows, cols):
-                fail(e, f"the inverse of a {rows} x {cols} matrix, which is not square")
-            if not declared(e.arg):
-                fail(e, f"the inverse of {e.arg}, which no fact declares invertible")
-            return (rows, cols)
-        if isinstance(e, MatPow):
-            rows, cols = shape(e.args[0])
-            exponent = e.args[1]
-            if not same_size(rows, cols):
-                fail(e, f"a power of a {rows} x {cols} matrix, which is not square")
-            if not (exponent.is_Integer and exponent >= 0):
-                fail(e, "a power that is not a non-negative integer")
-            return (rows, cols)
-        if isinstance(e, Transpose):
-            rows, cols = shape(e.arg)
-            return (cols, rows)
-        if isinstance(e, DiagMatrix):
-            rows, cols = shape(e.args[0])
-            if cols == 1:
-                return (rows, rows)
-            if rows == 1:
-                return (cols, cols)
-            fail(e, "diag of a matrix that is not a vector")
-        if isinstance(e, KroneckerProduct):
-            shapes = [shape(a) for a in e.args]
-            rows, cols = sympy.Integer(1), sympy.Integer(1)
-            for r, c in shapes:
-                rows, cols = rows * r, cols * c
-            return (rows, cols)
-        fail(e, f"an undefined {type(e).__name__} node, which the normal form does not know")
+        for kind, rule in _NODE_RULES:
+            if isinstance(e, kind):
+                return rule(self, e)
+        _fail(e, f"an undefined {type(e).__name__} node, which the normal form does not know")
 
-    return shape(expr)
+    def _square(self, e, arg, what: str) -> tuple:
+        rows, cols = self.of(arg)
+        if not same_size(rows, cols):
+            _fail(e, f"{what} of a {rows} x {cols} matrix, which is not square")
+        return (rows, cols)
+
+    def sum(self, e):
+        shapes = [self.of(a) for a in e.args]
+        if any(s is None for s in shapes):
+            _fail(e, "a scalar added to a matrix")
+        for s in shapes[1:]:
+            if not (same_size(s[0], shapes[0][0]) and same_size(s[1], shapes[0][1])):
+                _fail(e, f"a sum of a {shapes[0][0]} x {shapes[0][1]} and a {s[0]} x {s[1]} matrix")
+        return shapes[0]
+
+    def product(self, e):
+        current = None
+        for a in e.args:
+            s = self.of(a)
+            if s is None:
+                continue
+            if current is not None and not same_size(current[1], s[0]):
+                _fail(e, f"a {current[0]} x {current[1]} matrix times a {s[0]} x {s[1]} matrix")
+            current = s if current is None else (current[0], s[1])
+        if current is None:
+            _fail(e, "a product without a matrix")
+        return current
+
+    def inverse(self, e):
+        shape = self._square(e, e.arg, "the inverse")
+        if not self.declared(e.arg):
+            _fail(e, f"the inverse of {e.arg}, which no fact declares invertible")
+        return shape
+
+    def power(self, e):
+        shape = self._square(e, e.args[0], "a power")
+        exponent = e.args[1]
+        if not (exponent.is_Integer and exponent >= 0):
+            _fail(e, "a power that is not a non-negative integer")
+        return shape
+
+    def transpose(self, e):
+        return tuple(reversed(self.of(e.arg)))
+
+    def diag(self, e):
+        rows, cols = self.of(e.args[0])
+        if cols == 1:
+            return (rows, rows)
+        if rows == 1:
+            return (cols, cols)
+        _fail(e, "diag of a matrix that is not a vector")
+
+    def kronecker(self, e):
+        rows, cols = sympy.Integer(1), sympy.Integer(1)
+        for r, c in (self.of(a) for a in e.args):
+            rows, cols = rows * r, cols * c
+        return (rows, cols)
+
+
+#: :class:`_Shapes`' rule for each kind of matrix node, in the order tried (an
+#: :class:`~sympy.Inverse` is a :class:`~sympy.MatPow`: it comes first).
+_NODE_RULES = (
+    (MatAdd, _Shapes.sum), (MatMul, _Shapes.product), (Inverse, _Shapes.inverse), (MatPow, _Shapes.power),
+    (Transpose, _Shapes.transpose), (DiagMatrix, _Shapes.diag), (KroneckerProduct, _Shapes.kronecker),
+)
 
 
 def _transpose_atom(atom: MatrixExpr) -> MatrixExpr:

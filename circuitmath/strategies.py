@@ -22,6 +22,7 @@ biases, a few outlier residual dimensions.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 
 import torch
 from hypothesis import strategies as st
@@ -67,31 +68,12 @@ def _check_choices(name: str, values, allowed) -> tuple:
 
 
 def configs(
-    *,
-    min_layers: int = 1,
-    max_layers: int = 2,
-    min_d_model: int = 2,
-    max_d_model: int = 12,
-    max_heads: int = 3,
-    max_d_head: int = 4,
-    max_d_mlp: int = 16,
-    max_vocab: int = 12,
-    min_ctx: int = 1,
-    max_ctx: int = 6,
-    normalization_types=NORMALIZATIONS,
-    norm_positions=("pre",),
-    positional_embedding_types=POSITIONAL,
-    act_fns=ACTIVATIONS,
-    attn_only: bool | None = None,
-    gated_mlp=(False, True),
-    parallel_attn_mlp=(False, True),
-    grouped_query=(False,),
-    sliding_window=(False,),
-    qk_norm=(False,),
-    norm_gain_offsets=(0.0,),
-    softcaps=(False,),
-    post_norms=(False,),
-    rotary_interleaved=(False,),
+    *, min_layers: int = 1, max_layers: int = 2, min_d_model: int = 2, max_d_model: int = 12, max_heads: int = 3,
+    max_d_head: int = 4, max_d_mlp: int = 16, max_vocab: int = 12, min_ctx: int = 1, max_ctx: int = 6,
+    normalization_types=NORMALIZATIONS, norm_positions=("pre",), positional_embedding_types=POSITIONAL,
+    act_fns=ACTIVATIONS, attn_only: bool | None = None, gated_mlp=(False, True), parallel_attn_mlp=(False, True),
+    grouped_query=(False,), sliding_window=(False,), qk_norm=(False,), norm_gain_offsets=(0.0,), softcaps=(False,),
+    post_norms=(False,), rotary_interleaved=(False,),
 ) -> st.SearchStrategy[Config]:
     """Strategy for :class:`~circuitmath.Config`\\ s no larger than the ``max_*`` sizes.
 
@@ -137,83 +119,121 @@ def configs(
     ...
     hypothesis.errors.InvalidArgument: need 0 <= min_layers <= max_layers, got min_layers=3, max_layers=1
     """
-    _check_range("layers", min_layers, max_layers, 0)
-    _check_range("ctx", min_ctx, max_ctx, 1)
-    _check_range("d_model", min_d_model, max_d_model, 2)
-    for name, value, floor in (("max_heads", max_heads, 1),
-                               ("max_d_head", max_d_head, 2), ("max_d_mlp", max_d_mlp, 1),
-                               ("max_vocab", max_vocab, 2)):
-        if not isinstance(value, int) or value < floor:
-            raise InvalidArgument(f"{name} must be an int >= {floor}, got {value!r}")
-    normalization_types = _check_choices("normalization_types", normalization_types, NORMALIZATIONS)
-    norm_positions = _check_choices("norm_positions", norm_positions, NORM_POSITIONS)
-    positional_embedding_types = _check_choices("positional_embedding_types", positional_embedding_types, POSITIONAL)
-    act_fns = _check_choices("act_fns", act_fns, ACTIVATIONS)
-    if attn_only not in (None, True, False):
-        raise InvalidArgument(f"attn_only must be None, True or False, got {attn_only!r}")
-    gated_mlp = _check_choices("gated_mlp", gated_mlp, (False, True))
-    parallel_attn_mlp = _check_choices("parallel_attn_mlp", parallel_attn_mlp, (False, True))
-    grouped_query = _check_choices("grouped_query", grouped_query, (False, True))
-    sliding_window = _check_choices("sliding_window", sliding_window, (False, True))
-    qk_norm = _check_choices("qk_norm", qk_norm, (False, True))
-    norm_gain_offsets = _check_choices("norm_gain_offsets", norm_gain_offsets, (0.0, 1.0))
-    softcaps = _check_choices("softcaps", softcaps, (False, True))
-    post_norms = _check_choices("post_norms", post_norms, (False, True))
-    rotary_interleaved = _check_choices("rotary_interleaved", rotary_interleaved, (False, True))
-    if norm_positions == ("post",) and normalization_types == (None,):
-        raise InvalidArgument("post-norm models need a normalization type other than None")
+    return _drawn_config(_ConfigOptions(
+        min_layers=min_layers, max_layers=max_layers, min_d_model=min_d_model, max_d_model=max_d_model,
+        max_heads=max_heads, max_d_head=max_d_head, max_d_mlp=max_d_mlp, max_vocab=max_vocab, min_ctx=min_ctx,
+        max_ctx=max_ctx, normalization_types=normalization_types, norm_positions=norm_positions,
+        positional_embedding_types=positional_embedding_types, act_fns=act_fns, attn_only=attn_only,
+        gated_mlp=gated_mlp, parallel_attn_mlp=parallel_attn_mlp, grouped_query=grouped_query,
+        sliding_window=sliding_window, qk_norm=qk_norm, norm_gain_offsets=norm_gain_offsets, softcaps=softcaps,
+        post_norms=post_norms, rotary_interleaved=rotary_interleaved,
+    ).checked())
 
-    @st.composite
-    def build(draw):
-        position = draw(st.sampled_from(norm_positions))
-        norms = [n for n in normalization_types if position == "pre" or n is not None]
-        allowed = [t for t in positional_embedding_types if position == "pre" or not t.startswith("shortformer")]
-        if not allowed:
-            raise InvalidArgument("post-norm models cannot use shortformer positional embeddings")
-        positional = draw(st.sampled_from(allowed))
-        d_head = draw(st.integers(1, max_d_head // 2)) * 2 if positional == "rotary" else draw(st.integers(1, max_d_head))
-        mlp = draw(st.booleans()) if attn_only is None else not attn_only
-        n_heads = draw(st.integers(1, max_heads))
-        kv_heads = None
-        if draw(st.sampled_from(grouped_query)):
-            kv_heads = draw(st.sampled_from([k for k in range(1, n_heads + 1) if n_heads % k == 0]))
-        n_layers, n_ctx = draw(st.integers(min_layers, max_layers)), draw(st.integers(min_ctx, max_ctx))
-        window = window_layers = None
-        if draw(st.sampled_from(sliding_window)):
-            window = draw(st.integers(1, max(1, n_ctx - 1)))
-            if draw(st.booleans()):
-                window_layers = tuple(draw(st.sets(st.integers(0, max(0, n_layers - 1)))))
-        normalization = draw(st.sampled_from(norms))
-        parallel = mlp and position == "pre" and draw(st.sampled_from(parallel_attn_mlp))
-        capped = draw(st.sampled_from(softcaps))
-        caps = {name: draw(st.floats(0.5, 5.0)) if capped else None
-                for name in ("attn_softcap", "logit_softcap", "attention_scale")}
-        sandwich = position == "pre" and not parallel and normalization not in ("LN", "LNPre") and draw(st.sampled_from(post_norms))
-        return Config(
-            n_layers=n_layers,
-            d_model=draw(st.integers(min_d_model, max_d_model)),
-            n_heads=n_heads,
-            n_key_value_heads=kv_heads,
-            gated_mlp=mlp and draw(st.sampled_from(gated_mlp)),
-            parallel_attn_mlp=parallel,
-            d_head=d_head,
-            d_mlp=draw(st.integers(1, max_d_mlp)) if mlp else None,
-            d_vocab=draw(st.integers(2, max_vocab)),
-            n_ctx=n_ctx,
-            act_fn=draw(st.sampled_from(act_fns)),
-            normalization_type=normalization,
-            norm_position=position,
-            positional_embedding_type=positional,
-            sliding_window=window,
-            sliding_window_layers=window_layers,
-            qk_norm=draw(st.sampled_from(qk_norm)),
-            norm_gain_offset=0.0 if normalization in ("LN", "LNPre") else draw(st.sampled_from(norm_gain_offsets)),
-            post_norms=sandwich,
-            rotary_interleaved=positional == "rotary" and draw(st.sampled_from(rotary_interleaved)),
-            **caps,
-        )
 
-    return build()
+@dataclass(frozen=True)
+class _ConfigOptions:
+    """The options of :func:`configs`, as given or (:meth:`checked`) checked and made tuples."""
+
+    min_layers: int
+    max_layers: int
+    min_d_model: int
+    max_d_model: int
+    max_heads: int
+    max_d_head: int
+    max_d_mlp: int
+    max_vocab: int
+    min_ctx: int
+    max_ctx: int
+    normalization_types: tuple
+    norm_positions: tuple
+    positional_embedding_types: tuple
+    act_fns: tuple
+    attn_only: bool | None
+    gated_mlp: tuple
+    parallel_attn_mlp: tuple
+    grouped_query: tuple
+    sliding_window: tuple
+    qk_norm: tuple
+    norm_gain_offsets: tuple
+    softcaps: tuple
+    post_norms: tuple
+    rotary_interleaved: tuple
+
+    def checked(self) -> _ConfigOptions:
+        """These options, each choice a tuple of allowed values; raises ``InvalidArgument`` naming the first bad one."""
+        _check_range("layers", self.min_layers, self.max_layers, 0)
+        _check_range("ctx", self.min_ctx, self.max_ctx, 1)
+        _check_range("d_model", self.min_d_model, self.max_d_model, 2)
+        for name, floor in (("max_heads", 1), ("max_d_head", 2), ("max_d_mlp", 1), ("max_vocab", 2)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < floor:
+                raise InvalidArgument(f"{name} must be an int >= {floor}, got {value!r}")
+        allowed = {"normalization_types": NORMALIZATIONS, "norm_positions": NORM_POSITIONS,
+                   "positional_embedding_types": POSITIONAL, "act_fns": ACTIVATIONS}
+        choices = {name: _check_choices(name, getattr(self, name), values) for name, values in allowed.items()}
+        if self.attn_only not in (None, True, False):
+            raise InvalidArgument(f"attn_only must be None, True or False, got {self.attn_only!r}")
+        for name in ("gated_mlp", "parallel_attn_mlp", "grouped_query", "sliding_window", "qk_norm"):
+            choices[name] = _check_choices(name, getattr(self, name), (False, True))
+        choices["norm_gain_offsets"] = _check_choices("norm_gain_offsets", self.norm_gain_offsets, (0.0, 1.0))
+        for name in ("softcaps", "post_norms", "rotary_interleaved"):
+            choices[name] = _check_choices(name, getattr(self, name), (False, True))
+        if choices["norm_positions"] == ("post",) and choices["normalization_types"] == (None,):
+            raise InvalidArgument("post-norm models need a normalization type other than None")
+        return replace(self, **choices)
+
+
+@st.composite
+def _drawn_config(draw, o: _ConfigOptions) -> Config:
+    """A config drawn from the checked options ``o`` (see :func:`configs`)."""
+    position = draw(st.sampled_from(o.norm_positions))
+    norms = [n for n in o.normalization_types if position == "pre" or n is not None]
+    allowed = [t for t in o.positional_embedding_types if position == "pre" or not t.startswith("shortformer")]
+    if not allowed:
+        raise InvalidArgument("post-norm models cannot use shortformer positional embeddings")
+    positional = draw(st.sampled_from(allowed))
+    d_head = draw(st.integers(1, o.max_d_head // 2)) * 2 if positional == "rotary" else draw(st.integers(1, o.max_d_head))
+    mlp = draw(st.booleans()) if o.attn_only is None else not o.attn_only
+    n_heads = draw(st.integers(1, o.max_heads))
+    kv_heads = None
+    if draw(st.sampled_from(o.grouped_query)):
+        kv_heads = draw(st.sampled_from([k for k in range(1, n_heads + 1) if n_heads % k == 0]))
+    n_layers, n_ctx = draw(st.integers(o.min_layers, o.max_layers)), draw(st.integers(o.min_ctx, o.max_ctx))
+    window = window_layers = None
+    if draw(st.sampled_from(o.sliding_window)):
+        window = draw(st.integers(1, max(1, n_ctx - 1)))
+        if draw(st.booleans()):
+            window_layers = tuple(draw(st.sets(st.integers(0, max(0, n_layers - 1)))))
+    normalization = draw(st.sampled_from(norms))
+    parallel = mlp and position == "pre" and draw(st.sampled_from(o.parallel_attn_mlp))
+    capped = draw(st.sampled_from(o.softcaps))
+    caps = {name: draw(st.floats(0.5, 5.0)) if capped else None
+            for name in ("attn_softcap", "logit_softcap", "attention_scale")}
+    sandwich = (position == "pre" and not parallel and normalization not in ("LN", "LNPre")
+                and draw(st.sampled_from(o.post_norms)))
+    return Config(
+        n_layers=n_layers,
+        d_model=draw(st.integers(o.min_d_model, o.max_d_model)),
+        n_heads=n_heads,
+        n_key_value_heads=kv_heads,
+        gated_mlp=mlp and draw(st.sampled_from(o.gated_mlp)),
+        parallel_attn_mlp=parallel,
+        d_head=d_head,
+        d_mlp=draw(st.integers(1, o.max_d_mlp)) if mlp else None,
+        d_vocab=draw(st.integers(2, o.max_vocab)),
+        n_ctx=n_ctx,
+        act_fn=draw(st.sampled_from(o.act_fns)),
+        normalization_type=normalization,
+        norm_position=position,
+        positional_embedding_type=positional,
+        sliding_window=window,
+        sliding_window_layers=window_layers,
+        qk_norm=draw(st.sampled_from(o.qk_norm)),
+        norm_gain_offset=0.0 if normalization in ("LN", "LNPre") else draw(st.sampled_from(o.norm_gain_offsets)),
+        post_norms=sandwich,
+        rotary_interleaved=positional == "rotary" and draw(st.sampled_from(o.rotary_interleaved)),
+        **caps,
+    )
 
 
 def state_dicts(

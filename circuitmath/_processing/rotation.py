@@ -26,37 +26,17 @@ import torch
 from .._config import Config
 from .._errors import Precondition, PreconditionError
 from .._state import StateDict, attention_names, validate_state_dict
-from ._common import PRE_NORM, readers, require, require_even_post_norms, rewrite
+from ._common import readers, require, require_even_post_norms, rewrite
 from .centering import center_writing_weights, require_pre_norm, writers
 from .layer_norm import fold_layer_norm
 from .norms import fold_rms_norm, layer_norm_to_rms_norm
 
 __all__ = [
-    "rotate_residual_stream",
-    "permute_heads",
-    "permute_neurons",
-    "residual_writers",
-    "residual_readers",
-    "orthogonality_error",
-    "kept_orthogonal",
-    "rotated_tensors",
-    "rotation_mismatches",
-    "recover_rotation",
-    "recover_head_permutation",
-    "recover_neuron_permutation",
-    "ORTHOGONALITY_SAFETY",
-    "random_orthogonal",
-    "hadamard",
-    "orthogonal_fixing_ones",
-    "procrustes",
-    "NO_NORM_GAIN",
-    "Q_SQUARE",
-    "Q_ORTHOGONAL",
-    "Q_FIXES_ONES",
-    "A_HEAD_PERMUTATION",
-    "GROUPS_MOVE_TOGETHER",
-    "HAS_MLPS",
-    "A_NEURON_PERMUTATION",
+    "rotate_residual_stream", "permute_heads", "permute_neurons", "residual_writers", "residual_readers",
+    "orthogonality_error", "kept_orthogonal", "rotated_tensors", "rotation_mismatches", "recover_rotation",
+    "recover_head_permutation", "recover_neuron_permutation", "ORTHOGONALITY_SAFETY", "random_orthogonal",
+    "hadamard", "orthogonal_fixing_ones", "procrustes", "NO_NORM_GAIN", "Q_SQUARE", "Q_ORTHOGONAL", "Q_FIXES_ONES",
+    "A_HEAD_PERMUTATION", "GROUPS_MOVE_TOGETHER", "HAS_MLPS", "A_NEURON_PERMUTATION",
 ]
 
 NO_NORM_GAIN = Precondition(
@@ -229,36 +209,28 @@ def rotate_residual_stream(
 
     Every tensor that writes a vector of the stream is multiplied by ``Q`` on the right
     (``embed.W_E``, a standard ``pos_embed.W_pos``, ``attn.W_O``, ``attn.b_O``, ``mlp.W_out``,
-    ``mlp.b_out``) and every weight that reads a norm's output by ``Q^T`` on the left
-    (``W_Q``, ``W_K``, ``W_V`` ``[heads, d_model, d_head]``, ``W_in``, ``W_gate``, ``W_U``); the
-    readers' biases are unchanged. The stream ``x`` of the new model is ``x Q`` everywhere, and
-    ``RMSPre(x Q) = RMSPre(x) Q`` because ``|x Q| = |x|``, so every reader computes what it
-    did: ``RMSPre(x Q) Q^T W = RMSPre(x) W``. Identity ``rotate_residual_stream``.
+    ``mlp.b_out``) and every weight that reads a norm's output by ``Q^T`` on the left (``W_Q``,
+    ``W_K``, ``W_V`` ``[heads, d_model, d_head]``, ``W_in``, ``W_gate``, ``W_U``); the readers'
+    biases are unchanged. The stream ``x`` becomes ``x Q`` everywhere, and ``RMSPre(x Q) =
+    RMSPre(x) Q`` because ``|x Q| = |x|``: ``RMSPre(x Q) Q^T W = RMSPre(x) W``.
 
-    Norms: ``RMSPre`` and no norm are rotated for any orthogonal ``Q``. ``LNPre`` only when ``Q``
-    maps the all-ones direction to itself (``Q 1 = 1`` or ``Q 1 = -1``, identity
-    ``layer_norm_rotation``), since ``LNPre`` centers, and the centering matrix
-    ``C = I - 1 1^T / d`` commutes with an orthogonal ``Q`` exactly then (``Q 1 1^T = 1 1^T Q``
-    gives ``Q 1 = c 1``, and ``|Q 1| = |1|`` gives ``c = ±1``; ``Q = -I`` is one). A norm with a gain
-    (``LN``, ``RMS``) is refused: ``diag(w)`` does not commute with ``Q``; the SliceGPT route is
+    Norms: ``RMSPre`` and no norm are rotated for any orthogonal ``Q``; ``LNPre`` only when
+    ``Q 1 = ±1`` (identity ``layer_norm_rotation``): the centering ``C = I - 1 1^T / d``
+    commutes with an orthogonal ``Q`` exactly then (``Q = -I`` is one). A norm with a gain (``LN``,
+    ``RMS``) is refused: ``diag(w)`` does not commute with ``Q``; the SliceGPT route is
     :func:`fold_layer_norm`, :func:`center_writing_weights`, :func:`layer_norm_to_rms_norm`, then
-    this (or :func:`fold_rms_norm`, then this). Post-norm models are refused.
-
-    Architectures: grouped-query keys and values (``attn._W_K``, ``attn._W_V``), the gate of a
-    gated MLP and parallel attention and MLP are rotated like any reader; rotary embeddings and
-    ``"shortformer_tables"`` act inside the heads and are unchanged. A shortformer ``W_pos`` is
-    added to ``ln1``'s output before ``W_Q`` and ``W_K`` read it: it is rotated with that output
-    (``(RMSPre(x) + W_pos) Q Q^T W_Q`` is what the model computed), which is exact.
+    this (or :func:`fold_rms_norm`, then this). Post-norm models are refused. Grouped-query
+    keys and values, the gate of a gated MLP and parallel attention and MLP are rotated like any
+    reader; rotary embeddings and ``"shortformer_tables"`` act inside the heads, unchanged; a
+    shortformer ``W_pos``, added to ``ln1``'s output before ``W_Q`` and ``W_K``, is rotated with it.
 
     :func:`random_orthogonal` and :func:`hadamard` make such a ``Q``, :func:`orthogonal_fixing_ones`
     one for an ``LNPre`` model. ``Q`` must be orthogonal to the precision of the model: ``max |Q^T Q - I| <=``
     :data:`ORTHOGONALITY_SAFETY` ``* d_model * eps(dtype)`` (a float32 ``Q`` does not rotate a
     float64 model exactly; orthogonalise it in float64). Computed in float64, rounded once to the
-    model's dtype; every tensor keeps its dtype and device. Tensors that are not rotated are
-    shared with the input.
-
-    Rotating twice is rotating once by ``Q_1 Q_2``, exact too: a second application is not
-    refused, and ``cfg.applied`` records the identity once per rotation.
+    model's dtype; every tensor keeps its dtype and device; tensors not rotated are shared with
+    the input. Rotating twice is rotating once by ``Q_1 Q_2``, exact too: a second application is
+    not refused, and ``cfg.applied`` records the identity once per rotation.
 
     >>> import torch
     >>> from circuitmath import Config, random_state_dict, rotate_residual_stream
@@ -274,6 +246,21 @@ def rotate_residual_stream(
     """
     identity = "rotate_residual_stream"
     require_pre_norm(identity, cfg)
+    _require_no_norm_gain(identity, cfg)
+    dtype = validate_state_dict(state_dict, cfg)
+    require_even_post_norms(identity, state_dict, cfg)
+    Q = _as_square(identity, Q, cfg.d_model)
+    tolerance = _require_orthogonal(identity, Q, dtype, cfg.d_model)
+    if cfg.normalization_type == "LNPre":
+        identity = "layer_norm_rotation"
+        _require_fixing_ones(identity, Q, tolerance)
+    out = dict(state_dict)
+    out.update(rotated_tensors(state_dict, cfg, Q))
+    return out, cfg.replace(applied=cfg.applied + (identity,))
+
+
+def _require_no_norm_gain(identity: str, cfg: Config) -> None:
+    """Refuse a norm with a gain (``LN``, ``RMS``), which does not commute with a rotation."""
     kind = cfg.normalization_type
     require(
         identity, NO_NORM_GAIN, kind not in ("LN", "RMS"),
@@ -285,36 +272,36 @@ def rotate_residual_stream(
                    f" ({fold_rms_norm.identity})",
         }.get(kind, ""),
     )
-    dtype = validate_state_dict(state_dict, cfg)
-    require_even_post_norms(identity, state_dict, cfg)
-    Q = _as_square(identity, Q, cfg.d_model)
+
+
+def _require_orthogonal(identity: str, Q: torch.Tensor, dtype: torch.dtype, d_model: int) -> float:
+    """Refuse a ``Q`` that is not orthogonal to the precision of a ``dtype`` model; returns that tolerance."""
     # the weights' precision, or Q's where Q is given more precisely: a float64 Q for a bfloat16
     # model is held to float64's (d_model eps of bfloat16 would let 1.2 I through)
     precision = min(torch.finfo(dtype).eps, torch.finfo(Q.dtype).eps)
-    tolerance = ORTHOGONALITY_SAFETY * cfg.d_model * precision
+    tolerance = ORTHOGONALITY_SAFETY * d_model * precision
     error = orthogonality_error(Q)
     require(
         identity, Q_ORTHOGONAL, error <= tolerance,
         f"max |Q^T Q - I| is {error:.3g}, above {tolerance:.3g} for a {str(Q.dtype).removeprefix('torch.')} Q and a"
-        f" {str(dtype).removeprefix('torch.')} model with d_model {cfg.d_model}: the norms see |x Q| != |x|"
+        f" {str(dtype).removeprefix('torch.')} model with d_model {d_model}: the norms see |x Q| != |x|"
         + (" (orthogonalise Q in the model's precision, e.g. torch.linalg.qr in float64)" if error < 1e-3 else ""),
     )
-    if kind == "LNPre":
-        identity = "layer_norm_rotation"
-        Q64 = Q.double()
-        ones = torch.ones(cfg.d_model, dtype=torch.float64, device=Q.device)
-        image = Q64 @ ones
-        plus, minus = float((image - ones).abs().max()), float((image + ones).abs().max())
-        require(
-            identity, Q_FIXES_ONES, min(plus, minus) <= tolerance * math.sqrt(cfg.d_model),
-            f"normalization_type is 'LNPre' and Q 1 is neither 1 nor -1 (max |Q 1 - 1| is {plus:.3g},"
-            f" max |Q 1 + 1| is {minus:.3g}): LNPre centers, and centering commutes with an orthogonal Q"
-            " exactly when Q 1 = 1 or Q 1 = -1. Center the writes and switch to RMSNorm first"
-            f" ({center_writing_weights.identity}, {layer_norm_to_rms_norm.identity})",
-        )
-    out = dict(state_dict)
-    out.update(rotated_tensors(state_dict, cfg, Q))
-    return out, cfg.replace(applied=cfg.applied + (identity,))
+    return tolerance
+
+
+def _require_fixing_ones(identity: str, Q: torch.Tensor, tolerance: float) -> None:
+    """Refuse, for an ``LNPre`` model, a ``Q`` that maps the all-ones vector to neither 1 nor -1."""
+    ones = torch.ones(Q.shape[0], dtype=torch.float64, device=Q.device)
+    image = Q.double() @ ones
+    plus, minus = float((image - ones).abs().max()), float((image + ones).abs().max())
+    require(
+        identity, Q_FIXES_ONES, min(plus, minus) <= tolerance * math.sqrt(Q.shape[0]),
+        f"normalization_type is 'LNPre' and Q 1 is neither 1 nor -1 (max |Q 1 - 1| is {plus:.3g},"
+        f" max |Q 1 + 1| is {minus:.3g}): LNPre centers, and centering commutes with an orthogonal Q"
+        " exactly when Q 1 = 1 or Q 1 = -1. Center the writes and switch to RMSNorm first"
+        f" ({center_writing_weights.identity}, {layer_norm_to_rms_norm.identity})",
+    )
 
 
 # -- permutations -----------------------------------------------------------------------------
