@@ -131,6 +131,8 @@ POSTCONDITIONS = {
     "migrate_norm_scales": None,
     "rotate_heads": None,
     "scale_neurons": None,
+    "fold_embedding_scale": None,
+    "fold_logit_scale": None,
 }
 
 #: Identities that move the weights off an earlier record's normal form by design, so that the

@@ -53,6 +53,8 @@ CHECKERS = {
     "migrate_norm_scales": (testing.check_migrate_norm_scales, {"normalization_type": "RMS", "gated_mlp": True}),
     "rotate_heads": (testing.check_rotate_heads, {"n_heads": 4, "n_key_value_heads": 2}),
     "scale_neurons": (testing.check_scale_neurons, {"normalization_type": "RMS", "gated_mlp": True}),
+    "fold_embedding_scale": (testing.check_fold_embedding_scale, {"embedding_scale": 6**0.5}),
+    "fold_logit_scale": (testing.check_fold_logit_scale, {"logit_scale": 0.0625}),
 }
 
 

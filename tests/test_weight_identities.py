@@ -20,6 +20,7 @@ CANDIDATES = (
     {"positional_embedding_type": "shortformer"},
     {"normalization_type": "LNPre", "eps": 0.0},
     {"eps": 0.0},
+    {"embedding_scale": 6**0.5, "logit_scale": 0.0625},
 )
 WEIGHT_IDENTITIES = [i for i in cm.identities() if i.compare is None]
 

@@ -17,6 +17,7 @@ from . import reparametrise  # noqa: F401
 from . import rotation  # noqa: F401
 from . import permutations  # noqa: F401
 from . import quantisation  # noqa: F401
+from . import scales  # noqa: F401
 from . import pipeline  # noqa: F401
 from . import notation  # noqa: F401
 from . import attention  # noqa: F401

@@ -45,4 +45,5 @@ from .rotation import (
     rotate_residual_stream as rotate_residual_stream,
     rotation_mismatches as rotation_mismatches,
 )
+from .scales import fold_embedding_scale as fold_embedding_scale, fold_logit_scale as fold_logit_scale
 from .shortformer import shortformer_to_tables as shortformer_to_tables
