@@ -9,7 +9,12 @@ once, at the public boundary:
   d_head]``), its norms as its forward pass reads them (``state_dict()``'s ``ln1.weight``: after
   ``process_weights`` the ``w`` that ``tl_parameters`` reports is stale), grouped keys and values
   taken back from the per-query-head copies it hands out, and its config read from the
-  ``transformers`` model it wraps (the converter of its ``model_type``);
+  ``transformers`` model it wraps (the converter of its ``model_type``). What ``tl_parameters``
+  leaves out is read as the family's converter reads it: QK-norms and sandwich norms from
+  ``state_dict()``, the one norm both parallel branches read as ``ln1`` and ``ln2``, a
+  LayerNorm without a bias as one whose bias is zero, learned positions from the row the
+  embedding's ``offset`` says position 0 reads (OPT's 2), the logit scale the wrapped model
+  multiplies by (Cohere's, 1 once the bridge folds it into the unembedding);
 - a ``transformers`` ``PreTrainedModel``: ``state_dict()`` in Hugging Face names with
   ``model.config`` (converted by :func:`circuitmath.io.from_hf`);
 - any other ``nn.Module``: its ``state_dict()``, in a naming circuitmath reads (TransformerLens's
@@ -21,6 +26,7 @@ Tensors are shared with the module (``state_dict()`` detaches them; nothing writ
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 
@@ -28,6 +34,7 @@ import torch
 
 from ._config import Config
 from ._errors import StateDictError
+from ._state import expected_shapes
 
 __all__ = ["as_state_dict", "is_model_object", "own_config"]
 
@@ -68,7 +75,7 @@ def as_state_dict(source, cfg=None, *, required: bool = True):
 #: A bridge parameter in TransformerLens names -> its key in ``bridge.state_dict()`` (the tensors
 #: its forward pass reads; ``tl_parameters()`` can hold stale copies of biases and norms).
 _LIVE = [
-    (re.compile(r"(blocks\.\d+\.ln[12]|ln_final)\.w"), r"\1.weight"),
+    (re.compile(r"(blocks\.\d+\.(?:ln[12](?:_post)?|attn\.[qk]_norm)|ln_final)\.w"), r"\1.weight"),
     (re.compile(r"(blocks\.\d+\.ln[12]|ln_final)\.b"), r"\1.bias"),
     (re.compile(r"(blocks\.\d+\.attn)\.W_([QKVO])"), lambda m: f"{m[1]}.{m[2].lower()}.weight"),
     (re.compile(r"(blocks\.\d+\.attn)\.b_([QKVO])"), lambda m: f"{m[1]}.{m[2].lower()}.bias"),
@@ -97,7 +104,12 @@ def _bridge_config(bridge, cfg) -> Config:
     if config is None or not hasattr(config, "model_type") and not isinstance(config, Mapping):
         raise StateDictError(
             f"this {type(bridge).__name__} wraps no transformers model with a config: pass its circuitmath Config")
-    return hf_layout(config).cfg
+    read = hf_layout(config).cfg
+    scale = getattr(getattr(bridge, "original_model", None), "logit_scale", None)
+    if read.logit_scale is not None and isinstance(scale, (int, float)) and scale != read.logit_scale:
+        # the scale the wrapped model's forward multiplies by (1 once the bridge folded it into W_U)
+        read = read.replace(logit_scale=None if scale == 1 else float(scale))
+    return read
 
 
 def _as_matrix(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -118,23 +130,53 @@ def _bridge_state_dict(bridge, cfg) -> tuple[dict[str, torch.Tensor], Config]:
     if cfg.n_key_value_heads and cfg.n_key_value_heads < cfg.n_heads:
         _regroup(params, cfg)
     live = bridge.state_dict()
+    shapes = expected_shapes(cfg)
+    for name in shapes.keys() - params.keys():  # read from the live tensors below
+        params[name] = torch.empty(0)
     for name, tensor in params.items():
         key = _live_key(name.replace("._", "."))
         stored = live.get(key) if key else None
         if stored is None:
             continue
         stored = stored.detach()
-        if stored.dim() == 1:  # a bias or a norm
-            if stored.numel() != tensor.numel():
-                raise StateDictError(f"the bridge's {name} has {tensor.numel()} entries, its {key} {stored.numel()}")
-            params[name] = stored.reshape(tensor.shape)
+        if stored.dim() == 1:  # a bias or a norm, shaped as the config says (the bridge's config can differ)
+            shape = shapes.get(name, tensor.shape)
+            if stored.numel() != math.prod(shape):
+                raise StateDictError(f"the bridge's {key} has {stored.numel()} entries, its {name} {math.prod(shape)}")
+            params[name] = stored.reshape(shape)
             continue
+        offset = _position_offset(bridge) if name == "pos_embed.W_pos" else None
+        if offset is not None:  # position p reads row p + offset
+            stored, params[name] = stored[offset:offset + cfg.n_ctx], tensor[offset:offset + cfg.n_ctx]
+            tensor = params[name]
         matrix = _as_matrix(name, tensor)
         if not any(candidate.shape == matrix.shape and torch.equal(candidate, matrix) for candidate in (stored, stored.T)):
             raise StateDictError(
                 f"the bridge's {name} (tl_parameters) is not the weight {key} its forward pass reads, in either"
                 " layout ([in, out] or [out, in]): pass the processed model's state dict instead")
+    _absent_norms(params, cfg)
     return params, cfg
+
+
+def _position_offset(bridge) -> int | None:
+    """The row of learned positions that position 0 reads, where the embedding says (OPT: 2)."""
+    offset = getattr(getattr(getattr(bridge, "pos_embed", None), "original_component", None), "offset", None)
+    return offset if isinstance(offset, int) and not isinstance(offset, bool) else None
+
+
+def _absent_norms(params: dict[str, torch.Tensor], cfg: Config) -> None:
+    """Norms the bridge holds no tensor for, as the family's converter reads them: ``ln2`` of
+    parallel branches that both read ``ln1``, a zero bias of a LayerNorm that has none."""
+    for name in [name for name, tensor in params.items() if tensor.numel() == 0]:
+        if cfg.parallel_attn_mlp and ".ln2." in name and params[name.replace(".ln2.", ".ln1.")].numel():
+            params[name] = params[name.replace(".ln2.", ".ln1.")]
+    for name in [name for name, tensor in params.items() if tensor.numel() == 0]:
+        gain = params.get(name[:-1] + "w")
+        if name.endswith(".b") and cfg.normalization_type == "LN" and gain is not None and gain.numel():
+            params[name] = torch.zeros_like(gain)
+    for name in [name for name, tensor in params.items() if tensor.numel() == 0]:
+        del params[name]  # the state's validation names what is missing
+
 
 def _regroup(params: dict[str, torch.Tensor], cfg: Config) -> None:
     """Grouped-query keys and values as circuitmath stores them (``attn._W_K [n_key_value_heads,

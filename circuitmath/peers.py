@@ -1,4 +1,5 @@
-"""Run TransformerLens's weight processing on circuitmath models, to compare against it.
+"""Run TransformerLens's weight processing on circuitmath models, to compare against it, and
+its ``TransformerBridge`` on ``transformers`` models.
 
 Needs the ``peers`` extra (``transformer-lens==4.3.0``); importing this module does not, the
 functions import TransformerLens when called. Both libraries use the same parameter names and
@@ -11,7 +12,7 @@ from __future__ import annotations
 from ._config import Config
 from ._state import StateDict, validate_state_dict
 
-__all__ = ["transformer_lens_config", "transformer_lens_process_weights"]
+__all__ = ["transformer_lens_bridge", "transformer_lens_config", "transformer_lens_process_weights"]
 
 
 def transformer_lens_config(cfg: Config, dtype, device="cpu"):
@@ -60,3 +61,20 @@ def transformer_lens_process_weights(state_dict: StateDict, cfg: Config, **flags
 
     dtype = validate_state_dict(state_dict, cfg)
     return ProcessWeights.process_weights(dict(state_dict), transformer_lens_config(cfg, dtype), **flags)
+
+
+def transformer_lens_bridge(model, **flags):
+    """A TransformerLens ``TransformerBridge`` over the ``transformers`` model ``model`` (built
+    offline from the module and its config, for the architecture its class names), with the
+    bridge's ``process_weights(**flags)`` applied (``fold_ln``, ``center_writing_weights``,
+    ``center_unembed``, ``fold_value_biases``: each True unless given False).
+
+    Building a bridge rewrites ``model`` in place (bridge components replace its submodules):
+    pass a copy to keep the original. circuitmath's checkers read the result as a model object
+    (:func:`circuitmath.testing.assert_equivalent`).
+    """
+    from transformer_lens.model_bridge.sources import build_bridge_from_module
+
+    bridge = build_bridge_from_module(model, type(model).__name__, hf_config=model.config)
+    bridge.process_weights(**flags)
+    return bridge
