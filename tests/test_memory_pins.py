@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from circuitmath._processing._memory import (
-    HUGE_PAGE_MIN_BYTES, SCRATCH_MIN_BYTES, converted, new_tensor, scratch, temporaries,
+    HUGE_PAGE_MIN_BYTES, SCRATCH_MIN_BYTES, new_tensor, scratch,
 )
 
 
@@ -37,17 +37,6 @@ def test_scratch_is_mapped_from_its_threshold_up():
     assert _mapped(scratch((count,), torch.float32, "cpu"))
     assert not _mapped(scratch((count - 1,), torch.float32, "cpu"))
     assert not _mapped(new_tensor((count,), torch.float32, "cpu"))  # an output below the huge-page threshold
-
-
-@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
-def test_within_temporaries_new_tensors_are_mapped_from_the_scratch_threshold():
-    count = SCRATCH_MIN_BYTES // 4
-    with temporaries():
-        assert _mapped(new_tensor((count,), torch.float32, "cpu"))
-        assert _mapped(converted(torch.ones(count, dtype=torch.bfloat16), torch.float32))
-        assert not _mapped(new_tensor((count - 1,), torch.float32, "cpu"))
-        assert not _mapped(new_tensor((count,), torch.float32, "cpu", mapped_from=HUGE_PAGE_MIN_BYTES))
-    assert not _mapped(new_tensor((count,), torch.float32, "cpu"))  # outside, outputs again
 
 
 #: A child process: a GPT-2-block-shaped model in DTYPE (2 layers, d_model 768, a 1024-token

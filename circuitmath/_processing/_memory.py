@@ -1,9 +1,8 @@
 """New tensors for large processed weights, backed by transparent huge pages where Linux offers them.
 
 A fresh tensor's memory is mapped by the kernel on first write, one 4 KiB page at a time; for a
-GPT-2-sized embedding (154 MB) that is 38,000 page faults, and they cost more than computing the
-entries (measured here: writing a copy of it into ``torch.empty`` memory takes 74 ms, into memory
-advised ``MADV_HUGEPAGE`` 27 ms). Tensors of at least :data:`HUGE_PAGE_MIN_BYTES` are therefore
+GPT-2-sized embedding that is tens of thousands of page faults, and they cost more than computing
+the entries (``benchmarks/process_weights.py`` measures the whole processing). Tensors of at least :data:`HUGE_PAGE_MIN_BYTES` are therefore
 allocated as a private anonymous ``mmap`` advised ``MADV_HUGEPAGE`` and wrapped by
 :func:`torch.frombuffer`: an ordinary contiguous CPU tensor that frees its memory when its last
 view is deleted. Its storage cannot be resized (``resize_`` raises). Where the advice is not
@@ -11,9 +10,8 @@ available (not Linux, or the kernel refuses it) the tensor comes from :func:`tor
 
 Temporaries that processing frees while it goes on (a half-precision weight cast to float32, a
 block of rows) are mapped from the smaller :data:`SCRATCH_MIN_BYTES` (:func:`scratch`), so that
-the C allocator's heap holds only small tensors and outputs; so are the outputs of code run
-within :func:`temporaries` (a half-precision part's float32 tensors, rounded once and freed).
-Nothing here changes the allocator's process-wide settings.
+the C allocator's heap holds only small tensors and outputs. Nothing here changes the
+allocator's process-wide settings.
 """
 
 from __future__ import annotations
@@ -27,31 +25,14 @@ import sys
 import torch
 
 __all__ = [
-    "HUGE_PAGE_MIN_BYTES", "SCRATCH_MIN_BYTES", "new_tensor", "scratch", "converted", "rows_per_block", "temporaries",
-    "recycling", "in_memory",
+    "HUGE_PAGE_MIN_BYTES", "SCRATCH_MIN_BYTES", "new_tensor", "scratch", "converted", "rows_per_block", "recycling",
+    "in_memory",
 ]
 
 HUGE_PAGE_MIN_BYTES = 4 << 20
 
 #: Temporaries of at least this size are mapped by :func:`scratch` (see there).
 SCRATCH_MIN_BYTES = 64 << 10
-
-#: Whether the tensors made now are temporaries (see :func:`temporaries`).
-_MAKING_TEMPORARIES = contextvars.ContextVar("making_temporaries", default=False)
-
-
-@contextlib.contextmanager
-def temporaries():
-    """Within it, :func:`new_tensor` and :func:`converted` map from :data:`SCRATCH_MIN_BYTES`
-    unless told otherwise: for code that makes outputs (a step's processed tensors) that its
-    caller only reads and frees (a half-precision part's float32 tensors, rounded once), so that
-    they are not freed into the C heap among the tensors kept (see :func:`scratch`)."""
-    token = _MAKING_TEMPORARIES.set(True)
-    try:
-        yield
-    finally:
-        _MAKING_TEMPORARIES.reset(token)
-
 
 #: The maps :func:`new_tensor` made within :func:`recycling` (``None`` outside it).
 _RECYCLED: contextvars.ContextVar[list | None] = contextvars.ContextVar("recycled", default=None)
@@ -63,9 +44,8 @@ def recycling():
     the same size in bytes, that no tensor uses any more (its contents are left as they were),
     instead of a fresh one: for a loop that makes tensors of the same sizes over and over (a
     checkpoint's blocks, processed and written one after another). A fresh map costs the
-    kernel a page fault and the zeroing of every page on first write: measured on a
-    LLaMA-7B-shaped checkpoint here, 5.5 s of the 21 s that ``process`` spent on its main
-    thread. A map no tensor uses stays mapped until the ``with`` statement ends, so memory holds
+    kernel a page fault and the zeroing of every page on first write, a large share of the
+    time of streamed processing. A map no tensor uses stays mapped until the ``with`` statement ends, so memory holds
     what the loop held at most.
 
     >>> with recycling():
@@ -136,11 +116,11 @@ def new_tensor(
     """An uninitialised contiguous tensor of ``shape`` and ``dtype`` on ``device``: on the CPU,
     one of at least ``mapped_from`` bytes is mapped (advised huge pages from
     :data:`HUGE_PAGE_MIN_BYTES`); a smaller one, or one on any other device, from :func:`torch.empty`.
-    ``mapped_from`` defaults to :data:`HUGE_PAGE_MIN_BYTES`, or :data:`SCRATCH_MIN_BYTES` within
-    :func:`temporaries`. Within :func:`recycling`, a map no tensor uses any more is mapped again.
+    ``mapped_from`` defaults to :data:`HUGE_PAGE_MIN_BYTES`. Within :func:`recycling`, a map no
+    tensor uses any more is mapped again.
     """
     if mapped_from is None:
-        mapped_from = SCRATCH_MIN_BYTES if _MAKING_TEMPORARIES.get() else HUGE_PAGE_MIN_BYTES
+        mapped_from = HUGE_PAGE_MIN_BYTES
     count = math.prod(shape)
     size = count * dtype.itemsize
     if torch.device(device).type != "cpu" or size < mapped_from or not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -167,10 +147,8 @@ def scratch(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: tor
     been freed, glibc raises its mapping threshold to that block's size (up to 32 MB) and serves
     later mid-sized blocks from the heap, where the small tensors made after them and kept (a
     block's sum, a bias) split the freed space, so the next block of the same size takes new
-    memory, and freed heap memory stays resident. Measured on GPT-2-small in bfloat16
-    (``benchmarks/process_weights.py``, two runs in one process): processing added 2.1 times the
-    weights with heap temporaries, 1.03 to 1.06 times with mapped ones (the output itself is
-    1.0). A mapped temporary goes back to the system when it is freed; one reused per loop
+    memory, and freed heap memory stays resident (``benchmarks/process_weights.py`` measures
+    the memory processing adds). A mapped temporary goes back to the system when it is freed; one reused per loop
     costs one mapping, not one per block.
     """
     return new_tensor(shape, dtype, device, mapped_from=SCRATCH_MIN_BYTES)
@@ -206,8 +184,7 @@ def in_memory(tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     q_proj.weight[h * d_head:(h + 1) * d_head].T``). Such a view is copied as whole 2-D
     transposes, which torch does in cache-sized blocks: several times faster than the strided
     element-by-element copy it makes of a 3-D view, and than any copy that also converts the
-    dtype (for a bfloat16 ``[11008, 4096]`` matrix here, 0.11 s against 1.0 s for a transposing
-    cast to float32). Casting afterwards, contiguous to contiguous, is cheap.
+    dtype (a transposing cast to float32). Casting afterwards, contiguous to contiguous, is cheap.
     """
     if tensor.is_contiguous():
         return tensor if out is None else out.copy_(tensor)

@@ -377,8 +377,8 @@ def _scaled_rows(
     cache. Each block's sum is appended to ``sums``.
 
     A temporary made per block and freed while the sums made after it are kept would fragment
-    the C heap (see :func:`~circuitmath._processing._memory.scratch`): measured on LLaMA-shaped
-    layers, a mixed-dtype ``torch.mul`` (its cast of each block) left twice ``W_Q``'s size resident.
+    the C heap (see :func:`~circuitmath._processing._memory.scratch`): a mixed-dtype ``torch.mul``
+    (its cast of each block) leaves freed memory resident.
     On another device (a GPU) without ``center``, the whole weight is one mixed-dtype product, the
     same bits: it computes in ``w``'s dtype and rounds once, with no temporary. A ``W`` that is the
     transpose of a contiguous tensor (a checkpoint's ``[out, in]`` matrix as a converter hands it

@@ -8,7 +8,7 @@ import torch
 from .._config import Config
 from .._errors import CircuitMathError, OverflowedError
 from .._state import StateDict, expected_shapes, not_finite
-from ._memory import SCRATCH_MIN_BYTES, converted, temporaries
+from ._memory import SCRATCH_MIN_BYTES, converted
 from ._parts import InMemory, Parts
 from .attention import refactor_factored_attn_matrices
 from .dispatch import fused_first, processed
@@ -122,9 +122,8 @@ def _attention_then_block(
     attention, attention_cfg, rest, rest_cfg = _block_halves(state_dict, cfg, layer, dtype, parts.device)
     fused_only = asked | {keyword: False for keyword, _ in AFTER_FUSED}
     try:
-        with temporaries():  # the float32 tensors are rounded below and freed
-            attention_out, attention_out_cfg = Parts(InMemory(attention), attention_cfg, torch.float32, parts.device).run(
-                layer, lambda sd, c: processed(sd, c, asked, owned=True))
+        attention_out, attention_out_cfg = Parts(InMemory(attention), attention_cfg, torch.float32, parts.device).run(
+            layer, lambda sd, c: processed(sd, c, asked, owned=True))
         attention_out = rounded_once(attention_out, dtype)
         out, _cfg = Parts(InMemory(rest), rest_cfg, dtype, parts.device).run(
             layer, lambda sd, c: processed(sd, c, fused_only))

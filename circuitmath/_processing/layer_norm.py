@@ -162,8 +162,8 @@ def products_through(V: torch.Tensor, W: torch.Tensor, *, rows: int = PRODUCT_RO
     A float32 product accumulates all ``d_model`` terms in float32, and the folded biases feed
     every later layer. Here each block of ``rows`` terms is summed in ``W``'s dtype (float32 for
     half precision, a chunk of blocks cast at a time) and the blocks in float64: no float64 copy
-    of ``W`` is made, and each bias carries the rounding of ``rows`` terms, not ``d_model``. Blocks of 64 rows cost what one float32 product costs
-    (measured on GPT-2-small shapes; blocks of 16 take 1.5 to 2.5 times as long).
+    of ``W`` is made, and each bias carries the rounding of ``rows`` terms, not ``d_model``. Blocks of 64 rows
+    cost about what one float32 product costs; smaller blocks cost more.
     """
     compute = compute_dtype(W.dtype)
     if compute != W.dtype and W.shape[-2]:

@@ -106,9 +106,9 @@ _KEPT: dict[tuple[int, int], tuple[torch.Tensor, float]] = {}
 def kept_orthogonal(size: int, *, seed: int) -> torch.Tensor:
     """A copy of ``random_orthogonal(size, seed=seed)`` (float64, on the CPU), made once for the
     last ``size`` and ``seed`` asked for: the numeric checks rotate every part of a checkpoint by
-    one such ``Q``, and for ``size`` 4096 its QR factorisation takes 6 s here and ``Q^T Q``
-    (:func:`orthogonality_error`, then answered from memory) 2 s. Holds one ``[size, size]``
-    matrix."""
+    one such ``Q``, and for a model's ``size`` its QR factorisation and ``Q^T Q``
+    (:func:`orthogonality_error`, then answered from memory) take seconds. Holds one
+    ``[size, size]`` matrix."""
     if (size, seed) not in _KEPT:
         _KEPT.clear()
         Q = random_orthogonal(size, seed=seed)
