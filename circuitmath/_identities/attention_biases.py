@@ -28,6 +28,7 @@ from .._processing._common import NO_ATTN_SOFTCAP, NOT_APPLIED, NOT_ROTARY, NO_Q
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, WrongRewrite, register
 from .._state import attention_names
+from ._softcaps import attention_softcap_twin, capped_rows_sum_to_one
 from .layer_norm import REGARDLESS
 
 n, d, e = (Symbol(s, positive=True, integer=True) for s in ("n", "d", "e"))
@@ -173,6 +174,7 @@ def _value_bias_proof() -> Proof:
                 _without_value_biases(P, b_O_folded),
             ),
         ),
+        lemmas=(("capped_rows_sum_to_one", capped_rows_sum_to_one()),),
     )
 
 
@@ -275,6 +277,7 @@ def _key_bias_proof() -> Proof:
                 MatMul(E_b, Inverse(DiagMatrix(k_b))),
                 MatMul(E, Inverse(DiagMatrix(k))),
             ),
+            attention_softcap_twin(),
         ),
     )
 

@@ -27,6 +27,7 @@ from .._processing._common import NO_LOGIT_SOFTCAP, NOT_APPLIED, PRE_NORM
 from .._processing.centering import CENTERING_NORM
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, WrongRewrite, register
+from ._softcaps import fold_before_the_logit_softcap, logit_softcap_twin
 from .layer_norm import REGARDLESS
 
 d, V = Symbol("d", positive=True, integer=True), Symbol("V", positive=True, integer=True)
@@ -168,7 +169,10 @@ def _unembed_proof() -> Proof:
         ),
         samplers={ell: _logits_with_mean, m: lambda rng, shape: MEAN},
         explicit_dims={d: 3, V: 4},
-        assumptions=("the logits are real, so m is real",),
+        assumptions=(
+            "the logits are real, so m is real",
+            "no softcap between the logits and the softmax: the lemma shows what still holds under one",
+        ),
         twins=(
             Twin(
                 "raw_logits_unchanged",
@@ -188,7 +192,9 @@ def _unembed_proof() -> Proof:
                 MatAdd(ell, MatMul(-m, row), MatMul(-lse_centered, row)),
                 MatAdd(rhs, MatMul(-m, row)),
             ),
+            logit_softcap_twin(ell, j, V, m),
         ),
+        lemmas=(("fold_before_the_logit_softcap", fold_before_the_logit_softcap()),),
     )
 
 
