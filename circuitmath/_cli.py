@@ -188,9 +188,10 @@ written by circuitmath.io.save) one layer at a time, as {process_weights.__name_
 memory, and write the result to the new folder OUT: one safetensors shard per layer with the
 processed config in its metadata, and model.safetensors.index.json. A Hugging Face folder comes
 out in its own architecture's names and layout, with its config.json, where the processed model
-fits them (LLaMA: each norm's gain folded into the maps that read it and stored as 1), else in
-circuitmath's names (GPT-2 and GPT-NeoX, whose folded final LayerNorm gives the unembedding a
-bias). Memory holds two layers (one written while the next is processed).
+fits them (LLaMA: each norm's gain folded into the maps that read it and stored as 1; GPT-2 and
+GPT-NeoX, which have no unembedding bias: the norms folded without centering their readers, the
+final LayerNorm's bias kept), else in circuitmath's names (tied embeddings the processing makes
+differ). Memory holds two layers (one written while the next is processed).
 OUT is written under a temporary name and renamed at the end: a refusal, an error or an
 interruption leaves nothing. Exit status: 0 written, 2 bad input or a step refused (nothing
 written)."""

@@ -12,8 +12,11 @@ both ways, and no tensor is transposed on the way out.
 The processed model fits the layout when every tensor the converter makes up (a bias the
 architecture lacks, read as zeros) is still what it makes up, and tensors stored once (a tied
 embedding and unembedding) are still equal; :func:`place` checks both and raises
-:class:`NotStored` otherwise (a GPT-2 whose folded final LayerNorm gives the unembedding a bias:
-the caller writes circuitmath's layout instead).
+:class:`NotStored` otherwise (a tied GPT-2 or LLaMA whose unembedding the processing changes:
+the caller writes circuitmath's layout instead). An architecture without an unembedding bias
+(GPT-2, GPT-NeoX) keeps its final LayerNorm's bias instead of the bias its fold makes
+(:func:`writing_steps`, :func:`final_bias_kept`); read back, a final norm of gain 1 and bias
+``c`` is the unembedding bias ``c W_U``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from ._hf import Layout, _Source
 from ._processing._memory import in_memory
 from ._state import expected_shapes
 
-__all__ = ["LAYOUT_KEY", "NotStored", "place", "processed_layout", "viewers"]
+__all__ = ["LAYOUT_KEY", "NotStored", "final_bias_kept", "place", "processed_layout", "viewers", "writing_steps"]
 
 #: The metadata key saying that a folder's tensors are in the names and layout of its
 #: ``config.json``'s architecture (value: ``"config.json"``), its circuitmath config under
@@ -64,17 +67,22 @@ def processed_layout(layout: Layout, cfg: Config) -> Layout:
 
     def dropping(convert):
         def converted(src: _Source, *layer):
-            out = {}
-            for name, tensor in convert(src, *layer).items():
+            out, part, kept_bias = {}, convert(src, *layer), None
+            for name, tensor in part.items():
                 value = identity_value(name, cfg.norm_gain_offset)
                 if name in shapes:
                     out[name] = tensor
+                elif name == "ln_final.b" and "unembed.b_U" in shapes and src.holds_values and bool(tensor.ne(0).any()):
+                    kept_bias = tensor  # the fold's unembedding bias, kept as the final norm's (final_bias_kept)
                 elif value is None:
                     raise StateDictError(f"the converter gives {name!r}, which the circuitmath config in the metadata lacks")
                 elif src.holds_values and not bool((tensor == value).all()):
                     raise StateDictError(
                         f"{name} (stored under the architecture's name) is not {value:g} everywhere, but the circuitmath"
                         " config in the metadata says its norm was folded")
+            if kept_bias is not None:  # LNPre(x) + c read by W_U and b_U: b_U + c W_U, rounded once
+                b_U = part["unembed.b_U"]
+                out["unembed.b_U"] = (kept_bias.double() @ part["unembed.W_U"].double() + b_U.double()).to(b_U.dtype)
             return out
         return converted
 
@@ -192,3 +200,68 @@ def place(layout: Layout, layer: int | None, processed: Mapping[str, torch.Tenso
             raise NotStored(f"{stored} is stored once for {names}, which the processing made different")
         out[stored] = buffer
     return out
+
+
+def writing_steps(viewed_ends: Mapping[str, list[str]], cfg: Config, keywords: dict):
+    """What a folder of config ``cfg`` is processed with to be written in its own layout, given
+    the circuitmath names its ends are stored through (``viewed_ends``: each stored tensor's
+    views): :func:`~circuitmath.process_weights`' ``keywords`` as they are, or, for a LayerNorm
+    model whose unembedding has no bias (GPT-2, GPT-NeoX) and whose keywords fold its norms, a
+    ``transform(state_dict, cfg)`` that applies the same steps but for the centering of the
+    norms' readers, and keeps the final LayerNorm's bias (:func:`final_bias_kept`). The fold
+    alone leaves each reader ``diag(w) W``, so the bias ``b W_U`` the final norm's fold makes is
+    ``(b / w) diag(w) W_U``: the final norm's bias behind its folded gain; centering ``W_U`` over
+    ``d_model`` would take from it a part no bias ahead of ``W_U`` gives. ``applied`` says so:
+    ``center_reading_weights`` is not in it."""
+    views = {name for names in viewed_ends.values() for name in names}
+    if cfg.normalization_type != "LN" or "unembed.b_U" in views or "ln_final.b" not in views:
+        return keywords
+    from ._processing import process_weights
+    from ._identities import get_identity
+    from ._weights import random_state_dict
+
+    small = cfg.replace(n_layers=1, d_model=4, d_mlp=None if cfg.d_mlp is None else 4, d_vocab=3, n_ctx=min(cfg.n_ctx, 3))
+    applied = process_weights(random_state_dict(small, seed=0), small, **keywords)[1].applied[len(cfg.applied):]
+    if "center_reading_weights" not in applied:
+        return keywords
+    steps = [get_identity(name).transform for name in applied if name != "center_reading_weights"]
+
+    def transform(state_dict, part_cfg):
+        dtype = state_dict["embed.W_E"].dtype  # a block's part holds stand-ins of the ends too
+        work = {n: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for n, t in state_dict.items()}
+        out, out_cfg = work, part_cfg
+        for step in steps:  # half precision in float32, rounded once
+            out, out_cfg = step(out, out_cfg)
+        out = {n: t.to(dtype) for n, t in out.items()}
+        if part_cfg.n_layers == 0:  # the ends
+            out = final_bias_kept(out, state_dict["ln_final.w"], state_dict["ln_final.b"], state_dict["unembed.b_U"])
+        return out, out_cfg
+
+    return transform
+
+
+def final_bias_kept(processed: Mapping[str, torch.Tensor], w: torch.Tensor, b: torch.Tensor,
+                    given_b_U: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The ends ``processed`` (the final LayerNorm ``(w, b)`` folded, not centered) with the
+    unembedding bias the fold made moved back into the final norm, for a layout whose
+    unembedding has none (``given_b_U``, the zeros its converter reads).
+
+    ``LN(x) W_U = LNPre(x) diag(w) W_U + b W_U`` and, with ``c = b / w`` (no gain zero),
+    ``b W_U = c diag(w) W_U``; the centering of the unembedding over the vocabulary is linear,
+    so the processed bias is ``c`` times the processed ``W_U``: the norm is stored with gain 1
+    and bias ``c`` (rounded once to the dtype, as every folded weight is) ahead of the processed
+    ``W_U``, and ``b_U`` as given. :class:`NotStored` when a zero gain meets a nonzero bias, or
+    when ``c`` does not give the processed ``b_U`` to a few units of rounding."""
+    b_U = processed["unembed.b_U"]
+    if torch.equal(b_U, given_b_U):
+        return dict(processed)
+    w64, b64 = w.double(), b.double()
+    if bool(((w64 == 0) & (b64 != 0)).any()):
+        raise NotStored("the final LayerNorm has a zero gain with a nonzero bias: its bias cannot be kept behind the folded gain")
+    c = (b64 / torch.where(w64 == 0, 1.0, w64)).to(b_U.dtype)
+    W_U = processed["unembed.W_U"].double()
+    # c, the folded W_U and b_U are each rounded once: their products agree to a few units of rounding
+    bound = 8 * torch.finfo(b_U.dtype).eps * (c.double().abs() @ W_U.abs() + b_U.double().abs())
+    if not bool(((c.double() @ W_U - b_U.double()).abs() <= bound).all()):
+        raise NotStored("the processed unembed.b_U is not the final LayerNorm's bias through the processed W_U")
+    return {**processed, "unembed.b_U": given_b_U.clone(), "ln_final.b": c}

@@ -44,7 +44,7 @@ from ._processing.dispatch import bits_free_of_strides
 from ._processing.pipeline import process_weights
 from ._processing.steps import STEPS, leaving_out, steps_between
 from ._state import DTYPES, expected_shapes, not_finite, usable_device
-from ._stored import NotStored, place
+from ._stored import NotStored, place, writing_steps
 
 __all__ = ["process_checkpoint", "opened", "PartReader", "replayed"]
 
@@ -218,6 +218,8 @@ def replayed(parts: Parts, layer: int | None, keywords) -> tuple[dict[str, torch
     def transform(state_dict, part_cfg):
         if isinstance(keywords, dict):
             out, out_cfg = process_weights(state_dict, part_cfg, **keywords)
+        elif callable(keywords):  # the processing a folder is written in its own layout with
+            out, out_cfg = keywords(state_dict, part_cfg)
         else:
             out, out_cfg = state_dict, part_cfg
             for identity in keywords:
@@ -265,9 +267,12 @@ def process_checkpoint(
     and layout where the processed model fits them (:mod:`circuitmath._stored`: for LLaMA, the
     same tensors with the norms' gains folded into the next maps and set to 1, ``config.json``
     copied), so it loads wherever the input did; the tensors the processing hands back as given
-    are copied by the kernel, and no matrix is transposed. A processed model the layout cannot
-    hold (GPT-2 and GPT-NeoX, whose folded final LayerNorm gives the unembedding a bias) is
-    written in circuitmath's names, as a circuitmath checkpoint is.
+    are copied by the kernel, and no matrix is transposed. GPT-2 and GPT-NeoX, which have no
+    unembedding bias for the folded final LayerNorm's, are processed with the steps
+    :func:`~circuitmath._stored.writing_steps` chooses (the norms' readers not centered, the
+    final norm's bias kept; ``applied`` says which). A processed model the layout cannot hold (a
+    tied embedding the processing makes differ from the unembedding) is written in
+    circuitmath's names, with :func:`process_weights`' steps, as a circuitmath checkpoint is.
     """
     keywords = _keywords(steps)
     if dtype is not None and dtype not in DTYPES:
@@ -282,8 +287,9 @@ def process_checkpoint(
     stored = checkpoint.hf_config is not None
     while True:
         try:
-            return _written(checkpoint, destination, leaving_out(keywords, left_out), dtype or checkpoint.dtype, device,
-                            progress, stored)
+            steps = leaving_out(keywords, left_out)
+            steps = writing_steps(checkpoint.stored(None), checkpoint.cfg, steps) if stored else steps
+            return _written(checkpoint, destination, steps, dtype or checkpoint.dtype, device, progress, stored)
         except _PartsDisagree as disagreement:
             if disagreement.keywords <= left_out:  # cannot happen: a step left out applies nowhere
                 raise RuntimeError(f"process_checkpoint: the parts disagree on {sorted(left_out)} left out") from None
@@ -322,12 +328,12 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
     # written as the checkpoint holds it (the same bits: float32 holds every half-precision
     # number), and an unread one is neither converted nor rounded.
     untouched = None
-    if target == checkpoint.dtype and device.type == "cpu":
+    if target == checkpoint.dtype and device.type == "cpu" and isinstance(keywords, dict):
         untouched = {True: _untouched(cfg, keywords, None, target), False: _untouched(cfg, keywords, 0, target)}
     # two sets of block buffers: a block's tensors are written while the next block is read;
     # none where the output is in the checkpoint's layout and the processing keeps it: each
     # tensor is then processed where it is mapped and its product written as it comes
-    as_stored = stored and bits_free_of_strides(cfg, keywords)
+    as_stored = stored and isinstance(keywords, dict) and bits_free_of_strides(cfg, keywords)
     reader = PartReader(checkpoint, target if device.type == "cpu" else None, untouched, buffer_sets=2,
                         unread_as_stored=True, as_stored=as_stored)
     parts = Parts(reader, cfg, target, device, checkpoint.path, keep_layout=as_stored)
