@@ -32,7 +32,7 @@ import torch
 
 from ._config import Config
 from ._errors import ConfigError, InputError, StateDictError
-from ._state import check_config_fits, entries_checked_elsewhere, expected_shapes, validate_state_dict
+from ._state import check_config_fits, expected_shapes, validated
 from ._files import CONFIG_KEY, PICKLE_SUFFIXES, UnsafeFormatError, _about, read_config, read_header, read_json
 from ._hf import Layout, _Source, hf_layout
 from ._processing._memory import in_memory, new_tensor
@@ -205,8 +205,8 @@ class Checkpoint:
             for layer in range(self.cfg.n_layers):
                 whole |= self.layout.block(placeheld, layer)
             placeheld.all_used()
-            with entries_checked_elsewhere():  # the entries are checked as each part is read
-                self.dtype = validate_state_dict(whole, self.cfg)
+            # the entries are checked as each part is read
+            self.dtype = validated(whole, self.cfg, entries=False).dtype
 
     def ends(self) -> dict[str, torch.Tensor]:
         with _about(self.path):

@@ -143,20 +143,16 @@ def _check(args) -> int:
     progress = _ProgressLine(sys.stderr) if sys.stderr.isatty() and not args.json else None
     try:
         cfg = io.read_config(args.config) if args.config else None
-        with _diagnosis._names.input_names() as names:
-            report = _checked(args, cfg, tokens, progress, device)
+        report = _checked(args, cfg, tokens, progress, device)
     finally:
         if progress is not None:
             progress.close()
-    if names[0] is None and Path(args.processed or args.model).is_dir():  # a folder, read a block at a time
-        names[0] = _diagnosis._names.checkpoint_names(args.processed or args.model, None if args.processed else cfg)
-    report = _diagnosis._names.speak(report, names[0])
     print(json.dumps(report.as_dicts(), indent=2) if args.json else str(report).lstrip("\n"))
     return 0 if report.ok else 1
 
 
 def _checked(args, cfg, tokens, progress, device):
-    """The report of ``check`` (see :func:`_check`), in circuitmath's names."""
+    """The report of ``check`` (see :func:`_check`), in the names of the input whose tensors it names."""
     from . import _diagnosis
 
     if args.processed and (Path(args.processed).is_dir() or (Path(args.model) / INDEX).exists()):
@@ -165,6 +161,8 @@ def _checked(args, cfg, tokens, progress, device):
         _diagnosis._misuse.refuse_misused_checkpoints(args.model, args.processed, cfg)
         report = check_processed(
             args.model, args.processed, cfg, tokens=tokens, progress=progress, device=device)
+        if Path(args.processed).is_dir():
+            report = _diagnosis._names.speak(report, _diagnosis._names.checkpoint_names(args.processed))
     elif args.processed:
         report = _diagnosis.diagnose(
             args.model, args.processed, cfg, tokens=tokens, progress=progress, device=device)
@@ -173,6 +171,7 @@ def _checked(args, cfg, tokens, progress, device):
 
         report = check_model_streaming(args.model, cfg, tokens=tokens, progress=progress, device=device,
                                        exact=args.exact)
+        report = _diagnosis._names.speak(report, _diagnosis._names.checkpoint_names(args.model, cfg))
     else:
         report = _diagnosis.check_model(args.model, cfg, tokens=tokens, progress=progress, device=device)
     return report

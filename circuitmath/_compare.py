@@ -18,7 +18,7 @@ import torch
 
 from ._config import Config
 from ._reference import Centering, block, check_tokens, embed, log_probs, unembed
-from ._state import StateDict, entries_checked_elsewhere, validate_state_dict
+from ._state import StateDict, validated, vouched
 
 __all__ = [
     "SAFETY",
@@ -30,6 +30,7 @@ __all__ = [
     "default_tokens",
     "compare_log_probs",
     "compare_with_log_probs",
+    "in_dtype",
 ]
 
 #: Safety factors of :func:`logprob_tolerance`: ``SAFETY`` multiplies the a-priori rounding
@@ -138,16 +139,15 @@ def rounding_sensitivity(
     of ``tokens``, each block, slices of the unembedding), so no float64 copy of the whole
     model is made; the weights' entries are checked once, here.
     """
-    validate_state_dict(state_dict, cfg)
+    state_dict = validated(state_dict, cfg)
     tokens = check_tokens(cfg, tokens, state_dict["embed.W_E"].device)
-    with entries_checked_elsewhere():  # float64 copies (nudged or not) of finite weights are finite
-        reference, nudged = _float64_passes(state_dict, cfg, tokens, _unit_roundoff(dtype), seed)
+    reference, nudged = _float64_passes(state_dict, cfg, tokens, _unit_roundoff(dtype), seed)
     weights = float((reference - nudged).abs().max())
     run_in = compute_dtype(dtype)
     if run_in == torch.float64:
         return weights
     if computed is None:
-        computed = log_probs({k: v.to(run_in) for k, v in state_dict.items()}, cfg, tokens)
+        computed = log_probs(in_dtype(state_dict, run_in), cfg, tokens)
     return weights + float((computed.double() - reference).abs().max())
 
 
@@ -249,6 +249,18 @@ class Comparison:
         return self.max_abs_error <= self.tolerance
 
 
+def in_dtype(state_dict: StateDict, dtype: torch.dtype) -> StateDict:
+    """``state_dict`` (a :class:`~circuitmath._state.Validated`) with its tensors in ``dtype``: itself
+    when they are; a copy that is known valid when ``dtype`` is as wide as theirs (a finite entry
+    stays finite), else one validated (an entry beyond the narrower dtype's range is refused)."""
+    if state_dict.dtype == dtype:
+        return state_dict
+    copy = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    if torch.finfo(dtype).max >= torch.finfo(state_dict.dtype).max:
+        return vouched(copy, state_dict.cfg, dtype, entries=state_dict.entries)
+    return validated(copy, state_dict.cfg)
+
+
 def default_tokens(cfg: Config, *, batch: int = 2, seed: int = 0) -> torch.Tensor:
     """Random tokens ``[batch, n_ctx]`` (at most 32 positions) from a fixed seed.
 
@@ -279,13 +291,12 @@ def compare_with_log_probs(
 ) -> tuple[Comparison, torch.Tensor, torch.Tensor]:
     """:func:`compare_log_probs`, and both models' log-probs (float64 ``[batch, pos, d_vocab]``,
     computed in :func:`compute_dtype`) for a caller that goes on to use them."""
-    dtype_before = validate_state_dict(before, before_cfg)
-    dtype_after = validate_state_dict(after, after_cfg)
+    before, after = validated(before, before_cfg), validated(after, after_cfg)
     tokens = default_tokens(before_cfg) if tokens is None else tokens
-    coarse = max((dtype_before, dtype_after), key=lambda d: torch.finfo(d).eps)
+    coarse = max((before.dtype, after.dtype), key=lambda d: torch.finfo(d).eps)
     run_in = compute_dtype(coarse)
-    a = log_probs({k: v.to(run_in) for k, v in before.items()}, before_cfg, tokens).double()
-    b = log_probs({k: v.to(run_in) for k, v in after.items()}, after_cfg, tokens).double()
+    a = log_probs(in_dtype(before, run_in), before_cfg, tokens).double()
+    b = log_probs(in_dtype(after, run_in), after_cfg, tokens).double()
     diff = (a - b).abs()
     where = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
     sensitivity = rounding_sensitivity(before, before_cfg, tokens, coarse)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -18,10 +15,12 @@ __all__ = [
     "key_value_groups",
     "expected_shapes",
     "validate_state_dict",
-    "entries_checked_elsewhere",
-    "entries_checked_here",
+    "Validated",
+    "validated",
+    "vouched",
+    "marked_as",
+    "entries_known_finite",
     "check_config_fits",
-    "validated_once",
     "not_finite",
     "usable_device",
     "StateDict",
@@ -51,65 +50,110 @@ def usable_device(device, option: str) -> torch.device:
     return chosen
 
 
-_CHECK_ENTRIES = contextvars.ContextVar("circuitmath_check_entries", default=True)
+class Validated(dict):
+    """A state dict validated against ``cfg``: names, shapes, one floating ``dtype``, one device
+    and, with ``entries``, every entry finite. Made by :func:`validated` at a public entry point,
+    or by :func:`vouched` where internal code makes a state dict from validated ones (a
+    transform's output, a copy in another dtype); :func:`validate_state_dict` passes it without
+    reading it again. Changing it (setting, deleting, updating a key) takes the mark away: then it
+    is a plain state dict, validated when it is next checked. It never leaves the package: public
+    functions return plain dicts (a copy or a pickle of it is one).
+
+    ``entries=False``: the caller checks the entries itself (the processing pipeline checks what
+    goes in and what comes out, not every step's input)."""
+
+    __slots__ = ("cfg", "dtype", "entries", "_intact")
+
+    def __init__(self, tensors: Mapping, cfg: Config, dtype: torch.dtype, *, entries: bool = True):
+        super().__init__(tensors)
+        self.cfg, self.dtype, self.entries, self._intact = cfg, dtype, entries, True
+
+    def holds_for(self, cfg: Config) -> bool:
+        """Whether this has not been changed since it was validated against a config that implies
+        the names and shapes ``cfg`` implies (``cfg`` itself; one that differs in ``applied``, or
+        in a norm without parameters: ``LNPre`` and ``RMSPre``)."""
+        if not self._intact or not isinstance(cfg, Config):
+            return False
+        if self.cfg == cfg:
+            return True
+        return _config_problem(self, cfg) is None and expected_shapes(self.cfg) == expected_shapes(cfg)
+
+    def _changed(self) -> None:
+        self._intact = False
+
+    def __setitem__(self, key, value):
+        self._changed()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self._changed()
+        super().__delitem__(key)
+
+    def __ior__(self, other):
+        self._changed()
+        return super().__ior__(other)
+
+    def pop(self, *args):
+        self._changed()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._changed()
+        return super().popitem()
+
+    def clear(self):
+        self._changed()
+        super().clear()
+
+    def update(self, *args, **kwargs):
+        self._changed()
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        self._changed()
+        return super().setdefault(key, default)
+
+    def copy(self) -> dict:
+        return dict(self)
+
+    def __reduce__(self):
+        return dict, (dict(self),)
 
 
-@contextlib.contextmanager
-def entries_checked_elsewhere() -> Iterator[None]:
-    """Within this block :func:`validate_state_dict` checks names, shapes and dtypes but not that
-    every entry is finite: for a caller that checks the entries of what goes in and of what
-    comes out itself (the processing pipeline), so its steps do not read every weight again."""
-    token = _CHECK_ENTRIES.set(False)
-    try:
-        yield
-    finally:
-        _CHECK_ENTRIES.reset(token)
+def validated(state_dict: StateDict, cfg: Config, *, entries: bool = True) -> Validated:
+    """``state_dict`` validated against ``cfg`` (:func:`validate_state_dict`; with
+    ``entries=False`` not the entries, which the caller checks), as a :class:`Validated`: the one
+    validation of an input, at the public entry point that takes it. A :class:`Validated` that
+    holds for ``cfg`` (with its entries checked, when ``entries``) is returned as it is."""
+    if isinstance(state_dict, Validated) and state_dict.holds_for(cfg) and (state_dict.entries or not entries):
+        return state_dict
+    return Validated(state_dict, cfg, _validate(state_dict, cfg, entries=entries), entries=entries)
 
 
-_VALIDATED = contextvars.ContextVar("circuitmath_validated", default=None)
+def vouched(tensors: Mapping, cfg: Config, dtype: torch.dtype | None = None, *, entries: bool = True) -> Validated:
+    """``tensors`` as a :class:`Validated` for ``cfg``, unread: for internal code that made them
+    from validated tensors in a way that keeps names, shapes, dtype and device right for ``cfg``
+    (a transform's output, the dict of another validated one's tensors). ``dtype`` defaults to
+    the first tensor's; ``entries``: whether the entries are known finite."""
+    if dtype is None:
+        dtype = next(iter(tensors.values())).dtype if tensors else torch.get_default_dtype()
+    return Validated(tensors, cfg, dtype, entries=entries)
 
 
-@contextlib.contextmanager
-def validated_once() -> Iterator[None]:
-    """Within this block :func:`validate_state_dict` validates each state dict once: a state dict
-    (the same object, with the same config) that passed already is not checked again. For a
-    caller that hands the same validated weights through many transforms and forward passes (the
-    diagnosis). Nothing is kept alive by it: a state dict is recognised by its tensors, held
-    weakly (a check of GPT-2-small that went through 17 transforms held every transformed model
-    to its end, 24 GB).
-    A tensor whose entries were checked in the block is not checked again in another state dict
-    (a dict of the same tensors converted to their own dtype is a new dict of the same tensors)."""
-    token, finite = _VALIDATED.set({}), _FINITE.set({})
-    try:
-        yield
-    finally:
-        _FINITE.reset(finite)
-        _VALIDATED.reset(token)
+def marked_as(source: Mapping, tensors: Mapping, cfg: Config | None = None) -> dict:
+    """``tensors``, a dict internal code made from ``source``'s tensors and other validated ones
+    of the same dtype, with the names and shapes ``cfg`` (default: ``source``'s) implies: a
+    :class:`Validated` (of ``source``'s dtype) when ``source`` is one that holds, else a plain dict."""
+    if isinstance(source, Validated) and source._intact:
+        return Validated(tensors, source.cfg if cfg is None else cfg, source.dtype, entries=source.entries)
+    return dict(tensors)
 
 
-#: Within :func:`validated_once`, the tensors whose entries were found finite: ``id -> (weak
-#: reference, version)``. A tensor met again in another state dict (a dict of the same tensors, or of some
-#: of them) is not summed again unless it was modified in place since (its version changed).
-_FINITE = contextvars.ContextVar("circuitmath_finite", default=None)
-
-
-def _entries_not_finite(tensor: torch.Tensor) -> int:
-    """:func:`not_finite`, remembered within :func:`validated_once`."""
-    finite = _FINITE.get()
-    if finite is None:
-        return not_finite(tensor)
-    hit = finite.get(id(tensor))
-    if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
-        return 0
-    bad = not_finite(tensor)
-    if not bad:
-        finite[id(tensor)] = (weakref.ref(tensor), tensor._version)  # weakly: not kept alive by it
-    return bad
-
-
-def entries_checked_here() -> bool:
-    """Whether entries are checked by each call (``False`` within :func:`entries_checked_elsewhere`)."""
-    return _CHECK_ENTRIES.get()
+def entries_known_finite(state_dict: Mapping) -> bool:
+    """Whether ``state_dict``'s entries are known finite: a plain state dict's are checked by
+    :func:`validate_state_dict`; a :class:`Validated` says (``entries=False``: its maker checks
+    them, the processing pipeline on its way out)."""
+    return not isinstance(state_dict, Validated) or state_dict.entries
 
 
 def all_finite(tensors) -> bool:
@@ -243,30 +287,18 @@ def validate_state_dict(state_dict: StateDict, cfg: Config) -> torch.dtype:
     """Check names, shapes, dtypes, devices and finiteness; return the common floating dtype.
 
     Raises :class:`StateDictError` listing every problem found. Its work is bounded by the state
-    dict, whatever the config claims. Within :func:`validated_once` a state dict that passed
-    with this config already is not checked again.
+    dict, whatever the config claims. A :class:`Validated` state dict that holds for ``cfg`` (one
+    validated by the public function that took it, or made from such by internal code) is not
+    read again.
     """
-    seen = _VALIDATED.get()
-    if seen is None:
-        return _validate(state_dict, cfg)
-    hit = seen.get(id(state_dict))
-    if hit is not None and hit[1] == cfg and entries_checked_here() <= hit[3] and _same_tensors(hit[0], state_dict):
-        return hit[2]
-    dtype = _validate(state_dict, cfg)
-    seen[id(state_dict)] = ({name: weakref.ref(t) for name, t in state_dict.items()}, cfg, dtype, entries_checked_here())
-    return dtype
+    if isinstance(state_dict, Validated) and state_dict.holds_for(cfg):
+        return state_dict.dtype
+    return _validate(state_dict, cfg)
 
 
-def _same_tensors(refs: dict, state_dict: StateDict) -> bool:
-    """Whether ``state_dict`` holds, under the same names, the tensors ``refs`` refers to (weakly:
-    a state dict that passed is not kept alive by having passed; one made since at the same
-    address passes again only if it holds the very tensors that passed)."""
-    return len(refs) == len(state_dict) and all(
-        (ref := refs.get(name)) is not None and ref() is tensor for name, tensor in state_dict.items())
-
-
-def _validate(state_dict: StateDict, cfg: Config) -> torch.dtype:
-    """:func:`validate_state_dict`'s checks, every time."""
+def _validate(state_dict: StateDict, cfg: Config, *, entries: bool = True) -> torch.dtype:
+    """:func:`validate_state_dict`'s checks, every time: the one full validation (``entries``:
+    that every entry is finite too)."""
     if isinstance(state_dict, Config):
         raise StateDictError(config_expected(cfg, state_dict, "validate_state_dict(state_dict, cfg)"))
     if not isinstance(state_dict, Mapping):
@@ -303,8 +335,8 @@ def _validate(state_dict: StateDict, cfg: Config) -> torch.dtype:
         devices.setdefault(tensor.device, name)
         # A finite sum proves every entry finite (a NaN or Inf entry makes it NaN or Inf) at a
         # fraction of the cost of isfinite; only a sum that is not finite needs the count.
-        if _CHECK_ENTRIES.get():
-            bad = _entries_not_finite(tensor)
+        if entries:
+            bad = not_finite(tensor)
             if bad:
                 problems.append(f"{name} has {bad} NaN or Inf entries")
     if len(dtypes) > 1:

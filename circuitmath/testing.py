@@ -64,9 +64,8 @@ from ._diagnosis._logprobs import _coarser
 from ._diagnosis._tensors import CERTIFICATE_ULPS
 from ._diagnosis._unexplained import NEAR_ULPS
 from ._errors import ArgumentTypeError
-from ._state import validated_once
 from ._threads import with_check_threads
-from ._diagnosis._names import speaking_input_names
+from ._diagnosis._names import speak
 from ._diagnosis import Diagnosis as Diagnosis, Finding as Finding, ParameterMismatch as ParameterMismatch
 
 __all__ = [
@@ -103,7 +102,6 @@ class NotEquivalentError(AssertionError):
 
 @torch.no_grad()  # weights that require grad are compared as plain tensors
 @with_check_threads
-@speaking_input_names
 def assert_equivalent(
     before,
     after,
@@ -145,37 +143,37 @@ def assert_equivalent(
     which identity's precondition or conclusion is violated, in which parameters (layer, head,
     name) and by how much (:func:`diagnose`). Inside a hypothesis test the diagnosis runs only on
     the final, shrunk failing example: the comparison alone decides while hypothesis shrinks.
+    The diagnosis names the tensors as ``after`` does.
     """
     if _checkpoint_folder(before) or _checkpoint_folder(after):
         return _assert_checkpoints_equivalent(before, after, cfg, after_cfg, tokens, atol)
-    with validated_once():
-        first, second, notes = _diagnosis.resolve_pair(before, after, cfg, after_cfg)
-        tokens = default_tokens(first.cfg) if tokens is None else tokens
-        result, first_log_probs, second_log_probs = compare_with_log_probs(
-            first.state_dict, first.cfg, second.state_dict, second.cfg, tokens
-        )
-        tolerance = result.tolerance if atol is None else atol
-        plan = _diagnosis._recorded_plan(first.cfg, second.cfg, notes) if diagnose else None
-        agree = result.max_abs_error <= tolerance
-        verdict = _diagnosis.tensor_verdict(first, second, plan, tokens) if diagnose and agree else None
-        if agree and (verdict is None or verdict.ok):
-            return result
-        b, p, t = result.where
-        if not agree:
-            message = (f"models differ: max |Δ log-prob| = {result.max_abs_error:.3g} > tolerance {tolerance:.3g}"
-                       f" (batch {b}, position {p}, token {t})")
-        else:
-            message = (f"the log-probs agree (max |Δ log-prob| = {result.max_abs_error:.3g} <= tolerance"
-                       f" {tolerance:.3g}), but " + _tensor_failure(verdict, _coarser(first.dtype, second.dtype)))
-        found = None
-        if diagnose and not _shrinking():
-            # the two forward passes just made are handed to the diagnosis, not made again
-            computed = ((first.state_dict, first_log_probs), (second.state_dict, second_log_probs))
-            found = _diagnosis.replay_and_explain(first, second, tokens, plan, notes, computed=computed,
-                                                  replayed=verdict and verdict.replayed)
-            message += "\n\ndiagnosis:\n" + str(found)
-        elif diagnose:
-            message += "\n(diagnosed on hypothesis's final, shrunk example only)"
+    first, second, notes = _diagnosis.resolve_pair(before, after, cfg, after_cfg)
+    tokens = default_tokens(first.cfg) if tokens is None else tokens
+    result, first_log_probs, second_log_probs = compare_with_log_probs(
+        first.state_dict, first.cfg, second.state_dict, second.cfg, tokens
+    )
+    tolerance = result.tolerance if atol is None else atol
+    plan = _diagnosis._recorded_plan(first.cfg, second.cfg, notes) if diagnose else None
+    agree = result.max_abs_error <= tolerance
+    verdict = _diagnosis.tensor_verdict(first, second, plan, tokens) if diagnose and agree else None
+    if agree and (verdict is None or verdict.ok):
+        return result
+    b, p, t = result.where
+    if not agree:
+        message = (f"models differ: max |Δ log-prob| = {result.max_abs_error:.3g} > tolerance {tolerance:.3g}"
+                   f" (batch {b}, position {p}, token {t})")
+    else:
+        message = (f"the log-probs agree (max |Δ log-prob| = {result.max_abs_error:.3g} <= tolerance"
+                   f" {tolerance:.3g}), but " + _tensor_failure(verdict, _coarser(first.dtype, second.dtype)))
+    found = None
+    if diagnose and not _shrinking():
+        # the two forward passes just made are handed to the diagnosis, not made again
+        computed = ((first.state_dict, first_log_probs), (second.state_dict, second_log_probs))
+        found = speak(_diagnosis.replay_and_explain(first, second, tokens, plan, notes, computed=computed,
+                                                    replayed=verdict and verdict.replayed), second.names)
+        message += "\n\ndiagnosis:\n" + str(found)
+    elif diagnose:
+        message += "\n(diagnosed on hypothesis's final, shrunk example only)"
     raise NotEquivalentError(message, result, found)
 
 
@@ -219,7 +217,7 @@ def _assert_checkpoints_equivalent(before, after, cfg, after_cfg, tokens, atol) 
                 " (circuitmath.io.open_checkpoint(folder).load()) and pass two state dicts")
     _diagnosis._misuse.refuse_misused_checkpoints(before, after, cfg)
     report = check_processed(before, after, cfg, tokens=default_tokens if tokens is None else tokens)
-    report = _diagnosis._names.speak(report, _diagnosis._names.checkpoint_names(after))  # in after's names
+    report = speak(report, _diagnosis._names.checkpoint_names(after))  # in after's names
     row = report.rows[0]
     result = Comparison(max_abs_error=row["max_abs_error"], tolerance=row["tolerance"], where=tuple(row["where"]))
     tolerance = result.tolerance if atol is None else atol
@@ -243,7 +241,6 @@ def _shrinking() -> bool:
 
 
 @with_check_threads
-@speaking_input_names
 def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress=None) -> "Diagnosis":
     """Explain ``after`` as a processing of ``before``: which identities, which went wrong, where.
 
@@ -272,7 +269,6 @@ def diagnose(before, after, cfg=None, *, after_cfg=None, tokens=None, progress=N
 
 
 @with_check_threads
-@speaking_input_names
 def check_model(model, cfg=None, *, tokens=None, progress=None) -> "Diagnosis":
     """Apply every weight identity that applies to ``model`` and compare log-probs, one row each.
 
@@ -289,7 +285,6 @@ def check_model(model, cfg=None, *, tokens=None, progress=None) -> "Diagnosis":
 
 
 @with_check_threads
-@speaking_input_names
 def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens=None) -> "Diagnosis":
     """Check that ``after`` is the registered identity ``name`` applied to ``before``.
 

@@ -86,10 +86,10 @@ def _counting(monkeypatch):
         loads[str(path)] = loads.get(str(path), 0) + 1
         return real_load(path)
 
-    def validate(state_dict, cfg):
+    def validate(state_dict, cfg, **kwargs):
         alive.append(state_dict)  # keeps each id unique while counting
         validations[id(state_dict)] = validations.get(id(state_dict), 0) + 1
-        return real_validate(state_dict, cfg)
+        return real_validate(state_dict, cfg, **kwargs)
 
     monkeypatch.setattr(io, "load_tensors", load)
     monkeypatch.setattr(_state, "_validate", validate)
@@ -106,13 +106,12 @@ def test_check_processed_reads_each_file_once_and_validates_each_state_dict_once
 
 
 def test_the_counts_can_fail(files, capsys, monkeypatch):
-    """Without the validated-once block the model is validated again (by the rounding
-    sensitivity, which a failing check measures; a passing one needs only the a-priori term)."""
-    from circuitmath import _diagnosis, _state
-    import contextlib
+    """Where a validated state dict is not trusted as one, the model is validated again (by the
+    rounding sensitivity, which a failing check measures; a passing one needs only the a-priori term)."""
+    from circuitmath import _state
 
     loads, validations = _counting(monkeypatch)
-    monkeypatch.setattr(_diagnosis, "validated_once", contextlib.nullcontext)
+    monkeypatch.setattr(_state.Validated, "holds_for", lambda self, cfg: False)
     _run(capsys, files["model"], "--processed", files["wrong"])
     assert max(validations.values()) > 1
     io.load_tensors(files["model"])

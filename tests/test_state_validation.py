@@ -6,7 +6,7 @@ import torch
 
 import circuitmath as cm
 from circuitmath._errors import StateDictError
-from circuitmath._state import attention_names, entries_checked_elsewhere, expected_shapes, validate_state_dict
+from circuitmath._state import attention_names, expected_shapes, validate_state_dict, validated
 
 CFG = cm.Config(n_layers=2, d_model=8, n_heads=4, d_head=2, d_vocab=10, n_ctx=6, d_mlp=16)
 
@@ -31,10 +31,10 @@ def test_every_non_finite_entry_is_counted_unless_checked_elsewhere():
     sd["embed.W_E"][0, :3] = float("nan")
     with pytest.raises(StateDictError, match="embed.W_E has 3 NaN or Inf entries"):
         validate_state_dict(sd, CFG)
-    with entries_checked_elsewhere():
-        assert validate_state_dict(sd, CFG) == torch.float32
-    with pytest.raises(StateDictError):
-        validate_state_dict(sd, CFG)  # the context is restored
+    unchecked = validated(sd, CFG, entries=False)
+    assert unchecked.dtype == torch.float32 and not unchecked.entries
+    with pytest.raises(StateDictError, match="embed.W_E has 3 NaN or Inf entries"):
+        validated(unchecked, CFG)  # entries asked for: checked now
 
 
 def test_the_common_dtype_is_returned():
@@ -86,25 +86,25 @@ def test_attention_names_for_grouped_query_attention():
     assert attention_names(CFG, "V") == ("W_V", "b_V", 4)
 
 
-def test_validated_once_keeps_nothing_alive_and_sees_a_replaced_tensor():
-    """Within validated_once a state dict that passed is recognised by its tensors, held weakly:
-    deleting it frees its tensors (a check of GPT-2-small held all 17 transformed models to its
-    end before, 24 GB), and the same dict with a tensor replaced is validated again."""
-    import gc
-    import weakref
+def test_a_validated_state_dict_is_not_read_again_until_it_is_changed():
+    """A Validated state dict passes validate_state_dict for its config without being read (a
+    NaN planted in place, which internal code never does, shows that), not for another config;
+    setting a key takes its mark away, and a copy or a pickle of it is a plain dict."""
+    import pickle
 
-    from circuitmath._state import validated_once
+    from circuitmath._state import Validated, validated
 
-    cfg = cm.Config(n_layers=1, d_model=4, n_heads=2, d_head=2, d_vocab=5, n_ctx=3, d_mlp=8)
-    with validated_once():
-        state_dict = cm.random_state_dict(cfg, seed=0)
-        validate_state_dict(state_dict, cfg)
-        watched = weakref.ref(state_dict["embed.W_E"])
-        del state_dict
-        gc.collect()
-        assert watched() is None
-        state_dict = cm.random_state_dict(cfg, seed=0)
-        validate_state_dict(state_dict, cfg)
-        state_dict["unembed.b_U"] = torch.full_like(state_dict["unembed.b_U"], float("nan"))
-        with pytest.raises(StateDictError, match="unembed.b_U"):
-            validate_state_dict(state_dict, cfg)
+    state_dict = validated(cm.random_state_dict(CFG, seed=0), CFG)
+    assert isinstance(state_dict, Validated) and state_dict.dtype == torch.float32
+    state_dict["unembed.b_U"][0] = float("nan")  # in place: unseen by the mark
+    assert validate_state_dict(state_dict, CFG) == torch.float32
+    assert validate_state_dict(state_dict, CFG.replace(applied=("fold_value_biases",))) == torch.float32
+    with pytest.raises(StateDictError, match="unexpected keys"):
+        validate_state_dict(state_dict, CFG.replace(n_layers=1, d_mlp=None))
+    for plain in (dict(state_dict), state_dict.copy(), pickle.loads(pickle.dumps(state_dict))):
+        assert type(plain) is dict
+        with pytest.raises(StateDictError, match="unembed.b_U has 1 NaN"):
+            validate_state_dict(plain, CFG)
+    state_dict["unembed.b_U"] = state_dict["unembed.b_U"].clone()
+    with pytest.raises(StateDictError, match="unembed.b_U has 1 NaN"):
+        validate_state_dict(state_dict, CFG)

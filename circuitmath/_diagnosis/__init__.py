@@ -29,11 +29,12 @@ from collections.abc import Callable
 import torch
 
 from .. import _identities
-from .._compare import Comparison, compute_dtype
+from .._compare import Comparison, compute_dtype, in_dtype
 from .._config import Config
 from .._errors import InputError, PreconditionError
-from .._state import validated_once
+from .._state import vouched
 from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
+from ._names import speak
 from ._exact import float64_chain, identity_row, in_float64, rewrite_mismatches
 from ._logprobs import _coarser, _LogProbs, sensitivity_window
 from ._replay import _Replay, weight_identities
@@ -156,7 +157,7 @@ def _effect_of(wrong, final, final_cfg, after, lp):
     with those tensors taken from ``after`` (``None`` when one is missing or of another shape)."""
     if any(p.problem for p in wrong):
         return None
-    patched = dict(final, **{p.name: after[p.name] for p in wrong})
+    patched = dict(final, **{p.name: after[p.name] for p in wrong})  # compared in one dtype by ``lp``
     return lp.compare(final, final_cfg, patched, final_cfg)
 
 
@@ -191,13 +192,14 @@ def diagnose(
 
     Rows: one per replayed identity; ``residual`` (tensors no replayed rewrite reproduces, each
     naming the identity that last rewrote it) when there is any; ``before -> after`` last. See
-    the module documentation of :mod:`circuitmath.testing` for how the replay is chosen.
+    the module documentation of :mod:`circuitmath.testing` for how the replay is chosen. The
+    diagnosis names the tensors as ``after`` does.
     """
-    with validated_once():
-        first, second, notes = resolve_pair(before, after, cfg, after_cfg)
-        first, second = _on(first, device), _on(second, device)
-        plan = _recorded_plan(first.cfg, second.cfg, notes)
-        return replay_and_explain(first, second, resolve_tokens(tokens, first.cfg), plan, notes, progress)
+    first, second, notes = resolve_pair(before, after, cfg, after_cfg)
+    first, second = _on(first, device), _on(second, device)
+    plan = _recorded_plan(first.cfg, second.cfg, notes)
+    found = replay_and_explain(first, second, resolve_tokens(tokens, first.cfg), plan, notes, progress)
+    return speak(found, second.names)
 
 
 @torch.no_grad()  # weights that require grad are compared as plain tensors
@@ -207,21 +209,21 @@ def check_identity(name: str, before, after, cfg=None, *, after_cfg=None, tokens
     Like :func:`diagnose`, but the replay is this identity alone (after the identity's own
     preparation, e.g. the LayerNorm fold that centering the reading weights needs). Its row is
     ``"not recognised"`` when none of the tensors the identity rewrites matches its rewrite.
+    The diagnosis names the tensors as ``after`` does.
     """
     identity = _identities.get_identity(name)
     if identity.compare is not None:
         raise InputError(f"{name} licenses a computation, not a weight rewrite: there is no processed model to check")
-    with validated_once():
-        first, second, notes = resolve_pair(before, after, cfg, after_cfg)
-        plan = [identity]
-        try:  # the identities its preparation and its transform record (a pipeline records its steps)
-            prepared, prepared_cfg = identity.prepared(first.state_dict, first.cfg)
-            recorded = identity.transform(prepared, prepared_cfg)[1].applied[len(first.cfg.applied):]
-            plan = [_identities.get_identity(n) for n in recorded]
-        except PreconditionError:
-            pass
-        found = replay_and_explain(first, second, resolve_tokens(tokens, first.cfg), plan, notes)
-        return dataclasses.replace(found, recognition_required=True)
+    first, second, notes = resolve_pair(before, after, cfg, after_cfg)
+    plan = [identity]
+    try:  # the identities its preparation and its transform record (a pipeline records its steps)
+        prepared, prepared_cfg = identity.prepared(first.state_dict, first.cfg)
+        recorded = identity.transform(prepared, prepared_cfg)[1].applied[len(first.cfg.applied):]
+        plan = [_identities.get_identity(n) for n in recorded]
+    except PreconditionError:
+        pass
+    found = replay_and_explain(first, second, resolve_tokens(tokens, first.cfg), plan, notes)
+    return speak(dataclasses.replace(found, recognition_required=True), second.names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,10 +283,7 @@ def _in_compute_dtype(state_dict, dtype: torch.dtype):
     """``state_dict`` as the replay takes it: a half-precision model is replayed in float32 (as
     :func:`~circuitmath.process_weights` processes it), so that each replayed tensor is rounded
     once, by the comparison, not after every identity."""
-    compute = compute_dtype(dtype)
-    if all(t.dtype == compute or t.dtype == torch.float64 for t in state_dict.values()):
-        return state_dict
-    return {name: tensor.to(compute) for name, tensor in state_dict.items()}
+    return in_dtype(state_dict, compute_dtype(dtype)) if state_dict.dtype != torch.float64 else state_dict
 
 
 @torch.no_grad()  # weights that require grad are compared as plain tensors
@@ -297,17 +296,20 @@ def check_model(model, cfg=None, *, tokens=None, progress: Progress | None = Non
     tolerance is the model's (:class:`_LogProbs`). Below float64 each identity is also checked
     in float64 and its rewrite certified (:mod:`~circuitmath._diagnosis._exact`): a row holds
     when all three pass. ``progress(done, total, what)`` is called
-    before each identity; ``device`` as for :func:`diagnose`.
+    before each identity; ``device`` as for :func:`diagnose`. The diagnosis names the tensors as
+    ``model`` does.
     """
-    with validated_once():
-        return _check_resolved(_on(resolve(model, cfg), device), tokens, progress)
+    resolved = resolve(model, cfg)
+    return speak(_check_resolved(_on(resolved, device), tokens, progress), resolved.names)
 
 
 def _on(model: Model, device) -> Model:
     """``model`` with its tensors on ``device`` (``None``: where they are)."""
     if device is None:
         return model
-    return dataclasses.replace(model, state_dict={name: t.to(device) for name, t in model.state_dict.items()})
+    moved = {name: t.to(device) for name, t in model.state_dict.items()}
+    moved = vouched(moved, model.cfg, model.dtype, entries=model.state_dict.entries)
+    return dataclasses.replace(model, state_dict=moved)
 
 
 def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagnosis:

@@ -25,9 +25,9 @@ from .._hf import hf_layout
 from .._models import as_state_dict, is_model_object, own_config
 from .._processing.norms import uncentered_writers
 from .._stored import identity_value
-from .._state import StateDict, check_config_fits, expected_shapes, validate_state_dict
+from .._state import StateDict, Validated, check_config_fits, expected_shapes, validated, vouched
 from ._misuse import CONFIG_FIRST, another_naming, is_hf_config, label, refuse_misuse
-from ._names import InputNames, named
+from ._names import InputNames
 
 __all__ = ["Model", "resolve", "resolve_model", "resolve_pair", "resolve_tokens"]
 
@@ -58,10 +58,11 @@ def resolve_model(source, cfg=None) -> tuple[dict[str, torch.Tensor], Config]:
 @dataclass(frozen=True, eq=False)
 class Model:
     """One input resolved once: its state dict in the reference conventions, validated against
-    its config, and its floating dtype. Everything after resolution (the replay, the forward
-    passes, the diagnosis) trusts it and does not read or validate it again."""
+    its config (a :class:`~circuitmath._state.Validated`), and its floating dtype. Everything
+    after resolution (the replay, the forward passes, the diagnosis) trusts it and does not read
+    or validate it again."""
 
-    state_dict: dict[str, torch.Tensor]
+    state_dict: Validated
     cfg: Config
     dtype: torch.dtype
     #: The input's own names of its tensors (``None``: circuitmath's, as the input gave them).
@@ -83,9 +84,9 @@ def resolve(source, cfg=None, *, loaded: tuple[dict, dict] | None = None) -> Mod
             if cfg is not None:
                 raise StateDictError(f"{path} is a Hugging Face folder with its own config.json; pass no config")
             checkpoint = io.open_checkpoint(path)
-            state_dict, hf_cfg = checkpoint.load()
+            state_dict, hf_cfg = checkpoint.load()  # validated as it is read
             names = None if checkpoint.native is None else InputNames.of(checkpoint.native, dict(checkpoint.tensors))
-            return named(Model(state_dict, hf_cfg, _dtype(state_dict), names))
+            return _model(vouched(state_dict, hf_cfg), names)
         with _about(path):  # every error names the file
             tensors, metadata = loaded if loaded is not None else io.load_tensors(path)
             if cfg is None:
@@ -109,12 +110,11 @@ def _resolve_mapping(source, cfg) -> Model:
         raise StateDictError("a state dict needs its config: a circuitmath Config or a Hugging Face config")
     try:
         if is_hf_config(cfg):
-            state_dict, converted = io.from_hf(dict(source), cfg)
-            return named(Model(state_dict, converted, _dtype(state_dict), InputNames.of(hf_layout(cfg), source)))
+            state_dict, converted = io.from_hf(dict(source), cfg)  # validated by the conversion
+            return _model(vouched(state_dict, converted), InputNames.of(hf_layout(cfg), source))
         if not isinstance(cfg, Config):
             raise StateDictError(f"expected a circuitmath Config or a Hugging Face config, got {type(cfg).__name__}")
-        state_dict = _without_buffers(source, cfg)
-        return named(Model(state_dict, cfg, validate_state_dict(state_dict, cfg)))
+        return _model(validated(_without_buffers(source, cfg), cfg))
     except StateDictError as error:
         raise another_naming(source, cfg) or error
 
@@ -130,8 +130,8 @@ def _without_buffers(source: Mapping, cfg: Config) -> dict[str, torch.Tensor]:
     }
 
 
-def _dtype(state_dict: Mapping) -> torch.dtype:
-    return next(iter(state_dict.values())).dtype if state_dict else torch.get_default_dtype()
+def _model(state_dict: Validated, names: "InputNames | None" = None) -> Model:
+    return Model(state_dict, state_dict.cfg, state_dict.dtype, names)
 
 
 def _processed_forms(cfg: Config) -> list[Config]:
@@ -202,7 +202,7 @@ def _layer_norm_or_rms_norm(resolved: Model, before: Model) -> Model:
     tokens = default_tokens(before.cfg)
     errors = [compare_log_probs(before.state_dict, before.cfg, resolved.state_dict, form, tokens).max_abs_error
               for form in (resolved.cfg, rms)]
-    return dataclasses.replace(resolved, cfg=rms) if errors[1] < errors[0] else resolved
+    return _model(vouched(resolved.state_dict, rms), resolved.names) if errors[1] < errors[0] else resolved
 
 
 def _norm_parameters(cfg: Config) -> list[str]:
@@ -215,24 +215,27 @@ def _norm_parameters(cfg: Config) -> list[str]:
 
 def _without_identity_norms(state_dict: StateDict, cfg: Config) -> tuple[dict, Config, str | None]:
     """Drop norms whose gains all apply 1 and biases are all 0, which compute ``LNPre`` (``RMSPre``):
-    stored as 1, or as 0 where the gain is applied as ``1 + w`` (Gemma).
+    stored as 1, or as 0 where the gain is applied as ``1 + w`` (Gemma). ``state_dict`` is a
+    :class:`~circuitmath._state.Validated`; so is the state dict returned.
 
     Tools that fold a norm often keep it with unit gain and zero bias (TransformerLens does); the
     replayed rewrite drops it. Returns the state dict, its config and a note saying what was read.
     """
     names = _norm_parameters(cfg)
     if not names or any(not bool((state_dict[n] == identity_value(n, cfg.norm_gain_offset)).all()) for n in names):
-        return dict(state_dict), cfg, None
+        return state_dict, cfg, None
     bare = "LNPre" if cfg.normalization_type == "LN" else "RMSPre"
     unit = f"stored gain is {identity_value('ln_final.w', cfg.norm_gain_offset):g}"
     gains = f"{unit} and bias 0" if cfg.normalization_type == "LN" else unit
     note = f"every {cfg.normalization_type} {gains}: read as {bare}, the same function"
-    return {k: v for k, v in state_dict.items() if k not in names}, cfg.replace(normalization_type=bare), note
+    bare_cfg = cfg.replace(normalization_type=bare)
+    return vouched({k: v for k, v in state_dict.items() if k not in names}, bare_cfg, state_dict.dtype), bare_cfg, note
 
 
 def resolve_pair(before, after, cfg, after_cfg) -> tuple[Model, Model, list[str]]:
     """``before`` and ``after`` resolved once each (see :func:`resolve` and :func:`_resolve_after`),
-    a folded norm kept with unit gain and zero bias read as none; and notes on how they were read."""
+    a folded norm kept with unit gain and zero bias read as none; and notes on how they were read.
+    A diagnosis of the pair names the tensors as ``after`` does (``after``'s ``names``)."""
     if isinstance(before, Config) or isinstance(after, Config):
         raise ArgumentTypeError(CONFIG_FIRST)
     if cfg is None and is_model_object(before):  # its config reads an ``after`` in the same names
@@ -241,7 +244,6 @@ def resolve_pair(before, after, cfg, after_cfg) -> tuple[Model, Model, list[str]
     second = _resolve_after(after, after_cfg, first.cfg, cfg, before=first)
     state_dict, second_cfg, note = _without_identity_norms(second.state_dict, second.cfg)
     refuse_misuse(first.cfg, second_cfg, label(before, "before"), label(after, "after"))
-    named(second)  # a diagnosis of the pair names the tensors as ``after`` does
     return first, dataclasses.replace(second, state_dict=state_dict, cfg=second_cfg), [note] if note else []
 
 

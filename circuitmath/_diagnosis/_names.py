@@ -1,15 +1,13 @@
 """The names a check speaks: each tensor of a converted input by the input's own name.
 
 :class:`InputNames` is built once, when an input in an architecture's naming is resolved, from the
-converter's views of its tensors; :func:`speaking_input_names` (on every public check) and the
-CLI turn a diagnosis into those names. circuitmath's names stay where the input used them.
+converter's views of its tensors, and travels with it (``Model.names``); every check turns its
+diagnosis into the names of the input whose tensors it names (:func:`speak`). circuitmath's
+names stay where the input used them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
 import math
 import re
 from collections.abc import Mapping
@@ -19,7 +17,7 @@ import torch
 from .._hf import Layout
 from .._stored import _grouped
 
-__all__ = ["InputNames", "input_names", "checkpoint_names", "speak", "speaking_input_names", "named"]
+__all__ = ["InputNames", "checkpoint_names", "speak"]
 
 
 class InputNames:
@@ -105,30 +103,6 @@ def _slice(shape: tuple[int, ...], strides, offset: int, box) -> str:
     return "" if all(p == ":" for p in parts) else f"[{', '.join(parts)}]"
 
 
-#: The names of the input a check names its tensors by (set as inputs are resolved; see :func:`input_names`).
-_NAMING: contextvars.ContextVar = contextvars.ContextVar("circuitmath_naming", default=None)
-
-
-def named(model):
-    """``model``, its names now the ones a diagnosis speaks (when a check is collecting them)."""
-    holder = _NAMING.get()
-    if holder is not None:
-        holder[:] = [model.names]
-    return model
-
-
-@contextlib.contextmanager
-def input_names():
-    """Collect, within, the names of the input a check's tensors are named by (``after`` of a
-    pair, the model of a check of one): yields a one-item list, ``[None]`` for circuitmath's names."""
-    holder: list = [None]
-    token = _NAMING.set(holder)
-    try:
-        yield holder
-    finally:
-        _NAMING.reset(token)
-
-
 def checkpoint_names(source, config=None) -> "InputNames | None":
     """The names of a checkpoint (a folder or a file, or an opened one) in its architecture's
     layout; ``None`` for one in circuitmath's names. Only headers are read."""
@@ -149,23 +123,3 @@ def speak(report, names: "InputNames | None"):
     if hasattr(report, "rows"):
         report.rows = [dict(row, explanation=names.text(row.get("explanation"))) for row in report.rows]
     return report
-
-
-def speaking_input_names(function):
-    """``function`` (a public check) returning its diagnosis, or raising its failure, in the names
-    of the input whose tensors it names (see :func:`input_names`)."""
-
-    @functools.wraps(function)
-    def run(*args, **kwargs):
-        with input_names() as names:
-            try:
-                return speak(function(*args, **kwargs), names[0])
-            except AssertionError as error:
-                found = getattr(error, "diagnosis", None)
-                if names[0] is not None and found is not None:
-                    spoken = speak(found, names[0])
-                    error.args = (str(error).replace(str(found), str(spoken)),)
-                    error.diagnosis = spoken
-                raise
-
-    return run

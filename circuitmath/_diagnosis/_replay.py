@@ -26,6 +26,7 @@ from .._identities.rotation import (
 )
 from .._config import Config
 from .._errors import AlreadyAppliedError, PreconditionError
+from .._state import marked_as
 from .._processing.rotation import (
     permute_heads,
     permute_neurons,
@@ -202,7 +203,7 @@ class _Replay:
             result, result_cfg = function(state, cfg)
         except Exception:  # noqa: BLE001 - a wrong rewrite may not fit this model at all: then it explains nothing
             return
-        yield _Candidate(rewrite, description, dict(result), result_cfg)
+        yield _Candidate(rewrite, description, marked_as(state, result, result_cfg), result_cfg)
 
     def transform_of(self, identity, state: Mapping, cfg: Config):
         """The rewrite the replay applies for ``identity``: its transform, except for a symmetry,
@@ -306,7 +307,7 @@ class _Replay:
         refusal, records = None, ()
         try:
             exact_state, exact_cfg = self.transform_of(identity, state, cfg)(state, cfg)
-            exact = _Candidate("exact", "", dict(exact_state), exact_cfg)
+            exact = _Candidate("exact", "", marked_as(exact_state, exact_state), exact_cfg)
             records = exact_cfg.applied[len(cfg.applied):]
         except AlreadyAppliedError:
             return None
@@ -328,7 +329,7 @@ class _Replay:
             candidates += self.wrong_rewrites(identity, state, cfg, refused=refusal is not None, records=records)
         if not candidates:
             if forced:
-                return _Stage(identity.name, dict(state), cfg, set(), None, refusal, recognised=False)
+                return _Stage(identity.name, marked_as(state, state), cfg, set(), None, refusal, recognised=False)
             return None
         gains = [self.gain(state, c) for c in candidates]
         best = max(range(len(candidates)), key=lambda i: (gains[i][0], -i))
@@ -337,7 +338,7 @@ class _Replay:
             return None
         if gain <= 0 and exact is not None:
             primary, touched = exact, gains[0][1]
-        merged = dict(primary.state)
+        merged = dict(primary.state)  # the primary's tensors, and others' of the same names and shapes
         origin = {n: primary for n in touched}
         for name in touched:
             if self.same(name, merged.get(name), state.get(name)):
@@ -346,8 +347,8 @@ class _Replay:
                 if other is not primary and set(other.state) == set(merged) and self.same(name, other.state.get(name), state.get(name)):
                     merged[name], origin[name] = other.state[name], other
                     break
-        stage = _Stage(identity.name, merged, primary.cfg, touched, exact.state if exact else None, refusal,
-                       recognised=gain > 0)
+        stage = _Stage(identity.name, marked_as(primary.state, merged), primary.cfg, touched,
+                       exact.state if exact else None, refusal, recognised=gain > 0)
         self._record(stage, origin, primary, state)
         return stage
 
@@ -473,6 +474,7 @@ class _Replay:
                 rewrites.setdefault(kind, []).extend(names)
         identity = PERMUTE_HEADS if "heads" in {kind for kind, _l, _p in moved} else PERMUTE_NEURONS
         touched = {n for names in moved.values() for n in names}
+        out = marked_as(state, out)  # tensors of ``state`` permuted along their heads or neurons
         stage = _Stage(identity.name, out, cfg, touched, None if rewrites else out, None)
         for kind, names in rewrites.items():
             key = f"{identity.name}.partial"
@@ -496,7 +498,8 @@ class _Replay:
                 continue
             changed = [n for n in candidate.state if not torch.equal(candidate.state[n], base[n])]
             while changed:
-                trial = _Stage(stage.name, dict(base, **{n: candidate.state[n] for n in changed}), stage.cfg,
+                tried = marked_as(base, dict(base, **{n: candidate.state[n] for n in changed}))
+                trial = _Stage(stage.name, tried, stage.cfg,
                                stage.touched | self.touched(state, candidate.state), stage.exact, stage.refusal,
                                dict(stage.rewrites), dict(stage.descriptions), stage.recognised)
                 later, final, final_cfg = self.run(trial.state, trial.cfg, rest, search=False)

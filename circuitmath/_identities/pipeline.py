@@ -31,6 +31,7 @@ from .._processing import center_reading_weights, fold_value_biases, process_wei
 from .._processing.steps import PIPELINE_STEPS, leaving_out
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, register
+from .._state import marked_as
 from .attention_biases import causal_exponentials
 
 n, d, e = (Symbol(s, positive=True, integer=True) for s in ("n", "d", "e"))
@@ -215,7 +216,7 @@ def _center_readers_before_fold(state_dict, cfg):
     early = dict(state_dict)
     for weight in _gains(state_dict, cfg):
         early[weight] = state_dict[weight] - state_dict[weight].mean(dim=-2, keepdim=True)
-    return process_everything(early, cfg)
+    return process_everything(marked_as(state_dict, early), cfg)
 
 
 def _fold_gain_twice(state_dict, cfg):

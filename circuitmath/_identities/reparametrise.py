@@ -25,7 +25,7 @@ from .._processing import refactor_factored_attn_matrices
 from .._processing._common import NOT_APPLIED, NOT_ROTARY, NO_QK_NORM
 from .._proof import Fact, Proof, Step, Twin
 from .._registry import Identity, register
-from .._state import attention_names
+from .._state import attention_names, marked_as
 from ..circuits._bases import _change_bases
 
 n, d, e, m = (Symbol(s, positive=True, integer=True) for s in ("n", "d", "e", "m"))
@@ -186,7 +186,8 @@ def _one_svd_per_query_head(state_dict, cfg):
                 per_query_head = f"blocks.{layer}.attn.{kind}_{side}"
                 grouped_names[per_query_head] = f"blocks.{layer}.attn.{name}"
                 ungrouped[per_query_head] = ungrouped.pop(grouped_names[per_query_head]).repeat_interleave(size, dim=0)
-    out, _cfg = refactor_factored_attn_matrices(ungrouped, cfg.replace(n_key_value_heads=None))
+    ungrouped_cfg = cfg.replace(n_key_value_heads=None)
+    out, _cfg = refactor_factored_attn_matrices(marked_as(state_dict, ungrouped, ungrouped_cfg), ungrouped_cfg)
     for per_query_head, grouped in grouped_names.items():
         out[grouped] = out.pop(per_query_head)[size - 1 :: size]
     return out, new_cfg

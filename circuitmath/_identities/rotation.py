@@ -43,7 +43,7 @@ from .._processing.rotation import (
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._reference import forward, normalize
 from .._registry import Identity, WrongRewrite, register
-from .._state import validate_state_dict
+from .._state import marked_as, validate_state_dict
 from .._compare import compute_dtype, default_tokens
 from ._circuit_checks import compare_values, dim, rational_orthogonal
 from .norms import centered_layer_norm_model
@@ -419,7 +419,7 @@ def _centered_embedding(state_dict, cfg, Q=None):
     """Center W_E (subtract its mean over d_model) before rotating: exact behind LayerNorm, which
     centers what it reads, but behind RMSNorm it changes every norm's input."""
     centered = dict(state_dict, **{"embed.W_E": state_dict["embed.W_E"] - state_dict["embed.W_E"].mean(-1, keepdim=True)})
-    return _rotate(centered, cfg, Q)
+    return _rotate(marked_as(state_dict, centered), cfg, Q)
 
 
 def _norm_compare(state_dict, cfg, tokens, computation):

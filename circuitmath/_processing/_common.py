@@ -9,7 +9,7 @@ import torch
 
 from .._config import Config, config_expected
 from .._errors import NOT_APPLIED, AlreadyAppliedError, OverflowedError, Precondition, PreconditionError, StateDictError
-from .._state import attention_names, entries_checked_here, not_finite
+from .._state import Validated, attention_names, entries_known_finite, not_finite, vouched
 
 __all__ = [
     "readers", "require", "refuse_reapplication", "rewrite", "undone_by",
@@ -100,8 +100,10 @@ def rewrite(identity: str, *, check_output: bool = True) -> Callable:
     plain tensors come back. With ``check_output``, every tensor the transform wrote is checked:
     the input was validated finite, so a NaN or an Inf in the output means the rewrite left the
     dtype's range, and :class:`~circuitmath.OverflowedError` names the identity and the tensors
-    instead of returning a different model. Within :func:`~circuitmath._state.entries_checked_elsewhere`
-    (the pipeline, which checks once at the end) the output is not checked here.
+    instead of returning a different model; not when the input's entries are checked by its maker
+    (a :class:`~circuitmath._state.Validated` with ``entries=False``: the pipeline checks once at
+    the end). A :class:`~circuitmath._state.Validated` input gives one as output, so a chain of
+    transforms inside the package validates nothing again.
     """
 
     def decorate(transform: Callable) -> Callable:
@@ -114,7 +116,7 @@ def rewrite(identity: str, *, check_output: bool = True) -> Callable:
             with torch.no_grad():
                 out, out_cfg = transform(state_dict, cfg, *args, **kwargs)
                 out = {name: tensor.detach() if tensor.requires_grad else tensor for name, tensor in out.items()}
-                if check_output and entries_checked_here():
+                if check_output and entries_known_finite(state_dict):
                     bad = {
                         name: count
                         for name, tensor in out.items()
@@ -127,6 +129,8 @@ def rewrite(identity: str, *, check_output: bool = True) -> Callable:
                             + ", ".join(f"{name} has {count} NaN or Inf entries" for name, count in bad.items())
                             + "; nothing is returned (compute in a wider dtype)"
                         )
+                if isinstance(state_dict, Validated) and state_dict.holds_for(cfg):
+                    out = vouched(out, out_cfg, state_dict.dtype, entries=state_dict.entries)
                 out, out_cfg = _reestablished(identity, cfg, out, out_cfg)
             return out, out_cfg
 

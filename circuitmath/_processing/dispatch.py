@@ -7,7 +7,7 @@ import torch
 
 from .._config import Config
 from .._errors import OverflowedError, PreconditionError
-from .._state import StateDict, all_finite, entries_checked_elsewhere, not_finite, validate_state_dict
+from .._state import StateDict, all_finite, not_finite, validated, vouched
 from ._parts import InMemory, Parts
 from .centering import center_unembed
 from .fused import fusable, fused_default_steps, rms_fusable
@@ -67,18 +67,19 @@ def processed(
         if owned and checked_in_cache:
             given.clear()
             given = None
-    with entries_checked_elsewhere():  # checked here, on the way in and on the way out
-        for keyword, step in steps:
-            if requested[keyword] is False:
+    # the entries are checked here, on the way in and on the way out, not by each step
+    state_dict = vouched(state_dict, cfg, entries=False)
+    for keyword, step in steps:
+        if requested[keyword] is False:
+            continue
+        try:
+            # after the fused steps the state dict is this function's own: a local step may
+            # replace it a block at a time, so that only one block is held twice
+            state_dict, cfg = _block_by_block(state_dict, cfg, step) if fused else step(state_dict, cfg)
+        except PreconditionError:
+            if requested[keyword] is None:
                 continue
-            try:
-                # after the fused steps the state dict is this function's own: a local step may
-                # replace it a block at a time, so that only one block is held twice
-                state_dict, cfg = _block_by_block(state_dict, cfg, step) if fused else step(state_dict, cfg)
-            except PreconditionError:
-                if requested[keyword] is None:
-                    continue
-                raise
+            raise
     # The fused steps summed every output block, rounded, in cache: finite sums prove finite
     # entries (a half-precision rounding that overflowed included), unless a later step rewrote tensors.
     if not (checked_in_cache and cfg.applied[-1] == center_unembed.identity):
@@ -95,9 +96,12 @@ def _block_by_block(state_dict: dict[str, torch.Tensor], cfg: Config, step: Tran
     config it is, or else names the block."""
     tensor = next(iter(state_dict.values()))
     parts = Parts(InMemory(state_dict), cfg, tensor.dtype, tensor.device)
-    out, out_cfg = parts.run(None, step)
+    def unchecked(part: StateDict, part_cfg: Config):  # a part of a model this pipeline checks
+        return step(vouched(part, part_cfg, entries=False), part_cfg)
+
+    out, out_cfg = parts.run(None, unchecked)
     for layer in range(cfg.n_layers):
-        block, block_cfg = parts.run(layer, step)
+        block, block_cfg = parts.run(layer, unchecked)
         for name in [n for n in state_dict if n.startswith(f"blocks.{layer}.")]:
             del state_dict[name]
         out |= block
@@ -117,7 +121,7 @@ def _finite_or_explained(state_dict: StateDict, cfg: Config, given: StateDict | 
     if not bad:
         return
     if given is not None:  # None: the input is known finite
-        validate_state_dict(given, given_cfg)
+        validated(given, given_cfg)  # names the input's NaN or Inf entries
     dtype = next(iter(state_dict.values())).dtype
     raise OverflowedError(
         f"process_weights: processing overflowed {dtype}: the input is finite but the processed weights are not ("

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .._config import Config
-from .._state import StateDict, entries_checked_elsewhere, validate_state_dict
+from .._state import StateDict, validated
 from ._common import rewrite
 from .dispatch import fused_first, only_fused, processed
 from .half_precision import half_by_parts
@@ -86,8 +84,9 @@ def process_weights(
         center_unembed=center_unembed, refactor_factored_attn_matrices=refactor_factored_attn_matrices,
     ))
     # Fused, every entry of the input reaches the output, so only the output's are checked.
-    with entries_checked_elsewhere() if fused_first(cfg, requested) else contextlib.nullcontext():
-        dtype = validate_state_dict(state_dict, cfg)
-    if torch.finfo(dtype).bits < 32 and not only_fused(cfg, requested):
-        return half_by_parts(state_dict, cfg, requested)
-    return processed(state_dict, cfg, requested)
+    state_dict = validated(state_dict, cfg, entries=not fused_first(cfg, requested))
+    if torch.finfo(state_dict.dtype).bits < 32 and not only_fused(cfg, requested):
+        out, out_cfg = half_by_parts(state_dict, cfg, requested)
+    else:
+        out, out_cfg = processed(state_dict, cfg, requested)
+    return dict(out), out_cfg  # a plain dict: the caller's to change

@@ -16,7 +16,7 @@ from .._config import Config
 from .._errors import InputError, Precondition
 from .._processing._common import NO_LOGIT_SOFTCAP, NO_POST_NORMS, NO_QK_NORM, require
 from .._reference import _project, _rotate, forward, pattern_from_scores
-from .._state import StateDict, validate_state_dict, validated_once
+from .._state import StateDict, validated
 from ._heads import _layer_bias, _layer_weight
 
 __all__ = ["POSITIONS", "attention_patterns", "Path", "path_terms", "SCORE_TERMS", "score_terms", "PATH_MODEL"]
@@ -113,11 +113,10 @@ class _Run:
 def _run(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, identity: str) -> _Run:
     """The reference forward pass (:func:`circuitmath.forward`), with the patterns and the
     residual streams it records, and each norm's scale frozen at the stream it read."""
-    with validated_once():
-        validate_state_dict(state_dict, cfg)
-        _require_path_model(cfg, identity)
-        record: dict = {}
-        forward(state_dict, cfg, tokens, record=record)
+    state_dict = validated(state_dict, cfg)
+    _require_path_model(cfg, identity)
+    record: dict = {}
+    forward(state_dict, cfg, tokens, record=record)
     inputs = (*record["residuals"], record["final_residual"])
     norms = [_Norm.freeze(state_dict, cfg, f"blocks.{layer}.ln1", x) for layer, x in enumerate(inputs[:-1])]
     norms.append(_Norm.freeze(state_dict, cfg, "ln_final", inputs[-1]))
