@@ -58,7 +58,7 @@ from ._processing.steps import steps_between
 from ._reference import check_tokens
 from ._state import validate_state_dict
 from ._processing._memory import in_memory
-from ._streaming_process import opened
+from ._streaming_parts import opened
 from ._streaming_forward import ForwardPass
 
 __all__ = ["check_model_streaming"]

@@ -10,7 +10,7 @@ plus the compute dtype's own rounding),
 every weight converted to float64 one tensor at a time as the pass reads it; and the processed
 tensors are compared one part at a time with the exact rewrite, replayed on the parts
 :func:`~circuitmath.io.process_checkpoint` processes. Each part of the original is read once
-(:class:`~circuitmath._streaming_process.PartReader`: contiguous, in its own dtype) for both.
+(:class:`~circuitmath._streaming_parts.PartReader`: contiguous, in its own dtype) for both.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ._state import not_finite
 from ._processing._parts import Parts
 from ._processing.steps import KEYWORD_OF, STEPS
 from ._streaming_forward import ForwardPass
-from ._streaming_process import PartReader, _untouched, opened, replayed
+from ._streaming_parts import PartReader, find_untouched, opened, replayed
 from ._compare import _unit_roundoff, compute_dtype, logprob_tolerance
 
 __all__ = ["check_processed", "StreamingReport"]
@@ -264,7 +264,7 @@ def _walked(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progres
     # checkpoint holds them), and a block is converted once for the replay and the compute-dtype
     # pass; on another device the parts are converted there, as process_checkpoint does.
     on_cpu = tensors is not None and device.type == "cpu"
-    untouched = ({layer is None: _untouched(before.cfg, keywords, layer, tensors.compute) for layer in (None, 0)}
+    untouched = ({layer is None: find_untouched(before.cfg, keywords, layer, tensors.compute) for layer in (None, 0)}
                  if on_cpu and isinstance(keywords, dict) else None)
     reader = PartReader(before, tensors.compute if on_cpu else None, untouched, keep_all=True)
     parts = Parts(reader, before.cfg, tensors.compute if tensors else before.dtype, device, before.path)

@@ -24,7 +24,7 @@ from circuitmath._hf import hf_layout
 from circuitmath._processing.norms import WRITES_CENTERED
 from circuitmath._processing.steps import STEPS
 from circuitmath._stored import LAYOUT_KEY, writing_steps
-from circuitmath._streaming_process import _untouched
+from circuitmath._streaming_parts import find_untouched
 from circuitmath._processing._memory import in_memory as streaming_in_memory
 from circuitmath._streaming_check_processed import check_processed
 from circuitmath._streaming_check_model import check_model_streaming
@@ -194,14 +194,14 @@ def test_untouched_tensors_are_found_on_a_small_model(dtype):
     GPT-2's fused steps rewrite every tensor; in bfloat16 its refactor casts the blocks to float32."""
     _, llama = HF["llama-gqa"]
     cfg = hf_layout(llama.to_dict()).cfg
-    block, ends = (_untouched(cfg, EVERYTHING, layer, dtype) for layer in (0, None))
+    block, ends = (find_untouched(cfg, EVERYTHING, layer, dtype) for layer in (0, None))
     assert "blocks.0.attn.W_O" in block.kept and "blocks.0.attn.W_O" not in block.unread
     assert {"blocks.0.mlp.W_out", "blocks.0.mlp.b_out"} <= block.unread
     assert not {"blocks.0.attn.W_Q", "blocks.0.mlp.W_in", "blocks.0.mlp.W_gate", "blocks.0.attn.b_O"} & block.kept
     assert ends.unread == {"embed.W_E"}
     _, gpt2 = HF["gpt2"]
     cfg = hf_layout(gpt2.to_dict()).cfg
-    assert _untouched(cfg, EVERYTHING, 0, dtype).kept == _untouched(cfg, EVERYTHING, None, dtype).kept == frozenset()
+    assert find_untouched(cfg, EVERYTHING, 0, dtype).kept == find_untouched(cfg, EVERYTHING, None, dtype).kept == frozenset()
 
 
 @pytest.mark.parametrize("cfg", [

@@ -11,7 +11,7 @@ import circuitmath as cm
 from circuitmath import io
 from circuitmath._checkpoint import CheckpointWriter, open_checkpoint
 from circuitmath._processing.steps import STEPS
-from circuitmath._streaming_process import PartReader
+from circuitmath._streaming_parts import PartReader
 
 CFG = cm.Config(n_layers=4, d_model=8, n_heads=4, d_head=2, d_vocab=11, n_ctx=5, d_mlp=16, normalization_type="RMS",
                 positional_embedding_type="rotary", gated_mlp=True, n_key_value_heads=2, act_fn="silu")
