@@ -73,6 +73,12 @@ class Config:
     - ``post_norms``: each sub-layer's output passes through an RMSNorm of its own (gains
       ``ln1_post.w``, ``ln2_post.w``) before it is added to the residual stream (Gemma 2's
       sandwich norms); it needs a pre-RMSNorm model.
+    - ``n_experts``: each MLP is a mixture of ``n_experts`` gated experts of width ``d_mlp``
+      (``circuitmath._moe``): a router ``mlp.W_router`` ``[d_model, n_experts]`` (and bias) reads
+      the normalised stream, the ``experts_per_token`` experts of largest softmax weight run and
+      their outputs are summed with those weights (renormalised over the chosen experts with
+      ``router_normalize_top_k``); ``d_shared_mlp``: a shared expert of that width, run on every
+      token and scaled by ``sigmoid(x W_shared_gate)``, is added (Qwen-MoE).
 
     ``applied`` records, in order, the weight transforms that produced the state dict. A former
     name of an identity (a config saved before the rename, see :data:`FORMER_NAMES`) is read as
@@ -109,6 +115,10 @@ class Config:
     post_norms: bool = False
     rotary_interleaved: bool = False
     logit_scale: float | None = None
+    n_experts: int | None = None
+    experts_per_token: int | None = None
+    router_normalize_top_k: bool = True
+    d_shared_mlp: int | None = None
     applied: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -233,7 +243,8 @@ def _type_problems(cfg: Config) -> list[str]:
         if not _is_int(value) or value < floor:
             problems.append(f"{name} must be an int >= {floor}, got {value!r}")
     for name, meaning in (("d_mlp", "attention-only"), ("rotary_dim", "d_head"), ("n_key_value_heads", "n_heads"),
-                          ("sliding_window", "no sliding window")):
+                          ("sliding_window", "no sliding window"), ("n_experts", "a dense MLP"),
+                          ("experts_per_token", "a dense MLP"), ("d_shared_mlp", "no shared expert")):
         value = getattr(cfg, name)
         if value is not None and (not _is_int(value) or value < 1):
             problems.append(f"{name} must be None ({meaning}) or an int >= 1, got {value!r}")
@@ -247,7 +258,7 @@ def _type_problems(cfg: Config) -> list[str]:
         if not (value is None or isinstance(value, str)) or value not in allowed:
             problems.append(f"{name} must be one of {allowed}, got {value!r}")
     for name in ("causal", "gated_mlp", "parallel_attn_mlp", "embedding_norm", "qk_norm", "post_norms",
-                 "rotary_interleaved"):
+                 "rotary_interleaved", "router_normalize_top_k"):
         if not isinstance(getattr(cfg, name), bool):
             problems.append(f"{name} must be True or False, got {getattr(cfg, name)!r}")
     if not _is_number(cfg.rotary_base) or cfg.rotary_base <= 0:
@@ -299,6 +310,19 @@ def _relation_problems(cfg: Config) -> list[str]:
         problems.append("sliding_window is a causal mask; it needs causal=True")
     if cfg.n_key_value_heads is not None and cfg.n_heads % cfg.n_key_value_heads:
         problems.append(f"n_key_value_heads must be None or a divisor of n_heads={cfg.n_heads}, got {cfg.n_key_value_heads!r}")
+    return problems + _mixture_problems(cfg)
+
+
+def _mixture_problems(cfg: Config) -> list[str]:
+    """The mixture-of-experts fields' relations (each well typed)."""
+    if cfg.n_experts is None:
+        wrong = [n for n in ("experts_per_token", "d_shared_mlp") if getattr(cfg, n) is not None]
+        return [f"{', '.join(wrong)} need n_experts (a mixture-of-experts MLP)"] if wrong else []
+    problems = []
+    if not cfg.gated_mlp or cfg.parallel_attn_mlp or cfg.norm_position != "pre":
+        problems.append("n_experts needs gated experts (gated_mlp) in a sequential pre-norm model")
+    if cfg.experts_per_token is None or cfg.experts_per_token > cfg.n_experts:
+        problems.append(f"experts_per_token must be an int in [1, n_experts={cfg.n_experts}], got {cfg.experts_per_token!r}")
     return problems
 
 

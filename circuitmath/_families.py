@@ -86,6 +86,15 @@ FAMILIES: tuple[Family, ...] = (
                                            "rope_parameters": _ROPE, "bos_token_id": 0, "eos_token_id": 0,
                                            "multi_query": False, "parallel_attn": False},
            "Falcon with per-head fused q/k/v and sequential attention and MLP, two norms"),
+    Family("Mixtral", "mixtral", _SMALL | {"intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2},
+           "LLaMA whose MLP is a mixture of gated experts: a router picks the top 2 of 4 per token"),
+    Family("Qwen2-MoE", "qwen2_moe", _SMALL | {"moe_intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2,
+                                               "shared_expert_intermediate_size": 40, "use_sliding_window": False},
+           "Qwen2's attention, a mixture of 4 experts (top 2, not renormalised) and a shared expert under a sigmoid gate"),
+    Family("Qwen3-MoE", "qwen3_moe", _SMALL | {"head_dim": 8, "moe_intermediate_size": 24, "num_experts": 4,
+                                               "num_experts_per_tok": 2, "norm_topk_prob": True,
+                                               "use_sliding_window": False},
+           "Qwen3's attention (QK-norm) and a mixture of 4 experts, top 2 renormalised"),
 )
 
 

@@ -13,6 +13,7 @@ import torch
 
 from ._config import Config
 from ._errors import InputError
+from ._moe import mixture
 from ._state import StateDict, attention_names, per_query_head, validate_state_dict
 
 __all__ = ["forward", "log_probs", "normalize", "pattern_from_scores", "embed", "block", "unembed"]
@@ -145,6 +146,12 @@ def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in, record:
 
 
 def _mlp(params: StateDict, p: str, cfg: Config, x: torch.Tensor) -> torch.Tensor:
+    if cfg.n_experts is not None:
+        return mixture(params, p, cfg, x, lambda expert, v: _dense_mlp(params, expert, cfg, v))
+    return _dense_mlp(params, p, cfg, x)
+
+
+def _dense_mlp(params: StateDict, p: str, cfg: Config, x: torch.Tensor) -> torch.Tensor:
     hidden = x @ params[f"{p}.W_in"] + params[f"{p}.b_in"]
     if cfg.gated_mlp:
         hidden = _activation(cfg.act_fn, x @ params[f"{p}.W_gate"]) * hidden

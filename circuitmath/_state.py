@@ -8,6 +8,7 @@ import torch
 
 from ._config import Config, config_expected
 from ._errors import InputError, StateDictError
+from ._moe import mixture_shapes
 
 __all__ = [
     "attention_names",
@@ -240,12 +241,16 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}.ln1_post.w"] = (d,)
         if not cfg.attn_only:
             shapes |= _norm_shapes(f"{p}.ln2", cfg.normalization_type, d)
-            shapes[f"{p}.mlp.W_in"] = (d, cfg.d_mlp)
-            if cfg.gated_mlp:
+            if cfg.n_experts is not None:
+                shapes |= mixture_shapes(cfg, f"{p}.mlp")
+            else:
+                shapes[f"{p}.mlp.W_in"] = (d, cfg.d_mlp)
+            if cfg.gated_mlp and cfg.n_experts is None:
                 shapes[f"{p}.mlp.W_gate"] = (d, cfg.d_mlp)
-            shapes[f"{p}.mlp.b_in"] = (cfg.d_mlp,)
-            shapes[f"{p}.mlp.W_out"] = (cfg.d_mlp, d)
-            shapes[f"{p}.mlp.b_out"] = (d,)
+            if cfg.n_experts is None:
+                shapes[f"{p}.mlp.b_in"] = (cfg.d_mlp,)
+                shapes[f"{p}.mlp.W_out"] = (cfg.d_mlp, d)
+                shapes[f"{p}.mlp.b_out"] = (d,)
             if cfg.post_norms:
                 shapes[f"{p}.ln2_post.w"] = (d,)
     if cfg.norm_position == "pre":

@@ -50,6 +50,8 @@ CHECKERS = {
     "rotate_residual_stream": (testing.check_rotate_residual_stream, {"normalization_type": "RMSPre"}),
     "permute_heads": (testing.check_permute_heads, {}),
     "permute_neurons": (testing.check_permute_neurons, {}),
+    "permute_experts": (testing.check_permute_experts, {"normalization_type": "RMS", "gated_mlp": True,
+                                                        "n_experts": 4, "experts_per_token": 2}),
     "migrate_norm_scales": (testing.check_migrate_norm_scales, {"normalization_type": "RMS", "gated_mlp": True}),
     "rotate_heads": (testing.check_rotate_heads, {"n_heads": 4, "n_key_value_heads": 2}),
     "scale_neurons": (testing.check_scale_neurons, {"normalization_type": "RMS", "gated_mlp": True}),

@@ -135,7 +135,7 @@ def test_negative_control_qwen2_biases_read_as_llama_are_refused():
 
 #: The steps whose output a family's layout holds, where the defaults make something it cannot:
 #: Qwen2 has no o_proj bias to receive the folded value biases.
-FITTING_STEPS = {"Qwen2": ("fold_ln", "center_unembed"),
+FITTING_STEPS = {"Qwen2": ("fold_ln", "center_unembed"), "Qwen2-MoE": ("fold_ln", "center_unembed"),
                  # GPT-J's q/k/v have no biases to receive ln_1's bias
                  "GPT-J": ("fold_value_biases", "center_writing_weights", "center_unembed"),
                  # Falcon's final LayerNorm bias would fold into an unembedding bias Falcon lacks

@@ -21,6 +21,7 @@ CANDIDATES = (
     {"normalization_type": "LNPre", "eps": 0.0},
     {"eps": 0.0},
     {"embedding_scale": 6**0.5, "logit_scale": 0.0625},
+    {"normalization_type": "RMS", "gated_mlp": True, "act_fn": "silu", "n_experts": 4, "experts_per_token": 2},
 )
 WEIGHT_IDENTITIES = [i for i in cm.identities() if i.compare is None]
 
@@ -78,6 +79,7 @@ def test_the_transform_is_pure_keeps_the_dtype_records_itself_and_runs_once(iden
 #: Symmetries whose transform composes with itself (two rotations are a rotation; two
 #: permutations a permutation): applying them twice is exact and is not refused.
 COMPOSING = {"layer_norm_rotation", "rms_norm_rotation", "rotate_residual_stream", "permute_heads", "permute_neurons",
+             "permute_experts",
              "rotate_heads", "scale_neurons"}
 
 

@@ -16,6 +16,7 @@ from . import attention_biases  # noqa: F401
 from . import reparametrise  # noqa: F401
 from . import rotation  # noqa: F401
 from . import permutations  # noqa: F401
+from . import experts  # noqa: F401
 from . import quantisation  # noqa: F401
 from . import scales  # noqa: F401
 from . import pipeline  # noqa: F401

@@ -200,7 +200,7 @@ def _layer_norm_to_rms_proof() -> Proof:
 def _rms_fold_proof() -> Proof:
     w = MatrixSymbol("w", d, 1)
     W, b_W, W_gate = MatrixSymbol("W", d, m), MatrixSymbol("b_W", 1, m), MatrixSymbol(r"W_{gate}", d, m)
-    W_sq = MatrixSymbol("W", d, d)
+    W_sq, W_router = MatrixSymbol("W", d, d), MatrixSymbol(r"W_{router}", d, m)
     RMSPre, RMS = MatrixSymbol(r"\mathrm{RMSPre}(x)", 1, d), MatrixSymbol(r"\mathrm{RMS}(x)", 1, d)
     folded = MatAdd(MatMul(RMSPre, MatMul(DiagMatrix(w), W)), b_W)
     lhs = MatAdd(MatMul(RMS, W), b_W)
@@ -219,6 +219,7 @@ def _rms_fold_proof() -> Proof:
         ),
         explicit_dims={d: 4, m: 3},
         assumptions=("rho is any scalar: eps stays inside RMSPre", "W_gate, which has no bias, folds the same way",
+                     "a mixture of experts' router and each expert's W_in and W_gate are readers and fold the same way",
                      "w is the gain the norm applies: for gains stored as w and applied as 1 + w (Gemma) it is 1 + w"),
         twins=(
             Twin(
@@ -232,6 +233,12 @@ def _rms_fold_proof() -> Proof:
                 "fold the gain into W_in but not into W_gate of a gated MLP",
                 MatMul(RMS, W_gate),
                 MatMul(RMSPre, W_gate),
+            ),
+            Twin(
+                "forget_router",
+                "fold the gain into the experts but not into the router that chooses them (a mixture of experts)",
+                MatMul(RMS, W_router),
+                MatMul(RMSPre, W_router),
             ),
             Twin(
                 "center_after_fold",
@@ -265,11 +272,15 @@ def _switch_with_other_eps(state_dict, cfg):
     return out, new_cfg.replace(eps=cfg.eps * 10 + 1e-3)
 
 
-def _fold_forgetting_W_gate(state_dict, cfg):
-    out, new_cfg = fold_rms_norm(state_dict, cfg)
-    for layer in range(cfg.n_layers if cfg.gated_mlp else 0):
-        out[f"blocks.{layer}.mlp.W_gate"] = state_dict[f"blocks.{layer}.mlp.W_gate"]
-    return out, new_cfg
+def _fold_forgetting(leaf):
+    """Fold the gains, then put back every reader whose name ends in ``leaf`` (W_gate, W_router)."""
+    def wrong(state_dict, cfg):
+        out, new_cfg = fold_rms_norm(state_dict, cfg)
+        for _norm, pairs in readers(cfg):
+            for weight in [weight for weight, _bias in pairs if weight.endswith(f".{leaf}")]:
+                out[weight] = state_dict[weight]
+        return out, new_cfg
+    return wrong
 
 
 def _fold_stored_gain(state_dict, cfg):
@@ -363,7 +374,8 @@ RMS_NORM_FOLD = register(
         build_proof=lambda: with_eps_lemma(_rms_fold_proof()),
         transform=fold_rms_norm,
         wrong_rewrites={
-            "forget_W_gate": _fold_forgetting_W_gate,
+            "forget_W_gate": _fold_forgetting("W_gate"),
+            "forget_router": WrongRewrite(_fold_forgetting("W_router"), differs_on=lambda cfg: cfg.n_experts is not None),
             center_reading_weights.identity: _fold_and_center_readers,  # centering as behind a LayerNorm
             "gain_stored_as_w": WrongRewrite(_fold_stored_gain, differs_on=lambda cfg: cfg.norm_gain_offset != 0),
         },

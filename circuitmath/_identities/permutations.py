@@ -15,6 +15,7 @@ from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, Transpose
 
 from .._errors import Precondition
 from .._processing import permute_heads, permute_neurons
+from .._processing._common import DENSE_MLP
 from .._processing.rotation import A_HEAD_PERMUTATION, A_NEURON_PERMUTATION, GROUPS_MOVE_TOGETHER, HAS_MLPS
 from .._proof import Fact, Proof, Step, Twin
 from .._registry import Identity, register
@@ -198,7 +199,7 @@ PERMUTE_NEURONS = register(
         title="Permuting the neurons of an MLP",
         summary="f(x W_in P + b_in P) P^T W_out = f(x W_in + b_in) W_out for a permutation P: the"
         " activation acts entry by entry; W_gate moves with W_in",
-        preconditions=(HAS_MLPS, A_NEURON_PERMUTATION, ENTRYWISE_ACTIVATION),
+        preconditions=(HAS_MLPS, DENSE_MLP, A_NEURON_PERMUTATION, ENTRYWISE_ACTIVATION),
         function="permute_neurons",
         check_note="the permutation is recovered from the tensors and verified on every tensor",
         build_proof=_neurons_proof,

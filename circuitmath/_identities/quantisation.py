@@ -23,7 +23,7 @@ from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSy
 
 from .._compare import named_generator
 from .._errors import NOT_APPLIED
-from .._processing._common import NO_QK_NORM, NORM_READ_LINEARLY, PRE_NORM, readers
+from .._processing._common import DENSE_MLP, NO_QK_NORM, NORM_READ_LINEARLY, PRE_NORM, readers
 from .._processing.quantisation import (
     COMMUTES_WITH_ROTARY,
     GAINS_AS_STORED,
@@ -175,6 +175,9 @@ MIGRATE_NORM_SCALES = register(
         wrong_rewrites={  # the narrowest first: where several explain a tensor, the diagnosis names the first
             "gate_unscaled": WrongRewrite(_migrate_but(_unscale(lambda pairs: [w_ for w_, _b in pairs if w_.endswith("W_gate")])),
                                           differs_on=lambda cfg: cfg.gated_mlp and not cfg.attn_only),
+            "router_unscaled": WrongRewrite(_migrate_but(_unscale(lambda pairs: [w_ for w_, _b in pairs if w_.endswith("W_router")])),
+                                            "scale every reader of the MLP's norm but the router of its experts",
+                                            differs_on=lambda cfg: cfg.n_experts is not None),
             "value_unscaled": WrongRewrite(_migrate_but(_unscale(lambda pairs: [w_ for w_, _b in pairs if w_.endswith("W_V")])),
                                            "scale every reader but W_V"),
             "bias_unscaled": WrongRewrite(_migrate_but(_bias_unscaled), differs_on=lambda cfg: cfg.normalization_type == "LN"),
@@ -487,7 +490,7 @@ SCALE_NEURONS = register(
         title="Scaling neurons through a gated product or a ReLU (cross-layer equalisation)",
         summary="W_in diag(s), b_in s, diag(1/s) W_out: exact through a gated MLP's up projection for any nonzero s,"
         " through ReLU for s > 0; not through the gate, GELU or SiLU, or ReLU with s < 0",
-        preconditions=(HAS_MLPS, NEURON_SCALES, SCALE_REACHES_OUTPUT_LINEARLY),
+        preconditions=(HAS_MLPS, DENSE_MLP, NEURON_SCALES, SCALE_REACHES_OUTPUT_LINEARLY),
         function="scale_neurons",
         check_note="the scales are recovered from each neuron's W_in column (or W_out row) and every tensor is"
         " certified against the scaling by them",

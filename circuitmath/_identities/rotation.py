@@ -41,6 +41,7 @@ from .._processing.rotation import (
     rotate_residual_stream,
 )
 from .._proof import Definition, Fact, Proof, Step, Twin
+from .._moe import routers
 from .._reference import forward, normalize
 from .._registry import Identity, WrongRewrite, register
 from .._state import marked_as, validate_state_dict
@@ -548,6 +549,8 @@ ROTATION_INVARIANCE = register(
             "forget_W_pos": forgetting(
                 _rotate, lambda cfg: ["pos_embed.W_pos"] if cfg.positional_embedding_type in ("standard", "shortformer") else []),
             "forget_writer_bias": forgetting(_rotate, lambda cfg: [f"blocks.{l}.attn.b_O" for l in range(cfg.n_layers)]),
+            "router_unrotated": WrongRewrite(forgetting(_rotate, routers), "rotate every reader but the router of the experts",
+                                             differs_on=lambda cfg: cfg.n_experts is not None),
             "readers_not_transposed": _readers_not_transposed,
             "centered_embedding": WrongRewrite(
                 _centered_embedding, "W_E mean-centered before rotating behind RMSNorm: centering the writes is exact"

@@ -18,6 +18,7 @@ from .attention import (
     remove_key_biases as remove_key_biases,
 )
 from .centering import center_unembed as center_unembed, center_writing_weights as center_writing_weights, writers as writers
+from .experts import permute_experts as permute_experts, recover_expert_permutation as recover_expert_permutation
 from .layer_norm import center_reading_weights as center_reading_weights, fold_layer_norm as fold_layer_norm
 from .norms import (
     fold_rms_norm as fold_rms_norm,

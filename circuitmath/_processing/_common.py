@@ -9,12 +9,13 @@ import torch
 
 from .._config import Config, config_expected
 from .._errors import NOT_APPLIED, AlreadyAppliedError, OverflowedError, Precondition, PreconditionError, StateDictError
+from .._moe import mixture_readers
 from .._state import Validated, attention_names, entries_known_finite, not_finite, vouched
 
 __all__ = [
     "readers", "require", "refuse_reapplication", "rewrite", "undone_by",
     "NOT_APPLIED", "PRE_NORM", "NORM_READ_LINEARLY", "NOT_ROTARY", "NO_QK_NORM", "NO_LOGIT_SOFTCAP", "NO_ATTN_SOFTCAP",
-    "NO_POST_NORMS", "POST_NORM_GAINS_EQUAL", "require_even_post_norms",
+    "NO_POST_NORMS", "POST_NORM_GAINS_EQUAL", "require_even_post_norms", "DENSE_MLP", "require_dense_mlp",
 ]
 
 #: Shared by the transforms that need them (each identity lists the ones its transform raises).
@@ -50,6 +51,18 @@ POST_NORM_GAINS_EQUAL = Precondition(
     "every sandwich norm (post_norms) applies the same gain to every dimension: a gain diag(g) after the norm commutes"
     " with an orthogonal Q only when g is constant",
 )
+
+DENSE_MLP = Precondition(
+    "every MLP is one dense MLP",
+    "every MLP is one dense MLP, not a mixture of experts (whose experts a router chooses per token)",
+)
+
+
+def require_dense_mlp(identity: str, cfg: Config) -> None:
+    """Refuse (:data:`DENSE_MLP`) a model whose MLPs are mixtures of experts (``cfg.n_experts``)."""
+    require(identity, DENSE_MLP, cfg.n_experts is None,
+            f"each MLP is a mixture of {cfg.n_experts} experts chosen per token by a router: {identity} rewrites"
+            " one dense MLP per layer")
 
 
 def require_even_post_norms(identity: str, state_dict, cfg: Config) -> None:
@@ -154,6 +167,7 @@ def readers(cfg: Config) -> list[tuple[str, list[tuple[str, str]]]]:
         out.append((f"{p}.ln1", [(f"{p}.attn.{w}", f"{p}.attn.{b}") for w, b, _ in names]))
         if not cfg.attn_only:
             mlp = [(f"{p}.mlp.W_in", f"{p}.mlp.b_in")] + ([(f"{p}.mlp.W_gate", None)] if cfg.gated_mlp else [])
+            mlp = mlp if cfg.n_experts is None else mixture_readers(cfg, f"{p}.mlp")
             out.append((f"{p}.ln2", mlp))
     out.append(("ln_final", [("unembed.W_U", "unembed.b_U")]))
     return out

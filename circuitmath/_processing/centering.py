@@ -7,6 +7,7 @@ import torch
 from .._compare import compute_dtype
 from .._config import Config
 from .._errors import Precondition
+from .._moe import mixture_writers
 from .._state import StateDict, validate_state_dict
 from ._common import NO_LOGIT_SOFTCAP, PRE_NORM, refuse_reapplication, require, rewrite
 from ._memory import new_tensor, rows_per_block, scratch
@@ -33,7 +34,7 @@ def writers(cfg: Config) -> list[str]:
         p = f"blocks.{layer}"
         names += [f"{p}.attn.W_O", f"{p}.attn.b_O"]
         if not cfg.attn_only:
-            names += [f"{p}.mlp.W_out", f"{p}.mlp.b_out"]
+            names += [f"{p}.mlp.W_out", f"{p}.mlp.b_out"] if cfg.n_experts is None else mixture_writers(cfg, f"{p}.mlp")
     return names
 
 

@@ -21,7 +21,7 @@ import torch
 from .._config import Config
 from .._errors import Precondition, PreconditionError
 from .._state import StateDict, attention_names, key_value_groups, validate_state_dict
-from ._common import NO_QK_NORM, readers, require, rewrite
+from ._common import NO_QK_NORM, readers, require, require_dense_mlp, rewrite
 from .layer_norm import reader_preconditions
 from .rotation import HAS_MLPS, ORTHOGONALITY_SAFETY
 
@@ -402,6 +402,7 @@ def scale_neurons(state_dict: StateDict, cfg: Config, scales) -> tuple[dict[str,
     """
     identity = "scale_neurons"
     require(identity, HAS_MLPS, not cfg.attn_only, "the model is attention-only: there are no neurons to scale")
+    require_dense_mlp(identity, cfg)
     validate_state_dict(state_dict, cfg)
     if not isinstance(scales, torch.Tensor) or not scales.is_floating_point():
         raise PreconditionError(identity, NEURON_SCALES, f"got {type(scales).__name__}, not a floating tensor")

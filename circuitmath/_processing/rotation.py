@@ -26,7 +26,7 @@ import torch
 from .._config import Config
 from .._errors import Precondition, PreconditionError
 from .._state import StateDict, attention_names, validate_state_dict
-from ._common import readers, require, require_even_post_norms, rewrite
+from ._common import readers, require, require_dense_mlp, require_even_post_norms, rewrite
 from .centering import center_writing_weights, require_pre_norm, writers
 from .layer_norm import fold_layer_norm
 from .norms import fold_rms_norm, layer_norm_to_rms_norm
@@ -402,6 +402,7 @@ def permute_neurons(state_dict: StateDict, cfg: Config, permutation) -> tuple[di
     """
     identity = "permute_neurons"
     require(identity, HAS_MLPS, not cfg.attn_only, "the model is attention-only: there are no neurons to permute")
+    require_dense_mlp(identity, cfg)
     validate_state_dict(state_dict, cfg)
     perms = _per_layer(identity, permutation, cfg.n_layers, cfg.d_mlp, "neurons", A_NEURON_PERMUTATION)
     out = dict(state_dict)
@@ -548,10 +549,10 @@ def recover_neuron_permutation(
     before: StateDict, after: StateDict, cfg: Config, *, verify_all: bool = True
 ) -> torch.Tensor | None:
     """``[n_layers, d_mlp]``: the permutation with ``after = permute_neurons(before, cfg, perm)``,
-    or ``None`` (no MLPs, or no such permutation). Neurons are matched by the bytes of their
+    or ``None`` (no dense MLPs, or no such permutation). Neurons are matched by the bytes of their
     ``W_in`` column, ``b_in`` entry, ``W_gate`` column and ``W_out`` row; every tensor is then
     verified (``verify_all=False``: only the tensors it moves)."""
-    if cfg.attn_only or not _same_layout(before, after):
+    if cfg.attn_only or cfg.n_experts is not None or not _same_layout(before, after):
         return None
 
     def matched(layer):

@@ -1,0 +1,72 @@
+"""The symmetry of a mixture-of-experts MLP: reordering its experts with the router's columns."""
+
+from __future__ import annotations
+
+import torch
+
+from .._config import Config
+from .._errors import Precondition, PreconditionError
+from .._moe import expert_names
+from .._state import StateDict, validate_state_dict
+from ._common import require, rewrite
+from .rotation import _per_layer, _take
+
+__all__ = ["permute_experts", "recover_expert_permutation", "HAS_EXPERTS", "AN_EXPERT_PERMUTATION"]
+
+HAS_EXPERTS = Precondition("the MLPs are mixtures of experts", "every MLP is a mixture of experts (Config.n_experts)")
+AN_EXPERT_PERMUTATION = Precondition("a permutation of the experts", "a permutation of 0..n_experts-1, per layer or for all")
+
+
+@rewrite("permute_experts", check_output=False)
+def permute_experts(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict[str, torch.Tensor], Config]:
+    """Reorder the experts of every mixture-of-experts MLP: new expert ``i`` is old expert
+    ``permutation[i]``, with the router's column ``i`` (``W_router`` ``[d_model, n_experts]``,
+    ``b_router`` ``[n_experts]``) the old column ``permutation[i]``.
+
+    ``permutation`` is ``[n_experts]`` (every layer) or ``[n_layers, n_experts]``. The router's
+    logits are permuted, ``l P``; the softmax and the choice of the ``experts_per_token`` largest
+    commute with a permutation of the experts (top-k routing is permutation-equivariant, when the
+    ``k``-th and ``(k+1)``-th largest logits differ: a tie is broken by index, which the
+    permutation changes), so each expert gets the weight it had and the weighted sum is the same.
+    The shared expert is not routed and stays. Data movement only; dtype and device are kept. A
+    second application is a permutation too and is not refused; each records ``"permute_experts"``.
+    """
+    identity = "permute_experts"
+    require(identity, HAS_EXPERTS, cfg.n_experts is not None, "every MLP is dense: there are no experts to permute")
+    validate_state_dict(state_dict, cfg)
+    perms = _per_layer(identity, permutation, cfg.n_layers, cfg.n_experts, "experts", AN_EXPERT_PERMUTATION)
+    out = dict(state_dict)
+    for layer in range(cfg.n_layers):
+        p, perm = f"blocks.{layer}.mlp", perms[layer]
+        out[f"{p}.W_router"] = _take(state_dict[f"{p}.W_router"], perm, 1)
+        out[f"{p}.b_router"] = _take(state_dict[f"{p}.b_router"], perm, 0)
+        names = expert_names(cfg, p)
+        for new, old in zip(names, perm.tolist()):
+            for leaf in ("W_in", "W_gate", "b_in", "W_out", "b_out"):
+                out[f"{new}.{leaf}"] = state_dict[f"{names[old]}.{leaf}"]
+    return out, cfg.replace(applied=cfg.applied + (identity,))
+
+
+def recover_expert_permutation(before: StateDict, after: StateDict, cfg: Config) -> torch.Tensor | None:
+    """``[n_layers, n_experts]``: the permutation with ``after = permute_experts(before, cfg,
+    perm)``, matched on each expert's ``W_out`` (bit for bit, the data moves unchanged), or
+    ``None`` when no permutation of the experts explains ``after`` exactly."""
+    if cfg.n_experts is None:
+        return None
+    perms = []
+    for layer in range(cfg.n_layers):
+        names = expert_names(cfg, f"blocks.{layer}.mlp")
+        perm = []
+        for name in names:
+            match = [old for old, source in enumerate(names) if torch.equal(after[f"{name}.W_out"], before[f"{source}.W_out"])]
+            if not match:
+                return None
+            perm.append(match[0])
+        perms.append(perm)
+    perm = torch.tensor(perms, dtype=torch.long)
+    try:
+        moved, _ = permute_experts(before, cfg.replace(applied=()), perm)
+    except PreconditionError:  # two experts matched one: no permutation
+        return None
+    same = all(torch.equal(moved[name], after[name]) for name in moved if name in after)
+    return perm if same else None
