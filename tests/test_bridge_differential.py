@@ -29,6 +29,9 @@ from circuitmath.peers import transformer_lens_bridge
 from circuitmath.testing import NotEquivalentError, assert_equivalent
 
 NAMES = [f.name for f in io.FAMILIES]
+#: The families whose MLP the bridge exposes as parameters: 4.3 omits a mixture of experts' MLP
+#: from its TL-style parameters (it warns that there is no single dense W_in/W_out).
+DENSE = [f.name for f in io.FAMILIES if f.cfg.n_experts is None]
 DTYPES = [torch.float32, torch.bfloat16]
 TOKENS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -82,7 +85,7 @@ def _differing(ours: dict, theirs: dict, dtype: torch.dtype) -> set[str]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", DENSE)
 def test_both_processings_agree_and_the_checker_judges_the_bridge(name, dtype):
     model, bridge, (ours, ours_cfg), (theirs, _) = _both(name, dtype)
     assert _differing(ours, theirs, dtype) == DIFFERENCES.get((name, dtype), set())
@@ -96,7 +99,7 @@ def test_both_processings_agree_and_the_checker_judges_the_bridge(name, dtype):
         assert_equivalent(model, bridge)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", DENSE)
 def test_negative_control_a_row_changed_in_the_bridge_is_named(name):
     """The checker reads the tensors the bridge's forward pass reads: one changed there is caught
     and named, with the tensors no registered identity rewrites as the bridge does (Cohere's: the

@@ -19,8 +19,8 @@ from circuitmath._moe import routing
 from circuitmath._processing._common import DENSE_MLP
 from circuitmath._processing.experts import HAS_EXPERTS
 from circuitmath._stored import place
-from circuitmath._streaming_check import check_processed
-from circuitmath._streaming_model import check_model_streaming
+from circuitmath._streaming_check_processed import check_processed
+from circuitmath._streaming_check_model import check_model_streaming
 from circuitmath.testing import NotEquivalentError, assert_equivalent, diagnose
 
 MOE = ["Mixtral", "Qwen2-MoE", "Qwen3-MoE"]
