@@ -1,8 +1,9 @@
 """Conformance: another project's weight processing, run on every architecture family and judged.
 
-:func:`conformance` takes a processing function, hands it a realistic random model of every
-family in :data:`circuitmath.io.FAMILIES` (float32 and bfloat16 by default) and judges each
-result with :func:`circuitmath.testing.assert_equivalent` against the model it was given: the
+:func:`circuitmath.testing.conformance` (:func:`run_conformance` here, given the checker)
+takes a processing function, hands it a realistic random model of every family in
+:data:`circuitmath.io.FAMILIES` (float32 and bfloat16 by default) and judges each result with
+:func:`circuitmath.testing.assert_equivalent` against the model it was given: the
 same log-probs, and every tensor either the exact rewrite of a registered identity or a change
 that moves the log-probs by no more than its own rounding. The answer is a
 :class:`ConformanceTable`, family by dtype, with each failure's
@@ -13,28 +14,22 @@ The models are built by ``transformers`` from each family's tiny ``config.json``
 some negative, biases of unit scale, residual dimensions ten times larger than the rest, and
 logits beyond the softcap where the family has one, so that a feature a processing ignores
 changes the function.
-
->>> import torch
->>> from circuitmath import process_weights
->>> table = conformance(process_weights, families=["LLaMA"], dtypes=(torch.float32,))
->>> table.ok, [(v.family, v.dtype, v.passed) for v in table]
-(True, [('LLaMA', 'float32', True)])
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from ._config import Config
-from ._errors import ArgumentTypeError, CircuitMathError
-from ._families import FAMILIES, Family, family as family_named
+from ._errors import ArgumentTypeError, CircuitMathError, UnknownNameError
+from ._families import FAMILIES, Family
 
-__all__ = ["ConformanceTable", "Verdict", "conformance", "family_model"]
+__all__ = ["ConformanceTable", "Verdict", "family_model", "run_conformance"]
 
 #: The forms a processing function may take: a circuitmath state dict and its Config in, the
 #: same out (a bare state dict keeps the config); or a model object in, a model object out.
@@ -54,7 +49,7 @@ def family_model(fam: Family | str, *, dtype: torch.dtype = torch.float32, seed:
     from ._hf import hf_layout
     from ._weights import random_state_dict
 
-    fam = family_named(fam) if isinstance(fam, str) else fam
+    fam = _families(fam)[0]
     config = transformers.AutoConfig.for_model(**fam.hf_config)
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -169,51 +164,50 @@ def _form(process: Callable, form: str | None) -> str:
 
 
 def _families(families) -> tuple[Family, ...]:
+    """The families asked for (names or :class:`Family` objects; ``None``: all of them)."""
     if families is None:
         return FAMILIES
     if isinstance(families, (str, Family)):
         families = [families]
-    return tuple(family_named(f) if isinstance(f, str) else f for f in families)
+    known = {f.name: f for f in FAMILIES}
+    out = []
+    for fam in families:
+        if isinstance(fam, Family):
+            out.append(fam)
+        elif isinstance(fam, str) and fam in known:
+            out.append(known[fam])
+        else:
+            raise UnknownNameError(f"families: no family {fam!r}; the families are {', '.join(known)}")
+    return tuple(out)
 
 
-def conformance(
-    process: Callable,
-    *,
-    families: Sequence[str | Family] | None = None,
-    dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
-    form: str | None = None,
-    seed: int = 0,
-) -> ConformanceTable:
-    """Run ``process`` on every family's realistic random model in each dtype and judge it.
+def _dtypes(dtypes) -> tuple[torch.dtype, ...]:
+    """The floating dtypes asked for, each a ``torch.dtype``."""
+    dtypes = (dtypes,) if isinstance(dtypes, torch.dtype) else tuple(dtypes)
+    for dtype in dtypes:
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ArgumentTypeError(f"dtypes: expected floating torch dtypes (torch.float32, torch.bfloat16), got {dtype!r}")
+    return dtypes
 
-    ``process`` takes either a circuitmath state dict and its :class:`~circuitmath.Config`
-    (``form="state_dict"``) and returns ``(state_dict, config)`` or a state dict alone (the
-    config unchanged), as :func:`circuitmath.process_weights` does; or a ``transformers`` model
-    (``form="model"``) and returns a model object circuitmath reads (a ``transformers`` model, a
-    TransformerLens bridge). ``form=None`` reads it from the signature: two required positional
-    parameters are the state dict form, one the model form. ``process`` gets a copy: the
-    model it is judged against is never handed out.
 
-    ``families``: names or :class:`~circuitmath.io.Family` objects (default: every family in
-    :data:`circuitmath.io.FAMILIES`); ``dtypes``: the dtypes each model is built and processed
-    in; ``seed``: the weights' seed (:func:`family_model`).
-
-    Each result is judged by :func:`circuitmath.testing.assert_equivalent` (log-probs and
-    tensors). A processing that raises fails its cell with the error; one that returns what its
-    form does not is a :class:`~circuitmath.CircuitMathError` naming what it returned.
-    """
-    form = _form(process, form)
+def run_conformance(process: Callable, check: Callable, *, families, dtypes, form: str | None,
+                    seed: int) -> ConformanceTable:
+    """:func:`circuitmath.testing.conformance`, each result judged by ``check`` (its
+    ``assert_equivalent``, which raises an ``AssertionError`` carrying ``comparison`` and
+    ``diagnosis``)."""
+    if not callable(process):
+        raise ArgumentTypeError(f"process: expected a function, got a {type(process).__name__}")
+    form, dtypes = _form(process, form), _dtypes(dtypes)
     verdicts = []
     for fam in _families(families):
         for dtype in dtypes:
             model, config = family_model(fam, dtype=dtype, seed=seed)
-            verdicts.append(_judge(process, form, fam.name, model, config, dtype))
+            verdicts.append(_judge(process, check, form, fam.name, model, config, dtype))
     return ConformanceTable(tuple(verdicts))
 
 
-def _judge(process: Callable, form: str, name: str, model, config, dtype: torch.dtype) -> Verdict:
-    """The verdict of ``process`` on ``model`` (one family in one dtype)."""
-    from . import testing
+def _judge(process: Callable, check: Callable, form: str, name: str, model, config, dtype: torch.dtype) -> Verdict:
+    """The verdict of ``process`` on ``model`` (one family in one dtype), judged by ``check``."""
     from ._hf import from_hf
     from ._models import is_model_object
 
@@ -233,11 +227,11 @@ def _judge(process: Callable, form: str, name: str, model, config, dtype: torch.
         after, after_cfg = result, None
     else:
         raise CircuitMathError(
-            f"the processing returned a {type(result).__name__} for {name} in {_dtype_name(dtype)}; the model form"
-            " returns a model object (a transformers model, a TransformerLens bridge, an nn.Module)")
+            f"the processing returned an object of type {type(result).__name__} for {name} in {_dtype_name(dtype)};"
+            " the model form returns a model object (a transformers model, a TransformerLens bridge, an nn.Module)")
     try:
-        comparison = testing.assert_equivalent(before, after, cfg, after_cfg=after_cfg)
-    except testing.NotEquivalentError as failure:
+        comparison = check(before, after, cfg, after_cfg=after_cfg)
+    except AssertionError as failure:
         comparison = failure.comparison
         return Verdict(name, _dtype_name(dtype), False, comparison.max_abs_error, comparison.tolerance,
                        diagnosis=failure.diagnosis)
@@ -250,9 +244,9 @@ def _state_dict_result(result, name: str, dtype: torch.dtype) -> tuple[Mapping, 
         return result, None
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], Mapping) and isinstance(result[1], Config):
         return result
-    what = type(result).__name__
+    what = f"an object of type {type(result).__name__}"
     if isinstance(result, tuple):
-        what = f"tuple of ({', '.join(type(item).__name__ for item in result)})"
+        what = f"a tuple of ({', '.join(type(item).__name__ for item in result)})"
     raise CircuitMathError(
-        f"the processing returned a {what} for {name} in {_dtype_name(dtype)}; the state dict form returns"
+        f"the processing returned {what} for {name} in {_dtype_name(dtype)}; the state dict form returns"
         " (state_dict, Config) or a state dict")

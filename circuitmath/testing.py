@@ -67,6 +67,7 @@ from ._errors import ArgumentTypeError
 from ._threads import with_check_threads
 from ._diagnosis._names import speak
 from ._diagnosis import Diagnosis as Diagnosis, Finding as Finding, ParameterMismatch as ParameterMismatch
+from ._conformance import ConformanceTable, run_conformance
 
 __all__ = [
     "Comparison",
@@ -81,6 +82,7 @@ __all__ = [
     "check_model",
     "check_identity",
     "CHECKERS",
+    "conformance",
     "Diagnosis",
     "Finding",
     "ParameterMismatch",
@@ -175,6 +177,46 @@ def assert_equivalent(
     elif diagnose:
         message += "\n(diagnosed on hypothesis's final, shrunk example only)"
     raise NotEquivalentError(message, result, found)
+
+
+def conformance(
+    process: Callable,
+    *,
+    families=None,
+    dtypes=(torch.float32, torch.bfloat16),
+    form: str | None = None,
+    seed: int = 0,
+) -> ConformanceTable:
+    """Run ``process`` on every family's realistic random model in each dtype and judge it:
+    what a library that processes weights runs in its CI.
+
+    ``process`` takes either a circuitmath state dict and its :class:`~circuitmath.Config`
+    (``form="state_dict"``) and returns ``(state_dict, config)`` or a state dict alone (the
+    config unchanged), as :func:`circuitmath.process_weights` does; or a ``transformers`` model
+    (``form="model"``) and returns a model object (a ``transformers`` model, a TransformerLens
+    bridge: :func:`circuitmath.peers.transformer_lens_bridge`). ``form=None`` reads it from the
+    signature: two required positional parameters are the state dict form, one the model form.
+    ``process`` gets a copy; the model it is judged against is never handed out.
+
+    ``families``: names or :class:`~circuitmath.io.Family` objects (default: every family of
+    :data:`circuitmath.io.FAMILIES`); ``dtypes``: the dtypes each model is built and processed
+    in; ``seed``: the weights' seed. Each model is built by ``transformers`` from the family's
+    tiny ``config.json`` with :func:`~circuitmath.random_state_dict`'s weights (gains far from
+    1, some negative, unit-scale biases, outlier residual dimensions, logits beyond a softcap).
+
+    Each result is judged by :func:`assert_equivalent` against the model ``process`` was given.
+    Returns a :class:`~circuitmath._conformance.ConformanceTable`: family by dtype, ``.ok``,
+    ``.failures()`` (each a ``Verdict`` with its :class:`Diagnosis`), ``str()`` the Markdown
+    table and each failure's diagnosis. A processing that raises fails its cell with the error;
+    one that returns what its form does not is a :class:`~circuitmath.CircuitMathError` naming
+    what it returned.
+
+    >>> from circuitmath import process_weights
+    >>> table = conformance(process_weights, families=["LLaMA"], dtypes=(torch.float32,))
+    >>> table.ok, [(v.family, v.dtype, v.passed) for v in table]
+    (True, [('LLaMA', 'float32', True)])
+    """
+    return run_conformance(process, assert_equivalent, families=families, dtypes=dtypes, form=form, seed=seed)
 
 
 def _tensor_failure(verdict, dtype: torch.dtype) -> str:
