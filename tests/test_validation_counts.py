@@ -125,3 +125,28 @@ def test_a_nan_planted_after_processing_is_still_refused():
     with pytest.raises(cm.StateDictError, match="unembed.b_U has 1 NaN"):
         assert_equivalent(before, after, LN, after_cfg=after_cfg)
     assert torch.isnan(after["unembed.b_U"][0])
+
+
+def test_after_s_norm_is_read_from_the_tensors_without_a_forward_pass(monkeypatch):
+    """Without ``after_cfg``, a LayerNorm model processed into uncentered writes is read as
+    ``LNPre`` or ``RMSPre`` from its embedding (the fold leaves it alone; the SliceGPT route centers
+    it, switches to RMSNorm and rotates it): no forward pass; where the embedding does not decide
+    (changed otherwise), the log-probs decide as the control."""
+    from circuitmath._diagnosis import _inputs
+    from circuitmath._identities.rotation import to_rms_pre
+    from circuitmath._processing.rotation import random_orthogonal
+
+    passes = []
+    real = _inputs.compare_log_probs
+    monkeypatch.setattr(_inputs, "compare_log_probs", lambda *args: passes.append(1) or real(*args))
+    cfg = LN.replace(d_model=12, n_heads=3, d_head=4)
+    before = cm.random_state_dict(cfg, seed=1, dtype=torch.float64)
+    folded, folded_cfg = cm.fold_layer_norm(before, cfg)
+    rms, rms_cfg = to_rms_pre(before, cfg)
+    rotated, rotated_cfg = cm.rotate_residual_stream(rms, rms_cfg, random_orthogonal(cfg.d_model, seed=0))
+    for after, read in ((folded, "LNPre"), (rotated, "RMSPre")):
+        _first, second, _notes = _inputs.resolve_pair(before, after, cfg, None)
+        assert second.cfg.normalization_type == read and not passes
+    scaled = dict(rotated, **{"embed.W_E": rotated["embed.W_E"] * 1.5})  # neither: the log-probs decide
+    _first, second, _notes = _inputs.resolve_pair(before, scaled, cfg, None)
+    assert passes == [1, 1]

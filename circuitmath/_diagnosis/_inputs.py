@@ -193,16 +193,47 @@ def _layer_norm_or_rms_norm(resolved: Model, before: Model) -> Model:
     """``LNPre`` or ``RMSPre``: the two have the same tensors. Read as ``LNPre`` (a folded
     LayerNorm) unless a writer is not centered: then ``LNPre`` and ``RMSPre`` compute different
     functions (after ``layer_norm_to_rms_norm`` and a rotation the writes are not centered), and
-    the one whose log-probs are closer to ``before``'s on the default tokens is taken."""
+    the embeddings decide (:func:`_norm_of_embedding`); where they do not, the form whose
+    log-probs are closer to ``before``'s on the default tokens is taken."""
     if resolved.cfg.normalization_type != "LNPre" or before.cfg.normalization_type != "LN":
         return resolved
     if not uncentered_writers(resolved.state_dict, resolved.cfg):
         return resolved
     rms = resolved.cfg.replace(normalization_type="RMSPre")
-    tokens = default_tokens(before.cfg)
-    errors = [compare_log_probs(before.state_dict, before.cfg, resolved.state_dict, form, tokens).max_abs_error
-              for form in (resolved.cfg, rms)]
-    return _model(vouched(resolved.state_dict, rms), resolved.names) if errors[1] < errors[0] else resolved
+    read = _norm_of_embedding(before.state_dict["embed.W_E"], resolved.state_dict["embed.W_E"])
+    if read is None:
+        tokens = default_tokens(before.cfg)
+        errors = [compare_log_probs(before.state_dict, before.cfg, resolved.state_dict, form, tokens).max_abs_error
+                  for form in (resolved.cfg, rms)]
+        read = "RMSPre" if errors[1] < errors[0] else "LNPre"
+    return _model(vouched(resolved.state_dict, rms), resolved.names) if read == "RMSPre" else resolved
+
+
+#: How far apart (in units of the coarser dtype's ``eps``, relative to the largest row norm) the row
+#: norms of two embeddings may be and count as the same: a rotation computed in float64 and
+#: rounded once moves each norm by about one unit.
+EMBEDDING_NORM_ULPS = 16
+
+
+def _norm_of_embedding(before: torch.Tensor, after: torch.Tensor) -> str | None:
+    """The norm a processed LayerNorm model with uncentered writes reads its stream with, told by
+    its embedding ``after`` against the original's ``before`` (``[d_vocab, d_model]`` each):
+    ``"LNPre"`` where the embedding is the original's, or its rows keep their norms (the fold
+    leaves writers alone; a rotation that keeps ``1`` fixed leaves them uncentered);
+    ``"RMSPre"`` where its rows have the norms of the original's rows centered (the writers
+    centered, the norm switched to RMSNorm and the stream rotated: the SliceGPT route); ``None``
+    where neither or both hold (another change, or rows too close to centered already)."""
+    if before.shape != after.shape:
+        return None
+    if torch.equal(before, after.to(before.device)):
+        return "LNPre"
+    original = before.double()
+    norms = after.double().norm(dim=-1).to(original.device)
+    tolerance = EMBEDDING_NORM_ULPS * max(torch.finfo(before.dtype).eps, torch.finfo(after.dtype).eps)
+    tolerance *= max(float(norms.max()), 1e-30)
+    keeps = float((original.norm(dim=-1) - norms).abs().max()) <= tolerance
+    centered = float(((original - original.mean(dim=-1, keepdim=True)).norm(dim=-1) - norms).abs().max()) <= tolerance
+    return None if keeps == centered else "LNPre" if keeps else "RMSPre"
 
 
 def _norm_parameters(cfg: Config) -> list[str]:
