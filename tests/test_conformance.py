@@ -52,10 +52,10 @@ def drop_norm_biases(state, cfg):
 
 
 def scale_one_row(state, cfg):
-    """Scales row 3 of the last layer's W_out by 1.01: wrong everywhere."""
-    name = f"blocks.{cfg.n_layers - 1}.mlp.W_out"
+    """Scales row 3 of head 0's W_O in the last layer by 1.01: wrong everywhere."""
+    name = f"blocks.{cfg.n_layers - 1}.attn.W_O"
     scaled = state[name].clone()
-    scaled[3] = _in_float32(scaled[3], lambda row: row * 1.01)
+    scaled[0, 3] = _in_float32(scaled[0, 3], lambda row: row * 1.01)
     return dict(state, **{name: scaled}), cfg
 
 
@@ -105,7 +105,7 @@ def test_scaling_one_row_fails_everywhere_naming_it():
     table = conformance(scale_one_row, dtypes=(torch.float32, torch.bfloat16))
     assert len(table.failures()) == len(NAMES) * len(DTYPES)
     for verdict in table:
-        assert _culprits(verdict) == {f"blocks.{io.family(verdict.family).cfg.n_layers - 1}.mlp.W_out"}
+        assert _culprits(verdict) == {f"blocks.{io.family(verdict.family).cfg.n_layers - 1}.attn.W_O"}
 
 
 def test_a_model_processing_is_judged_in_the_models_own_names():
@@ -124,8 +124,8 @@ def test_the_table_reads_as_a_table_with_each_failures_diagnosis():
     table = conformance(scale_one_row, families=["LLaMA", "Gemma2"], dtypes=(torch.float32,))
     text = str(table)
     assert text.startswith("| family | float32 |")
-    assert "| LLaMA | FAIL (blocks.1.mlp.W_out) |" in text and "0 of 2 passed" in text
-    assert text.count("blocks.1.mlp.W_out (layer 1)") >= 2  # each failure's diagnosis below the table
+    assert "| LLaMA | FAIL (blocks.1.attn.W_O) |" in text and "0 of 2 passed" in text
+    assert text.count("blocks.1.attn.W_O (layer 1") >= 2  # each failure's diagnosis below the table
     assert table.verdict("Gemma2", torch.float32).diagnosis is not None
     passing = conformance(lambda state, cfg: (state, cfg), families="LLaMA", dtypes=torch.float32)
     assert passing.markdown() == "| family | float32 |\n|---|---|\n| LLaMA | pass |"
