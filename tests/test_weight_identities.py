@@ -22,6 +22,7 @@ CANDIDATES = (
     {"eps": 0.0},
     {"embedding_scale": 6**0.5, "logit_scale": 0.0625},
     {"normalization_type": "RMS", "gated_mlp": True, "act_fn": "silu", "n_experts": 4, "experts_per_token": 2},
+    {"positional_embedding_type": "rotary", "d_head": 6, "rotary_dim": 4, "rotary_interleaved": True},
 )
 WEIGHT_IDENTITIES = [i for i in cm.identities() if i.compare is None]
 

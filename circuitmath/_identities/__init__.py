@@ -19,6 +19,7 @@ from . import permutations  # noqa: F401
 from . import experts  # noqa: F401
 from . import quantisation  # noqa: F401
 from . import scales  # noqa: F401
+from . import rotary  # noqa: F401
 from . import pipeline  # noqa: F401
 from . import notation  # noqa: F401
 from . import attention  # noqa: F401
