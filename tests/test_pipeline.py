@@ -11,7 +11,7 @@ import circuitmath as cm
 from circuitmath._identities.pipeline import EVERYTHING_APPLICABLE
 from circuitmath._processing import dispatch as dispatch_module, fused as fused_module
 from circuitmath._processing.fused import FUSED_RMS_STEPS, FUSED_STEPS, fusable, rms_fusable
-from circuitmath._processing.steps import DEFAULTS, PIPELINE_STEPS, leaving_out
+from circuitmath._processing.steps import DEFAULTS, PIPELINE_STEPS, STEPS, leaving_out
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
 from support import VISIBLE, assert_caught, assume_above, same, snapshot, wide
@@ -403,5 +403,6 @@ def test_leaving_out_sets_only_what_is_left_to_apply_where_it_can():
     assert "center_writing_weights" not in out and "center_unembed" in out
     assert "center_writing_weights" in asked
     assert cm.process_weights(sd, cfg, **leaving_out({}, frozenset()))[1].applied == FUSED_STEPS
+    assert tuple(DEFAULTS) == STEPS  # one keyword per step, in the order applied
     assert DEFAULTS == {name: p.default for name, p in inspect.signature(cm.process_weights).parameters.items()
                         if name in DEFAULTS}

@@ -43,11 +43,12 @@ def bits_free_of_strides(cfg: Config, keywords: dict) -> bool:
 
 
 def processed(
-    state_dict: StateDict, cfg: Config, requested: dict, *, owned: bool = False,
+    state_dict: StateDict, cfg: Config, requested: dict, caller: str, *, owned: bool = False,
 ) -> tuple[dict[str, torch.Tensor], Config]:
     """:func:`~circuitmath.process_weights` of a model validated by the caller: float32 or
     float64, or half precision when only the fused steps run (they compute in float32 a tensor
-    at a time). ``requested``: each step's keyword as :func:`~.steps.requested` gives them.
+    at a time). ``requested``: each step's keyword as :func:`~.steps.requested` gives them;
+    ``caller``: the public function's name, with which a refusal starts.
 
     ``owned``: ``state_dict`` is a dict the caller gives away (a part's float32 copy): it is
     emptied once the fused steps have read it and their outputs are found finite (which proves
@@ -62,7 +63,7 @@ def processed(
         later = any(requested[keyword] is not False for keyword, _ in steps)
         state_dict, cfg, checked_in_cache = fused_default_steps(state_dict, cfg, stack_layers=not later)
         if not checked_in_cache and later:
-            _finite_or_explained(state_dict, cfg, given, given_cfg)  # before an SVD meets a NaN
+            _finite_or_explained(state_dict, cfg, given, given_cfg, caller)  # before an SVD meets a NaN
             checked_in_cache = True
         if owned and checked_in_cache:
             given.clear()
@@ -83,7 +84,7 @@ def processed(
     # The fused steps summed every output block, rounded, in cache: finite sums prove finite
     # entries (a half-precision rounding that overflowed included), unless a later step rewrote tensors.
     if not (checked_in_cache and cfg.applied[-1] == center_unembed.identity):
-        _finite_or_explained(state_dict, cfg, given, given_cfg)
+        _finite_or_explained(state_dict, cfg, given, given_cfg, caller)
     return state_dict, cfg
 
 
@@ -111,7 +112,9 @@ def _block_by_block(state_dict: dict[str, torch.Tensor], cfg: Config, step: Tran
     return out, out_cfg
 
 
-def _finite_or_explained(state_dict: StateDict, cfg: Config, given: StateDict | None, given_cfg: Config) -> None:
+def _finite_or_explained(
+    state_dict: StateDict, cfg: Config, given: StateDict | None, given_cfg: Config, caller: str,
+) -> None:
     """Refuse processed weights with a NaN or Inf: name the input's when it has them (the fused
     steps pass a NaN or Inf of any input entry on to some output entry: each output is linear in
     its inputs, and NaN and Inf survive sums and products, 0 * Inf included), else the overflow."""
@@ -124,7 +127,7 @@ def _finite_or_explained(state_dict: StateDict, cfg: Config, given: StateDict | 
         validated(given, given_cfg)  # names the input's NaN or Inf entries
     dtype = next(iter(state_dict.values())).dtype
     raise OverflowedError(
-        f"process_weights: processing overflowed {dtype}: the input is finite but the processed weights are not ("
+        f"{caller}: processing overflowed {dtype}: the input is finite but the processed weights are not ("
         + ", ".join(f"{name} has {count} NaN or Inf entries" for name, count in bad.items())
         + ")"
     )

@@ -17,22 +17,25 @@ from .steps import AFTER_FUSED, steps_between
 __all__ = ["rounded_once", "half_by_parts"]
 
 
-def rounded_once(processed: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def rounded_once(processed: dict[str, torch.Tensor], dtype: torch.dtype, caller: str) -> dict[str, torch.Tensor]:
     """``processed`` (float32, emptied as it goes) rounded to ``dtype``; a NaN or Inf that the
-    rounding makes (a finite float32 entry beyond the half dtype's range) is refused."""
+    rounding makes (a finite float32 entry beyond the half dtype's range) is refused, the message
+    starting with ``caller``, the public function's name."""
     out = {}
     for name in list(processed):
         # mapped: made while the part's float32 tensors live, kept after they are freed (see _memory.scratch)
         rounded = out[name] = converted(processed.pop(name), dtype, mapped_from=SCRATCH_MIN_BYTES)
         if count := not_finite(rounded):
             raise OverflowedError(
-                f"process_weights: rounding the processed weights to {dtype} overflowed: the input is"
+                f"{caller}: rounding the processed weights to {dtype} overflowed: the input is"
                 f" finite but {name} has {count} NaN or Inf entries (process in float32)"
             )
     return out
 
 
-def half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple[dict[str, torch.Tensor], Config]:
+def half_by_parts(
+    state_dict: StateDict, cfg: Config, requested: dict, caller: str,
+) -> tuple[dict[str, torch.Tensor], Config]:
     """:func:`~circuitmath.process_weights` of a bfloat16 or float16 model, a part at a time.
 
     Each part (``_parts.Parts``: the embedding and unembedding, then each block) is cast to
@@ -48,19 +51,19 @@ def half_by_parts(state_dict: StateDict, cfg: Config, requested: dict) -> tuple[
     """
     requested = dict(requested)
     while True:
-        out, out_cfg, disagreeing = _parts_processed(state_dict, cfg, requested)
+        out, out_cfg, disagreeing = _parts_processed(state_dict, cfg, requested, caller)
         if disagreeing is None:
             return out, out_cfg
         # A step that applies to some parts only: the whole model refuses it (asked with None).
         some = steps_between(*disagreeing)
         if not any(requested[keyword] is None for keyword in some):  # cannot happen: a True step raises
-            raise RuntimeError(f"process_weights: parts disagree on {disagreeing[0]} and {disagreeing[1]}")
+            raise RuntimeError(f"{caller}: parts disagree on {disagreeing[0]} and {disagreeing[1]}")
         for keyword in some:
             requested[keyword] = False
 
 
 def _parts_processed(
-    state_dict: StateDict, cfg: Config, requested: dict,
+    state_dict: StateDict, cfg: Config, requested: dict, caller: str,
 ) -> tuple[dict[str, torch.Tensor], Config, tuple[tuple[str, ...], tuple[str, ...]] | None]:
     """Every part of a half-precision model processed with ``requested``, rounded once: the
     output, its config and ``None``; or, at the first block that applies other steps than the
@@ -78,13 +81,13 @@ def _parts_processed(
         fused = fused_first(parts.ends_cfg, asked)
         later = {keyword for keyword, _ in AFTER_FUSED if asked[keyword] is not False}
         if fused and (layer is None or not later):
-            part, part_cfg = ends.run(layer, lambda sd, c: processed(sd, c, asked))
-            part = part if layer is not None else rounded_once(part, dtype)
+            part, part_cfg = ends.run(layer, lambda sd, c: processed(sd, c, asked, caller))
+            part = part if layer is not None else rounded_once(part, dtype, caller)
         elif fused and later <= _ATTENTION_STEPS:
-            part, part_cfg = _attention_then_block(state_dict, cfg, layer, asked, parts, dtype)
+            part, part_cfg = _attention_then_block(state_dict, cfg, layer, asked, parts, dtype, caller)
         else:
-            part, part_cfg = parts.run(layer, lambda sd, c: processed(sd, c, asked, owned=True))
-            part = rounded_once(part, dtype)
+            part, part_cfg = parts.run(layer, lambda sd, c: processed(sd, c, asked, caller, owned=True))
+            part = rounded_once(part, dtype, caller)
         out |= part
         if layer is None:
             out_cfg = part_cfg
@@ -102,7 +105,7 @@ _ATTENTION_STEPS = {refactor_factored_attn_matrices.identity}
 
 
 def _attention_then_block(
-    state_dict: StateDict, cfg: Config, layer: int, asked: dict, parts: Parts, dtype: torch.dtype,
+    state_dict: StateDict, cfg: Config, layer: int, asked: dict, parts: Parts, dtype: torch.dtype, caller: str,
 ) -> tuple[dict[str, torch.Tensor], Config]:
     """Block ``layer`` of a half-precision model (``dtype``) whose steps are the fused ones and then
     :data:`_ATTENTION_STEPS`: its output and config, rounded once, as ``parts.run`` would give.
@@ -123,17 +126,17 @@ def _attention_then_block(
     fused_only = asked | {keyword: False for keyword, _ in AFTER_FUSED}
     try:
         attention_out, attention_out_cfg = Parts(InMemory(attention), attention_cfg, torch.float32, parts.device).run(
-            layer, lambda sd, c: processed(sd, c, asked, owned=True))
-        attention_out = rounded_once(attention_out, dtype)
+            layer, lambda sd, c: processed(sd, c, asked, caller, owned=True))
+        attention_out = rounded_once(attention_out, dtype, caller)
         out, _cfg = Parts(InMemory(rest), rest_cfg, dtype, parts.device).run(
-            layer, lambda sd, c: processed(sd, c, fused_only))
+            layer, lambda sd, c: processed(sd, c, fused_only, caller))
     except CircuitMathError:
-        out, out_cfg = parts.run(layer, lambda sd, c: processed(sd, c, asked, owned=True))
-        return rounded_once(out, dtype), out_cfg
+        out, out_cfg = parts.run(layer, lambda sd, c: processed(sd, c, asked, caller, owned=True))
+        return rounded_once(out, dtype, caller), out_cfg
     names = list(out)
     out |= attention_out
     if set(out) != set(names):  # cannot happen: the attention's tensors are the block's
-        raise RuntimeError(f"process_weights: block {layer}'s attention makes {sorted(set(out) - set(names))}")
+        raise RuntimeError(f"{caller}: block {layer}'s attention makes {sorted(set(out) - set(names))}")
     return out, attention_out_cfg
 
 

@@ -9,7 +9,7 @@ from .._state import StateDict, validated
 from ._common import rewrite
 from .dispatch import fused_first, only_fused, processed
 from .half_precision import half_by_parts
-from .steps import DEFAULTS, requested as requested_steps
+from .steps import StepDefaults, requested as requested_steps
 
 __all__ = ["process_weights"]
 
@@ -19,11 +19,11 @@ def process_weights(
     state_dict: StateDict,
     cfg: Config,
     *,
-    fold_ln: bool | None = DEFAULTS["fold_ln"],
-    center_writing_weights: bool | None = DEFAULTS["center_writing_weights"],
-    center_unembed: bool | None = DEFAULTS["center_unembed"],
-    fold_value_biases: bool | None = DEFAULTS["fold_value_biases"],
-    refactor_factored_attn_matrices: bool | None = DEFAULTS["refactor_factored_attn_matrices"],
+    fold_ln: bool | None = StepDefaults.fold_ln,
+    center_writing_weights: bool | None = StepDefaults.center_writing_weights,
+    center_unembed: bool | None = StepDefaults.center_unembed,
+    fold_value_biases: bool | None = StepDefaults.fold_value_biases,
+    refactor_factored_attn_matrices: bool | None = StepDefaults.refactor_factored_attn_matrices,
 ) -> tuple[dict[str, torch.Tensor], Config]:
     """Apply the weight-processing steps of the source notes, each only where it is exact.
 
@@ -86,7 +86,7 @@ def process_weights(
     # Fused, every entry of the input reaches the output, so only the output's are checked.
     state_dict = validated(state_dict, cfg, entries=not fused_first(cfg, requested))
     if torch.finfo(state_dict.dtype).bits < 32 and not only_fused(cfg, requested):
-        out, out_cfg = half_by_parts(state_dict, cfg, requested)
+        out, out_cfg = half_by_parts(state_dict, cfg, requested, process_weights.identity)
     else:
-        out, out_cfg = processed(state_dict, cfg, requested)
+        out, out_cfg = processed(state_dict, cfg, requested, process_weights.identity)
     return dict(out), out_cfg  # a plain dict: the caller's to change

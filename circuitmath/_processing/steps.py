@@ -4,6 +4,7 @@ which later rewrites make an earlier step's record false."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -19,8 +20,8 @@ from .quantisation import migrate_norm_scales
 from .shortformer import shortformer_to_tables
 
 __all__ = [
-    "Transform", "PIPELINE_STEPS", "STEPS", "DEFAULTS", "FUSABLE_STEPS", "AFTER_FUSED", "KEYWORD_OF", "requested",
-    "leaving_out", "steps_between",
+    "Transform", "PIPELINE_STEPS", "STEPS", "StepDefaults", "DEFAULTS", "FUSABLE_STEPS", "AFTER_FUSED", "KEYWORD_OF",
+    "requested", "leaving_out", "steps_between",
 ]
 
 Transform = Callable[[StateDict, Config], tuple[dict[str, torch.Tensor], Config]]
@@ -84,9 +85,22 @@ PIPELINE_STEPS: tuple[tuple[str, Transform], ...] = (
 #: The keywords of :func:`~circuitmath.process_weights`, in the order it applies them.
 STEPS = tuple(keyword for keyword, _step in PIPELINE_STEPS)
 
-#: Each keyword's default: ``None`` (apply where it applies) for the first four steps, ``False``
-#: for the refactor (see :func:`~circuitmath.process_weights`).
-DEFAULTS: dict[str, bool | None] = {**dict.fromkeys(STEPS), refactor_factored_attn_matrices.identity: False}
+
+
+@dataclass(frozen=True)
+class StepDefaults:
+    """Each keyword's default in :func:`~circuitmath.process_weights`' signature: ``None``
+    (apply where it applies) for the first four steps, ``False`` for the refactor."""
+
+    fold_ln: bool | None = None
+    fold_value_biases: bool | None = None
+    center_writing_weights: bool | None = None
+    center_unembed: bool | None = None
+    refactor_factored_attn_matrices: bool | None = False
+
+
+#: The keywords' defaults, in the order of :data:`STEPS`.
+DEFAULTS: dict[str, bool | None] = asdict(StepDefaults())
 
 #: The steps that ``circuitmath/_processing/fused.py`` may run composed, and the steps after them.
 FUSABLE_STEPS, AFTER_FUSED = PIPELINE_STEPS[:4], PIPELINE_STEPS[4:]
