@@ -16,7 +16,7 @@ __all__ = ["Config", "config_expected"]
 
 Normalization = Literal["LN", "LNPre", "RMS", "RMSPre"] | None
 NORMALIZATIONS = ("LN", "LNPre", "RMS", "RMSPre", None)
-POSITIONAL = ("standard", "shortformer", "shortformer_tables", "rotary")
+POSITIONAL = ("standard", "shortformer", "shortformer_tables", "rotary", "alibi")
 ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu")
 NORM_POSITIONS = ("pre", "post")
 #: An identity's former name -> its name now (filled by :func:`circuitmath._registry.register`
@@ -40,7 +40,10 @@ class Config:
     ``"shortformer_tables"`` is a shortformer model with ``W_pos`` folded into each layer's
     positional query and key tables ``attn.pos_Q = W_pos @ W_Q`` and ``attn.pos_K = W_pos @ W_K``
     (``[n_ctx, heads, d_head]``), added to the queries and keys after projection;
-    ``"rotary"`` rotates queries and keys by position and has no ``W_pos``.
+    ``"rotary"`` rotates queries and keys by position and has no ``W_pos``; ``"alibi"`` (BLOOM)
+    has no ``W_pos`` either and adds ``slope_h * k`` to head ``h``'s score of key position ``k``
+    (:func:`~circuitmath._reference.alibi_slopes`; a shift of each query's row by
+    ``-slope_h * q`` gives the usual ``-slope_h (q - k)``, and the softmax does not see it).
 
     ``gated_mlp``: the MLP computes ``act(x W_gate) * (x W_in + b_in)`` before ``W_out``
     (LLaMA). ``parallel_attn_mlp``: attention and MLP both read the block's input,
@@ -49,7 +52,8 @@ class Config:
     d_model, d_head]``) shared by ``n_heads // n_key_value_heads`` query heads each.
 
     ``embedding_norm``: the embeddings pass through a norm (``embed.ln``, of
-    ``normalization_type``) before the first block (BERT); only post-norm models have it here.
+    ``normalization_type``) before the first block: BERT's post-norm models, and BLOOM's
+    pre-LayerNorm models with ALiBi (nothing is added to the token embedding before its norm).
 
     Architecture features (each off by default; the identities' preconditions read them):
 
@@ -297,8 +301,9 @@ def _relation_problems(cfg: Config) -> list[str]:
         problems.append("gated_mlp needs d_mlp (an attention-only model has no MLP)")
     if cfg.parallel_attn_mlp and (cfg.d_mlp is None or cfg.norm_position == "post"):
         problems.append("parallel_attn_mlp needs an MLP and a pre-norm model")
-    if cfg.embedding_norm and cfg.norm_position != "post":
-        problems.append("embedding_norm is the post-norm (BERT) layout; it needs norm_position='post'")
+    if cfg.embedding_norm and cfg.norm_position == "pre" and (cfg.normalization_type != "LN" or cfg.positional_embedding_type != "alibi"):
+        problems.append("embedding_norm in a pre-norm model is BLOOM's embedding LayerNorm: it needs"
+                        " normalization_type='LN' and positional_embedding_type='alibi' (no W_pos added before it)")
     if cfg.sliding_window_layers is not None:
         if cfg.sliding_window is None:
             problems.append("sliding_window_layers needs a sliding_window")

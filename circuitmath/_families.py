@@ -95,6 +95,10 @@ FAMILIES: tuple[Family, ...] = (
                                                "num_experts_per_tok": 2, "norm_topk_prob": True,
                                                "use_sliding_window": False},
            "Qwen3's attention (QK-norm) and a mixture of 4 experts, top 2 renormalised"),
+    Family("BLOOM", "bloom", {"vocab_size": 64, "hidden_size": 32, "n_layer": 2, "n_head": 4, "seq_length": 16,
+                              "bos_token_id": 0, "eos_token_id": 0},
+           "LayerNorm, ALiBi positions (no positional weights), a LayerNorm of the token embeddings,"
+           " per-head fused q/k/v with biases, tied unembedding"),
 )
 
 
@@ -108,15 +112,16 @@ def family(name: str) -> Family:
 
 def feature_preconditions() -> frozenset:
     """The preconditions an architecture feature breaks (rotary embeddings, QK-norm, gains applied
-    as ``1 + w``, softcaps, sandwich norms): an identity that refuses a family by one of them is *not exact* there; one that
+    as ``1 + w``, softcaps, sandwich norms, ALiBi's slope per head): an identity that refuses a family by one of them is *not exact* there; one that
     refuses by any other (attention-only, a LayerNorm model, a layer count) does not apply."""
     from ._processing._common import (
         NO_ATTN_SOFTCAP, NO_LOGIT_SOFTCAP, NO_POST_NORMS, NO_QK_NORM, NOT_ROTARY, POST_NORM_GAINS_EQUAL,
     )
     from ._processing.quantisation import GAINS_AS_STORED
+    from ._processing.rotation import HEADS_SEE_POSITIONS_ALIKE
 
     return frozenset({NOT_ROTARY, NO_QK_NORM, GAINS_AS_STORED, NO_ATTN_SOFTCAP, NO_LOGIT_SOFTCAP, NO_POST_NORMS,
-                      POST_NORM_GAINS_EQUAL})
+                      POST_NORM_GAINS_EQUAL, HEADS_SEE_POSITIONS_ALIKE})
 
 
 def identity_table(identities, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> dict[str, dict[str, str]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._config import Config
+from ._hf_bloom import _bloom_layout, from_hf_bloom
 from ._hf_families import (
     _cohere_layout,
     _falcon_layout,
@@ -234,13 +235,13 @@ CONVERTERS = {"gpt2": from_hf_gpt2, "gpt_neox": from_hf_gpt_neox, "llama": from_
               "mistral": from_hf_mistral, "qwen2": from_hf_qwen2, "qwen3": from_hf_qwen3, "gemma": from_hf_gemma,
               "gemma2": from_hf_gemma2,
               "phi3": from_hf_phi3, "gptj": from_hf_gptj,
-              "opt": from_hf_opt, "cohere": from_hf_cohere, "falcon": from_hf_falcon} | MOE_CONVERTERS
+              "opt": from_hf_opt, "cohere": from_hf_cohere, "falcon": from_hf_falcon, "bloom": from_hf_bloom} | MOE_CONVERTERS
 _LAYOUTS = {"gpt2": _gpt2_layout, "gpt_neox": _gpt_neox_layout, "llama": _llama_layout, "bert": _bert_layout,
             "mistral": lambda config: _llama_layout(config, "Mistral"), "qwen2": lambda config: _llama_layout(config, "Qwen2"),
             "qwen3": lambda config: _llama_layout(config, "Qwen3"), "gemma": lambda config: _llama_layout(config, "Gemma"),
             "gemma2": lambda config: _llama_layout(config, "Gemma2"),
             "phi3": lambda config: _llama_layout(config, "Phi3"), "gptj": _gptj_layout,
-            "opt": _opt_layout, "cohere": _cohere_layout, "falcon": _falcon_layout} | MOE_LAYOUTS
+            "opt": _opt_layout, "cohere": _cohere_layout, "falcon": _falcon_layout, "bloom": _bloom_layout} | MOE_LAYOUTS
 
 
 def hf_layout(config) -> Layout:

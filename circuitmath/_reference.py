@@ -16,7 +16,7 @@ from ._errors import InputError
 from ._moe import mixture
 from ._state import StateDict, attention_names, per_query_head, validate_state_dict
 
-__all__ = ["forward", "log_probs", "normalize", "pattern_from_scores", "embed", "block", "unembed"]
+__all__ = ["forward", "log_probs", "normalize", "pattern_from_scores", "alibi_slopes", "embed", "block", "unembed"]
 
 
 def normalize(x: torch.Tensor, kind, w: torch.Tensor | None, b: torch.Tensor | None, eps: float,
@@ -103,8 +103,16 @@ def pattern_from_scores(scores: torch.Tensor, cfg: Config, layer: int | None = N
     ``1/sqrt(d_head)``, the future masked (causal models) and, in a layer with a sliding window
     (``cfg.window(layer)``), the keys ``sliding_window`` or more positions back; softmax over keys.
     ``cfg.attention_scale`` replaces ``1/sqrt(d_head)``; ``cfg.attn_softcap`` caps the scaled
-    scores, ``cap * tanh(scores / cap)``, before the mask."""
+    scores, ``cap * tanh(scores / cap)``, before the mask. With ALiBi positions (``"alibi"``)
+    head ``h`` adds ``slope_h * k`` to its scaled score of key ``k``, computed in float32 and
+    rounded to the scores' dtype as transformers' BLOOM does; ``scores`` then has its head axis
+    before ``[query, key]``."""
     scores = scores / math.sqrt(cfg.d_head) if cfg.attention_scale is None else scores * cfg.attention_scale
+    if cfg.positional_embedding_type == "alibi":  # [heads, 1, key] added to [..., heads, query, key]
+        if scores.ndim < 3 or scores.shape[-3] != cfg.n_heads:
+            raise ValueError(f"ALiBi scores need a head axis of {cfg.n_heads} before [query, key], got {tuple(scores.shape)}")
+        keys = torch.arange(scores.shape[-1], dtype=torch.float32, device=scores.device)
+        scores = scores + (alibi_slopes(cfg.n_heads, scores.device)[:, None, None] * keys).to(scores.dtype)
     if cfg.attn_softcap is not None:
         scores = _softcap(scores, cfg.attn_softcap)
     if cfg.causal:
@@ -115,6 +123,20 @@ def pattern_from_scores(scores: torch.Tensor, cfg: Config, layer: int | None = N
             future |= torch.tril(torch.ones(n, n, dtype=torch.bool, device=scores.device), diagonal=-window)
         scores = scores.masked_fill(future, float("-inf"))
     return torch.softmax(scores, dim=-1)
+
+
+def alibi_slopes(n_heads: int, device=None) -> torch.Tensor:
+    """ALiBi's slope of each head, ``[n_heads]`` float32, as BLOOM computes them: for the largest
+    power of two ``n <= n_heads`` the slopes ``2^(-8 i / n)``, ``i = 1..n``, then for the heads
+    beyond it every other slope of ``2n`` heads, ``2^(-8 i / 2n)`` for odd ``i``."""
+    closest = 2 ** math.floor(math.log2(n_heads))
+    base = torch.tensor(2 ** (-(2 ** -(math.log2(closest) - 3))), dtype=torch.float32, device=device)
+    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32, device=device))
+    if closest != n_heads:
+        extra = torch.tensor(2 ** (-(2 ** -(math.log2(2 * closest) - 3))), dtype=torch.float32, device=device)
+        odd = torch.arange(1, 1 + 2 * min(closest, n_heads - closest), 2, dtype=torch.int32, device=device)
+        slopes = torch.cat([slopes, torch.pow(extra, odd)])
+    return slopes
 
 
 def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:

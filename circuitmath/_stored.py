@@ -72,6 +72,9 @@ def processed_layout(layout: Layout, cfg: Config) -> Layout:
                 value = identity_value(name, cfg.norm_gain_offset)
                 if name in shapes:
                     out[name] = tensor
+                elif name.startswith("embed.ln."):
+                    raise StateDictError(f"the converter gives {name!r}, but the circuitmath config in the metadata says the"
+                                         " embedding norm was folded into W_E, which no stored LayerNorm leaves as it is")
                 elif name == "ln_final.b" and "unembed.b_U" in shapes and src.holds_values and bool(tensor.ne(0).any()):
                     kept_bias = tensor  # the fold's unembedding bias, kept as the final norm's (final_bias_kept)
                 elif value is None:
@@ -169,6 +172,10 @@ def place(layout: Layout, layer: int | None, processed: Mapping[str, torch.Tenso
     extra = sorted(set(processed) - set(views))
     if extra:
         raise NotStored(f"the processed {extra[:3]} have no place in the checkpoint's layout")
+    folded_embedding_norm = sorted(n for n in views if n.startswith("embed.ln.") and n not in processed)
+    if folded_embedding_norm:  # LN(x) of gain 1 and bias 0 is LNPre(x), not x
+        raise NotStored(f"the embedding LayerNorm ({folded_embedding_norm}) was folded into W_E, and a LayerNorm of the"
+                        " layout's still normalises: no stored value of it is the identity")
     for name in made_up:
         wanted = processed.get(name)
         wanted = identity_value(name, layout.cfg.norm_gain_offset) if wanted is None else wanted
@@ -217,14 +224,15 @@ def writing_steps(viewed_ends: Mapping[str, list[str]], cfg: Config, keywords: d
     if cfg.normalization_type != "LN" or "unembed.b_U" in views or "ln_final.b" not in views:
         return keywords
     from ._processing import process_weights
+    from ._processing.layer_norm import center_reading_weights
     from ._identities import get_identity
     from ._weights import random_state_dict
 
     small = cfg.replace(n_layers=1, d_model=4, d_mlp=None if cfg.d_mlp is None else 4, d_vocab=3, n_ctx=min(cfg.n_ctx, 3))
     applied = process_weights(random_state_dict(small, seed=0), small, **keywords)[1].applied[len(cfg.applied):]
-    if "center_reading_weights" not in applied:
+    if center_reading_weights.identity not in applied:
         return keywords
-    steps = [get_identity(name).transform for name in applied if name != "center_reading_weights"]
+    steps = [get_identity(name).transform for name in applied if name != center_reading_weights.identity]
 
     def transform(state_dict, part_cfg):
         dtype = state_dict["embed.W_E"].dtype  # a block's part holds stand-ins of the ends too

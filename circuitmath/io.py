@@ -27,7 +27,8 @@ reference conventions (TransformerLens names, row vectors ``x @ W``, per-head
   rotary); :func:`from_hf_opt`: OPT (learned positions read with an offset of 2, ReLU, pre- or
   post-norm); :func:`from_hf_cohere`: Cohere (parallel attention and gated MLP on one bias-free
   LayerNorm, interleaved rotary, a logit scale); :func:`from_hf_falcon`: Falcon-7B style (fused
-  multi-query or per-head q/k/v, parallel or sequential blocks);
+  multi-query or per-head q/k/v, parallel or sequential blocks); :func:`from_hf_bloom`: BLOOM
+  (ALiBi, a LayerNorm of the token embeddings);
 - :func:`from_hf_bert`: BERT (post-LN, embedding LayerNorm, bidirectional attention).
 
 :data:`FAMILIES` lists each architecture family as a tiny ``config.json`` (:class:`Family`), and
@@ -64,6 +65,7 @@ from ._hf import (
     UnsupportedArchitectureError,
     from_hf,
     from_hf_bert,
+    from_hf_bloom,
     from_hf_gpt2,
     from_hf_gemma,
     from_hf_gemma2,
@@ -105,6 +107,7 @@ __all__ = [
     "from_hf_opt",
     "from_hf_cohere",
     "from_hf_falcon",
+    "from_hf_bloom",
     "from_hf_bert",
     "load_hf_directory",
     "Family",

@@ -57,6 +57,10 @@ def _check_range(name: str, low, high, floor, *, kind: type = int) -> None:
         raise InvalidArgument(f"need {floor} <= min_{name} <= max_{name}, got min_{name}={low}, max_{name}={high}")
 
 
+#: The positional embeddings drawn unless a test names others: all but ALiBi (BLOOM's).
+_DRAWN_POSITIONAL = tuple(p for p in POSITIONAL if p != "alibi")
+
+
 def _check_choices(name: str, values, allowed) -> tuple:
     values = tuple(values)
     if not values:
@@ -70,10 +74,10 @@ def _check_choices(name: str, values, allowed) -> tuple:
 def configs(
     *, min_layers: int = 1, max_layers: int = 2, min_d_model: int = 2, max_d_model: int = 12, max_heads: int = 3,
     max_d_head: int = 4, max_d_mlp: int = 16, max_vocab: int = 12, min_ctx: int = 1, max_ctx: int = 6,
-    normalization_types=NORMALIZATIONS, norm_positions=("pre",), positional_embedding_types=POSITIONAL,
+    normalization_types=NORMALIZATIONS, norm_positions=("pre",), positional_embedding_types=_DRAWN_POSITIONAL,
     act_fns=ACTIVATIONS, attn_only: bool | None = None, gated_mlp=(False, True), parallel_attn_mlp=(False, True),
     grouped_query=(False,), sliding_window=(False,), qk_norm=(False,), norm_gain_offsets=(0.0,), softcaps=(False,),
-    post_norms=(False,), rotary_interleaved=(False,),
+    post_norms=(False,), rotary_interleaved=(False,), embedding_norm=(False,),
 ) -> st.SearchStrategy[Config]:
     """Strategy for :class:`~circuitmath.Config`\\ s no larger than the ``max_*`` sizes.
 
@@ -103,7 +107,10 @@ def configs(
     each sub-layer of sequential models without LayerNorm (Gemma 2), and
     ``rotary_interleaved=(False, True)`` rotary embeddings that rotate neighbouring pairs (GPT-J).
     The normalization and positional-embedding types are
-    all drawn unless narrowed: a test names the ones its library processes.
+    all drawn unless narrowed (a test names the ones its library processes), but for ALiBi
+    (BLOOM), drawn when ``positional_embedding_types`` names ``"alibi"``; then
+    ``embedding_norm=(False, True)`` draws BLOOM's LayerNorm of the token embeddings in its
+    pre-LayerNorm models.
 
     >>> from hypothesis import given, settings
     >>> @settings(max_examples=10, deadline=None)
@@ -126,7 +133,7 @@ def configs(
         positional_embedding_types=positional_embedding_types, act_fns=act_fns, attn_only=attn_only,
         gated_mlp=gated_mlp, parallel_attn_mlp=parallel_attn_mlp, grouped_query=grouped_query,
         sliding_window=sliding_window, qk_norm=qk_norm, norm_gain_offsets=norm_gain_offsets, softcaps=softcaps,
-        post_norms=post_norms, rotary_interleaved=rotary_interleaved,
+        post_norms=post_norms, rotary_interleaved=rotary_interleaved, embedding_norm=embedding_norm,
     ).checked())
 
 
@@ -158,6 +165,7 @@ class _ConfigOptions:
     softcaps: tuple
     post_norms: tuple
     rotary_interleaved: tuple
+    embedding_norm: tuple
 
     def checked(self) -> _ConfigOptions:
         """These options, each choice a tuple of allowed values; raises ``InvalidArgument`` naming the first bad one."""
@@ -176,7 +184,7 @@ class _ConfigOptions:
         for name in ("gated_mlp", "parallel_attn_mlp", "grouped_query", "sliding_window", "qk_norm"):
             choices[name] = _check_choices(name, getattr(self, name), (False, True))
         choices["norm_gain_offsets"] = _check_choices("norm_gain_offsets", self.norm_gain_offsets, (0.0, 1.0))
-        for name in ("softcaps", "post_norms", "rotary_interleaved"):
+        for name in ("softcaps", "post_norms", "rotary_interleaved", "embedding_norm"):
             choices[name] = _check_choices(name, getattr(self, name), (False, True))
         if choices["norm_positions"] == ("post",) and choices["normalization_types"] == (None,):
             raise InvalidArgument("post-norm models need a normalization type other than None")
@@ -232,6 +240,7 @@ def _drawn_config(draw, o: _ConfigOptions) -> Config:
         norm_gain_offset=0.0 if normalization in ("LN", "LNPre") else draw(st.sampled_from(o.norm_gain_offsets)),
         post_norms=sandwich,
         rotary_interleaved=positional == "rotary" and draw(st.sampled_from(o.rotary_interleaved)),
+        embedding_norm=(position, normalization, positional) == ("pre", "LN", "alibi") and draw(st.sampled_from(o.embedding_norm)),
         **caps,
     )
 

@@ -28,10 +28,13 @@ from circuitmath._models import as_state_dict
 from circuitmath.peers import transformer_lens_bridge
 from circuitmath.testing import NotEquivalentError, assert_equivalent
 
-NAMES = [f.name for f in io.FAMILIES]
+#: Families whose bridge circuitmath does not read yet: BLOOM's embedding LayerNorm has no name in
+#: the bridge's parameters that as_state_dict maps (pinned by the last test).
+UNREAD = {"BLOOM"}
+NAMES = [f.name for f in io.FAMILIES if f.name not in UNREAD]
 #: The families whose MLP the bridge exposes as parameters: 4.3 omits a mixture of experts' MLP
 #: from its TL-style parameters (it warns that there is no single dense W_in/W_out).
-DENSE = [f.name for f in io.FAMILIES if f.cfg.n_experts is None]
+DENSE = [f.name for f in io.FAMILIES if f.cfg.n_experts is None and f.name not in UNREAD]
 DTYPES = [torch.float32, torch.bfloat16]
 TOKENS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -193,3 +196,11 @@ def test_the_bridge_does_not_center_the_unembedding_under_a_softcap():
         capped = ours_cfg.logit_softcap is not None
         assert ("center_unembed" in ours_cfg.applied) != capped
         assert (float(theirs["unembed.W_U"].mean(-1).abs().max()) > 1e-3) == capped
+
+
+@pytest.mark.parametrize("name", sorted(UNREAD))
+def test_a_bridge_circuitmath_does_not_read_is_refused_naming_the_missing_norm(name):
+    model, _config = family_model(name, dtype=torch.float32)
+    bridge = _quietly(transformer_lens_bridge, copy.deepcopy(model))
+    with pytest.raises(cm.StateDictError, match="embed.ln"):
+        assert_equivalent(model, bridge)

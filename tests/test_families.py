@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import circuitmath as cm
-from circuitmath import io
+from circuitmath import _reference as reference, io
 from circuitmath.io import FAMILIES, family, identity_table
 from circuitmath._stored import LAYOUT_KEY
 
@@ -100,6 +100,8 @@ def _without(feature: str):
         "rotary_interleaved": lambda cfg: cfg.replace(rotary_interleaved=False),
         "position_offset": lambda cfg: cfg,  # W_pos read from row 0 below
         "logit_scale": lambda cfg: cfg.replace(logit_scale=None),
+        "alibi": lambda cfg: cfg,  # the slopes are zeroed below
+        "embedding_norm": lambda cfg: cfg.replace(embedding_norm=False),
     }[feature]
 
 
@@ -109,9 +111,12 @@ def _without(feature: str):
                                           ("Gemma2", "post_norms"), ("Gemma2", "window"), ("Phi3", "gate_up_order"),
                                           ("Phi3", "full_rotary"), ("GPT-J", "rotary_interleaved"),
                                           ("OPT", "position_offset"), ("Cohere", "logit_scale"),
-                                          ("Cohere", "rotary_interleaved")])
-def test_negative_control_a_feature_left_out_is_caught(name, feature):
+                                          ("Cohere", "rotary_interleaved"), ("BLOOM", "alibi"),
+                                          ("BLOOM", "embedding_norm")])
+def test_negative_control_a_feature_left_out_is_caught(name, feature, monkeypatch):
     tokens = _tokens()
+    if feature == "alibi":
+        monkeypatch.setattr(reference, "alibi_slopes", lambda n_heads, device=None: torch.zeros(n_heads, device=device))
     model, config = _model(name)
     sd, cfg = io.from_hf(model.state_dict(), config)
     wrong = _without(feature)(cfg)
@@ -120,8 +125,8 @@ def test_negative_control_a_feature_left_out_is_caught(name, feature):
     if feature == "gate_up_order":  # gate_up_proj read as [up | gate]
         sd = sd | {k.replace("W_in", "W_gate"): v for k, v in sd.items() if k.endswith("W_in")} \
             | {k.replace("W_gate", "W_in"): v for k, v in sd.items() if k.endswith("W_gate")}
-    if feature in ("qk_norm", "post_norms"):
-        sd = {k: v for k, v in sd.items() if ("_norm." if feature == "qk_norm" else "_post.") not in k}
+    if feature in ("qk_norm", "post_norms", "embedding_norm"):
+        sd = {k: v for k, v in sd.items() if {"qk_norm": "_norm.", "post_norms": "_post.", "embedding_norm": "embed.ln."}[feature] not in k}
     assert (_ours(sd, wrong, tokens) - _hf_log_probs(model, tokens)).abs().max() > 1e-2
 
 
@@ -140,7 +145,9 @@ FITTING_STEPS = {"Qwen2": ("fold_ln", "center_unembed"), "Qwen2-MoE": ("fold_ln"
                  "GPT-J": ("fold_value_biases", "center_writing_weights", "center_unembed"),
                  # Falcon's final LayerNorm bias would fold into an unembedding bias Falcon lacks
                  "Falcon": ("fold_value_biases", "center_writing_weights", "center_unembed"),
-                 "Falcon-sequential": ("fold_value_biases", "center_writing_weights", "center_unembed")}
+                 "Falcon-sequential": ("fold_value_biases", "center_writing_weights", "center_unembed"),
+                 # BLOOM's embedding LayerNorm, once folded into W_E, is no stored LayerNorm
+                 "BLOOM": ("fold_value_biases", "center_unembed")}
 #: Families whose tiny config ties the unembedding to the embedding, processed untied here (a
 #: tied folder falls back to circuitmath's names: see the next test).
 UNTIED = {"tie_word_embeddings": False}
@@ -172,7 +179,7 @@ def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
     assert (_hf_log_probs(loaded, tokens) - expected).abs().max() < 1e-4
     assert cfg.applied
     with torch.no_grad():
-        if name in ("GPT-J", "Cohere", "Falcon", "Falcon-sequential"):  # a norm left, or one both branches read
+        if name in ("GPT-J", "Cohere", "Falcon", "Falcon-sequential", "BLOOM"):  # a norm left, or one both branches read
             layers = loaded.model.layers if name == "Cohere" else loaded.transformer.h
             (layers[1].ln_1 if name == "GPT-J" else layers[1].input_layernorm).weight.mul_(-1)
         else:
@@ -180,11 +187,12 @@ def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
     assert (_hf_log_probs(loaded, tokens) - expected).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["Qwen2", "Gemma", "GPT-J", "OPT", "OPT-post", "Falcon"])
+@pytest.mark.parametrize("name", ["Qwen2", "Gemma", "GPT-J", "OPT", "OPT-post", "Falcon", "BLOOM"])
 def test_what_the_layout_cannot_hold_is_written_in_circuitmath_names(tmp_path, name):
     """The defaults fold Qwen2's value biases into an output bias its layout lacks, Gemma's
     final norm into an unembedding it ties to the embedding, and GPT-J's LayerNorm bias into
-    query/key/value biases it lacks: the folder is written in circuitmath's names, and computes
+    query/key/value biases it lacks, BLOOM's embedding LayerNorm into W_E (a stored LayerNorm of
+    gain 1 and bias 0 still normalises): the folder is written in circuitmath's names, and computes
     the input's log-probs. OPT's positions cover part of embed_positions (post-norm OPT: no norm to fold)."""
     model, _config = _model(name)
     model.save_pretrained(tmp_path / "in")
@@ -228,6 +236,11 @@ EXPECTED = {  # (family, identity): the verdict's start (a refusal names the fea
     ("Gemma2", "rotate_residual_stream"): "not exact: each sandwich norm's gain is one number",
     ("Gemma2", "fold_rms_norm"): "exact",
     ("Gemma2", "fold_value_biases"): "exact",
+    ("BLOOM", "fold_layer_norm"): "exact",
+    ("BLOOM", "remove_key_biases"): "exact",
+    ("BLOOM", "refactor_factored_attn_matrices"): "exact",
+    ("BLOOM", "permute_heads"): "not exact: every head sees positions alike",
+    ("BLOOM", "center_writing_weights"): "not applicable: pre-norm: the token embeddings pass through a LayerNorm",
 }
 
 
@@ -268,6 +281,21 @@ def test_identities_hold_or_refuse_with_every_feature_drawn(cfg, data):
                 assert not identity.check_wrong_rewrite(wrong, sd, cfg).passed
 
 
+@settings(max_examples=12, deadline=None)
+@given(cfg=strategies.configs(positional_embedding_types=("alibi",), embedding_norm=(False, True), max_ctx=6,
+                              min_d_model=4, grouped_query=(False, True)),
+       data=strategies.st.data())
+def test_identities_hold_or_refuse_under_alibi_and_an_embedding_norm(cfg, data):
+    """On drawn ALiBi models (with BLOOM's embedding LayerNorm where they are pre-LayerNorm),
+    each registered identity's check passes or it refuses naming a precondition."""
+    sd = data.draw(strategies.state_dicts(cfg, min_gain_spread=0.2))
+    for identity in cm.identities():
+        try:
+            assert identity.check(sd, cfg).passed, identity.name
+        except cm.PreconditionError:
+            continue
+
+
 def test_fold_of_gains_stored_as_w_uses_one_plus_w():
     """Gemma-style gains: the fold is exact and rounds once in bfloat16; folding w is caught."""
     cfg = cm.Config(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=20, n_ctx=6, d_mlp=24,
@@ -295,3 +323,41 @@ def test_a_refused_rewrite_applied_regardless_changes_the_function(name, identit
     with pytest.raises(cm.PreconditionError):
         cm.get_identity(identity).check(sd, cfg)
     assert not cm.get_identity(identity).check_wrong_rewrite("regardless", sd, cfg).passed
+
+
+def test_bloom_embedding_norm_folds_row_by_row_and_no_stored_norm_holds_it():
+    """BLOOM's embedding LayerNorm reads the token embedding alone (ALiBi adds nothing before it):
+    fold_layer_norm tables it, W_E := LN(W_E), exactly. Control: the folded W_E read again through
+    a LayerNorm of gain 1 and bias 0 (what its own layout would store) computes something else,
+    which is why such a folder is written in circuitmath's names."""
+    cfg = family("BLOOM").cfg
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    folded, folded_cfg = cm.fold_layer_norm(sd, cfg)
+    assert not folded_cfg.embedding_norm and "embed.ln.w" not in folded
+    tokens = _tokens()
+    assert (_ours(folded, folded_cfg, tokens) - _ours(sd, cfg, tokens)).abs().max() < 1e-12
+    unit = folded | {"embed.ln.w": torch.ones(cfg.d_model, dtype=torch.float64),
+                     "embed.ln.b": torch.zeros(cfg.d_model, dtype=torch.float64)}
+    as_stored = folded_cfg.replace(embedding_norm=True, normalization_type="LN")
+    for norm in ("blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "ln_final"):
+        unit[f"{norm}.w"], unit[f"{norm}.b"] = torch.ones(cfg.d_model, dtype=torch.float64), torch.zeros(cfg.d_model, dtype=torch.float64)
+    assert (_ours(unit, as_stored, tokens) - _ours(sd, cfg, tokens)).abs().max() > 1e-2
+
+
+def test_alibi_key_bias_removal_is_exact_and_a_head_permutation_is_refused():
+    """Under ALiBi a key bias still adds one number to each query's row of scores (the slope term
+    does not depend on it): removing it is exact. A head's slope is its index's, so moving heads is
+    refused; the permutation applied regardless changes the function."""
+    cfg = family("BLOOM").cfg
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    assert cm.get_identity("remove_key_biases").check(sd, cfg).passed
+    permutation = torch.tensor([1, 0, 2, 3])
+    with pytest.raises(cm.PreconditionError, match="every head sees positions alike"):
+        cm.permute_heads(sd, cfg, permutation)
+    cm.permute_heads(sd, cfg, torch.arange(4))  # no head moved: accepted
+    moved = dict(sd)  # the permutation applied regardless: every per-head tensor of every layer
+    for name, tensor in sd.items():
+        if ".attn." in name and name.split(".")[-1] in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V"):
+            moved[name] = tensor[permutation]
+    tokens = _tokens()
+    assert (_ours(moved, cfg, tokens) - _ours(sd, cfg, tokens)).abs().max() > 1e-3

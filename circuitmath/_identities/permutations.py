@@ -16,7 +16,9 @@ from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, Transpose
 from .._errors import Precondition
 from .._processing import permute_heads, permute_neurons
 from .._processing._common import DENSE_MLP
-from .._processing.rotation import A_HEAD_PERMUTATION, A_NEURON_PERMUTATION, GROUPS_MOVE_TOGETHER, HAS_MLPS
+from .._processing.rotation import (
+    A_HEAD_PERMUTATION, A_NEURON_PERMUTATION, GROUPS_MOVE_TOGETHER, HAS_MLPS, HEADS_SEE_POSITIONS_ALIKE,
+)
 from .._proof import Fact, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names
@@ -180,7 +182,7 @@ PERMUTE_HEADS = register(
         title="Permuting the heads of a layer",
         summary="a layer's output is the sum of its heads: any order gives the same sum, each head moving"
         " its W_Q, W_K, W_V, W_O and biases together; with grouped-query attention whole groups move",
-        preconditions=(A_HEAD_PERMUTATION, GROUPS_MOVE_TOGETHER),
+        preconditions=(A_HEAD_PERMUTATION, GROUPS_MOVE_TOGETHER, HEADS_SEE_POSITIONS_ALIKE),
         function="permute_heads",
         check_note="the permutation is recovered from the tensors and verified on every tensor",
         build_proof=_heads_proof,

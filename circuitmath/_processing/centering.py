@@ -39,11 +39,17 @@ def writers(cfg: Config) -> list[str]:
 
 
 def require_pre_norm(identity: str, cfg: Config) -> None:
-    """Refuse a post-norm model: there the sub-layers read the residual stream with no norm."""
+    """Refuse a post-norm model: there the sub-layers read the residual stream with no norm; and a
+    pre-norm model whose embeddings pass through a norm (BLOOM) before the stream starts."""
     require(
         identity, PRE_NORM, cfg.norm_position == "pre",
         "the model is post-norm: attention and MLPs read the residual stream directly, not through"
         " a norm, so what is written to it is not only seen through a norm",
+    )
+    require(
+        identity, PRE_NORM, not cfg.embedding_norm,
+        "the token embeddings pass through a LayerNorm (embed.ln, BLOOM) before the first block: the"
+        " stream starts at that norm's output, not at W_E; the LayerNorm fold folds it into W_E first",
     )
 
 

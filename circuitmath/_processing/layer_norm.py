@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._compare import compute_dtype
+from .._reference import normalize
 from .._config import Config
 from .._state import StateDict, validate_state_dict
 from .._errors import Precondition
@@ -56,6 +57,10 @@ def fold_layer_norm(
     ``W_U`` (``[d_model, d_vocab]``). ``eps`` stays inside ``LNPre``, so the fold is exact.
     The bias terms ``b @ W`` are accumulated in float64 and rounded once to the input dtype.
     The returned config has ``normalization_type="LNPre"`` and records ``"fold_layer_norm"``.
+    A pre-norm model's embedding LayerNorm (BLOOM's ``embed.ln``; its configs add nothing to the
+    token embedding before it, ALiBi positions having no weights) computes a function of the
+    token alone, so it folds row by row: ``W_E`` becomes ``LN(W_E)`` (computed in float64, rounded
+    once) and ``embedding_norm`` is switched off.
     A shortformer model first goes through :func:`shortformer_to_tables` (recorded too), since
     ``W_pos`` added after ``ln1`` must not be scaled by the gain.
 
@@ -104,7 +109,10 @@ def fold_layer_norm(
             )
             if bias is not None:
                 out[bias] = folded_bias
-    return out, cfg.replace(normalization_type="LNPre", applied=cfg.applied + applied)
+    if cfg.embedding_norm:  # a pre-norm model's (BLOOM's): a function of the token alone, tabled
+        W_E, w, b = out.pop("embed.W_E"), out.pop("embed.ln.w"), out.pop("embed.ln.b")
+        out["embed.W_E"] = normalize(W_E.double(), "LN", w.double(), b.double(), cfg.eps).to(W_E.dtype)
+    return out, cfg.replace(normalization_type="LNPre", embedding_norm=False, applied=cfg.applied + applied)
 
 
 def fold_reader(

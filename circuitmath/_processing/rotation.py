@@ -50,6 +50,10 @@ Q_FIXES_ONES = Precondition(
     "Q 1 = 1 or Q 1 = -1: centering commutes with an orthogonal Q exactly then",
 )
 A_HEAD_PERMUTATION = Precondition("a permutation of the heads", "a permutation of 0..n_heads-1, per layer or for all")
+HEADS_SEE_POSITIONS_ALIKE = Precondition(
+    "every head sees positions alike",
+    "no ALiBi: its slope belongs to the head's index, so a head moved to another index would get another slope",
+)
 GROUPS_MOVE_TOGETHER = Precondition(
     "each group of query heads moves with its key/value head",
     "with grouped-query attention, a query head stays with its key/value head",
@@ -363,7 +367,8 @@ def permute_heads(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict
     its pattern moves with it. With grouped-query attention a query head must stay in the group
     of the key/value head it reads: the permutation must move whole groups (reordering heads
     inside a group is fine), and the key/value heads follow their groups; any other permutation
-    is refused. Rotary embeddings rotate every head alike and are unaffected.
+    is refused. Rotary embeddings rotate every head alike and are unaffected; ALiBi gives each
+    head index its own slope, so under ALiBi a permutation that moves a head is refused.
 
     Data movement only: every entry is copied exactly; dtype and device are kept. Permuting twice
     is permuting once by the composition, so a second application is not refused; each records
@@ -372,6 +377,10 @@ def permute_heads(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict
     identity = "permute_heads"
     validate_state_dict(state_dict, cfg)
     perms = _per_layer(identity, permutation, cfg.n_layers, cfg.n_heads, "heads", A_HEAD_PERMUTATION)
+    moved = [layer for layer in range(cfg.n_layers) if cfg.positional_embedding_type == "alibi"
+             and not torch.equal(perms[layer].cpu(), torch.arange(cfg.n_heads))]
+    require(identity, HEADS_SEE_POSITIONS_ALIKE, not moved,
+            f"ALiBi positions (BLOOM): each head's slope is fixed by its index, and the permutation moves heads of layers {moved}")
     out = dict(state_dict)
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}.attn"
