@@ -2,7 +2,7 @@
 
 torch's intra-op thread pool assumes it owns every core it may run on. On a busy machine its
 threads wait at each parallel region's barrier for a thread the scheduler has put aside, and a
-check of a small model that takes 0.1 s with one thread can take seconds. :func:`idle_threads`
+check of a small model can take many times what it takes with one thread. :func:`idle_threads`
 counts the cores this process may run on (``os.sched_getaffinity``) less the runnable tasks of
 other processes (``/proc/loadavg``'s fourth field, less this one; the one-minute load average
 elsewhere) and caps that at torch's current setting, so that a quiet machine keeps every thread
