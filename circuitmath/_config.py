@@ -83,6 +83,11 @@ class Config:
       their outputs are summed with those weights (renormalised over the chosen experts with
       ``router_normalize_top_k``); ``d_shared_mlp``: a shared expert of that width, run on every
       token and scaled by ``sigmoid(x W_shared_gate)``, is added (Qwen-MoE).
+    - ``attn_sinks``: each head's softmax has one more logit, ``attn.sinks`` ``[n_heads]``, whose
+      weight is dropped, so a pattern's rows sum to less than 1 (GPT-OSS).
+    - ``swiglu_limit``: the gated MLPs compute ``(clamp(u, -L, L) + 1) * g' sigmoid(swiglu_alpha g')``
+      with ``g' = min(g, L)`` for the gate's ``g`` and up's ``u`` (GPT-OSS's clamped SwiGLU;
+      ``act_fn`` is not used).
 
     ``applied`` records, in order, the weight transforms that produced the state dict. A former
     name of an identity (a config saved before the rename, see :data:`FORMER_NAMES`) is read as
@@ -123,6 +128,9 @@ class Config:
     experts_per_token: int | None = None
     router_normalize_top_k: bool = True
     d_shared_mlp: int | None = None
+    attn_sinks: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     applied: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -135,7 +143,8 @@ class Config:
         object.__setattr__(self, "rotary_base", float(self.rotary_base))
         object.__setattr__(self, "eps", float(self.eps))
         object.__setattr__(self, "norm_gain_offset", float(self.norm_gain_offset))
-        for name in ("embedding_scale", "attention_scale", "attn_softcap", "logit_softcap", "logit_scale"):
+        for name in ("embedding_scale", "attention_scale", "attn_softcap", "logit_softcap", "logit_scale",
+                     "swiglu_limit", "swiglu_alpha"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))
         if self.sliding_window_layers is not None:
@@ -262,7 +271,7 @@ def _type_problems(cfg: Config) -> list[str]:
         if not (value is None or isinstance(value, str)) or value not in allowed:
             problems.append(f"{name} must be one of {allowed}, got {value!r}")
     for name in ("causal", "gated_mlp", "parallel_attn_mlp", "embedding_norm", "qk_norm", "post_norms",
-                 "rotary_interleaved", "router_normalize_top_k"):
+                 "rotary_interleaved", "router_normalize_top_k", "attn_sinks"):
         if not isinstance(getattr(cfg, name), bool):
             problems.append(f"{name} must be True or False, got {getattr(cfg, name)!r}")
     if not _is_number(cfg.rotary_base) or cfg.rotary_base <= 0:
@@ -271,7 +280,8 @@ def _type_problems(cfg: Config) -> list[str]:
         problems.append(f"eps must be a finite number >= 0, got {cfg.eps!r}")
     if not _is_number(cfg.norm_gain_offset):
         problems.append(f"norm_gain_offset must be a finite number, got {cfg.norm_gain_offset!r}")
-    for name in ("embedding_scale", "attention_scale", "attn_softcap", "logit_softcap", "logit_scale"):
+    for name in ("embedding_scale", "attention_scale", "attn_softcap", "logit_softcap", "logit_scale", "swiglu_limit",
+                 "swiglu_alpha"):
         value = getattr(cfg, name)
         if value is not None and (not _is_number(value) or value <= 0):
             problems.append(f"{name} must be None or a finite number > 0, got {value!r}")
@@ -322,8 +332,13 @@ def _mixture_problems(cfg: Config) -> list[str]:
     """The mixture-of-experts fields' relations (each well typed)."""
     if cfg.n_experts is None:
         wrong = [n for n in ("experts_per_token", "d_shared_mlp") if getattr(cfg, n) is not None]
-        return [f"{', '.join(wrong)} need n_experts (a mixture-of-experts MLP)"] if wrong else []
-    problems = []
+        problems = [f"{', '.join(wrong)} need n_experts (a mixture-of-experts MLP)"] if wrong else []
+    else:
+        problems = []
+    if cfg.swiglu_limit is not None and not cfg.gated_mlp:
+        problems.append("swiglu_limit is a gated MLP's clamped SwiGLU; it needs gated_mlp")
+    if cfg.n_experts is None:
+        return problems
     if not cfg.gated_mlp or cfg.parallel_attn_mlp or cfg.norm_position != "pre":
         problems.append("n_experts needs gated experts (gated_mlp) in a sequential pre-norm model")
     if cfg.experts_per_token is None or cfg.experts_per_token > cfg.n_experts:

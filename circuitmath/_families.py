@@ -99,6 +99,10 @@ FAMILIES: tuple[Family, ...] = (
                               "bos_token_id": 0, "eos_token_id": 0},
            "LayerNorm, ALiBi positions (no positional weights), a LayerNorm of the token embeddings,"
            " per-head fused q/k/v with biases, tied unembedding"),
+    Family("GPT-OSS", "gpt_oss", _SMALL | {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                           "intermediate_size": 24, "sliding_window": 4, "swiglu_limit": 1.5},
+           "attention sinks, biases on every projection, alternating sliding-window layers, a router with a bias"
+           " over 4 experts with a clamped SwiGLU (its limit small here, so that it bites)"),
 )
 
 
@@ -112,16 +116,16 @@ def family(name: str) -> Family:
 
 def feature_preconditions() -> frozenset:
     """The preconditions an architecture feature breaks (rotary embeddings, QK-norm, gains applied
-    as ``1 + w``, softcaps, sandwich norms, ALiBi's slope per head): an identity that refuses a family by one of them is *not exact* there; one that
+    as ``1 + w``, softcaps, sandwich norms, ALiBi's slope per head, attention sinks): an identity that refuses a family by one of them is *not exact* there; one that
     refuses by any other (attention-only, a LayerNorm model, a layer count) does not apply."""
     from ._processing._common import (
-        NO_ATTN_SOFTCAP, NO_LOGIT_SOFTCAP, NO_POST_NORMS, NO_QK_NORM, NOT_ROTARY, POST_NORM_GAINS_EQUAL,
+        NO_ATTN_SINKS, NO_ATTN_SOFTCAP, NO_LOGIT_SOFTCAP, NO_POST_NORMS, NO_QK_NORM, NOT_ROTARY, POST_NORM_GAINS_EQUAL,
     )
     from ._processing.quantisation import GAINS_AS_STORED
     from ._processing.rotation import HEADS_SEE_POSITIONS_ALIKE
 
-    return frozenset({NOT_ROTARY, NO_QK_NORM, GAINS_AS_STORED, NO_ATTN_SOFTCAP, NO_LOGIT_SOFTCAP, NO_POST_NORMS,
-                      POST_NORM_GAINS_EQUAL, HEADS_SEE_POSITIONS_ALIKE})
+    return frozenset({NOT_ROTARY, NO_QK_NORM, GAINS_AS_STORED, NO_ATTN_SOFTCAP, NO_ATTN_SINKS, NO_LOGIT_SOFTCAP,
+                      NO_POST_NORMS, POST_NORM_GAINS_EQUAL, HEADS_SEE_POSITIONS_ALIKE})
 
 
 def identity_table(identities, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> dict[str, dict[str, str]]:

@@ -5,9 +5,10 @@ Per layer, under ``blocks.{layer}.mlp``:
 
 - ``W_router`` ``[d_model, n_experts]``, ``b_router`` ``[n_experts]``: the router, which reads
   the normalised residual stream ``x`` ``[..., d_model]``;
-- ``experts.{e}.W_in``, ``experts.{e}.W_gate`` ``[d_model, d_mlp]``, ``experts.{e}.b_in``
-  ``[d_mlp]``, ``experts.{e}.W_out`` ``[d_mlp, d_model]``, ``experts.{e}.b_out`` ``[d_model]``:
-  expert ``e``, a gated MLP ``act(x W_gate) * (x W_in + b_in) W_out + b_out``;
+- ``experts.{e}.W_in``, ``experts.{e}.W_gate`` ``[d_model, d_mlp]``, ``experts.{e}.b_in``,
+  ``experts.{e}.b_gate`` ``[d_mlp]``, ``experts.{e}.W_out`` ``[d_mlp, d_model]``,
+  ``experts.{e}.b_out`` ``[d_model]``: expert ``e``, a gated MLP ``act(x W_gate + b_gate) *
+  (x W_in + b_in) W_out + b_out`` (GPT-OSS: the clamped SwiGLU of ``Config.swiglu_limit``);
 - with ``d_shared_mlp``: ``shared.*``, a gated MLP of width ``d_shared_mlp`` run on every token,
   and ``W_shared_gate`` ``[d_model, 1]``, its gate ``sigmoid(x W_shared_gate)``.
 
@@ -26,12 +27,17 @@ import torch
 
 from ._config import Config
 
-__all__ = ["mixture_shapes", "mixture_readers", "mixture_writers", "expert_names", "mixture", "routing", "routers"]
+__all__ = ["mixture_shapes", "mixture_readers", "mixture_writers", "expert_names", "mixture", "routing", "routers",
+           "clamped_swiglu", "EXPERT_LEAVES"]
 
 
 def expert_names(cfg: Config, prefix: str) -> list[str]:
     """The prefixes of the experts of the MLP ``prefix`` (``blocks.0.mlp``), in index order."""
     return [f"{prefix}.experts.{e}" for e in range(cfg.n_experts)]
+
+
+#: The tensors of one expert (under ``experts.{e}``), in the order :func:`mixture_shapes` lists them.
+EXPERT_LEAVES = ("W_in", "W_gate", "b_in", "b_gate", "W_out", "b_out")
 
 
 def routers(cfg: Config) -> list[str]:
@@ -42,8 +48,9 @@ def routers(cfg: Config) -> list[str]:
 
 
 def _gated(prefix: str, d: int, width: int) -> dict[str, tuple[int, ...]]:
-    return {f"{prefix}.W_in": (d, width), f"{prefix}.W_gate": (d, width), f"{prefix}.b_in": (width,),
-            f"{prefix}.W_out": (width, d), f"{prefix}.b_out": (d,)}
+    shapes = {"W_in": (d, width), "W_gate": (d, width), "b_in": (width,), "b_gate": (width,), "W_out": (width, d),
+              "b_out": (d,)}
+    return {f"{prefix}.{leaf}": shapes[leaf] for leaf in EXPERT_LEAVES}
 
 
 def mixture_shapes(cfg: Config, prefix: str) -> dict[str, tuple[int, ...]]:
@@ -62,7 +69,7 @@ def mixture_readers(cfg: Config, prefix: str) -> list[tuple[str, str | None]]:
     expert's ``W_in`` and ``W_gate``, the shared expert's and its gate. Each is ``[d_model, out]``."""
     pairs = [(f"{prefix}.W_router", f"{prefix}.b_router")]
     for expert in expert_names(cfg, prefix) + ([f"{prefix}.shared"] if cfg.d_shared_mlp is not None else []):
-        pairs += [(f"{expert}.W_in", f"{expert}.b_in"), (f"{expert}.W_gate", None)]
+        pairs += [(f"{expert}.W_in", f"{expert}.b_in"), (f"{expert}.W_gate", f"{expert}.b_gate")]
     if cfg.d_shared_mlp is not None:
         pairs.append((f"{prefix}.W_shared_gate", None))
     return pairs
@@ -73,6 +80,13 @@ def mixture_writers(cfg: Config, prefix: str) -> list[str]:
     expert's ``W_out`` ``[d_mlp, d_model]`` and ``b_out`` ``[d_model]``, and the shared expert's."""
     experts = expert_names(cfg, prefix) + ([f"{prefix}.shared"] if cfg.d_shared_mlp is not None else [])
     return [f"{expert}.{name}" for expert in experts for name in ("W_out", "b_out")]
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """GPT-OSS's gated unit on the gate's and up's pre-activations ``[..., d_mlp]``:
+    ``(clamp(up, -limit, limit) + 1) * g sigmoid(alpha g)`` with ``g = min(gate, limit)``."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(min=-limit, max=limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def routing(params, prefix: str, cfg: Config, x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 
 from ._config import Config
 from ._errors import InputError
-from ._moe import mixture
+from ._moe import clamped_swiglu, mixture
 from ._state import StateDict, attention_names, per_query_head, validate_state_dict
 
 __all__ = ["forward", "log_probs", "normalize", "pattern_from_scores", "alibi_slopes", "embed", "block", "unembed"]
@@ -98,7 +98,8 @@ def _project(params: StateDict, p: str, cfg: Config, name: str, x: torch.Tensor)
     return per_query_head(out, cfg, heads, dim=2)
 
 
-def pattern_from_scores(scores: torch.Tensor, cfg: Config, layer: int | None = None) -> torch.Tensor:
+def pattern_from_scores(scores: torch.Tensor, cfg: Config, layer: int | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The attention pattern from raw scores ``q k^T`` ``[..., query, key]``: scaled by
     ``1/sqrt(d_head)``, the future masked (causal models) and, in a layer with a sliding window
     (``cfg.window(layer)``), the keys ``sliding_window`` or more positions back; softmax over keys.
@@ -106,7 +107,8 @@ def pattern_from_scores(scores: torch.Tensor, cfg: Config, layer: int | None = N
     scores, ``cap * tanh(scores / cap)``, before the mask. With ALiBi positions (``"alibi"``)
     head ``h`` adds ``slope_h * k`` to its scaled score of key ``k``, computed in float32 and
     rounded to the scores' dtype as transformers' BLOOM does; ``scores`` then has its head axis
-    before ``[query, key]``."""
+    before ``[query, key]``. ``sinks`` ``[n_heads]`` (scores ``[..., n_heads, query, key]``,
+    ``Config.attn_sinks``): each head's softmax has that logit too, and its weight is dropped."""
     scores = scores / math.sqrt(cfg.d_head) if cfg.attention_scale is None else scores * cfg.attention_scale
     if cfg.positional_embedding_type == "alibi":  # [heads, 1, key] added to [..., heads, query, key]
         if scores.ndim < 3 or scores.shape[-3] != cfg.n_heads:
@@ -122,6 +124,9 @@ def pattern_from_scores(scores: torch.Tensor, cfg: Config, layer: int | None = N
         if window is not None:
             future |= torch.tril(torch.ones(n, n, dtype=torch.bool, device=scores.device), diagonal=-window)
         scores = scores.masked_fill(future, float("-inf"))
+    if sinks is not None:
+        sink = sinks[:, None, None].expand(*scores.shape[:-1], 1).to(scores.dtype)
+        return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.softmax(scores, dim=-1)
 
 
@@ -157,7 +162,7 @@ def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in, record:
         q, k = _head_norm(params, f"{p}.q_norm", cfg, q), _head_norm(params, f"{p}.k_norm", cfg, k)
     if cfg.positional_embedding_type == "rotary":
         q, k = _rotate(q, cfg), _rotate(k, cfg)
-    pattern = pattern_from_scores(torch.einsum("bqhe,bkhe->bhqk", q, k), cfg, layer)
+    pattern = pattern_from_scores(torch.einsum("bqhe,bkhe->bhqk", q, k), cfg, layer, params.get(f"{p}.sinks"))
     z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
     if record is None:  # one [n_heads d_head, d_model] product
         return z.flatten(2) @ params[f"{p}.W_O"].flatten(0, 1) + params[f"{p}.b_O"]
@@ -174,9 +179,13 @@ def _mlp(params: StateDict, p: str, cfg: Config, x: torch.Tensor) -> torch.Tenso
 
 
 def _dense_mlp(params: StateDict, p: str, cfg: Config, x: torch.Tensor) -> torch.Tensor:
+    """A dense MLP (or one expert); a gate bias ``b_gate`` where the model has one (experts)."""
     hidden = x @ params[f"{p}.W_in"] + params[f"{p}.b_in"]
     if cfg.gated_mlp:
-        hidden = _activation(cfg.act_fn, x @ params[f"{p}.W_gate"]) * hidden
+        gate = x @ params[f"{p}.W_gate"]
+        gate = gate + params[f"{p}.b_gate"] if f"{p}.b_gate" in params else gate
+        hidden = _activation(cfg.act_fn, gate) * hidden if cfg.swiglu_limit is None else \
+            clamped_swiglu(gate, hidden, cfg.swiglu_limit, cfg.swiglu_alpha)
     else:
         hidden = _activation(cfg.act_fn, hidden)
     return hidden @ params[f"{p}.W_out"] + params[f"{p}.b_out"]

@@ -235,6 +235,8 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
                 shapes[f"{p}.attn.pos_{name}"] = (cfg.n_ctx, heads, e)
         if cfg.qk_norm:
             shapes[f"{p}.attn.q_norm.w"] = shapes[f"{p}.attn.k_norm.w"] = (e,)
+        if cfg.attn_sinks:
+            shapes[f"{p}.attn.sinks"] = (h,)
         shapes[f"{p}.attn.W_O"] = (h, e, d)
         shapes[f"{p}.attn.b_O"] = (d,)
         if cfg.post_norms:

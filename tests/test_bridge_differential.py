@@ -127,7 +127,9 @@ def test_negative_control_the_float32_comparison_sees_eight_units_in_the_last_pl
 @pytest.mark.parametrize("name", NAMES)
 def test_the_bridge_computes_its_models_log_probs(name):
     """The bridge's own forward pass, before and after its processing, is the model's (float32:
-    measured up to 3e-6), except on a post-norm OPT, whose forward the bridge cannot run."""
+    measured up to 3e-6), except on a post-norm OPT, whose forward the bridge cannot run, and
+    after processing GPT-OSS, whose value biases it folds although its attention sinks make the
+    pattern's rows sum to less than 1."""
     model, config = family_model(name)
     bridge = _quietly(transformer_lens_bridge, copy.deepcopy(model), fold_ln=False, center_writing_weights=False,
                       center_unembed=False, fold_value_biases=False)
@@ -139,7 +141,11 @@ def test_the_bridge_computes_its_models_log_probs(name):
                 bridge(TOKENS)
             return
         for each in (bridge, processed):
-            assert (torch.log_softmax(each(TOKENS).double(), -1) - expected).abs().max() < 1e-5
+            error = (torch.log_softmax(each(TOKENS).double(), -1) - expected).abs().max()
+            if each is processed and io.family(name).cfg.attn_sinks:  # 4.3 folds value biases through sinks
+                assert error > 1  # measured 2.99
+            else:
+                assert error < 1e-5
 
 
 # -- the differences, each as measured on 4.3.0 --------------------------------------------------

@@ -16,21 +16,22 @@ from circuitmath import _diagnosis as diagnosis, io
 from circuitmath._checkpoint import INDEX
 from circuitmath._hf import hf_layout
 from circuitmath._moe import routing
-from circuitmath._processing._common import DENSE_MLP
+from circuitmath._processing._common import DENSE_MLP, NO_ATTN_SINKS
 from circuitmath._processing.experts import HAS_EXPERTS
 from circuitmath._stored import place
 from circuitmath._streaming_check_processed import check_processed
 from circuitmath._streaming_check_model import check_model_streaming
 from circuitmath.testing import NotEquivalentError, assert_equivalent, diagnose
 
-MOE = ["Mixtral", "Qwen2-MoE", "Qwen3-MoE"]
+MOE = ["Mixtral", "Qwen2-MoE", "Qwen3-MoE", "GPT-OSS"]
 F64 = torch.float64
 
 
 @pytest.mark.parametrize("name", MOE)
 def test_reference_is_transformers_to_float32_rounding(name):
-    """float32: measured 4.8e-6 (Mixtral), 2.6e-6 (Qwen2-MoE), 2.6e-6 (Qwen3-MoE). Control: the
-    routing read another way (renormalised or not, one expert fewer) moves the log-probs."""
+    """float32: measured 4.8e-6 (Mixtral), 2.6e-6 (Qwen2-MoE), 2.6e-6 (Qwen3-MoE), 1.2e-6
+    (GPT-OSS). Control: the routing read another way (renormalised or not, one expert fewer)
+    moves the log-probs."""
     tokens = _tokens()
     model, config = _model(name)
     sd, cfg = io.from_hf(model.state_dict(), config)
@@ -41,6 +42,18 @@ def test_reference_is_transformers_to_float32_rounding(name):
         assert (_ours(sd, wrong, tokens) - expected).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("feature", ["sinks", "clamp"])
+def test_negative_control_gpt_oss_without_its_sinks_or_its_clamp(feature):
+    tokens = _tokens()
+    model, config = _model("GPT-OSS")
+    sd, cfg = io.from_hf(model.state_dict(), config)
+    if feature == "sinks":
+        sd, cfg = {k: v for k, v in sd.items() if not k.endswith(".sinks")}, cfg.replace(attn_sinks=False)
+    else:
+        cfg = cfg.replace(swiglu_limit=1e6)
+    assert (_ours(sd, cfg, tokens) - _hf_log_probs(model, tokens)).abs().max() > 1e-2
+
+
 def test_negative_control_qwen2_moe_without_its_shared_expert():
     tokens = _tokens()
     model, config = _model("Qwen2-MoE")
@@ -49,7 +62,7 @@ def test_negative_control_qwen2_moe_without_its_shared_expert():
     assert (_ours(dense, cfg.replace(d_shared_mlp=None), tokens) - _hf_log_probs(model, tokens)).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["Mixtral", "Qwen2-MoE"])
+@pytest.mark.parametrize("name", ["Mixtral", "Qwen2-MoE", "GPT-OSS"])
 def test_saved_sharded_folder_reads_as_the_state_dict(tmp_path, name):
     """save_pretrained writes one Linear per expert (Mixtral's block_sparse_moe.experts.{e}.w1);
     the model's state_dict stacks them (experts.gate_up_proj): both convert to the same tensors."""
@@ -68,7 +81,8 @@ def test_processed_sharded_folder_loads_as_its_own_architecture(tmp_path, name):
     input's log-probs (float32 rounding; measured below 1e-5). Control: a folded gain put back."""
     model, _config = _model(name, tie_word_embeddings=False)
     model.save_pretrained(tmp_path / "in", max_shard_size="40KB")
-    steps = ("fold_ln", "center_unembed") if name == "Qwen2-MoE" else "applicable"  # no o_proj bias
+    # Qwen2-MoE has no o_proj bias for the folded value biases; GPT-OSS's sinks refuse the fold
+    steps = ("fold_ln", "center_unembed") if name == "Qwen2-MoE" else "applicable"
     cfg = io.process_checkpoint(tmp_path / "in", tmp_path / "out", steps=steps)
     assert "fold_rms_norm" in cfg.applied and io.open_checkpoint(tmp_path / "out").cfg == cfg
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
@@ -231,9 +245,42 @@ def test_config_refuses_incoherent_expert_fields(fields):
         cm.Config(**(base | fields))
 
 
+# -- attention sinks ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("identity", ["fold_value_biases", "remove_key_biases"])
+def test_attention_sinks_refuse_the_bias_rewrites_and_the_fold_regardless_fails(identity):
+    """A pattern with sinks has rows that sum to less than 1 and a sink no key bias shifts:
+    folding value biases is refused naming the sinks, and applied regardless changes the
+    log-probs (removing key biases is refused for GPT-OSS's rotary keys first)."""
+    cfg = io.family("GPT-OSS").cfg
+    sd = cm.random_state_dict(cfg, seed=0, dtype=F64)
+    with pytest.raises(cm.PreconditionError) as refused:
+        cm.get_identity(identity).check(sd, cfg)
+    flat = cfg.replace(positional_embedding_type="standard")  # no rotary: the sinks are what refuses
+    with pytest.raises(cm.PreconditionError, match="sink") as refused:
+        cm.get_identity(identity).check(cm.random_state_dict(flat, seed=0, dtype=F64), flat)
+    assert refused.value.precondition is NO_ATTN_SINKS
+    if identity == "fold_value_biases":
+        assert not cm.get_identity(identity).check_wrong_rewrite("under_attention_sinks", sd, cfg).passed
+        without = {k: v for k, v in sd.items() if not k.endswith(".sinks")}
+        assert cm.get_identity(identity).check(without, cfg.replace(attn_sinks=False)).passed  # control
+
+
+def test_heads_permute_with_their_sinks():
+    cfg = io.family("GPT-OSS").cfg
+    sd = cm.random_state_dict(cfg, seed=0, dtype=F64)
+    perm = torch.tensor([2, 3, 1, 0])  # whole key/value groups move
+    out, out_cfg = cm.permute_heads(sd, cfg, perm)
+    assert torch.equal(out["blocks.0.attn.sinks"], sd["blocks.0.attn.sinks"][perm])
+    assert_equivalent(sd, out, cfg, after_cfg=out_cfg)
+    stuck = dict(out, **{"blocks.0.attn.sinks": sd["blocks.0.attn.sinks"]})
+    with pytest.raises(NotEquivalentError):
+        assert_equivalent(sd, stuck, cfg, after_cfg=out_cfg)
+
+
 # -- check, streamed ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["Mixtral", "Qwen2-MoE"])
+@pytest.mark.parametrize("name", ["Mixtral", "Qwen2-MoE", "GPT-OSS"])
 def test_check_runs_streamed_on_expert_folders(tmp_path, name):
     """check MODEL streams a sharded folder layer by layer with the in-memory check's verdicts;
     check --processed streams the processed folder against it, and names a planted change."""

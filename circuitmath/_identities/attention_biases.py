@@ -24,10 +24,12 @@ import torch
 from sympy import DiagMatrix, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol, Transpose
 
 from .._processing import fold_value_biases, remove_key_biases
-from .._processing._common import NO_ATTN_SOFTCAP, NOT_APPLIED, NOT_ROTARY, NO_QK_NORM
+from .._processing.attention import value_bias_through_output
+from .._processing._common import NO_ATTN_SINKS, NO_ATTN_SOFTCAP, NOT_APPLIED, NOT_ROTARY, NO_QK_NORM
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import Identity, WrongRewrite, register
 from .._state import attention_names
+from ._sinks import sink_rows_twin, sink_shift_twin
 from ._softcaps import attention_softcap_twin, capped_rows_sum_to_one
 from .layer_norm import REGARDLESS
 
@@ -138,6 +140,7 @@ def _value_bias_proof() -> Proof:
         samplers={**{E_h: causal_exponentials for E_h in EXPS}, P: _pattern_with_empty_first_row},
         explicit_dims=EXPLICIT_DIMS,
         twins=(
+            sink_rows_twin(),
             Twin(
                 "no_sum_over_heads",
                 "fold only the first head's value bias term into b_O",
@@ -278,6 +281,7 @@ def _key_bias_proof() -> Proof:
                 MatMul(E, Inverse(DiagMatrix(k))),
             ),
             attention_softcap_twin(),
+            sink_shift_twin(),
         ),
     )
 
@@ -303,6 +307,18 @@ def _fold_through(select):
         return out, new_cfg
 
     return transform
+
+
+def _fold_value_biases_regardless(state_dict, cfg):
+    """Fold the value biases into the output bias although the pattern's rows do not sum to 1."""
+    _weight, bias, _heads = attention_names(cfg, "V")
+    out = dict(state_dict)
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}.attn"
+        out[f"{p}.b_O"] = (state_dict[f"{p}.b_O"].double()
+                           + value_bias_through_output(state_dict[f"{p}.{bias}"], state_dict[f"{p}.W_O"])).to(state_dict[f"{p}.b_O"].dtype)
+        out[f"{p}.{bias}"] = torch.zeros_like(state_dict[f"{p}.{bias}"])
+    return out, cfg.replace(applied=cfg.applied + ("fold_value_biases",))
 
 
 def _remove_key_biases_regardless(state_dict, cfg):
@@ -331,6 +347,7 @@ FOLD_VALUE_BIASES = register(
         preconditions=(
             "every row of every attention pattern sums to 1: a softmax over at least one unmasked key"
             " (the reference pass masks causally, so no row is fully masked)",
+            NO_ATTN_SINKS,
             NOT_APPLIED,
         ),
         build_proof=_value_bias_proof,
@@ -339,6 +356,7 @@ FOLD_VALUE_BIASES = register(
             "no_sum_over_heads": _fold_through(lambda heads: heads[:1] if heads.start == 0 else []),
             "once_per_key_value_head": _fold_through(lambda heads: heads[:1]),
             "drop_value_biases": _fold_through(lambda heads: []),
+            "under_attention_sinks": WrongRewrite(_fold_value_biases_regardless, REGARDLESS, regardless=True),
         },
     )
 )
@@ -348,7 +366,7 @@ REMOVE_KEY_BIASES = register(
         name="remove_key_biases",
         title="Removing key biases",
         summary="q_i . (k_j + b_K) = q_i . k_j + q_i . b_K, the same for every key j, and softmax over j ignores it",
-        preconditions=(NOT_ROTARY, NO_QK_NORM, NO_ATTN_SOFTCAP, NOT_APPLIED),
+        preconditions=(NOT_ROTARY, NO_QK_NORM, NO_ATTN_SOFTCAP, NO_ATTN_SINKS, NOT_APPLIED),
         build_proof=_key_bias_proof,
         transform=remove_key_biases,
         wrong_rewrites={

@@ -26,7 +26,7 @@ from sympy import Identity as Eye, MatMul, MatrixSymbol
 from .._processing.experts import AN_EXPERT_PERMUTATION, HAS_EXPERTS, permute_experts, recover_expert_permutation
 from .._proof import Fact, Proof, Step, Twin
 from .._registry import Identity, WrongRewrite, register
-from .._moe import expert_names, routers
+from .._moe import EXPERT_LEAVES, expert_names, routers
 from ._circuit_checks import dim
 from .permutations import _permutation
 from .rotation import forgetting
@@ -83,7 +83,7 @@ def _permute(state_dict, cfg):
 
 def _experts(cfg) -> list[str]:
     return [f"{expert}.{leaf}" for layer in range(cfg.n_layers) for expert in expert_names(cfg, f"blocks.{layer}.mlp")
-            for leaf in ("W_in", "W_gate", "b_in", "W_out", "b_out")]
+            for leaf in EXPERT_LEAVES]
 
 
 def _router_by_inverse(state_dict, cfg):

@@ -16,6 +16,7 @@ __all__ = [
     "readers", "require", "refuse_reapplication", "rewrite", "undone_by",
     "NOT_APPLIED", "PRE_NORM", "NORM_READ_LINEARLY", "NOT_ROTARY", "NO_QK_NORM", "NO_LOGIT_SOFTCAP", "NO_ATTN_SOFTCAP",
     "NO_POST_NORMS", "POST_NORM_GAINS_EQUAL", "require_even_post_norms", "DENSE_MLP", "require_dense_mlp",
+    "NO_ATTN_SINKS", "require_no_sinks",
 ]
 
 #: Shared by the transforms that need them (each identity lists the ones its transform raises).
@@ -51,6 +52,18 @@ POST_NORM_GAINS_EQUAL = Precondition(
     "every sandwich norm (post_norms) applies the same gain to every dimension: a gain diag(g) after the norm commutes"
     " with an orthogonal Q only when g is constant",
 )
+
+NO_ATTN_SINKS = Precondition(
+    "no attention sinks",
+    "every row of every attention pattern sums to 1: no attention sink (a logit per head in each softmax whose"
+    " weight is dropped)",
+)
+
+
+def require_no_sinks(identity: str, cfg: Config, detail: str) -> None:
+    """Refuse (:data:`NO_ATTN_SINKS`) a model with attention sinks (``cfg.attn_sinks``), saying ``detail``."""
+    require(identity, NO_ATTN_SINKS, not cfg.attn_sinks, detail)
+
 
 DENSE_MLP = Precondition(
     "every MLP is one dense MLP",

@@ -6,7 +6,7 @@ import torch
 
 from .._config import Config
 from .._state import StateDict, attention_names, key_value_groups, validate_state_dict
-from ._common import NO_ATTN_SOFTCAP, NO_QK_NORM, NOT_ROTARY, refuse_reapplication, require, rewrite
+from ._common import NO_ATTN_SOFTCAP, NO_QK_NORM, NOT_ROTARY, refuse_reapplication, require, require_no_sinks, rewrite
 from ._memory import new_tensor
 
 __all__ = ["fold_value_biases", "remove_key_biases", "refactor_factored_attn_matrices"]
@@ -44,6 +44,8 @@ def fold_value_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
     """
     identity = "fold_value_biases"
     refuse_reapplication(identity, cfg)
+    require_no_sinks(identity, cfg, "each head's softmax gives part of its weight to a sink logit, so a pattern's rows"
+                     " sum to less than 1 and A 1 b_V W_O is not 1 b_V W_O")
     validate_state_dict(state_dict, cfg)
     _weight, bias, _heads = attention_names(cfg, "V")
     out = dict(state_dict)
@@ -98,6 +100,8 @@ def remove_key_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
         "the key bias is added before the key is divided by its root mean square, so it changes each"
         " key by a different amount and the scores of a row by different amounts",
     )
+    require_no_sinks(identity, cfg, "each head's softmax has a sink logit that q . b_K does not shift, so the constant"
+                     " added to a row's scores moves weight between the keys and the sink")
     require(identity, NO_ATTN_SOFTCAP, cfg.attn_softcap is None,
             f"the scores pass through the softcap {cfg.attn_softcap:g} * tanh(s / {cfg.attn_softcap:g}), which turns"
             " the constant q . b_K added to a row into different amounts per key" if cfg.attn_softcap else "")

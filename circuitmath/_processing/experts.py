@@ -6,7 +6,7 @@ import torch
 
 from .._config import Config
 from .._errors import Precondition, PreconditionError
-from .._moe import expert_names
+from .._moe import EXPERT_LEAVES, expert_names
 from .._state import StateDict, validate_state_dict
 from ._common import require, rewrite
 from .rotation import _per_layer, _take
@@ -42,7 +42,7 @@ def permute_experts(state_dict: StateDict, cfg: Config, permutation) -> tuple[di
         out[f"{p}.b_router"] = _take(state_dict[f"{p}.b_router"], perm, 0)
         names = expert_names(cfg, p)
         for new, old in zip(names, perm.tolist()):
-            for leaf in ("W_in", "W_gate", "b_in", "W_out", "b_out"):
+            for leaf in EXPERT_LEAVES:
                 out[f"{new}.{leaf}"] = state_dict[f"{names[old]}.{leaf}"]
     return out, cfg.replace(applied=cfg.applied + (identity,))
 

@@ -78,6 +78,7 @@ def _fresh_pre_norm(cfg: Config, normalization_type: str) -> bool:
         and cfg.positional_embedding_type in ("standard", "rotary")
         and cfg.norm_gain_offset == 0  # gains applied as 1 + w fold by the step, rounded once
         and not cfg.post_norms and cfg.logit_softcap is None  # the steps' own refusals decide there
+        and not cfg.attn_sinks  # rows that do not sum to 1: fold_value_biases refuses
     )
 
 

@@ -362,7 +362,7 @@ def permute_heads(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict
 
     ``permutation`` is ``[n_heads]`` (the same for every layer) or ``[n_layers, n_heads]``. A
     layer's output is the sum of its heads plus ``b_O``, and a sum does not depend on the order
-    of its terms; each head keeps its own ``W_Q, W_K, W_V, W_O`` and biases (``[heads, ...]``,
+    of its terms; each head keeps its own ``W_Q, W_K, W_V, W_O``, biases and sink (``[heads, ...]``,
     axis 0) and positional tables (``pos_Q``, ``pos_K``, ``[n_ctx, heads, d_head]``, axis 1), so
     its pattern moves with it. With grouped-query attention a query head must stay in the group
     of the key/value head it reads: the permutation must move whole groups (reordering heads
@@ -393,7 +393,8 @@ def permute_heads(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict
             out[f"{p}.{bias}"] = _take(state_dict[f"{p}.{bias}"], index, 0)
             if f"{p}.pos_{side}" in state_dict:
                 out[f"{p}.pos_{side}"] = _take(state_dict[f"{p}.pos_{side}"], index, 1)
-        out[f"{p}.W_O"] = _take(state_dict[f"{p}.W_O"], perm, 0)
+        for name in ["W_O"] + (["sinks"] if cfg.attn_sinks else []):
+            out[f"{p}.{name}"] = _take(state_dict[f"{p}.{name}"], perm, 0)
     return out, cfg.replace(applied=cfg.applied + (identity,))
 
 
