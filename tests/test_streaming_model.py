@@ -117,12 +117,13 @@ def test_a_refusal_before_the_decision_comes_first_as_in_memory(tmp_path, monkey
         same_rows(forgot, in_memory)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_process_weights_applies_the_whole_models_steps_in_every_part(tmp_path, monkeypatch, dtype):
+@pytest.mark.parametrize("dtype, exact", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_process_weights_applies_the_whole_models_steps_in_every_part(tmp_path, monkeypatch, dtype, exact):
     """The process_weights row of an LN model with a gated MLP whose blocks 1 to 3 read ln2's
     bias through W_gate (block 0's is zero): the ends and block 0 could fold the LayerNorm, the
     whole model cannot, so in the end every part of the streamed check applies the steps that
-    process_weights applies to the whole model (pipeline.steps_left_out), with the in-memory row."""
+    process_weights applies to the whole model (the steps left out go to the identity's
+    with_parameters), with the in-memory row; with ``exact``, so does the float64 chain."""
     cfg = CFG.replace(normalization_type="LN", gated_mlp=True, act_fn="silu")
     state_dict = cm.random_state_dict(cfg, seed=0)
     state_dict["blocks.0.ln2.b"] = torch.zeros_like(state_dict["blocks.0.ln2.b"])
@@ -131,17 +132,20 @@ def test_process_weights_applies_the_whole_models_steps_in_every_part(tmp_path, 
     io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "ln", steps=[])
     identity, = [i for i in diagnosis_module.weight_identities(symmetries=True) if i.name == "process_weights"]
     with_identities(monkeypatch, identity)
-    applied, transformed = {}, streaming_model._Run.transformed
+    applied, applied64, transformed = {}, {}, streaming_model._Run.transformed
 
     def spy(self, parts, layer):
         got = transformed(self, parts, layer)
         applied[layer] = got[3].applied
+        if len(got) > 4:
+            applied64[layer] = got[7].applied
         return got
 
     monkeypatch.setattr(streaming_model._Run, "transformed", spy)
-    streamed = check_model_streaming(tmp_path / "ln", tokens=TOKENS)
+    streamed = check_model_streaming(tmp_path / "ln", tokens=TOKENS, exact=exact)
     assert streamed.findings[0].status == "holds" and set(applied) == {None, *range(cfg.n_layers)}
     whole = identity.transform(state_dict, cfg)[1].applied
     assert "fold_layer_norm" not in whole
     assert all(part == whole for part in applied.values()), applied
+    assert bool(applied64) == exact and all(part == whole for part in applied64.values()), applied64
     same_rows(streamed, diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS))
