@@ -94,7 +94,9 @@ class _Replay:
     def __init__(self, after: Mapping[str, torch.Tensor], thresholds: _Thresholds):
         self.after = after
         self.thresholds = thresholds
-        self._wrong_cache: dict = {}  # (id(state), cfg) -> (state, wrong rewrites); keeps state alive
+        self._wrong_cache: dict = {}  # (id(state), cfg) -> (state, wrong rewrites), the last state's only
+        #: The tensors a search is for (``None``: all): a stage whose exact rewrite touches none of them is not searched.
+        self._focus: set[str] | None = None
         self._verdicts: dict = {}  # (name, id(tensor), id(reference), level) -> (tensor, reference, verdict)
         self._largest: dict = {}  # id(tensor) -> (tensor, largest |entry|)
         self._relative: dict = {}  # (name, id(tensor), id(reference)) -> (tensor, reference, relative difference)
@@ -186,6 +188,7 @@ class _Replay:
         """Every known wrong rewrite of ``state`` that applies to it, computed once per state."""
         key = (id(state), cfg)
         if key not in self._wrong_cache:
+            self._wrong_cache.clear()  # one state's candidates at a time: each holds rewritten copies of big tensors
             out = []
             for identity in weight_identities():
                 for name, wrong in identity.wrong_rewrites.items():
@@ -315,6 +318,8 @@ class _Replay:
             exact, refusal = None, error
         if exact is not None and identity.name not in records:
             return None  # a pipeline of other identities: the replay applies those one by one
+        if search and exact is not None and self._focus is not None and not self.touched(state, exact.state) & self._focus:
+            search = False  # it rewrites none of the tensors left unexplained: no wrong rewrite of it is looked for
         if exact is not None and not search:
             touched = self.touched(state, exact.state)
             if forced:  # recognition is judged by what is left at the end (and searched for if anything is)
@@ -424,6 +429,7 @@ class _Replay:
                 stages, final, final_cfg, residual = found
                 if not residual:
                     return stages, final, final_cfg, residual
+        self._focus = set(residual)
         searched = self.run(before, cfg, plan, search=True)
         searched_residual = self.residual(searched[1], before)
         if len(searched_residual) < len(residual):  # on a tie the exact replay explains as much
@@ -488,6 +494,8 @@ class _Replay:
         that leaves fewer tensors unexplained, as ``(stages, final, final_cfg, residual)``."""
         state, state_cfg = (before, cfg) if i == 0 else (stages[i - 1].state, stages[i - 1].cfg)
         stage = stages[i]
+        if stage.refusal is None and not stage.touched & set(residual):
+            return None  # it rewrites none of the tensors left unexplained
         identity = _identities.get_identity(stage.name)
         rest = None if plan is None else [_identities.get_identity(s.name) for s in stages[i + 1:]]
         records = () if stage.exact is None else stage.cfg.applied[len(state_cfg.applied):]
