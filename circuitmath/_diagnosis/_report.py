@@ -364,16 +364,23 @@ class _Named(ParameterMismatch):
     circuitmath_name: str = ""
     #: :attr:`at` as the input indexes its tensor (``"[5, 3]"``; empty when not known).
     stored_at: str = ""
+    #: :attr:`rows` as the entries of the input's tensor they are (``"[:, 12:16], [:, 40]"``; empty when not known).
+    stored_rows: str = ""
 
     def __str__(self) -> str:
         plain = ParameterMismatch(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ParameterMismatch)})
-        return str(dataclasses.replace(plain, name=self.name + self.where)).replace(
+        text = str(dataclasses.replace(plain, name=self.name + self.where)).replace(
             f"the largest at {self._at()}", f"the largest at {self.stored_at}" if self.stored_at else "the largest"
             f" at {self._at()} of {self.circuitmath_name}")
+        if self.rows:
+            counted = self._rows().rsplit(" (", 1)[1]
+            text = text.replace(self._rows(), f"entries {self.stored_rows} ({counted}"
+                                if self.stored_rows else f"{self._rows()} of {self.circuitmath_name}")
+        return text
 
     def as_dict(self) -> dict:
         return super().as_dict() | {"where": self.where, "circuitmath_name": self.circuitmath_name,
-                                    "stored_at": self.stored_at}
+                                    "stored_at": self.stored_at, "stored_rows": self.stored_rows}
 
 
 def _renamed(parameter: ParameterMismatch, names) -> ParameterMismatch:
@@ -383,7 +390,31 @@ def _renamed(parameter: ParameterMismatch, names) -> ParameterMismatch:
     stored = names.name(parameter.name).split("[", 1)[0]
     fields = {f.name: getattr(parameter, f.name) for f in dataclasses.fields(ParameterMismatch)}
     return _Named(**(fields | {"name": stored}), where=full[len(stored):], circuitmath_name=parameter.name,
-                  stored_at=names.index(parameter.name, parameter.at) if parameter.at else "")
+                  stored_at=names.index(parameter.name, parameter.at) if parameter.at else "",
+                  stored_rows=_stored_rows(parameter, names))
+
+
+def _stored_rows(parameter: ParameterMismatch, names) -> str:
+    """``parameter``'s differing rows as the entries of the input's tensor they are (the first
+    ranges shown), empty when the view is not a box of it."""
+    from ._names import _slice
+    from ._tensors import SHOWN_RANGES
+
+    found = names.views.get(parameter.name)
+    if not parameter.rows or found is None or found[1] is None:
+        return ""
+    _stored, shape, view_shape, strides, offset = found
+    whole = [(0, size - 1) for size in view_shape]
+    pieces = []
+    for first, last in parameter.rows[:SHOWN_RANGES]:
+        box = list(whole)
+        box[parameter.row_axis] = (first, last)
+        piece = _slice(shape, strides, offset, box)
+        if not piece:
+            return ""
+        pieces.append(piece)
+    more = len(parameter.rows) - SHOWN_RANGES
+    return ", ".join(pieces) + (f", … ({more} more ranges)" if more > 0 else "")
 
 
 def in_input_names(diagnosis: Diagnosis, names) -> Diagnosis:

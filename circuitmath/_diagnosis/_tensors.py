@@ -42,6 +42,13 @@ class ParameterMismatch:
     written_by: str | None = None
     #: The index of the largest difference (the first, in order; ``()`` when none was measured).
     at: tuple[int, ...] = ()
+    #: The rows that differ beyond rounding (indices along ``row_axis``), as ``(first, last)`` ranges.
+    rows: tuple[tuple[int, int], ...] = ()
+    #: The axis ``rows`` index (axis 1 of a per-head tensor, whose axis 0 is the head), its length,
+    #: and what its indices are called (``"entries"`` of a vector).
+    row_axis: int = 0
+    row_count: int = 0
+    row_word: str = "rows"
 
     def __str__(self) -> str:
         where = [f"layer {self.layer}"] if self.layer is not None else []
@@ -51,10 +58,19 @@ class ParameterMismatch:
         if self.problem:
             return f"{place}: {self.problem}"
         at = f", the largest at {self._at()}" if self.at else ""
-        return f"{place}: max |Δ| {self.max_abs_error:.3g} ({self.relative_error:.2g} of its largest entry{at})"
+        rows = f"; {self._rows()} differ" if self.rows else ""
+        return f"{place}: max |Δ| {self.max_abs_error:.3g} ({self.relative_error:.2g} of its largest entry{at}){rows}"
 
     def _at(self) -> str:
         return f"[{', '.join(map(str, self.at))}]"
+
+    def _rows(self) -> str:
+        """``rows 12–15, 40 (5 of 3072)`` (``entries`` of a vector): the first :data:`SHOWN_RANGES` ranges."""
+        shown = [str(a) if a == b else f"{a}–{b}" for a, b in self.rows[:SHOWN_RANGES]]
+        if len(self.rows) > SHOWN_RANGES:
+            shown.append(f"… ({len(self.rows) - SHOWN_RANGES} more ranges)")
+        differing = sum(b - a + 1 for a, b in self.rows)
+        return f"{self.row_word} {', '.join(shown)} ({differing} of {self.row_count})"
 
     def as_dict(self) -> dict:
         return {
@@ -66,11 +82,18 @@ class ParameterMismatch:
             "problem": self.problem,
             "written_by": self.written_by,
             "at": list(self.at),
+            "rows": [list(r) for r in self.rows],
+            "row_axis": self.row_axis,
+            "row_count": self.row_count,
         }
 
 
 def _json_number(value: float | None):
     return None if value is None or not math.isfinite(value) else value
+
+
+#: Ranges of rows a diagnosis shows (all of them are in :meth:`ParameterMismatch.as_dict`).
+SHOWN_RANGES = 6
 
 
 #: Bits of the significand stored by each dtype (the unit in the last place of ``x`` is
@@ -295,7 +318,34 @@ def _mismatch(name: str, got, expected, reference, threshold: float, written_by:
         per_head = (got.to(dtype) - expected.to(dtype)).abs().movedim(head_axis, 0).flatten(1).amax(dim=1)
         heads = tuple(int(h) for h in torch.nonzero(per_head > threshold * (absolute / relative)).flatten())
     at = _largest_at(got, expected) if relative > 0 else ()
-    return ParameterMismatch(name, layer, heads, absolute, relative, None, written_by, at)
+    row_axis = 1 if head_axis == 0 else 0
+    if relative == 0 or got.ndim <= row_axis:
+        return ParameterMismatch(name, layer, heads, absolute, relative, None, written_by, at)
+    rows = _differing_rows(got, expected, row_axis, threshold * (absolute / relative))
+    return ParameterMismatch(name, layer, heads, absolute, relative, None, written_by, at, rows, row_axis,
+                             got.shape[row_axis], "rows" if got.ndim > row_axis + 1 else "entries")
+
+
+def _differing_rows(got: torch.Tensor, expected: torch.Tensor, axis: int, bound: float,
+                    chunk: int = 1 << 20) -> tuple[tuple[int, int], ...]:
+    """The indices along ``axis`` where some entry of ``|got - expected|`` exceeds ``bound`` (or is
+    NaN), as ``(first, last)`` ranges of consecutive indices; about ``chunk`` entries at a time."""
+    dtype = torch.promote_types(got.dtype, expected.dtype)
+    a, b = got.movedim(axis, 0), expected.movedim(axis, 0)
+    per_row = max(1, a[0].numel())
+    differs = []
+    for start in range(0, a.shape[0], max(1, chunk // per_row)):
+        stop = start + max(1, chunk // per_row)
+        difference = (a[start:stop].to(dtype) - b[start:stop].to(dtype)).abs().nan_to_num(math.inf)
+        differs.append(difference.reshape(difference.shape[0], -1).amax(dim=1) > bound)
+    index = torch.nonzero(torch.cat(differs)).flatten().tolist()
+    ranges: list[tuple[int, int]] = []
+    for i in index:
+        if ranges and ranges[-1][1] == i - 1:
+            ranges[-1] = (ranges[-1][0], i)
+        else:
+            ranges.append((i, i))
+    return tuple(ranges)
 
 
 def _largest_at(got: torch.Tensor, expected: torch.Tensor, chunk: int = 1 << 20) -> tuple[int, ...]:
