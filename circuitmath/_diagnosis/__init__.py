@@ -35,7 +35,7 @@ from .._errors import InputError, PreconditionError
 from .._state import vouched
 from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
 from ._names import speak
-from ._exact import float64_chain, identity_row, in_float64, rewrite_mismatches
+from ._exact import SharedProducts, float64_chain, float64_rewrite, identity_row, in_float64, rewrite_mismatches
 from ._logprobs import _coarser, _LogProbs, sensitivity_window
 from ._replay import _Replay, weight_identities
 from ._report import Diagnosis, Finding, _config_differences, _identity_finding, _residual_finding
@@ -330,9 +330,11 @@ def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagn
     findings = []
     for i, identity in enumerate(chosen, 1):
         report(i, total, identity.name)
+        products = SharedProducts()  # the transform's float64 products, taken again by its float64 reference
         try:
-            prepared, prepared_cfg = identity.prepared(state, model_cfg)
-            processed, processed_cfg = identity.transform(prepared, prepared_cfg)
+            with products:
+                prepared, prepared_cfg = identity.prepared(state, model_cfg)
+                processed, processed_cfg = identity.transform(prepared, prepared_cfg)
         except PreconditionError as error:
             findings.append(Finding(identity.name, "identity", False, "not applicable", reason=str(error),
                                     precondition=error.precondition))
@@ -342,12 +344,31 @@ def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagn
         if exact is None:
             findings.append(identity_row(identity.name, comparison, None))
             continue
-        chain = float64_chain(identity, state64, model_cfg)
-        mismatches = rewrite_mismatches(identity, prepared, prepared_cfg, processed, chain, thresholds)
-        prepared = processed = None
+        with products:
+            chain, reference = _float64_of(identity, state64, model_cfg, prepared, prepared_cfg)
+        products = None
+        mismatches = rewrite_mismatches(identity, prepared, prepared_cfg, processed, chain, thresholds,
+                                        reference=reference)
+        prepared = processed = reference = None
         float64 = exact.compare(*chain) if chain else None
         exact.forget_all_but(state64)
         findings.append(identity_row(identity.name, comparison, float64, mismatches, refused_in_float64=chain is None))
         chain = None
     report(total, total, "done")
     return Diagnosis(tuple(findings))
+
+
+def _float64_of(identity, state64, cfg, prepared, prepared_cfg):
+    """``(chain, reference)``: ``identity`` checked in float64 (``chain``, as :func:`float64_chain`
+    gives it) and the float64 rewrite its certificate compares with (``reference``; ``None``:
+    the transform refuses the prepared model in float64). An identity without a preparation has
+    one of each: its transform of the model in float64. An identity with one is checked on its
+    preparation in the model's dtype, converted, which its certificate compares with anyway;
+    where the transform refuses that, on the model prepared in float64 (see :mod:`._exact`)."""
+    if not identity.prepare:
+        chain = float64_chain(identity, state64, cfg)
+        return chain, None if chain is None else chain[2]
+    rewrite = float64_rewrite(identity, prepared, prepared_cfg)
+    if rewrite is not None:
+        return rewrite, rewrite[2]
+    return float64_chain(identity, state64, cfg), None

@@ -16,6 +16,14 @@ log-probs by a hundredth pass it. Two sharper checks go with it, for every dtype
 
 A row holds when all three pass (:func:`identity_row`). The in-memory and the streamed checks
 (:mod:`circuitmath._streaming_check_model`) build their rows here.
+
+In memory, an identity with a preparation is checked in float64 on its preparation in the
+model's dtype, converted (exact), which is what its certificate compares with: one float64
+transform serves both (:func:`float64_rewrite`); only where that refuses (a precondition the
+preparation met to the model's rounding) is the model prepared in float64. And the float64
+products the transform in the model's dtype computed (a rotation computes ``W Q`` in float64
+and rounds it once) are taken by its float64 rewrite, which multiplies the same values
+(:class:`SharedProducts`).
 """
 
 from __future__ import annotations
@@ -23,13 +31,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .._compare import Comparison
 from .._errors import PreconditionError
 from ._report import Finding
 from ._tensors import ParameterMismatch, _certificate, _largest_entry, _mismatch, _Thresholds
 
-__all__ = ["in_float64", "float64_chain", "rewrite_mismatches", "identity_row"]
+__all__ = ["in_float64", "float64_chain", "rewrite_mismatches", "identity_row", "float64_rewrite", "SharedProducts"]
 
 
 def in_float64(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -39,7 +48,7 @@ def in_float64(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 def rewrite_mismatches(
     identity, prepared: Mapping, prepared_cfg, processed: Mapping, chain: tuple | None, thresholds: _Thresholds,
-    keep: Callable[[str], str | None] = lambda name: name,
+    keep: Callable[[str], str | None] = lambda name: name, *, reference=...,
 ) -> tuple[ParameterMismatch, ...]:
     """The tensors ``identity``'s transform wrote into ``processed`` from ``prepared`` (in a
     dtype below float64) that fail their certificate against the same transform of ``prepared``
@@ -47,8 +56,14 @@ def rewrite_mismatches(
     preparation, else computed here. None is reported when that transform refuses: a
     precondition that holds only to the model's rounding (writes centered in bfloat16) leaves
     nothing to certify against. ``keep(name)``: the name to report for a tensor of
-    ``processed`` (``None``: not certified here, e.g. a block part's stand-ins for the ends)."""
-    if chain is not None and not identity.prepare:
+    ``processed`` (``None``: not certified here, e.g. a block part's stand-ins for the ends).
+    ``reference``: the float64 rewrite of ``prepared`` already computed (:func:`float64_rewrite`'s
+    processed tensors; ``None``: it refuses), instead of computing it here."""
+    if reference is not ...:
+        if reference is None:
+            return ()
+        exact = reference
+    elif chain is not None and not identity.prepare:
         exact = chain[2]
     else:
         try:
@@ -64,6 +79,54 @@ def rewrite_mismatches(
                 tensor, expected, max(_largest_entry(expected), _largest_entry(tensor)), thresholds) > 1:
             found.append(_mismatch(keep(name), tensor, expected, None, thresholds.exact, None, "the float64 rewrite"))
     return tuple(found)
+
+
+def float64_rewrite(identity, prepared: Mapping, prepared_cfg) -> tuple[dict, object, dict, object] | None:
+    """``(prepared64, prepared_cfg, processed64, processed_cfg)``: ``identity``'s transform of
+    ``prepared`` (the model prepared in its own dtype) converted to float64, the reference of its
+    certificate and, for an identity with a preparation, its check in float64 too; ``None`` when
+    the transform refuses it there (a precondition the preparation met only to the model's
+    rounding: then :func:`float64_chain` prepares the model in float64)."""
+    prepared64 = in_float64(prepared)
+    try:
+        return (prepared64, prepared_cfg, *identity.transform(prepared64, prepared_cfg))
+    except PreconditionError:
+        return None
+
+
+class SharedProducts(TorchFunctionMode):
+    """Within, each float64 matrix product of two operands (matrices, or stacks of them) of at least ``smallest``
+    multiply-adds is computed once: a product whose operands equal (entry by entry, checked)
+    those of a product computed before within is that product's result, the same tensor.
+
+    The transform of an identity in a dtype below float64 that computes in float64 (a rotation
+    rounds ``W Q`` once) and its float64 reference multiply the same values: the reference takes
+    the products the first computed. The results are those computing them again would give (the
+    same operation on equal operands; an operand changed in place since is no longer equal). The
+    kept operands and results go with the object."""
+
+    _PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm)
+
+    def __init__(self, smallest: int = 1 << 26):
+        super().__init__()
+        self.smallest = smallest
+        self.kept: list[tuple[torch.Tensor, int, torch.Tensor, int, torch.Tensor]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self._PRODUCTS or kwargs or len(args) != 2 or not all(
+                isinstance(a, torch.Tensor) and a.dtype == torch.float64 and a.ndim >= 2 for a in args):
+            return func(*args, **kwargs)
+        a, b = args
+        if a.numel() * b.shape[-1] < self.smallest:
+            return func(a, b)
+        for x, x_version, y, y_version, product in self.kept:
+            if x.shape == a.shape and y.shape == b.shape and x.device == a.device and x._version == x_version \
+                    and y._version == y_version and torch.equal(x, a) and torch.equal(y, b):
+                return product
+        product = func(a, b)
+        self.kept.append((a, a._version, b, b._version, product))
+        return product
 
 
 def float64_chain(identity, state64: Mapping, cfg) -> tuple[dict, object, dict, object] | None:
