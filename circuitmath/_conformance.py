@@ -70,7 +70,9 @@ def family_model(fam: Family | str, *, dtype: torch.dtype = torch.float32, seed:
 class Verdict:
     """One family in one dtype: whether the processing kept the model's function
     (``passed``), the largest |Δ log-prob| and its tolerance, and on failure the
-    :class:`~circuitmath.testing.Diagnosis` (``None`` when the processing raised: ``error``)."""
+    :class:`~circuitmath.testing.Diagnosis`; ``None`` when there is none to give, ``error``
+    says why: the processing raised (``stage="process"``), or circuitmath cannot read its result
+    as the family's model (``stage="read"``: a tensor missing or of the wrong shape)."""
 
     family: str
     dtype: str
@@ -79,6 +81,7 @@ class Verdict:
     tolerance: float | None = None
     diagnosis: object = None
     error: str | None = None
+    stage: str | None = None
 
     @property
     def summary(self) -> str:
@@ -86,7 +89,8 @@ class Verdict:
         if self.passed:
             return "pass"
         if self.error is not None:
-            return f"FAIL: raised {self.error.split(':')[0]}"
+            kind = self.error.split(":")[0]
+            return f"FAIL: raised {kind}" if self.stage == "process" else f"FAIL: not read ({kind})"
         culprits = self.diagnosis.culprits() if self.diagnosis is not None else ()
         where = f" ({', '.join(p.name for p in culprits[:2])}{', ...' if len(culprits) > 2 else ''})" if culprits else ""
         return f"FAIL{where}"
@@ -134,7 +138,8 @@ class ConformanceTable:
         passed = sum(v.passed for v in self.verdicts)
         text = [self.markdown(), "", f"{passed} of {len(self.verdicts)} passed"]
         for v in self.failures():
-            text += ["", f"{v.family}, {v.dtype}:", str(v.diagnosis) if v.diagnosis is not None else f"raised {v.error}"]
+            why = {"process": "raised", "read": "its result is not read:"}.get(v.stage, "")
+            text += ["", f"{v.family}, {v.dtype}:", str(v.diagnosis) if v.diagnosis is not None else f"{why} {v.error}"]
         return "\n".join(text)
 
 
@@ -220,7 +225,7 @@ def _judge(process: Callable, check: Callable, form: str, name: str, model, conf
         else:
             result = process(copy.deepcopy(model))
     except Exception as error:  # the processing's own failure is its verdict
-        return Verdict(name, _dtype_name(dtype), False, error=f"{type(error).__name__}: {error}")
+        return Verdict(name, _dtype_name(dtype), False, error=f"{type(error).__name__}: {error}", stage="process")
     if form == "state_dict":
         after, after_cfg = _state_dict_result(result, name, dtype)
     elif is_model_object(result):
@@ -231,6 +236,8 @@ def _judge(process: Callable, check: Callable, form: str, name: str, model, conf
             " the model form returns a model object (a transformers model, a TransformerLens bridge, an nn.Module)")
     try:
         comparison = check(before, after, cfg, after_cfg=after_cfg)
+    except CircuitMathError as unread:  # a tensor missing or misshapen: no model to compare
+        return Verdict(name, _dtype_name(dtype), False, error=f"{type(unread).__name__}: {unread}", stage="read")
     except AssertionError as failure:
         comparison = failure.comparison
         return Verdict(name, _dtype_name(dtype), False, comparison.max_abs_error, comparison.tolerance,

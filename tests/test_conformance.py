@@ -140,7 +140,18 @@ def test_a_processing_that_raises_fails_its_cell_with_the_error():
     table = conformance(refuse, families=["LLaMA", "Gemma2"], dtypes=(torch.float32,))
     assert _failed(table) == {"Gemma2"}
     verdict = table.verdict("Gemma2", "float32")
-    assert verdict.diagnosis is None and "PreconditionError" in verdict.error and "raised PreconditionError" in str(table)
+    assert verdict.diagnosis is None and verdict.stage == "process" and "PreconditionError" in verdict.error
+    assert "raised PreconditionError" in str(table)
+
+
+def test_a_result_that_is_not_the_familys_model_fails_its_cell_naming_what_is_missing():
+    def drop_w_u(state, cfg):
+        return {k: v for k, v in state.items() if k != "unembed.W_U"}, cfg
+
+    table = conformance(drop_w_u, families=["LLaMA"], dtypes=(torch.float32,))
+    verdict = table.verdict("LLaMA", torch.float32)
+    assert not verdict.passed and verdict.stage == "read" and "unembed.W_U" in verdict.error
+    assert "FAIL: not read (StateDictError)" in table.markdown() and "its result is not read" in str(table)
 
 
 @pytest.mark.parametrize("process,form,returned", [
