@@ -138,8 +138,9 @@ def _processed_forms(cfg: Config) -> list[Config]:
     """``cfg`` and the configs processing can turn it into without changing any size."""
     forms = [cfg]
     bare = {"LN": "LNPre", "RMS": "RMSPre"}.get(cfg.normalization_type)
-    if bare:
-        forms.append(cfg.replace(normalization_type=bare))
+    if bare:  # folded, a pre-norm model's embedding LayerNorm is in W_E (BLOOM's)
+        folded = {"embedding_norm": False} if cfg.embedding_norm and cfg.norm_position == "pre" else {}
+        forms.append(cfg.replace(normalization_type=bare, **folded))
     if cfg.positional_embedding_type == "shortformer":
         forms += [form.replace(positional_embedding_type="shortformer_tables") for form in forms]
     return forms
@@ -239,8 +240,8 @@ def _norm_of_embedding(before: torch.Tensor, after: torch.Tensor) -> str | None:
 def _norm_parameters(cfg: Config) -> list[str]:
     """The names of every norm gain and bias ``cfg`` implies."""
     bare = {"LN": "LNPre", "RMS": "RMSPre"}.get(cfg.normalization_type)
-    if bare is None:
-        return []
+    if bare is None or cfg.embedding_norm and cfg.norm_position == "pre":
+        return []  # a pre-norm model's embedding LayerNorm (BLOOM's) has no bare form: it goes only into W_E
     return sorted(set(expected_shapes(cfg)) - set(expected_shapes(cfg.replace(normalization_type=bare))))
 
 

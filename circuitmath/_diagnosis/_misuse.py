@@ -106,8 +106,9 @@ def refuse_misuse(before: Config, after: Config, before_label: str = "before", a
     other has gains), or two architectures (a size or a feature no processing changes differs;
     RMSNorm after LayerNorm is a processing, LayerNorm after RMSNorm is not)."""
     ours, theirs = _architecture(before), _architecture(after)
+    folds_embedding_norm = before.norm_position == "pre" and not after.embedding_norm  # into W_E (BLOOM's)
     differ = [k for k in ours if ours[k] != theirs[k] and not (k == "norm" and None in (ours[k], theirs[k]))
-              and not (k == "norm" and ours[k] == "LayerNorm")]
+              and not (k == "norm" and ours[k] == "LayerNorm") and not (k == "embedding_norm" and folds_embedding_norm)]
     if differ:
         raise InputError(
             f"{before_label} and {after_label} are two different architectures: {before_label} has {_describe(before)};"
