@@ -32,13 +32,14 @@ Compare = Callable[[StateDict, Config, "torch.Tensor | None", Callable], Compari
 class WrongRewrite:
     """A plausible wrong version of an identity's transform: the numeric side of a negative twin.
 
-    ``function`` has the transform's signature. ``description`` says the mistake in words
-    (``None``: the description of the proof's negative twin of the same name, else the first
-    line of ``function``'s docstring). ``differs_on(cfg)`` says on which models it differs from
-    the exact rewrite at all (``None``: on every model the identity applies to; e.g. a mistake
-    that only broadcasts silently where a reader is square); the numeric checks expect a
-    rejection only there. ``regardless``: the identity's own rewrite applied although the
-    identity refuses the model; the diagnosis tries it only when the identity refuses.
+    ``function`` has the transform's signature. ``description`` says the mistake in words, once:
+    the proof's negative twin of the same name reads it from here (``None``, for a wrong rewrite
+    without such a twin: the first line of ``function``'s docstring). ``differs_on(cfg)`` says on
+    which models it differs from the exact rewrite at all (``None``: on every model the identity
+    applies to; e.g. a mistake that only broadcasts silently where a reader is square); the
+    numeric checks expect a rejection only there. ``regardless``: the identity's own rewrite
+    applied although the identity refuses the model; the diagnosis tries it only when the identity
+    refuses.
     """
 
     function: Transform = field(repr=False)
@@ -136,14 +137,11 @@ class Identity:
         }
 
     def describe(self, wrong: str) -> str:
-        """The wrong rewrite ``wrong`` in words: its own description, the negative twin's of the
-        same name, else its docstring's first line."""
+        """The wrong rewrite ``wrong`` in words: its own description (which the negative twin of the
+        same name reads too), else its docstring's first line; read without building the proof."""
         rewrite = self.wrong_rewrites[wrong]
         if rewrite.description:
             return rewrite.description
-        for twin in self.proof.twins:
-            if twin.name == wrong:
-                return twin.description
         doc = " ".join((getattr(rewrite.function, "__doc__", None) or "").strip().split("\n\n")[0].split()).rstrip(".")
         return doc[0].lower() + doc[1:] if doc else wrong.replace("_", " ")
 

@@ -150,3 +150,30 @@ def test_after_s_norm_is_read_from_the_tensors_without_a_forward_pass(monkeypatc
     scaled = dict(rotated, **{"embed.W_E": rotated["embed.W_E"] * 1.5})  # neither: the log-probs decide
     _first, second, _notes = _inputs.resolve_pair(before, scaled, cfg, None)
     assert passes == [1, 1]
+
+
+def test_a_failing_check_builds_no_proof(monkeypatch):
+    """A failing check names wrong rewrites (their descriptions are the WrongRewrite's, which the
+    twins of the proofs read too): no proof is built. Control: the description of every twin is
+    its wrong rewrite's, and building one proof is counted."""
+    from circuitmath import _identities
+    from circuitmath._registry import Identity
+
+    built = []
+    real = Identity.proof.func
+    monkeypatch.setattr(Identity, "proof", property(lambda self: built.append(self.name) or real(self)))
+    before, after, after_cfg = _pair(LN, "forgotten")
+    folded, folded_cfg = cm.fold_layer_norm(before, LN)
+    folded["blocks.0.attn.b_V"] = before["blocks.0.attn.b_V"]  # fold_layer_norm.drop_bias, named
+    for pair in ((before, after, after_cfg), (before, folded, folded_cfg)):
+        with pytest.raises(NotEquivalentError) as failure:
+            assert_equivalent(pair[0], pair[1], LN, after_cfg=pair[2])
+        assert built == [], built
+    assert "fold_layer_norm.drop_bias" in str(failure.value) and "forget the LayerNorm bias term" in str(failure.value)
+    for identity in _identities.identities():  # the words of a twin are its wrong rewrite's (the proof's
+        if identity.build_proof is not None:     # own: that rewrite's model in particular, after them)
+            for twin in identity.proof.twins:
+                wrong = identity.wrong_rewrites.get(twin.name)
+                if wrong is not None and not wrong.regardless:  # regardless: the identity's rewrite, refused
+                    assert twin.description.startswith(wrong.description), (identity.name, twin.name)
+    assert built

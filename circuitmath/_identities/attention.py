@@ -18,7 +18,7 @@ from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, Transpose, Zero
 
 from .._kronecker import Apply, tensor
 from .._proof import Definition, Fact, Step, Twin
-from .._registry import Identity, register
+from .._registry import Identity, WrongRewrite, register
 from .._reference import normalize
 from ..circuits import TensorProduct, ov_circuits
 from ..circuits._heads import _layer_bias, _layer_weight
@@ -64,7 +64,7 @@ def _head_proof():
         twins=(
             Twin("row_product_in_paper_formula", "use TransformerLens's W_V W_O as the paper's feature factor",
                  H, Apply(tensor(A, MatMul(W_V, W_O)), X)),
-            Twin("pattern_transposed", "mix positions with A^T (keys attending to queries)",
+            Twin("pattern_transposed", ATTENTION_HEAD_TENSOR_FORM.describe("pattern_transposed"),
                  H, Apply(tensor(Transpose(A), MatMul(W_Oc, W_Vc)), X)),
         ),
     )
@@ -95,7 +95,12 @@ ATTENTION_HEAD_TENSOR_FORM = register(
         preconditions=(*ATTENTION_ONLY, HAS_ATTENTION),
         build_proof=_head_proof,
         transform=_ov_tensor_route(transpose_pattern=False),
-        wrong_rewrites={"pattern_transposed": _ov_tensor_route(transpose_pattern=True)},
+        wrong_rewrites={
+            "pattern_transposed": WrongRewrite(
+                _ov_tensor_route(transpose_pattern=True),
+                "mix positions with A^T (keys attending to queries)",
+            ),
+        },
         compare=compare_logits,
     )
 )
@@ -147,7 +152,7 @@ def _multi_head_proof():
         samplers=joint.samplers(*E),
         explicit_dims={n: 3, d: 4, e: 2},
         twins=(
-            Twin("stacked_in_wrong_order", "stack W_O in the other order than the result vectors",
+            Twin("stacked_in_wrong_order", MULTI_HEAD_SUM.describe("stacked_in_wrong_order"),
                  MatMul(Z, W_O_swapped), rhs),
             Twin("first_head_only", "keep only the block of the first head", MatMul(Z, W_O_all),
                  Apply(tensor(A[0], OV[0]), X)),
@@ -177,7 +182,12 @@ MULTI_HEAD_SUM = register(
         preconditions=ATTENTION_ONLY,
         build_proof=_multi_head_proof,
         transform=_concatenated_route(head_major=True),
-        wrong_rewrites={"stacked_in_wrong_order": _concatenated_route(head_major=False)},
+        wrong_rewrites={
+            "stacked_in_wrong_order": WrongRewrite(
+                _concatenated_route(head_major=False),
+                "stack W_O in the other order than the result vectors",
+            ),
+        },
         compare=compare_logits,
     )
 )

@@ -143,13 +143,13 @@ def _value_bias_proof() -> Proof:
             sink_rows_twin(),
             Twin(
                 "no_sum_over_heads",
-                "fold only the first head's value bias term into b_O",
+                FOLD_VALUE_BIASES.describe("no_sum_over_heads"),
                 lhs,
                 _without_value_biases(A1, MatAdd(b_O, MatMul(b_Va, W_O1))),
             ),
             Twin(
                 "once_per_key_value_head",
-                "with grouped-query attention, fold each shared value bias through one W_O of its group",
+                FOLD_VALUE_BIASES.describe("once_per_key_value_head"),
                 lhs,
                 _without_value_biases(A1, MatAdd(b_O, MatMul(b_Va, W_O1), MatMul(b_Vb, W_O3))),
             ),
@@ -353,8 +353,14 @@ FOLD_VALUE_BIASES = register(
         build_proof=_value_bias_proof,
         transform=fold_value_biases,
         wrong_rewrites={
-            "no_sum_over_heads": _fold_through(lambda heads: heads[:1] if heads.start == 0 else []),
-            "once_per_key_value_head": _fold_through(lambda heads: heads[:1]),
+            "no_sum_over_heads": WrongRewrite(
+                _fold_through(lambda heads: heads[:1] if heads.start == 0 else []),
+                "fold only the first head's value bias term into b_O",
+            ),
+            "once_per_key_value_head": WrongRewrite(
+                _fold_through(lambda heads: heads[:1]),
+                "with grouped-query attention, fold each shared value bias through one W_O of its group",
+            ),
             "drop_value_biases": _fold_through(lambda heads: []),
             "under_attention_sinks": WrongRewrite(_fold_value_biases_regardless, REGARDLESS, regardless=True),
         },

@@ -102,13 +102,13 @@ def _writing_proof() -> Proof:
             ),
             Twin(
                 "W_O_over_d_head",
-                "center W_O [n_heads, d_head, d_model] over axis 1 (d_head), as `mean(dim=1)` in the source notes",
+                CENTER_WRITING_WEIGHTS.describe("W_O_over_d_head"),
                 MatMul(rho, wrong_W_O, C),
                 LNPre_x,
             ),
             Twin(
                 "shortformer_W_pos",
-                "center a shortformer W_pos, which is added to the norm's output (the query and key input)",
+                CENTER_WRITING_WEIGHTS.describe("shortformer_W_pos"),
                 MatAdd(LNPre_x, BARS[p]),
                 MatAdd(LNPre_x, p),
             ),
@@ -182,7 +182,7 @@ def _unembed_proof() -> Proof:
             ),
             Twin(
                 "over_d_model",
-                "center W_U over d_model instead of the vocabulary: the shift (1/d)(y 1)(1^T W_U) is not constant",
+                CENTER_UNEMBED.describe("over_d_model"),
                 MatAdd(MatMul(y, W_U_over_d), b_U),
                 MatAdd(ell, MatMul(-m, row)),
             ),
@@ -257,8 +257,16 @@ CENTER_WRITING_WEIGHTS = register(
         build_proof=_writing_proof,
         transform=center_writing_weights,
         wrong_rewrites={
-            "W_O_over_d_head": _center_W_O_over_d_head,
-            "shortformer_W_pos": _center_shortformer_W_pos,
+            "W_O_over_d_head": WrongRewrite(
+                _center_W_O_over_d_head,
+                "center W_O [n_heads, d_head, d_model] over axis 1 (d_head), as `mean(dim=1)` in the "
+                "source notes",
+            ),
+            "shortformer_W_pos": WrongRewrite(
+                _center_shortformer_W_pos,
+                "center a shortformer W_pos, which is added to the norm's output (the query and key "
+                "input)",
+            ),
             "regardless": WrongRewrite(_center_writers_regardless, REGARDLESS, regardless=True),
         },
     )
@@ -278,7 +286,11 @@ CENTER_UNEMBED = register(
         build_proof=_unembed_proof,
         transform=center_unembed,
         wrong_rewrites={
-            "over_d_model": _center_unembed_over_d_model,
+            "over_d_model": WrongRewrite(
+                _center_unembed_over_d_model,
+                "center W_U over d_model instead of the vocabulary: the shift (1/d)(y 1)(1^T W_U) is "
+                "not constant",
+            ),
             "regardless": WrongRewrite(_center_unembed_regardless, REGARDLESS, regardless=True),
         },
     )

@@ -64,9 +64,11 @@ def _experts_proof() -> Proof:
             " up to 5 experts for every k (tests/test_moe.py)",
         ),
         twins=(
-            Twin("router_not_permuted", "move the experts, leave the router's columns in place", MatMul(G, P.T, Y), rhs),
-            Twin("experts_not_permuted", "move the router's columns, leave the experts in place", MatMul(G_moved, Y), rhs),
-            Twin("router_by_inverse", "move the router's columns by P^T (a 3-cycle is not its own inverse)",
+            Twin("router_not_permuted", PERMUTE_EXPERTS.describe("router_not_permuted"),
+                 MatMul(G, P.T, Y), rhs),
+            Twin("experts_not_permuted", PERMUTE_EXPERTS.describe("experts_not_permuted"),
+                 MatMul(G_moved, Y), rhs),
+            Twin("router_by_inverse", PERMUTE_EXPERTS.describe("router_by_inverse"),
                  MatMul(G_back, P.T, Y), rhs),
         ),
     )
@@ -107,9 +109,15 @@ PERMUTE_EXPERTS = register(
         build_proof=_experts_proof,
         transform=_permute,
         wrong_rewrites={
-            "router_not_permuted": forgetting(_permute, routers),
-            "experts_not_permuted": forgetting(_permute, _experts),
-            "router_by_inverse": WrongRewrite(_router_by_inverse, differs_on=lambda cfg: (cfg.n_experts or 0) >= 3),
+            "router_not_permuted": WrongRewrite(
+                forgetting(_permute, routers), "move the experts, leave the router's columns in place"),
+            "experts_not_permuted": WrongRewrite(
+                forgetting(_permute, _experts), "move the router's columns, leave the experts in place"),
+            "router_by_inverse": WrongRewrite(
+                _router_by_inverse,
+                "move the router's columns by P^T (a 3-cycle is not its own inverse)",
+                differs_on=lambda cfg: (cfg.n_experts or 0) >= 3,
+            ),
         },
         recover=recover_expert_permutation,
         with_parameters=permute_experts,

@@ -64,25 +64,25 @@ def _layer_norm_fold_proof() -> Proof:
         twins=(
             Twin(
                 "scale_columns",
-                "scale the reader's columns, not its rows (W * w[None, :], square W)",
+                LAYER_NORM_FOLD.describe("scale_columns"),
                 MatAdd(MatMul(LN, W_sq), b_sq),
                 MatAdd(MatMul(LNPre, W_sq, DiagMatrix(w)), b_sq, MatMul(b, W_sq)),
             ),
             Twin(
                 "bias_through_transpose",
-                "fold the LayerNorm bias through the reader's transpose, b W^T (square W, where W @ b broadcasts)",
+                LAYER_NORM_FOLD.describe("bias_through_transpose"),
                 MatAdd(MatMul(LN, W_sq), b_sq),
                 MatAdd(MatMul(LNPre, DiagMatrix(w), W_sq), b_sq, MatMul(b, Transpose(W_sq))),
             ),
             Twin(
                 "drop_bias",
-                "forget the LayerNorm bias term b W",
+                LAYER_NORM_FOLD.describe("drop_bias"),
                 lhs,
                 MatAdd(MatMul(LNPre, DiagMatrix(w), W), b_W),
             ),
             Twin(
                 "bias_through_gain",
-                "push the LayerNorm bias through the folded weight: b diag(w) W",
+                LAYER_NORM_FOLD.describe("bias_through_gain"),
                 lhs,
                 MatAdd(MatMul(LNPre, DiagMatrix(w), W), b_W, MatMul(b, DiagMatrix(w), W)),
             ),
@@ -128,7 +128,7 @@ def _center_reading_proof() -> Proof:
         twins=(
             Twin(
                 "wrong_axis",
-                "center over the reader's output axis (mean over m), not over d_model",
+                CENTER_READING_WEIGHTS.describe("wrong_axis"),
                 MatMul(LNPre, MatAdd(W, MatMul(-1 / m, W, ones_m, ones_m.T))),
                 rhs,
             ),
@@ -222,10 +222,25 @@ LAYER_NORM_FOLD = register(
         build_proof=_layer_norm_fold_proof_with_eps,
         transform=fold_layer_norm,
         wrong_rewrites={
-            "drop_bias": lambda sd, cfg: _fold_with_bias_term(sd, cfg, lambda b, W_eff: 0),
-            "bias_through_gain": lambda sd, cfg: _fold_with_bias_term(sd, cfg, torch.matmul),
-            "scale_columns": WrongRewrite(_fold_scaling_columns, differs_on=_a_square_reader),
-            "bias_through_transpose": WrongRewrite(_fold_bias_through_transpose, differs_on=_a_square_reader),
+            "drop_bias": WrongRewrite(
+                lambda sd, cfg: _fold_with_bias_term(sd, cfg, lambda b, W_eff: 0),
+                "forget the LayerNorm bias term b W",
+            ),
+            "bias_through_gain": WrongRewrite(
+                lambda sd, cfg: _fold_with_bias_term(sd, cfg, torch.matmul),
+                "push the LayerNorm bias through the folded weight: b diag(w) W",
+            ),
+            "scale_columns": WrongRewrite(
+                _fold_scaling_columns,
+                "scale the reader's columns, not its rows (W * w[None, :], square W)",
+                differs_on=_a_square_reader,
+            ),
+            "bias_through_transpose": WrongRewrite(
+                _fold_bias_through_transpose,
+                "fold the LayerNorm bias through the reader's transpose, b W^T (square W, where W @ b "
+                "broadcasts)",
+                differs_on=_a_square_reader,
+            ),
         },
     )
 )
@@ -239,7 +254,8 @@ CENTER_READING_WEIGHTS = register(
         build_proof=_center_reading_proof,
         transform=center_reading_weights,
         wrong_rewrites={
-            "wrong_axis": _center_wrong_axis,
+            "wrong_axis": WrongRewrite(
+                _center_wrong_axis, "center over the reader's output axis (mean over m), not over d_model"),
             "regardless": WrongRewrite(_center_readers_regardless, REGARDLESS, regardless=True),
         },
         prepare=lambda sd, cfg: fold_layer_norm(sd, cfg) if cfg.normalization_type == "LN" else (sd, cfg),

@@ -113,7 +113,7 @@ def _scale_invariance_proof() -> Proof:
             ),
             Twin(
                 "negative_scale",
-                "scale by t < 0: sqrt(t^2) = |t|, so LNPre(t x) = -LNPre(x)",
+                SCALE_INVARIANCE.describe("negative_scale"),
                 MatMul(Pow(t**2 * q / d, Rational(-1, 2), evaluate=False), t, x, C),
                 LNPre_x,
             ),
@@ -224,19 +224,19 @@ def _rms_fold_proof() -> Proof:
         twins=(
             Twin(
                 "gain_stored_as_w",
-                "fold the stored w of a norm that applies 1 + w (Gemma): the identity's gain is 1 + w",
+                RMS_NORM_FOLD.describe("gain_stored_as_w"),
                 MatMul(RMSPre, DiagMatrix(MatAdd(ones, w)), W),
                 MatMul(RMSPre, DiagMatrix(w), W),
             ),
             Twin(
                 "forget_W_gate",
-                "fold the gain into W_in but not into W_gate of a gated MLP",
+                RMS_NORM_FOLD.describe("forget_W_gate"),
                 MatMul(RMS, W_gate),
                 MatMul(RMSPre, W_gate),
             ),
             Twin(
                 "forget_router",
-                "fold the gain into the experts but not into the router that chooses them (a mixture of experts)",
+                RMS_NORM_FOLD.describe("forget_router"),
                 MatMul(RMS, W_router),
                 MatMul(RMSPre, W_router),
             ),
@@ -345,7 +345,10 @@ SCALE_INVARIANCE = register(
         preconditions=(EPS_ZERO, PRE_NORM, BEHIND_A_NORM, NO_POST_NORMS, SCALE_POSITIVE, NOT_APPLIED),
         build_proof=_scale_invariance_proof,
         transform=functools.partial(rescale_residual_stream, scale=CHECK_SCALE),
-        wrong_rewrites={"negative_scale": _rescale_by_negative_scale},
+        wrong_rewrites={
+            "negative_scale": WrongRewrite(
+                _rescale_by_negative_scale, "scale by t < 0: sqrt(t^2) = |t|, so LNPre(t x) = -LNPre(x)"),
+        },
     )
 )
 
@@ -374,10 +377,20 @@ RMS_NORM_FOLD = register(
         build_proof=lambda: with_eps_lemma(_rms_fold_proof()),
         transform=fold_rms_norm,
         wrong_rewrites={
-            "forget_W_gate": _fold_forgetting("W_gate"),
-            "forget_router": WrongRewrite(_fold_forgetting("W_router"), differs_on=lambda cfg: cfg.n_experts is not None),
+            "forget_W_gate": WrongRewrite(
+                _fold_forgetting("W_gate"), "fold the gain into W_in but not into W_gate of a gated MLP"),
+            "forget_router": WrongRewrite(
+                _fold_forgetting("W_router"),
+                "fold the gain into the experts but not into the router that chooses them (a mixture of "
+                "experts)",
+                differs_on=lambda cfg: cfg.n_experts is not None,
+            ),
             center_reading_weights.identity: _fold_and_center_readers,  # centering as behind a LayerNorm
-            "gain_stored_as_w": WrongRewrite(_fold_stored_gain, differs_on=lambda cfg: cfg.norm_gain_offset != 0),
+            "gain_stored_as_w": WrongRewrite(
+                _fold_stored_gain,
+                "fold the stored w of a norm that applies 1 + w (Gemma): the identity's gain is 1 + w",
+                differs_on=lambda cfg: cfg.norm_gain_offset != 0,
+            ),
         },
     )
 )

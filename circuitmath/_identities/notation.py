@@ -24,7 +24,7 @@ from sympy.matrices.expressions.kronecker import KroneckerProduct
 
 from .._kronecker import Apply, tensor
 from .._proof import Definition, Fact, Step, Twin
-from .._registry import Identity, register
+from .._registry import Identity, WrongRewrite, register
 from ..circuits import Path, TensorProduct, vec
 from ..circuits._heads import _layer_weight
 from ..circuits._paths import PATH_MODEL, _embed, _run, _through_layer
@@ -60,7 +60,7 @@ def _action_proof():
         ),
         explicit_dims={n: 3, m: 2, d: 4, q: 3},
         twins=(
-            Twin("no_transpose", "let B act from the right without transposing it: A X B", lhs_sq,
+            Twin("no_transpose", TENSOR_PRODUCT_ACTION.describe("no_transpose"), lhs_sq,
                  MatMul(A_sq, X, B_sq)),
             Twin("sum_not_product", "read ⊗ as a sum of the two actions: A X + X B^T", lhs_sq,
                  MatAdd(Apply(tensor(A_sq, Eye(d)), X), Apply(tensor(Eye(n), B_sq), X))),
@@ -88,7 +88,12 @@ TENSOR_PRODUCT_ACTION = register(
         preconditions=ATTENTION_ONLY,
         build_proof=_action_proof,
         transform=heads_route(_positions_first, "tensor_product_action"),
-        wrong_rewrites={"no_transpose": heads_route(_no_transpose, "tensor_product_action")},
+        wrong_rewrites={
+            "no_transpose": WrongRewrite(
+                heads_route(_no_transpose, "tensor_product_action"),
+                "let B act from the right without transposing it: A X B",
+            ),
+        },
         compare=compare_logits,
     )
 )
@@ -117,7 +122,7 @@ def _mixed_product_proof():
         twins=(
             Twin("features_reversed", "multiply the feature factors in the other order: AC ⊗ DB",
                  Apply(tensor(As, Bs), Apply(tensor(Cs, Ds), Xs)), Apply(tensor(MatMul(As, Cs), MatMul(Ds, Bs)), Xs)),
-            Twin("positions_reversed", "multiply the position factors in the other order: CA ⊗ BD",
+            Twin("positions_reversed", TENSOR_MIXED_PRODUCT.describe("positions_reversed"),
                  Apply(tensor(As, Bs), Apply(tensor(Cs, Ds), Xs)), Apply(tensor(MatMul(Cs, As), MatMul(Bs, Ds)), Xs)),
         ),
     )
@@ -177,7 +182,12 @@ TENSOR_MIXED_PRODUCT = register(
         preconditions=ATTENTION_ONLY,
         build_proof=_mixed_product_proof,
         transform=lambda sd, cfg, tokens: _path_operators(sd, cfg, tokens, lambda S, T: S @ T),
-        wrong_rewrites={"positions_reversed": lambda sd, cfg, tokens: _path_operators(sd, cfg, tokens, _positions_reversed)},
+        wrong_rewrites={
+            "positions_reversed": WrongRewrite(
+                lambda sd, cfg, tokens: _path_operators(sd, cfg, tokens, _positions_reversed),
+                "multiply the position factors in the other order: CA ⊗ BD",
+            ),
+        },
         compare=compare_logits,
     )
 )
@@ -306,7 +316,7 @@ def _kronecker_vec_proof():
             " which needs the number of positions explicit; the feature sizes d and q stay symbolic"
         ),
         twins=(
-            Twin("column_major", "vectorise column by column (Fortran order) with the same kron(A, B)",
+            Twin("column_major", KRONECKER_VEC.describe("column_major"),
                  lhs_col, MatMul(K, vec_X_col)),
             Twin("transposed_positions", "use kron(A^T, B)", lhs, MatMul(K_t, vec_X)),
         ),
@@ -344,7 +354,12 @@ KRONECKER_VEC = register(
         check_requires=ATTENTION_ONLY,
         build_proof=_kronecker_vec_proof,
         transform=heads_route(_kron_heads(column_major=False), "kronecker_vec"),
-        wrong_rewrites={"column_major": heads_route(_kron_heads(column_major=True), "kronecker_vec")},
+        wrong_rewrites={
+            "column_major": WrongRewrite(
+                heads_route(_kron_heads(column_major=True), "kronecker_vec"),
+                "vectorise column by column (Fortran order) with the same kron(A, B)",
+            ),
+        },
         compare=compare_logits,
     )
 )
@@ -376,8 +391,8 @@ def _convention_proof():
         ),
         explicit_dims={n: 3, d: 4, e: 2, q: 3},
         twins=(
-            Twin("row_product_in_paper_formula", "put TransformerLens's product W_1 W_2 into (I ⊗ ·)",
-                 MatMul(X_s, W_1s, W_2s), Apply(tensor(Eye(n), MatMul(W_1s, W_2s)), X_s)),
+            Twin("row_product_in_paper_formula",
+                 ROW_COLUMN_CONVENTION.describe("row_product_in_paper_formula"), MatMul(X_s, W_1s, W_2s), Apply(tensor(Eye(n), MatMul(W_1s, W_2s)), X_s)),
             Twin("reversed_not_transposed", "reverse the product without transposing: (I ⊗ W_2 W_1)",
                  MatMul(X_s, W_1s, W_2s), Apply(tensor(Eye(n), MatMul(W_2s, W_1s)), X_s)),
         ),
@@ -401,7 +416,12 @@ ROW_COLUMN_CONVENTION = register(
         preconditions=ATTENTION_ONLY,
         build_proof=_convention_proof,
         transform=heads_route(_paper_convention, "row_column_convention"),
-        wrong_rewrites={"row_product_in_paper_formula": heads_route(_row_product_in_paper_formula, "row_column_convention")},
+        wrong_rewrites={
+            "row_product_in_paper_formula": WrongRewrite(
+                heads_route(_row_product_in_paper_formula, "row_column_convention"),
+                "put TransformerLens's product W_1 W_2 into (I ⊗ ·)",
+            ),
+        },
         compare=compare_logits,
     )
 )

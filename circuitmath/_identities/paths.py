@@ -32,7 +32,7 @@ from .._errors import Precondition
 from .._processing._common import NO_QK_NORM, require
 from .._kronecker import Apply, expand_operator, tensor
 from .._proof import Fact, Step, Twin
-from .._registry import Identity, register
+from .._registry import Identity, WrongRewrite, register
 from ..circuits import Path, bigram_table, path_terms, pattern_from_scores as _softmax_scores, score_terms, virtual_weights
 from ..circuits._heads import _layer_bias, _layer_weight
 from ..circuits._paths import PATH_MODEL, _embed, _run
@@ -198,7 +198,8 @@ def _one_layer_proof():
         twins=(
             Twin("combine_kronecker_on_sum", "sympy 1.14's combine_kronecker on the sum: (Σ A) ⊗ (Σ B)",
                  lhs, Apply(_combine_kronecker_on_sum(combined), t)),
-            Twin("direct_path_dropped", "forget the direct path I ⊗ W_U W_E", lhs, direct_dropped),
+            Twin("direct_path_dropped", ONE_LAYER_PATH_EXPANSION.describe("direct_path_dropped"),
+                 lhs, direct_dropped),
             Twin("row_product_in_paper_formula", "use TransformerLens's W_V W_O inside the paper's formula",
                  lhs, row_product),
         ),
@@ -223,7 +224,10 @@ ONE_LAYER_PATH_EXPANSION = register(
         build_proof=_one_layer_proof,
         transform=_path_sum_route("one_layer_path_expansion", 1),
         wrong_rewrites={
-            "direct_path_dropped": _path_sum_route("one_layer_path_expansion", 1, lambda p: p != Path("embed")),
+            "direct_path_dropped": WrongRewrite(
+                _path_sum_route("one_layer_path_expansion", 1, lambda p: p != Path("embed")),
+                "forget the direct path I ⊗ W_U W_E",
+            ),
         },
         compare=compare_logits,
     )
@@ -382,7 +386,8 @@ def _virtual_weights_proof():
         ),
         explicit_dims=DIMS,
         twins=(
-            Twin("previous_layer_only", "a layer reads only the layer before it", lhs, MatMul(r_C, V_CB)),
+            Twin("previous_layer_only", VIRTUAL_WEIGHTS.describe("previous_layer_only"),
+                 lhs, MatMul(r_C, V_CB)),
             Twin("embedding_forgotten", "forget that the embedding stays in the stream", lhs,
                  MatAdd(MatMul(r_A, V_AB), MatMul(r_C, V_CB))),
         ),
@@ -444,7 +449,10 @@ VIRTUAL_WEIGHTS = register(
         preconditions=PATH_MODEL,
         build_proof=_virtual_weights_proof,
         transform=_virtual_weights_route(previous_only=False),
-        wrong_rewrites={"previous_layer_only": _virtual_weights_route(previous_only=True)},
+        wrong_rewrites={
+            "previous_layer_only": WrongRewrite(
+                _virtual_weights_route(previous_only=True), "a layer reads only the layer before it"),
+        },
         compare=compare_logits,
     )
 )

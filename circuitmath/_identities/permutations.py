@@ -20,7 +20,7 @@ from .._processing.rotation import (
     A_HEAD_PERMUTATION, A_NEURON_PERMUTATION, GROUPS_MOVE_TOGETHER, HAS_MLPS, HEADS_SEE_POSITIONS_ALIKE,
 )
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import Identity, register
+from .._registry import Identity, WrongRewrite, register
 from .._state import attention_names
 from .rotation import F, W_gate, W_in, W_out, b_in, d, e, forgetting, free_matrix, k, m, n, ones_n
 
@@ -84,9 +84,9 @@ def _heads_proof() -> Proof:
             "without grouped-query attention every head is its own group; any number of heads works alike",
         ),
         twins=(
-            Twin("keys_not_permuted", "move the query heads and W_O, leave the keys in place",
+            Twin("keys_not_permuted", PERMUTE_HEADS.describe("keys_not_permuted"),
                  _heads_claim(moved, lambda i: GROUP[i], slot_group, moved, moved), rhs),
-            Twin("output_not_permuted", "move every head's W_Q, W_K, W_V but not its W_O",
+            Twin("output_not_permuted", PERMUTE_HEADS.describe("output_not_permuted"),
                  _heads_claim(moved, slot_group, slot_group, lambda i: i, moved), rhs),
             Twin("query_heads_leave_their_group", "grouped-query attention: move query heads across groups, the shared key/value heads stay",
                  _heads_claim(lambda i: {1: 3, 2: 1, 3: 2, 4: 4}[i], lambda i: GROUP[i], lambda i: GROUP[i],
@@ -141,9 +141,11 @@ def _neurons_proof() -> Proof:
             " permutation matrix P: F is the original activations, F P the permuted model's",
         ),
         twins=(
-            Twin("bias_not_permuted", "permute W_in's columns but not b_in", _neurons_claim(bias=False), rhs),
+            Twin("bias_not_permuted", PERMUTE_NEURONS.describe("bias_not_permuted"),
+                 _neurons_claim(bias=False), rhs),
             Twin("gate_not_permuted", "gated MLP: permute W_in but not W_gate", _neurons_claim(gate=False), rhs),
-            Twin("out_not_permuted", "permute W_in but not W_out's rows", _neurons_claim(out=None), rhs),
+            Twin("out_not_permuted", PERMUTE_NEURONS.describe("out_not_permuted"),
+                 _neurons_claim(out=None), rhs),
             Twin("out_by_P", "permute W_out's rows by P instead of P^T (a 3-cycle is not its own inverse)",
                  _neurons_claim(out=Pm), rhs),
         ),
@@ -188,9 +190,15 @@ PERMUTE_HEADS = register(
         build_proof=_heads_proof,
         transform=_permute_heads,
         wrong_rewrites={
-            "keys_not_permuted": _heads_but(
+            "keys_not_permuted": WrongRewrite(
+                _heads_but(
                 lambda cfg, l: [f"blocks.{l}.attn.{n}" for n in attention_names(cfg, "K")[:2]]),
-            "output_not_permuted": _heads_but(lambda cfg, l: [f"blocks.{l}.attn.W_O"]),
+                "move the query heads and W_O, leave the keys in place",
+            ),
+            "output_not_permuted": WrongRewrite(
+                _heads_but(lambda cfg, l: [f"blocks.{l}.attn.W_O"]),
+                "move every head's W_Q, W_K, W_V but not its W_O",
+            ),
         },
     )
 )
@@ -206,6 +214,9 @@ PERMUTE_NEURONS = register(
         check_note="the permutation is recovered from the tensors and verified on every tensor",
         build_proof=_neurons_proof,
         transform=_permute_neurons,
-        wrong_rewrites={"bias_not_permuted": _neurons_but("b_in"), "out_not_permuted": _neurons_but("W_out")},
+        wrong_rewrites={
+            "bias_not_permuted": WrongRewrite(_neurons_but("b_in"), "permute W_in's columns but not b_in"),
+            "out_not_permuted": WrongRewrite(_neurons_but("W_out"), "permute W_in but not W_out's rows"),
+        },
     )
 )

@@ -30,7 +30,7 @@ from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSy
 from .._processing import center_reading_weights, fold_value_biases, process_weights, readers
 from .._processing.steps import PIPELINE_STEPS, leaving_out
 from .._proof import Definition, Fact, Proof, Step, Twin
-from .._registry import Identity, register
+from .._registry import Identity, WrongRewrite, register
 from .._state import marked_as
 from .attention_biases import causal_exponentials
 
@@ -151,19 +151,19 @@ def _pipeline_proof() -> Proof:
         twins=(
             Twin(
                 "center_readers_before_fold",
-                "center the readers first and fold the gain afterwards: diag(w) C W_V",
+                PROCESS_WEIGHTS.describe("center_readers_before_fold"),
                 _processed(lambda h: MatMul(DiagMatrix(w), C, W_V[h]), one_head_bias, ONE_HEAD),
                 MatMul(_original(ONE_HEAD), C),
             ),
             Twin(
                 "fold_gain_twice",
-                "run the LayerNorm fold twice: the gain reaches each reader twice",
+                PROCESS_WEIGHTS.describe("fold_gain_twice"),
                 _processed(lambda h: MatMul(C, DiagMatrix(w), DiagMatrix(w), W_V[h]), one_head_bias, ONE_HEAD),
                 MatMul(_original(ONE_HEAD), C),
             ),
             Twin(
                 "value_biases_before_ln_fold",
-                "fold the value biases read before the LayerNorm fold, so b W_V never reaches b_O",
+                PROCESS_WEIGHTS.describe("value_biases_before_ln_fold"),
                 _processed(lambda h: W_V_new[h], MatMul(MatAdd(b_O, MatMul(b_V[1], W_O[1])), C), ONE_HEAD),
                 MatMul(_original(ONE_HEAD), C),
             ),
@@ -179,7 +179,7 @@ def _pipeline_proof() -> Proof:
             ),
             Twin(
                 "center_readers_behind_rms_norm",
-                "center the readers of an RMSNorm model, whose output RMSPre(X) is not orthogonal to 1",
+                PROCESS_WEIGHTS.describe("center_readers_behind_rms_norm"),
                 _layer(lambda h: MatMul(M, C, DiagMatrix(w), W_V[h], W_O[h]), b_O, ONE_HEAD),
                 _layer(lambda h: MatMul(M, DiagMatrix(w), W_V[h], W_O[h]), b_O, ONE_HEAD),
             ),
@@ -262,10 +262,20 @@ PROCESS_WEIGHTS = register(
         transform=process_everything,
         with_parameters=process_everything_but,
         wrong_rewrites={
-            "center_readers_before_fold": _center_readers_before_fold,
-            "fold_gain_twice": _fold_gain_twice,
-            "value_biases_before_ln_fold": _value_biases_before_ln_fold,
-            "center_readers_behind_rms_norm": _center_readers_behind_rms_norm,
+            "center_readers_before_fold": WrongRewrite(
+                _center_readers_before_fold,
+                "center the readers first and fold the gain afterwards: diag(w) C W_V",
+            ),
+            "fold_gain_twice": WrongRewrite(
+                _fold_gain_twice, "run the LayerNorm fold twice: the gain reaches each reader twice"),
+            "value_biases_before_ln_fold": WrongRewrite(
+                _value_biases_before_ln_fold,
+                "fold the value biases read before the LayerNorm fold, so b W_V never reaches b_O",
+            ),
+            "center_readers_behind_rms_norm": WrongRewrite(
+                _center_readers_behind_rms_norm,
+                "center the readers of an RMSNorm model, whose output RMSPre(X) is not orthogonal to 1",
+            ),
         },
     )
 )

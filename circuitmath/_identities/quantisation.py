@@ -92,13 +92,13 @@ def _norm_scales_proof() -> Proof:
             "LNPre and RMSPre have the gain w = 1 and no bias: the migration gives them the gain 1 / s",
         ),
         twins=(
-            Twin("readers_unscaled", "divide the gain by s but leave the readers as they are",
+            Twin("readers_unscaled", MIGRATE_NORM_SCALES.describe("readers_unscaled"),
                  _migrated(G, b_s, lambda _name, W: (W,)), rhs),
-            Twin("wrong_way", "divide the readers' rows by s as well: diag(s)^-1 W instead of diag(s) W",
+            Twin("wrong_way", MIGRATE_NORM_SCALES.describe("wrong_way"),
                  _migrated(G, b_s, lambda _name, W: (Inverse(S), W)), rhs),
-            Twin("gate_unscaled", "scale every reader but the gate of a gated MLP",
+            Twin("gate_unscaled", MIGRATE_NORM_SCALES.describe("gate_unscaled"),
                  _migrated(G, b_s, lambda name, W: (W,) if name == "gate" else (S, W)), rhs),
-            Twin("bias_unscaled", "LayerNorm: divide the gain by s but not the bias",
+            Twin("bias_unscaled", MIGRATE_NORM_SCALES.describe("bias_unscaled"),
                  _migrated(G, b, lambda _name, W: (S, W)), rhs),
         ),
     )
@@ -173,16 +173,29 @@ MIGRATE_NORM_SCALES = register(
         build_proof=_norm_scales_proof,
         transform=_migrate,
         wrong_rewrites={  # the narrowest first: where several explain a tensor, the diagnosis names the first
-            "gate_unscaled": WrongRewrite(_migrate_but(_unscale(lambda pairs: [w_ for w_, _b in pairs if w_.endswith("W_gate")])),
-                                          differs_on=lambda cfg: cfg.gated_mlp and not cfg.attn_only),
+            "gate_unscaled": WrongRewrite(
+                _migrate_but(_unscale(lambda pairs: [w_ for w_, _b in pairs if w_.endswith("W_gate")])),
+                "scale every reader but the gate of a gated MLP",
+                differs_on=lambda cfg: cfg.gated_mlp and not cfg.attn_only,
+            ),
             "router_unscaled": WrongRewrite(_migrate_but(_unscale(lambda pairs: [w_ for w_, _b in pairs if w_.endswith("W_router")])),
                                             "scale every reader of the MLP's norm but the router of its experts",
                                             differs_on=lambda cfg: cfg.n_experts is not None),
             "value_unscaled": WrongRewrite(_migrate_but(_unscale(lambda pairs: [w_ for w_, _b in pairs if w_.endswith("W_V")])),
                                            "scale every reader but W_V"),
-            "bias_unscaled": WrongRewrite(_migrate_but(_bias_unscaled), differs_on=lambda cfg: cfg.normalization_type == "LN"),
-            "readers_unscaled": _migrate_but(_unscale(lambda pairs: [w_ for w_, _b in pairs])),
-            "wrong_way": _migrate_but(_divide_readers),
+            "bias_unscaled": WrongRewrite(
+                _migrate_but(_bias_unscaled),
+                "LayerNorm: divide the gain by s but not the bias",
+                differs_on=lambda cfg: cfg.normalization_type == "LN",
+            ),
+            "readers_unscaled": WrongRewrite(
+                _migrate_but(_unscale(lambda pairs: [w_ for w_, _b in pairs])),
+                "divide the gain by s but leave the readers as they are",
+            ),
+            "wrong_way": WrongRewrite(
+                _migrate_but(_divide_readers),
+                "divide the readers' rows by s as well: diag(s)^-1 W instead of diag(s) W",
+            ),
         },
         recover=recover_norm_scales,
         with_parameters=migrate_norm_scales,
@@ -278,13 +291,15 @@ def _head_rotation_proof() -> Proof:
             "grouped-query attention: heads 1 and 2 share the key/value head, so its values V U serve both",
         ),
         twins=(
-            Twin("per_query_head", "grouped-query attention: a rotation per query head, U for head 1's W_O and U_2"
-                 " for head 2's, the shared W_V by U", _head_claim(second_output=Transpose(U_2)), rhs),
-            Twin("output_not_transposed", "W_O by U instead of U^T", _head_claim(output=U), rhs),
-            Twin("value_bias_unrotated", "rotate W_V but not b_V", _head_claim(value_bias=False), rhs),
-            Twin("query_key_generic", "rotate queries and keys of a rotary model by a G that mixes rotary pairs",
+            Twin("per_query_head", ROTATE_HEADS.describe("per_query_head"),
+                 _head_claim(second_output=Transpose(U_2)), rhs),
+            Twin("output_not_transposed", ROTATE_HEADS.describe("output_not_transposed"),
+                 _head_claim(output=U), rhs),
+            Twin("value_bias_unrotated", ROTATE_HEADS.describe("value_bias_unrotated"),
+                 _head_claim(value_bias=False), rhs),
+            Twin("query_key_generic", ROTATE_HEADS.describe("query_key_generic"),
                  _head_claim(query=G_e, key=G_e), rhs),
-            Twin("key_unrotated", "rotate the queries but not the keys", _head_claim(key=Eye(e)), rhs),
+            Twin("key_unrotated", ROTATE_HEADS.describe("key_unrotated"), _head_claim(key=Eye(e)), rhs),
         ),
     )
 
@@ -372,12 +387,22 @@ ROTATE_HEADS = register(
         build_proof=_head_rotation_proof,
         transform=_rotate_heads,
         wrong_rewrites={
-            "per_query_head": WrongRewrite(_heads_but(_per_query_head),
-                                           differs_on=lambda cfg: (cfg.n_key_value_heads or cfg.n_heads) < cfg.n_heads),
-            "value_bias_unrotated": _heads_but(_put_back([("V", 1)])),
-            "key_unrotated": _heads_but(_put_back([("K", 0), ("K", 1)])),
-            "output_not_transposed": _heads_but(_output_not_transposed),
-            "query_key_generic": WrongRewrite(_query_key_generic, differs_on=lambda cfg: cfg.positional_embedding_type == "rotary"),
+            "per_query_head": WrongRewrite(
+                _heads_but(_per_query_head),
+                "grouped-query attention: a rotation per query head, U for head 1's W_O and U_2 for "
+                "head 2's, the shared W_V by U",
+                differs_on=lambda cfg: (cfg.n_key_value_heads or cfg.n_heads) < cfg.n_heads,
+            ),
+            "value_bias_unrotated": WrongRewrite(_heads_but(_put_back([("V", 1)])), "rotate W_V but not b_V"),
+            "key_unrotated": WrongRewrite(
+                _heads_but(_put_back([("K", 0), ("K", 1)])), "rotate the queries but not the keys"),
+            "output_not_transposed": WrongRewrite(
+                _heads_but(_output_not_transposed), "W_O by U instead of U^T"),
+            "query_key_generic": WrongRewrite(
+                _query_key_generic,
+                "rotate queries and keys of a rotary model by a G that mixes rotary pairs",
+                differs_on=lambda cfg: cfg.positional_embedding_type == "rotary",
+            ),
         },
         recover=recover_head_rotations,
         with_parameters=lambda state_dict, cfg, rotations: rotate_heads(state_dict, cfg, **rotations),
@@ -432,10 +457,12 @@ def _neuron_scales_proof() -> Proof:
             "ungated: f = relu(p) for the pre-activations p = x W_in + b_in; s > 0, so relu(p diag(s)) = f diag(s)",
         ),
         twins=(
-            Twin("through_gate", "scale the gate's columns instead of W_in's: act(z s) is no function of act(z) s"
-                 " (SiLU, GELU), so the gate becomes an unrelated g_s", _neuron_claim(up=Eye(m), gate=g_s), rhs),
-            Twin("out_not_divided", "scale W_in but leave W_out", _neuron_claim(out=Eye(m)), rhs),
-            Twin("bias_not_scaled", "scale W_in but not b_in", _neuron_claim(bias=False), rhs),
+            Twin("through_gate", SCALE_NEURONS.describe("through_gate"),
+                 _neuron_claim(up=Eye(m), gate=g_s), rhs),
+            Twin("out_not_divided", SCALE_NEURONS.describe("out_not_divided"),
+                 _neuron_claim(out=Eye(m)), rhs),
+            Twin("bias_not_scaled", SCALE_NEURONS.describe("bias_not_scaled"),
+                 _neuron_claim(bias=False), rhs),
             Twin("not_homogeneous", "an ungated GELU or SiLU MLP, or ReLU with a negative scale: act(p diag(s)) is"
                  " another row f_-, not f diag(s)", _neuron_claim(relu=F_neg), rhs),
         ),
@@ -497,9 +524,14 @@ SCALE_NEURONS = register(
         build_proof=_neuron_scales_proof,
         transform=_scale_neurons,
         wrong_rewrites={
-            "through_gate": WrongRewrite(_neurons_but(leaf="W_in", into="W_gate"), differs_on=lambda cfg: cfg.gated_mlp),
-            "out_not_divided": _neurons_but(leaf="W_out"),
-            "bias_not_scaled": _neurons_but(leaf="b_in"),
+            "through_gate": WrongRewrite(
+                _neurons_but(leaf="W_in", into="W_gate"),
+                "scale the gate's columns instead of W_in's: act(z s) is no function of act(z) s (SiLU, "
+                "GELU), so the gate becomes an unrelated g_s",
+                differs_on=lambda cfg: cfg.gated_mlp,
+            ),
+            "out_not_divided": WrongRewrite(_neurons_but(leaf="W_out"), "scale W_in but leave W_out"),
+            "bias_not_scaled": WrongRewrite(_neurons_but(leaf="b_in"), "scale W_in but not b_in"),
             "regardless": WrongRewrite(_regardless, regardless=True),
         },
         recover=recover_neuron_scales,

@@ -24,7 +24,7 @@ from sympy import Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol, Tran
 from .._processing import refactor_factored_attn_matrices
 from .._processing._common import NOT_APPLIED, NOT_ROTARY, NO_QK_NORM
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import Identity, register
+from .._registry import Identity, WrongRewrite, register
 from .._state import attention_names, marked_as
 from ..circuits._bases import _change_bases
 
@@ -121,7 +121,7 @@ def _reparametrise_proof() -> Proof:
         twins=(
             Twin(
                 "key_inverse_not_transposed",
-                "change the keys by N^{-1} instead of N^{-T}",
+                REFACTOR_FACTORED_ATTN_MATRICES.describe("key_inverse_not_transposed"),
                 _claim(N, Inverse(N), M, M_inv),
                 rhs,
             ),
@@ -211,7 +211,8 @@ REFACTOR_FACTORED_ATTN_MATRICES = register(
         ' function but is not recognised tensor by tensor: its row is ``"not recognised"`` while the'
         " log-probs agree.",
         wrong_rewrites={
-            "key_inverse_not_transposed": _key_inverse_not_transposed,
+            "key_inverse_not_transposed": WrongRewrite(
+                _key_inverse_not_transposed, "change the keys by N^{-1} instead of N^{-T}"),
             "biases_left_behind": _biases_left_behind,
             "one_svd_per_query_head": _one_svd_per_query_head,
         },

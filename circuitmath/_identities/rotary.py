@@ -124,11 +124,12 @@ def _commuting_proof(layout: str) -> Proof:
             " for an orthogonal R; with distinct frequencies no other rotation commutes with all of them",
         ),
         twins=(
-            Twin("mixes_a_pair_with_the_rest", "a rotation that mixes a rotary dimension with one past rotary_dim"
-                 " (partial rotary): E_1^T G E_3 couples them", MatMul(mixing, P), MatMul(P, mixing)),
-            Twin("pairs_of_the_other_layout", f"turn the pairs of the {other} layout on a {layout} model",
+            Twin("mixes_a_pair_with_the_rest", ROTATE_ROTARY_PAIRS.describe("mixes_a_pair_with_the_rest"),
+                 MatMul(mixing, P), MatMul(P, mixing)),
+            Twin("pairs_of_the_other_layout",
+                 f"{ROTATE_ROTARY_PAIRS.describe('pairs_of_the_other_layout')}: the {other} layout's on a {layout} model",
                  MatMul(R_wrong_layout, P), MatMul(P, R_wrong_layout)),
-            Twin("reflection_in_a_pair", "turn a pair by a reflection [[a, b], [b, -a]] instead of a rotation",
+            Twin("reflection_in_a_pair", ROTATE_ROTARY_PAIRS.describe("reflection_in_a_pair"),
                  MatMul(reflection, P), MatMul(P, reflection)),
         ),
     )
@@ -209,11 +210,19 @@ ROTATE_ROTARY_PAIRS = register(
         build_proof=_proof,
         transform=_rotated_pairs,
         wrong_rewrites={
-            "reflection_in_a_pair": _rotated_regardless(_reflected_pair),
+            "reflection_in_a_pair": WrongRewrite(
+                _rotated_regardless(_reflected_pair),
+                "turn a pair by a reflection [[a, b], [b, -a]] instead of a rotation",
+            ),
             "mixes_a_pair_with_the_rest": WrongRewrite(
-                _rotated_regardless(_mixing_the_rest), differs_on=lambda cfg: (cfg.rotary_dim or cfg.d_head) < cfg.d_head),
+                _rotated_regardless(_mixing_the_rest),
+                "a rotation that mixes a rotary dimension with one past rotary_dim (partial rotary): "
+                "E_1^T G E_3 couples them",
+                differs_on=lambda cfg: (cfg.rotary_dim or cfg.d_head) < cfg.d_head,
+            ),
             "pairs_of_the_other_layout": WrongRewrite(
-                _rotated_regardless(_other_layout), differs_on=lambda cfg: (cfg.rotary_dim or cfg.d_head) >= 4),
+                _rotated_regardless(_other_layout), "turn the pairs of the other layout",
+                differs_on=lambda cfg: (cfg.rotary_dim or cfg.d_head) >= 4),
         },
     )
 )

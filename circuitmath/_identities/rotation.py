@@ -119,13 +119,13 @@ def _norm_rotation_proof() -> Proof:
         assumptions=("Q orthogonal (sympy's Q.orthogonal): the facts Q Q^T = Q^T Q = I",
                      "the normaliser depends on its input only through the squared norm; eps > 0 allowed"),
         twins=(
-            Twin("non_orthogonal", "rotate by an invertible G that is not orthogonal: |x G| != |x|",
+            Twin("non_orthogonal", RMS_NORM_ROTATION.describe("non_orthogonal"),
                  _norm_claim(G), MatAdd(MatMul(_gram(x), T_1), MatMul(rho, x, G, T_2))),
             Twin("layer_norm", "rotate the input of LNPre instead: LNPre(x Q) != LNPre(x) Q unless Q 1 = 1",
                  _norm_claim(Q, center=True), MatAdd(MatMul(_gram(MatMul(x, C)), T_1), MatMul(rho, x, C, Q, T_2))),
             Twin("unfolded_gain", "rotate through an RMSNorm whose gain is not folded: diag(w) Q != Q diag(w)",
                  _norm_claim(Q, gain=True), MatAdd(MatMul(_gram(x), T_1), MatMul(rho, x, DiagMatrix(w), Q, T_2))),
-            Twin("not_transposed", "undo the rotation with Q instead of Q^T: RMSPre(x Q) Q != RMSPre(x)",
+            Twin("not_transposed", RMS_NORM_ROTATION.describe("not_transposed"),
                  _norm_claim(Q, back=Q), MatAdd(MatMul(_gram(x), T_1), MatMul(rho, x, T_2))),
         ),
     )
@@ -179,7 +179,7 @@ def _layer_norm_rotation_proof() -> Proof:
         explicit_dims={d: 4, k: 2},
         assumptions=("Q orthogonal with Q 1 = 1 or Q 1 = -1 (it maps the all-ones direction to itself)",),
         twins=(
-            Twin("generic_rotation", "rotate an LNPre model by an orthogonal R that moves 1: centering does not commute with R",
+            Twin("generic_rotation", LAYER_NORM_ROTATION.describe("generic_rotation"),
                  MatAdd(MatMul(_gram(MatMul(x, R, C)), T_1), MatMul(rho, x, R, C, T_2)),
                  MatAdd(MatMul(_gram(MatMul(x, C)), T_1), MatMul(rho, x, C, R, T_2))),
             Twin("unfolded_gain", "rotate an LN model whose gain is not folded, even with Q 1 = ±1: diag(w) Q != Q diag(w)",
@@ -282,11 +282,12 @@ def _model_rotation_proof() -> Proof:
             "A (the pattern) is a function of the scores S, F of the pre-activations P and H, entry by entry",
         ),
         twins=(
-            Twin("non_orthogonal", "rotate by an invertible G that is not orthogonal, readers G^-1 W: the norms change",
+            Twin("non_orthogonal", ROTATION_INVARIANCE.describe("non_orthogonal"),
                  _model_claim(G, Inverse(G)), _model_target(G)),
-            Twin("forget_W_pos", "rotate W_E but not W_pos", _model_claim(Q, Q.T, rotate_pos=False), rhs),
-            Twin("forget_writer_bias", "rotate W_O but not the output bias b_O", _model_claim(Q, Q.T, rotate_bias=False), rhs),
-            Twin("readers_not_transposed", "readers Q W instead of Q^T W", _model_claim(Q, Q), rhs),
+            *(Twin(name, ROTATION_INVARIANCE.describe(name), claim, rhs) for name, claim in (
+                ("forget_W_pos", _model_claim(Q, Q.T, rotate_pos=False)),
+                ("forget_writer_bias", _model_claim(Q, Q.T, rotate_bias=False)),
+                ("readers_not_transposed", _model_claim(Q, Q)))),
         ),
     )
 
@@ -333,9 +334,9 @@ def _slicegpt_proof() -> Proof:
             "the reader W, b_W stands for every reader of the norm: W_Q, W_K, W_V, W_in, W_U",
         ),
         twins=(
-            Twin("skip_centering", "fold and rotate without centering the writes: RMSPre then sees |x Q| = |x|, not |x C|",
+            Twin("skip_centering", SLICEGPT_ROUTE.describe("skip_centering"),
                  _route_claim(MatMul(x, Q), MatMul(rho, x, Q), folded), rhs),
-            Twin("keep_layer_norm", "rotate the centered model but keep LNPre instead of switching to RMSPre",
+            Twin("keep_layer_norm", SLICEGPT_ROUTE.describe("keep_layer_norm"),
                  _route_claim(MatMul(x, C, Q, C), MatMul(rho, x, C, Q, C), folded), rhs),
         ),
     )
@@ -513,7 +514,12 @@ RMS_NORM_ROTATION = register(
         preconditions=(Q_ORTHOGONAL, NO_GAIN_INSIDE),
         build_proof=_norm_rotation_proof,
         transform=_rotated_norm,
-        wrong_rewrites={"non_orthogonal": _stretched_norm, "not_transposed": _norm_not_transposed},
+        wrong_rewrites={
+            "non_orthogonal": WrongRewrite(
+                _stretched_norm, "rotate by an invertible G that is not orthogonal: |x G| != |x|"),
+            "not_transposed": WrongRewrite(
+                _norm_not_transposed, "undo the rotation with Q instead of Q^T: RMSPre(x Q) Q != RMSPre(x)"),
+        },
         compare=_norm_compare,
     )
 )
@@ -527,7 +533,12 @@ LAYER_NORM_ROTATION = register(
         preconditions=(IS_LNPRE, Q_ORTHOGONAL, Q_FIXES_ONES, PRE_NORM, NO_NORM_GAIN, Q_SQUARE),
         build_proof=_layer_norm_rotation_proof,
         transform=_layer_norm_rotation,
-        wrong_rewrites={"generic_rotation": _layer_norm_generic_rotation},
+        wrong_rewrites={
+            "generic_rotation": WrongRewrite(
+                _layer_norm_generic_rotation,
+                "rotate an LNPre model by an orthogonal R that moves 1: centering does not commute with R",
+            ),
+        },
         prepare=_to_lnpre,
     )
 )
@@ -545,13 +556,18 @@ ROTATION_INVARIANCE = register(
         build_proof=_model_rotation_proof,
         transform=_rotate,
         wrong_rewrites={
-            "non_orthogonal": _rotate_non_orthogonal,
-            "forget_W_pos": forgetting(
+            "non_orthogonal": WrongRewrite(
+                _rotate_non_orthogonal,
+                "rotate by an invertible G that is not orthogonal, readers G^-1 W: the norms change",
+            ),
+            "forget_W_pos": WrongRewrite(forgetting(
                 _rotate, lambda cfg: ["pos_embed.W_pos"] if cfg.positional_embedding_type in ("standard", "shortformer") else []),
-            "forget_writer_bias": forgetting(_rotate, lambda cfg: [f"blocks.{l}.attn.b_O" for l in range(cfg.n_layers)]),
+                "rotate W_E but not W_pos"),
+            "forget_writer_bias": WrongRewrite(forgetting(_rotate, lambda cfg: [f"blocks.{l}.attn.b_O" for l in range(
+                cfg.n_layers)]), "rotate W_O but not the output bias b_O"),
             "router_unrotated": WrongRewrite(forgetting(_rotate, routers), "rotate every reader but the router of the experts",
                                              differs_on=lambda cfg: cfg.n_experts is not None),
-            "readers_not_transposed": _readers_not_transposed,
+            "readers_not_transposed": WrongRewrite(_readers_not_transposed, "readers Q W instead of Q^T W"),
             "centered_embedding": WrongRewrite(
                 _centered_embedding, "W_E mean-centered before rotating behind RMSNorm: centering the writes is exact"
                 " only for LayerNorm readers, which center what they read", differs_on=lambda cfg: cfg.normalization_type != "LNPre"),
@@ -569,6 +585,15 @@ SLICEGPT_ROUTE = register(
         preconditions=(IS_LN, PRE_NORM, Q_ORTHOGONAL, ROUTE_ORDER),
         build_proof=_slicegpt_proof,
         transform=slicegpt_route,
-        wrong_rewrites={"skip_centering": _route_skipping_centering, "keep_layer_norm": _route_keeping_layer_norm},
+        wrong_rewrites={
+            "skip_centering": WrongRewrite(
+                _route_skipping_centering,
+                "fold and rotate without centering the writes: RMSPre then sees |x Q| = |x|, not |x C|",
+            ),
+            "keep_layer_norm": WrongRewrite(
+                _route_keeping_layer_norm,
+                "rotate the centered model but keep LNPre instead of switching to RMSPre",
+            ),
+        },
     )
 )

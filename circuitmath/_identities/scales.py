@@ -49,12 +49,12 @@ def _embedding_proof() -> Proof:
             "the folded model has no multiplier (embedding_scale None)",
         ),
         twins=(
-            Twin("applied_twice", "keep the multiplier after folding it (or fold it twice): the embeddings scale by s^2",
+            Twin("applied_twice", FOLD_EMBEDDING_SCALE.describe("applied_twice"),
                  MatAdd(MatMul(s, t, W_E_s), p), rhs),
-            Twin("position_scaled_too", "scale what is added to the embedded token (W_pos) as well",
+            Twin("position_scaled_too", FOLD_EMBEDDING_SCALE.describe("position_scaled_too"),
                  MatAdd(MatMul(t, W_E_s), MatMul(s, p)), rhs),
             Twin("unembedding_scaled_too",
-                 "keep a tied unembedding tied, W_U = (W_E^s)^T: the logits y W_E^T are scaled by s",
+                 FOLD_EMBEDDING_SCALE.describe("unembedding_scaled_too"),
                  MatMul(y, Transpose(W_E_s)), MatMul(y, Transpose(W_E))),
         ),
     )
@@ -102,10 +102,19 @@ FOLD_EMBEDDING_SCALE = register(
         build_proof=_embedding_proof,
         transform=fold_embedding_scale,
         wrong_rewrites={
-            "applied_twice": _embedding_applied_twice,
+            "applied_twice": WrongRewrite(
+                _embedding_applied_twice,
+                "keep the multiplier after folding it (or fold it twice): the embeddings scale by s^2",
+            ),
             "position_scaled_too": WrongRewrite(
-                _position_scaled_too, differs_on=lambda cfg: cfg.positional_embedding_type == "standard"),
-            "unembedding_scaled_too": _unembedding_scaled_too,
+                _position_scaled_too,
+                "scale what is added to the embedded token (W_pos) as well",
+                differs_on=lambda cfg: cfg.positional_embedding_type == "standard",
+            ),
+            "unembedding_scaled_too": WrongRewrite(
+                _unembedding_scaled_too,
+                "keep a tied unembedding tied, W_U = (W_E^s)^T: the logits y W_E^T are scaled by s",
+            ),
         },
     )
 )
@@ -140,10 +149,11 @@ def _logit_proof() -> Proof:
             "the folded model has no multiplier (logit_scale None)",
         ),
         twins=(
-            Twin("applied_twice", "keep the multiplier after folding it (or fold it twice): the logits scale by s^2",
+            Twin("applied_twice", FOLD_LOGIT_SCALE.describe("applied_twice"),
                  MatMul(s, lhs), rhs),
-            Twin("bias_unscaled", "scale W_U but not b_U", MatAdd(MatMul(y, W_U_s), b_U), rhs),
-            Twin("divided", "divide by the scale instead of multiplying",
+            Twin("bias_unscaled", FOLD_LOGIT_SCALE.describe("bias_unscaled"),
+                 MatAdd(MatMul(y, W_U_s), b_U), rhs),
+            Twin("divided", FOLD_LOGIT_SCALE.describe("divided"),
                  MatAdd(MatMul(1 / s, y, W_U), MatMul(1 / s, b_U)), rhs),
         ),
     )
@@ -182,9 +192,12 @@ FOLD_LOGIT_SCALE = register(
         build_proof=_logit_proof,
         transform=fold_logit_scale,
         wrong_rewrites={
-            "applied_twice": _logit_applied_twice,
-            "bias_unscaled": _logit_bias_unscaled,
-            "divided": _logit_divided,
+            "applied_twice": WrongRewrite(
+                _logit_applied_twice,
+                "keep the multiplier after folding it (or fold it twice): the logits scale by s^2",
+            ),
+            "bias_unscaled": WrongRewrite(_logit_bias_unscaled, "scale W_U but not b_U"),
+            "divided": WrongRewrite(_logit_divided, "divide by the scale instead of multiplying"),
         },
     )
 )

@@ -20,7 +20,7 @@ from .._processing import fold_layer_norm, shortformer_to_tables
 from .._processing._common import NOT_APPLIED
 from .._processing.shortformer import IS_SHORTFORMER
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import Identity, register
+from .._registry import Identity, WrongRewrite, register
 from .layer_norm import C, DEFINITIONS, FACTS, LN, LNPre, b, d, w, x
 
 e = Symbol("e", positive=True, integer=True)
@@ -57,7 +57,7 @@ def _tables_proof() -> Proof:
         twins=(
             Twin(
                 "naive_fold",
-                "fold the gain into W and keep adding W_pos before it: positions get scaled by w",
+                SHORTFORMER_TABLES.describe("naive_fold"),
                 query,
                 MatAdd(MatMul(MatAdd(LNPre, p), DiagMatrix(w), W), b_W, MatMul(b, W)),
             ),
@@ -99,6 +99,12 @@ SHORTFORMER_TABLES = register(
         preconditions=(IS_SHORTFORMER, "pre-norm", NOT_APPLIED),
         build_proof=_tables_proof,
         transform=shortformer_to_tables,
-        wrong_rewrites={"naive_fold": _naive_fold, "older_reading": _older_reading},
+        wrong_rewrites={
+            "naive_fold": WrongRewrite(
+                _naive_fold,
+                "fold the gain into W and keep adding W_pos before it: positions get scaled by w",
+            ),
+            "older_reading": _older_reading,
+        },
     )
 )
