@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import circuitmath as cm
+from circuitmath import testing
 from circuitmath._identities._softcaps import ENTRY, capped_rows_sum_to_one, fold_before_the_logit_softcap
 
 BASE = cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=6, d_mlp=16)
@@ -103,3 +104,20 @@ def test_the_rms_fold_is_exact_under_a_logit_softcap():
     # negative control: the final gain dropped instead of folded moves the capped log-probs
     out["unembed.W_U"] = sd["unembed.W_U"]
     assert _gap(sd, cfg, out, out_cfg) > 1e-3
+
+
+@pytest.mark.parametrize("name, feature", [("center_unembed", "logit softcap"),
+                                           ("remove_key_biases", "attention-score softcap")])
+def test_the_checker_names_a_shift_made_under_a_softcap(name, feature):
+    """A model processed with the shift anyway: refused, and the row says which identity's rewrite
+    it was, applied although its precondition (the softcap) forbids it."""
+    sd = _biting(CAPPED)
+    after, after_cfg = cm.get_identity(name).wrong_rewrites["regardless"](sd, CAPPED)
+    report = testing.CHECKERS[name](sd, after, CAPPED, after_cfg=after_cfg)
+    assert not report.ok
+    row = next(f for f in report.findings if f.name == name)
+    assert row.rewrite == f"{name}.regardless" and row.status == "violated"
+    assert feature in str(report)
+    # control: the same shift on the model without the softcap is the identity itself
+    plain_after, plain_cfg = cm.get_identity(name).wrong_rewrites["regardless"](sd, BASE)
+    assert testing.CHECKERS[name](sd, plain_after, BASE, after_cfg=plain_cfg).ok
