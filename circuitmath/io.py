@@ -29,6 +29,10 @@ reference conventions (TransformerLens names, row vectors ``x @ W``, per-head
   LayerNorm, interleaved rotary, a logit scale); :func:`from_hf_falcon`: Falcon-7B style (fused
   multi-query or per-head q/k/v, parallel or sequential blocks); :func:`from_hf_bloom`: BLOOM
   (ALiBi, a LayerNorm of the token embeddings);
+- :func:`from_hf_mixtral`, :func:`from_hf_qwen2_moe`, :func:`from_hf_qwen3_moe`,
+  :func:`from_hf_gpt_oss`: mixtures of experts (a router choosing the top-k gated experts per
+  token; Qwen2-MoE's shared expert; GPT-OSS's attention sinks and clamped SwiGLU), from a model's
+  stacked experts or a saved folder's one ``Linear`` per expert;
 - :func:`from_hf_bert`: BERT (post-LN, embedding LayerNorm, bidirectional attention).
 
 :data:`FAMILIES` lists each architecture family as a tiny ``config.json`` (:class:`Family`), and
@@ -61,6 +65,7 @@ from ._files import (
     save,
     stored_config,
 )
+from ._hf_moe import from_hf_gpt_oss, from_hf_mixtral, from_hf_qwen2_moe, from_hf_qwen3_moe
 from ._hf import (
     UnsupportedArchitectureError,
     from_hf,
@@ -108,6 +113,10 @@ __all__ = [
     "from_hf_cohere",
     "from_hf_falcon",
     "from_hf_bloom",
+    "from_hf_mixtral",
+    "from_hf_qwen2_moe",
+    "from_hf_qwen3_moe",
+    "from_hf_gpt_oss",
     "from_hf_bert",
     "load_hf_directory",
     "Family",

@@ -194,6 +194,24 @@ def test_the_expert_permutation_is_recovered_and_named():
     assert cm._processing.recover_expert_permutation(sd, spoiled, cfg) is None
 
 
+def test_a_pipeline_with_an_expert_permutation_is_taken_apart():
+    """fold -> rotate -> permute experts in float32, recorded nowhere: the diagnosis replays the
+    fold, recovers the rotation and the permutation (each expert matched to the nearest) and
+    names each step. Control: one layer's router moved again is named."""
+    cfg = io.family("Mixtral").cfg
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float32)
+    folded, folded_cfg = cm.fold_rms_norm(sd, cfg)
+    turned, turned_cfg = cm.rotate_residual_stream(folded, folded_cfg, cm.hadamard(cfg.d_model))
+    moved, moved_cfg = cm.permute_experts(turned, turned_cfg, torch.tensor([1, 2, 3, 0]))
+    report = diagnose(sd, moved, cfg, after_cfg=moved_cfg.replace(applied=()))
+    assert report.ok, report
+    assert [(f.name, f.rewrite) for f in report.findings if f.kind == "identity"] == [
+        ("fold_rms_norm", "exact"), ("rotate_residual_stream", "exact"), ("permute_experts", "exact")]
+    wrong = dict(moved, **{"blocks.1.mlp.W_router": moved["blocks.1.mlp.W_router"][:, [1, 2, 3, 0]]})
+    report = diagnose(sd, wrong, cfg, after_cfg=moved_cfg.replace(applied=()))
+    assert not report.ok and "blocks.1.mlp.W_router" in {p.name for p in report.culprits()}
+
+
 @pytest.mark.parametrize("experts", [2, 3, 4, 5])
 def test_top_k_routing_is_permutation_equivariant(experts):
     """g(L P) = g(L) P for every permutation of up to 5 experts and every k, on distinct logits

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._config import Config
-from .._errors import Precondition, PreconditionError
+from .._errors import Precondition
 from .._moe import EXPERT_LEAVES, expert_names
 from .._state import StateDict, validate_state_dict
 from ._common import require, rewrite
@@ -48,25 +48,20 @@ def permute_experts(state_dict: StateDict, cfg: Config, permutation) -> tuple[di
 
 
 def recover_expert_permutation(before: StateDict, after: StateDict, cfg: Config) -> torch.Tensor | None:
-    """``[n_layers, n_experts]``: the permutation with ``after = permute_experts(before, cfg,
-    perm)``, matched on each expert's ``W_out`` (bit for bit, the data moves unchanged), or
-    ``None`` when no permutation of the experts explains ``after`` exactly."""
-    if cfg.n_experts is None:
+    """``[n_layers, n_experts]``: the permutation with ``after`` closest to ``permute_experts(before,
+    cfg, perm)``, each new expert matched to the old one whose ``W_out`` is nearest (so a
+    permutation composed with rounded rewrites is found too; the caller certifies the tensors),
+    or ``None``: a dense model, two experts matched to one, or no expert moved."""
+    if cfg.n_experts is None or cfg.attn_only:
         return None
     perms = []
     for layer in range(cfg.n_layers):
         names = expert_names(cfg, f"blocks.{layer}.mlp")
-        perm = []
-        for name in names:
-            match = [old for old, source in enumerate(names) if torch.equal(after[f"{name}.W_out"], before[f"{source}.W_out"])]
-            if not match:
-                return None
-            perm.append(match[0])
+        old = torch.stack([before[f"{name}.W_out"].double().flatten() for name in names])
+        new = torch.stack([after[f"{name}.W_out"].double().flatten().to(old.device) for name in names])
+        perm = torch.cdist(new, old).argmin(dim=1).cpu()
+        if len(set(perm.tolist())) != cfg.n_experts:
+            return None
         perms.append(perm)
-    perm = torch.tensor(perms, dtype=torch.long)
-    try:
-        moved, _ = permute_experts(before, cfg.replace(applied=()), perm)
-    except PreconditionError:  # two experts matched one: no permutation
-        return None
-    same = all(torch.equal(moved[name], after[name]) for name in moved if name in after)
-    return perm if same else None
+    perm = torch.stack(perms)
+    return None if torch.equal(perm, torch.arange(cfg.n_experts).expand_as(perm)) else perm
