@@ -19,7 +19,9 @@ float times 10, an int plus 1, ``True``/``False``), ``.double()`` or ``.float()`
 assignment deleted. For each target every mutant of the kinds a float64 accumulation or a
 tolerance invites (see :func:`_priority`) is drawn, and ``--per-file`` of the others (seeded, so
 a run is reproducible), each run in a private copy of the repository; the mutant is *killed* when
-its tests fail (or hang past the time limit).
+its tests fail. One whose tests run past the time limit (a hang, or a machine too busy) is
+*undecided*: listed, and left out of the rate rather than counted as killed. Mutants are run one
+module at a time in turn, so a run stopped early has seen every module.
 
 Its tests are those that can see it: first the suite (the book's build aside) runs once under
 coverage, each test file in a process of its own (so no other file's caches or fixtures hide the
@@ -452,6 +454,9 @@ def _draw(args, covered: dict[str, list[str]], found: dict[str, list[Mutant]]) -
         if args.per_file and len(others) > args.per_file:
             others = rng.sample(others, args.per_file)
         drawn += sorted(always + others, key=lambda m: m.index)
+    # one mutant of each module in turn, so a run stopped early has seen every module
+    turn = {}
+    drawn.sort(key=lambda m: (turn.setdefault(m.id, sum(1 for k in turn if k.startswith(m.path + "::"))), m.path))
     if args.rerun:
         again = {line.rsplit("  ", 1)[-1] for line in Path(args.rerun).read_text().splitlines()
                  if line.startswith("survived")}
@@ -480,7 +485,7 @@ def _run(todo: list[Mutant], tests_of, dirs: list[Path], timeout: float) -> dict
     with concurrent.futures.ThreadPoolExecutor(len(dirs)) as pool:
         for mutant, outcome, ran, seconds in pool.map(run, todo):
             results[mutant.id] = outcome
-            mark = "survived" if outcome == "passed" else f"killed ({outcome})"
+            mark = {"passed": "survived", "failed": "killed", "timeout": "undecided"}[outcome]
             print(f"{mark:18s} {seconds:6.1f} s  {ran:16s} line {mutant.line:4d}  {mutant.id}", flush=True)
     return results
 
@@ -488,15 +493,21 @@ def _run(todo: list[Mutant], tests_of, dirs: list[Path], timeout: float) -> dict
 def _report(drawn: list[Mutant], known: dict[str, str], results: dict[str, str]) -> None:
     survivors = [k for k, v in results.items() if v == "passed"]
     skipped = [m.id for m in drawn if m.id in known]
-    killed = len(results) - len(survivors)
+    undecided = [k for k, v in results.items() if v == "timeout"]
+    killed = len(results) - len(survivors) - len(undecided)
     print(f"\n{len(drawn)} mutants drawn, {len(skipped)} equivalent (listed with reasons in {EQUIVALENT.name}):")
     for key in skipped:
         print(f"  {key}: {known[key]}")
     print(f"survivors ({len(survivors)}):")
     for key in survivors:
         print(f"  {key}")
-    rate = killed / len(results) if results else 1.0
-    print(f"\nkill rate: {killed}/{len(results)} = {100 * rate:.1f} %")
+    if undecided:
+        print(f"undecided, past the time limit and left out of the rate ({len(undecided)}):")
+        for key in undecided:
+            print(f"  {key}")
+    decided = killed + len(survivors)
+    rate = killed / decided if decided else 1.0
+    print(f"\nkill rate: {killed}/{decided} = {100 * rate:.1f} %")
 
 
 def main(argv=None) -> int:
