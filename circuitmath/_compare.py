@@ -18,7 +18,7 @@ import torch
 
 from ._config import Config
 from ._reference import Centering, block, check_tokens, embed, log_probs, unembed
-from ._state import StateDict, validated, vouched
+from ._state import StateDict, Validated, validated, vouched
 
 __all__ = [
     "SAFETY",
@@ -252,10 +252,13 @@ class Comparison:
 def in_dtype(state_dict: StateDict, dtype: torch.dtype) -> StateDict:
     """``state_dict`` (a :class:`~circuitmath._state.Validated`) with its tensors in ``dtype``: itself
     when they are; a copy that is known valid when ``dtype`` is as wide as theirs (a finite entry
-    stays finite), else one validated (an entry beyond the narrower dtype's range is refused)."""
-    if state_dict.dtype == dtype:
+    stays finite), else one validated (an entry beyond the narrower dtype's range is refused). A
+    plain state dict is copied as it is (validated where it is used)."""
+    if isinstance(state_dict, Validated) and state_dict.dtype == dtype:
         return state_dict
     copy = {name: tensor.to(dtype) for name, tensor in state_dict.items()}
+    if not isinstance(state_dict, Validated):
+        return copy
     if torch.finfo(dtype).max >= torch.finfo(state_dict.dtype).max:
         return vouched(copy, state_dict.cfg, dtype, entries=state_dict.entries)
     return validated(copy, state_dict.cfg)

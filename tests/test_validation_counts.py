@@ -83,6 +83,15 @@ def test_diagnose_and_a_checker_validate_each_input_once(counted):
     assert tally == {"before": 1, "after": 1}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_check_model_validates_its_model_once(counted, dtype):
+    """Every identity applied to the model, in its dtype and (below float64) in float64 too."""
+    model = cm.random_state_dict(LN, seed=0, dtype=dtype)
+    tally = counted(model=model)
+    assert cm.testing.check_model(model, LN).findings
+    assert tally == {"model": 1}
+
+
 @pytest.mark.parametrize("cfg", [LN, RMS_GQA], ids=["layer_norm", "rms_norm_gqa"])
 @pytest.mark.parametrize("steps", [{}, {"fold_ln": False}, {"refactor_factored_attn_matrices": None}],
                          ids=["default", "unfused", "refactor"])

@@ -32,7 +32,7 @@ from .. import _identities
 from .._compare import Comparison, compute_dtype, in_dtype
 from .._config import Config
 from .._errors import InputError, PreconditionError
-from .._state import vouched
+from .._state import marked_as, vouched
 from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
 from ._names import speak
 from ._exact import SharedProducts, float64_chain, float64_rewrite, identity_row, in_float64, rewrite_mismatches
@@ -157,7 +157,7 @@ def _effect_of(wrong, final, final_cfg, after, lp):
     with those tensors taken from ``after`` (``None`` when one is missing or of another shape)."""
     if any(p.problem for p in wrong):
         return None
-    patched = dict(final, **{p.name: after[p.name] for p in wrong})  # compared in one dtype by ``lp``
+    patched = marked_as(final, dict(final, **{p.name: after[p.name].to(final[p.name].dtype) for p in wrong}))
     return lp.compare(final, final_cfg, patched, final_cfg)
 
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .._compare import Comparison
+from .._compare import Comparison, in_dtype
 from .._errors import PreconditionError
 from ._report import Finding
 from ._tensors import ParameterMismatch, _certificate, _largest_entry, _mismatch, _Thresholds
@@ -42,8 +42,9 @@ __all__ = ["in_float64", "float64_chain", "rewrite_mismatches", "identity_row", 
 
 
 def in_float64(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state_dict``'s tensors in float64 (exact: every dtype below it converts exactly)."""
-    return {name: tensor.double() for name, tensor in state_dict.items()}
+    """``state_dict``'s tensors in float64 (exact: every dtype below it converts exactly); a
+    validated state dict stays one (:func:`~circuitmath._compare.in_dtype`)."""
+    return in_dtype(state_dict, torch.float64)
 
 
 def rewrite_mismatches(

@@ -6,10 +6,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .._compare import Comparison, compute_dtype, logprob_tolerance, rounding_sensitivity
+from .._compare import Comparison, compute_dtype, in_dtype, logprob_tolerance, rounding_sensitivity
 from .._config import Config
 from .._reference import log_probs
-from .._state import vouched
 from ._tensors import _largest_entry
 
 __all__ = ["SENSITIVITY_POSITIONS", "sensitivity_window", "compared"]
@@ -53,8 +52,8 @@ class _LogProbs:
     def __call__(self, state: Mapping, cfg: Config) -> torch.Tensor:
         hit = self._cache.get(id(state))
         if hit is None or hit[0] is not state:
-            # the states a check compares are its inputs, validated once, and what the replay made of them
-            converted = vouched({k: v.to(self.run_in) for k, v in state.items()}, cfg, self.run_in, entries=False)
+            # a validated state (an input, or what the replay made of one) is not validated again
+            converted = in_dtype(state, self.run_in)
             hit = (state, log_probs(converted, cfg, self.tokens).double())
             self._cache[id(state)] = hit
         return hit[1]
