@@ -89,6 +89,9 @@ class Config:
       with ``g' = min(g, L)`` for the gate's ``g`` and up's ``u`` (GPT-OSS's clamped SwiGLU;
       ``act_fn`` is not used).
 
+    - ``rotary_base_local``: the rotary base of the layers with a sliding window (Gemma 3's local
+      layers; ``None``: ``rotary_base`` in every layer); :meth:`rotary_base_at` gives a layer's.
+
     ``applied`` records, in order, the weight transforms that produced the state dict. A former
     name of an identity (a config saved before the rename, see :data:`FORMER_NAMES`) is read as
     the current one.
@@ -131,6 +134,7 @@ class Config:
     attn_sinks: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    rotary_base_local: float | None = None
     applied: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -144,7 +148,7 @@ class Config:
         object.__setattr__(self, "eps", float(self.eps))
         object.__setattr__(self, "norm_gain_offset", float(self.norm_gain_offset))
         for name in ("embedding_scale", "attention_scale", "attn_softcap", "logit_softcap", "logit_scale",
-                     "swiglu_limit", "swiglu_alpha"):
+                     "swiglu_limit", "swiglu_alpha", "rotary_base_local"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))
         if self.sliding_window_layers is not None:
@@ -165,6 +169,14 @@ class Config:
                 raise ConfigError(f"sliding_window applies to the layers {list(self.sliding_window_layers)} only: name the layer")
             return self.sliding_window if self.sliding_window_layers else None
         return self.sliding_window if layer in self.sliding_window_layers else None
+
+    def rotary_base_at(self, layer: int | None) -> float:
+        """The rotary base of layer ``layer``: ``rotary_base_local`` in a layer with a sliding window
+        (:meth:`window`), else ``rotary_base``; ``layer=None`` asks for a base every layer shares
+        (:class:`ConfigError` when they differ)."""
+        if self.rotary_base_local is None:
+            return self.rotary_base
+        return self.rotary_base_local if self.window(layer) is not None else self.rotary_base
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -281,7 +293,7 @@ def _type_problems(cfg: Config) -> list[str]:
     if not _is_number(cfg.norm_gain_offset):
         problems.append(f"norm_gain_offset must be a finite number, got {cfg.norm_gain_offset!r}")
     for name in ("embedding_scale", "attention_scale", "attn_softcap", "logit_softcap", "logit_scale", "swiglu_limit",
-                 "swiglu_alpha"):
+                 "swiglu_alpha", "rotary_base_local"):
         value = getattr(cfg, name)
         if value is not None and (not _is_number(value) or value <= 0):
             problems.append(f"{name} must be None or a finite number > 0, got {value!r}")
@@ -321,6 +333,8 @@ def _relation_problems(cfg: Config) -> list[str]:
         problems.append("norm_gain_offset is for RMSNorm gains stored as w and applied as offset + w (Gemma); no LayerNorm family has it")
     if cfg.post_norms and (cfg.norm_position != "pre" or cfg.parallel_attn_mlp or cfg.normalization_type in ("LN", "LNPre")):
         problems.append("post_norms (sandwich RMSNorms after each sub-layer) need a sequential pre-norm model without LayerNorm")
+    if cfg.rotary_base_local is not None and (cfg.positional_embedding_type != "rotary" or cfg.sliding_window is None):
+        problems.append("rotary_base_local is the rotary base of the sliding-window layers: it needs rotary positions and a sliding_window")
     if cfg.sliding_window is not None and not cfg.causal:
         problems.append("sliding_window is a causal mask; it needs causal=True")
     if cfg.n_key_value_heads is not None and cfg.n_heads % cfg.n_key_value_heads:

@@ -9,6 +9,7 @@ sequence, biases where the architecture has them.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +38,7 @@ class Family:
     @property
     def hf_config(self) -> dict:
         """The ``config.json`` of a tiny model of the family (a fresh copy)."""
-        return {"model_type": self.model_type, **{k: (dict(v) if isinstance(v, dict) else v) for k, v in self.fields.items()}}
+        return {"model_type": self.model_type, **copy.deepcopy(self.fields)}
 
     @property
     def cfg(self) -> Config:
@@ -61,6 +62,13 @@ FAMILIES: tuple[Family, ...] = (
                                          "sliding_window": 4, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0},
            "Gemma with sandwich norms, softcaps on attention scores and logits (small here, so that they bite),"
            " a query scale and sliding-window layers"),
+    Family("Gemma3", "gemma3_text", _SMALL | {"head_dim": 8, "hidden_activation": "gelu_pytorch_tanh",
+                                              "query_pre_attn_scalar": 16, "sliding_window": 4,
+                                              "layer_types": ["sliding_attention", "full_attention"],
+                                              "rope_parameters": {"full_attention": _ROPE | {"rope_theta": 1000000.0},
+                                                                  "sliding_attention": dict(_ROPE)}},
+           "Gemma 2's sandwich norms and query scale with QK-norm, no softcaps, and sliding-window layers"
+           " whose rotary base (10^4) is not the full layers' (10^6)"),
     Family("Phi3", "phi3", _SMALL | {"pad_token_id": 0,
                                      "rope_parameters": _ROPE | {"partial_rotary_factor": 0.5}},
            "LLaMA with fused query/key/value and gate/up projections and partial rotary"),

@@ -20,6 +20,7 @@ from ._hf_families import (
     from_hf_falcon,
     from_hf_gemma,
     from_hf_gemma2,
+    from_hf_gemma3,
     from_hf_gptj,
     from_hf_llama,
     from_hf_mistral,
@@ -233,13 +234,14 @@ def _bert_layout(config) -> Layout:
 
 CONVERTERS = {"gpt2": from_hf_gpt2, "gpt_neox": from_hf_gpt_neox, "llama": from_hf_llama, "bert": from_hf_bert,
               "mistral": from_hf_mistral, "qwen2": from_hf_qwen2, "qwen3": from_hf_qwen3, "gemma": from_hf_gemma,
-              "gemma2": from_hf_gemma2,
+              "gemma2": from_hf_gemma2, "gemma3_text": from_hf_gemma3,
               "phi3": from_hf_phi3, "gptj": from_hf_gptj,
               "opt": from_hf_opt, "cohere": from_hf_cohere, "falcon": from_hf_falcon, "bloom": from_hf_bloom} | MOE_CONVERTERS
 _LAYOUTS = {"gpt2": _gpt2_layout, "gpt_neox": _gpt_neox_layout, "llama": _llama_layout, "bert": _bert_layout,
             "mistral": lambda config: _llama_layout(config, "Mistral"), "qwen2": lambda config: _llama_layout(config, "Qwen2"),
             "qwen3": lambda config: _llama_layout(config, "Qwen3"), "gemma": lambda config: _llama_layout(config, "Gemma"),
             "gemma2": lambda config: _llama_layout(config, "Gemma2"),
+            "gemma3_text": lambda config: _llama_layout(config, "Gemma3"),
             "phi3": lambda config: _llama_layout(config, "Phi3"), "gptj": _gptj_layout,
             "opt": _opt_layout, "cohere": _cohere_layout, "falcon": _falcon_layout, "bloom": _bloom_layout} | MOE_LAYOUTS
 

@@ -5,6 +5,7 @@ tensors are views of the checkpoint's, so a processed model is written back thro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +97,15 @@ def from_hf_gemma2(state_dict: StateDict, config) -> tuple[dict[str, torch.Tenso
     return _llama_layout(config, "Gemma2").convert(state_dict)
 
 
+def from_hf_gemma3(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face Gemma 3 text checkpoint (``Gemma3ForCausalLM``, ``model_type``
+    ``gemma3_text``): Gemma 2's names, sandwich norms and query scale, with QK-norm (``q_norm``,
+    ``k_norm``, gains applied as ``1 + w``), no softcap unless the config sets one, and the
+    sliding-window layers rotating with their own base (``rope_parameters["sliding_attention"]``:
+    ``Config.rotary_base_local``), the full layers with ``rope_parameters["full_attention"]``'s."""
+    return _llama_layout(config, "Gemma3").convert(state_dict)
+
+
 def from_hf_phi3(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
     """Convert a Hugging Face Phi-3 checkpoint: LLaMA's, with the query, key and value projections
     fused in ``qkv_proj`` (rows: the queries, then the keys, then the values) and the gate and up
@@ -116,11 +126,26 @@ class _Variant:
     gemma: bool = False
     sandwich: bool = False
     fused: bool = False
+    local_rope: bool = False
 
 
 _LLAMA_LIKE = {"LLaMA": _Variant(), "Mistral": _Variant(False, False), "Qwen2": _Variant(True, False),
                "Qwen3": _Variant(qk_norm=True), "Gemma": _Variant(gemma=True), "Gemma2": _Variant(gemma=True, sandwich=True),
-               "Phi3": _Variant(False, False, fused=True)}
+               "Phi3": _Variant(False, False, fused=True),
+               "Gemma3": _Variant(qk_norm=True, gemma=True, sandwich=True, local_rope=True)}
+
+
+def _rotary_by_layer_type(config, d_head: int, arch: str, window_layers, window) -> tuple[float, int, float | None]:
+    """``(base, rotary_dim, rotary_base_local)`` from Gemma 3's ``rope_parameters``, one per layer
+    type (``full_attention``, ``sliding_attention``): the full layers' base, and the sliding
+    layers' where any layer slides (both rotate every dimension of a head)."""
+    rope = _option(config, "rope_parameters") or {}
+    if not isinstance(rope, Mapping) or not all(isinstance(rope.get(k, {}), Mapping) for k in ("full_attention", "sliding_attention")):
+        raise ConfigError(f"{arch} config: rope_parameters must hold an object per layer type, got {rope!r}")
+    base, rotary_dim = _rotary({"rope_parameters": rope.get("full_attention", {})}, d_head, arch)
+    local, local_dim = _rotary({"rope_parameters": rope.get("sliding_attention", {})}, d_head, arch)
+    _require(local_dim == rotary_dim, arch, "the sliding layers rotate another number of dimensions than the full layers")
+    return base, rotary_dim, local if window is not None and local != base else None
 
 
 def _gemma2_options(config, arch: str) -> dict:
@@ -149,11 +174,15 @@ def _llama_config(config, arch: str, variant: _Variant, eps: tuple[str, float] =
     d_head = _int(config, "head_dim", arch, None) or d // heads
     _require(d_head >= 1, arch, f"hidden_size={d} is smaller than num_attention_heads={heads} and no head_dim is given")
     kv_heads = _int(config, "num_key_value_heads", arch, None) or heads
-    base, rotary_dim = _rotary(config, d_head, arch)
-    _require(rotary_dim == d_head or variant.fused, arch, "partial rotary (LLaMA rotates every query/key dimension)")
     _require(not _option(config, "mlp_bias", False), arch, "mlp_bias=True puts a bias inside the gate, which the reference lacks")
     _require(not _option(config, "use_bidirectional_attention", False), arch, "use_bidirectional_attention=True (not causal)")
     window, window_layers = _sliding_window(config, layers, arch)
+    local = None
+    if variant.local_rope:
+        base, rotary_dim, local = _rotary_by_layer_type(config, d_head, arch, window_layers, window)
+    else:
+        base, rotary_dim = _rotary(config, d_head, arch)
+    _require(rotary_dim == d_head or variant.fused, arch, "partial rotary (LLaMA rotates every query/key dimension)")
     return Config(
         n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
         n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "intermediate_size", arch),
@@ -164,7 +193,7 @@ def _llama_config(config, arch: str, variant: _Variant, eps: tuple[str, float] =
         sliding_window=window, sliding_window_layers=window_layers, qk_norm=variant.qk_norm,
         norm_gain_offset=1.0 if variant.gemma else 0.0,
         embedding_scale=float(torch.tensor(d**0.5, dtype=torch.float32)) if variant.gemma else None,
-        **(_gemma2_options(config, arch) if variant.sandwich else {}),
+        rotary_base_local=local, **(_gemma2_options(config, arch) if variant.sandwich else {}),
     )
 
 

@@ -65,14 +65,15 @@ def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x, approximate="tanh")  # gelu_new (GPT-2)
 
 
-def _rotate(x: torch.Tensor, cfg: Config) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cfg: Config, layer: int | None = None) -> torch.Tensor:
     """Rotary embedding of ``x: [batch, pos, head, d_head]``: the first ``rotary_dim`` entries
     rotate in pairs ``(i, i + rotary_dim / 2)`` (GPT-NeoX layout), or ``(2i, 2i + 1)`` with
-    ``cfg.rotary_interleaved`` (GPT-J), pair ``i`` by the angle ``pos * base^(-i / (rotary_dim / 2))``."""
+    ``cfg.rotary_interleaved`` (GPT-J), pair ``i`` by the angle ``pos * base^(-i / (rotary_dim / 2))``
+    (``base``: layer ``layer``'s, :meth:`~circuitmath.Config.rotary_base_at`)."""
     rotary_dim = cfg.rotary_dim or cfg.d_head
     half = rotary_dim // 2
     positions = torch.arange(x.shape[1], dtype=torch.float64, device=x.device)
-    freqs = cfg.rotary_base ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
+    freqs = cfg.rotary_base_at(layer) ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
     angles = positions[:, None] * freqs[None, :]
     cos = torch.cos(angles).to(x.dtype)[None, :, None, :]
     sin = torch.sin(angles).to(x.dtype)[None, :, None, :]
@@ -161,7 +162,7 @@ def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in, record:
     if cfg.qk_norm:
         q, k = _head_norm(params, f"{p}.q_norm", cfg, q), _head_norm(params, f"{p}.k_norm", cfg, k)
     if cfg.positional_embedding_type == "rotary":
-        q, k = _rotate(q, cfg), _rotate(k, cfg)
+        q, k = _rotate(q, cfg, layer), _rotate(k, cfg, layer)
     pattern = pattern_from_scores(torch.einsum("bqhe,bkhe->bhqk", q, k), cfg, layer, params.get(f"{p}.sinks"))
     z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
     if record is None:  # one [n_heads d_head, d_model] product

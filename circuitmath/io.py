@@ -21,7 +21,8 @@ reference conventions (TransformerLens names, row vectors ``x @ W``, per-head
   sliding window (Mistral), query/key/value biases (Qwen2), per-head QK-norm (Qwen3);
 - :func:`from_hf_gemma`: LLaMA's layout with gains applied as ``1 + w`` and embeddings scaled by
   ``sqrt(d_model)``; :func:`from_hf_gemma2`: Gemma's with sandwich norms, a query scale, softcaps
-  on the attention scores and the logits, and sliding-window layers; :func:`from_hf_phi3`: LLaMA's
+  on the attention scores and the logits, and sliding-window layers; :func:`from_hf_gemma3`:
+  Gemma 2's with QK-norm, no softcaps and a rotary base of their own in the sliding layers; :func:`from_hf_phi3`: LLaMA's
   with fused ``qkv_proj`` and ``gate_up_proj`` and partial rotary;
 - :func:`from_hf_gptj`: GPT-J (parallel attention and MLP on one LayerNorm, interleaved partial
   rotary); :func:`from_hf_opt`: OPT (learned positions read with an offset of 2, ReLU, pre- or
@@ -74,6 +75,7 @@ from ._hf import (
     from_hf_gpt2,
     from_hf_gemma,
     from_hf_gemma2,
+    from_hf_gemma3,
     from_hf_phi3,
     from_hf_gptj,
     from_hf_opt,
@@ -107,6 +109,7 @@ __all__ = [
     "from_hf_qwen3",
     "from_hf_gemma",
     "from_hf_gemma2",
+    "from_hf_gemma3",
     "from_hf_phi3",
     "from_hf_gptj",
     "from_hf_opt",

@@ -77,7 +77,7 @@ def configs(
     normalization_types=NORMALIZATIONS, norm_positions=("pre",), positional_embedding_types=_DRAWN_POSITIONAL,
     act_fns=ACTIVATIONS, attn_only: bool | None = None, gated_mlp=(False, True), parallel_attn_mlp=(False, True),
     grouped_query=(False,), sliding_window=(False,), qk_norm=(False,), norm_gain_offsets=(0.0,), softcaps=(False,),
-    post_norms=(False,), rotary_interleaved=(False,), embedding_norm=(False,),
+    post_norms=(False,), rotary_interleaved=(False,), embedding_norm=(False,), local_rotary_base=(False,),
 ) -> st.SearchStrategy[Config]:
     """Strategy for :class:`~circuitmath.Config`\\ s no larger than the ``max_*`` sizes.
 
@@ -110,7 +110,8 @@ def configs(
     all drawn unless narrowed (a test names the ones its library processes), but for ALiBi
     (BLOOM), drawn when ``positional_embedding_types`` names ``"alibi"``; then
     ``embedding_norm=(False, True)`` draws BLOOM's LayerNorm of the token embeddings in its
-    pre-LayerNorm models.
+    pre-LayerNorm models, and ``local_rotary_base=(False, True)`` a rotary base of their own for
+    the sliding-window layers of rotary models (Gemma 3).
 
     >>> from hypothesis import given, settings
     >>> @settings(max_examples=10, deadline=None)
@@ -134,6 +135,7 @@ def configs(
         gated_mlp=gated_mlp, parallel_attn_mlp=parallel_attn_mlp, grouped_query=grouped_query,
         sliding_window=sliding_window, qk_norm=qk_norm, norm_gain_offsets=norm_gain_offsets, softcaps=softcaps,
         post_norms=post_norms, rotary_interleaved=rotary_interleaved, embedding_norm=embedding_norm,
+        local_rotary_base=local_rotary_base,
     ).checked())
 
 
@@ -166,6 +168,7 @@ class _ConfigOptions:
     post_norms: tuple
     rotary_interleaved: tuple
     embedding_norm: tuple
+    local_rotary_base: tuple
 
     def checked(self) -> _ConfigOptions:
         """These options, each choice a tuple of allowed values; raises ``InvalidArgument`` naming the first bad one."""
@@ -184,7 +187,7 @@ class _ConfigOptions:
         for name in ("gated_mlp", "parallel_attn_mlp", "grouped_query", "sliding_window", "qk_norm"):
             choices[name] = _check_choices(name, getattr(self, name), (False, True))
         choices["norm_gain_offsets"] = _check_choices("norm_gain_offsets", self.norm_gain_offsets, (0.0, 1.0))
-        for name in ("softcaps", "post_norms", "rotary_interleaved", "embedding_norm"):
+        for name in ("softcaps", "post_norms", "rotary_interleaved", "embedding_norm", "local_rotary_base"):
             choices[name] = _check_choices(name, getattr(self, name), (False, True))
         if choices["norm_positions"] == ("post",) and choices["normalization_types"] == (None,):
             raise InvalidArgument("post-norm models need a normalization type other than None")
@@ -241,6 +244,8 @@ def _drawn_config(draw, o: _ConfigOptions) -> Config:
         post_norms=sandwich,
         rotary_interleaved=positional == "rotary" and draw(st.sampled_from(o.rotary_interleaved)),
         embedding_norm=(position, normalization, positional) == ("pre", "LN", "alibi") and draw(st.sampled_from(o.embedding_norm)),
+        rotary_base_local=draw(st.sampled_from([100.0, 1e6])) if positional == "rotary" and window is not None
+        and draw(st.sampled_from(o.local_rotary_base)) else None,
         **caps,
     )
 

@@ -100,6 +100,7 @@ def _without(feature: str):
         "rotary_interleaved": lambda cfg: cfg.replace(rotary_interleaved=False),
         "position_offset": lambda cfg: cfg,  # W_pos read from row 0 below
         "logit_scale": lambda cfg: cfg.replace(logit_scale=None),
+        "rotary_base_local": lambda cfg: cfg.replace(rotary_base_local=None),
         "alibi": lambda cfg: cfg,  # the slopes are zeroed below
         "embedding_norm": lambda cfg: cfg.replace(embedding_norm=False),
     }[feature]
@@ -111,7 +112,8 @@ def _without(feature: str):
                                           ("Gemma2", "post_norms"), ("Gemma2", "window"), ("Phi3", "gate_up_order"),
                                           ("Phi3", "full_rotary"), ("GPT-J", "rotary_interleaved"),
                                           ("OPT", "position_offset"), ("Cohere", "logit_scale"),
-                                          ("Cohere", "rotary_interleaved"), ("BLOOM", "alibi"),
+                                          ("Cohere", "rotary_interleaved"), ("BLOOM", "alibi"), ("Gemma3", "rotary_base_local"),
+                                          ("Gemma3", "qk_norm"), ("Gemma3", "post_norms"), ("Gemma3", "1 + w"),
                                           ("BLOOM", "embedding_norm")])
 def test_negative_control_a_feature_left_out_is_caught(name, feature, monkeypatch):
     tokens = _tokens()
@@ -236,6 +238,10 @@ EXPECTED = {  # (family, identity): the verdict's start (a refusal names the fea
     ("Gemma2", "rotate_residual_stream"): "not exact: each sandwich norm's gain is one number",
     ("Gemma2", "fold_rms_norm"): "exact",
     ("Gemma2", "fold_value_biases"): "exact",
+    ("Gemma3", "fold_rms_norm"): "exact",
+    ("Gemma3", "center_unembed"): "exact",
+    ("Gemma3", "rotate_heads"): "not exact: no QK-norm",
+    ("Gemma3", "rotate_residual_stream"): "not exact: each sandwich norm's gain is one number",
     ("BLOOM", "fold_layer_norm"): "exact",
     ("BLOOM", "remove_key_biases"): "exact",
     ("BLOOM", "refactor_factored_attn_matrices"): "exact",
@@ -261,7 +267,7 @@ from circuitmath import strategies  # noqa: E402
 
 FEATURES = strategies.configs(sliding_window=(False, True), qk_norm=(False, True), norm_gain_offsets=(0.0, 1.0),
                               softcaps=(False, True), post_norms=(False, True), rotary_interleaved=(False, True),
-                              grouped_query=(False, True), max_ctx=6,
+                              grouped_query=(False, True), local_rotary_base=(False, True), max_ctx=6,
                               min_d_model=4)
 
 

@@ -265,8 +265,8 @@ def score_terms(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, layer:
     p = f"blocks.{layer}.attn"
     q["constant"], k["constant"] = _project(state_dict, p, cfg, "Q", constant), _project(state_dict, p, cfg, "K", constant)
     if cfg.positional_embedding_type == "rotary":
-        q = {name: _rotate(x, cfg) for name, x in q.items()}
-        k = {name: _rotate(x, cfg) for name, x in k.items()}
+        q = {name: _rotate(x, cfg, layer) for name, x in q.items()}
+        k = {name: _rotate(x, cfg, layer) for name, x in k.items()}
 
     def scores(a, b):
         return torch.einsum("bqhe,bkhe->bhqk", q[a], k[b])
