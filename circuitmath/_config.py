@@ -323,9 +323,10 @@ def _relation_problems(cfg: Config) -> list[str]:
         problems.append("gated_mlp needs d_mlp (an attention-only model has no MLP)")
     if cfg.parallel_attn_mlp and (cfg.d_mlp is None or cfg.norm_position == "post"):
         problems.append("parallel_attn_mlp needs an MLP and a pre-norm model")
-    if cfg.embedding_norm and cfg.norm_position == "pre" and (cfg.normalization_type != "LN" or cfg.positional_embedding_type != "alibi"):
-        problems.append("embedding_norm in a pre-norm model is BLOOM's embedding LayerNorm: it needs"
-                        " normalization_type='LN' and positional_embedding_type='alibi' (no W_pos added before it)")
+    if cfg.embedding_norm and cfg.norm_position == "pre" and (cfg.normalization_type not in ("LN", "LNPre")
+                                                              or cfg.positional_embedding_type != "alibi"):
+        problems.append("embedding_norm in a pre-norm model is BLOOM's embedding LayerNorm: it needs a LayerNorm"
+                        " (normalization_type 'LN' or 'LNPre') and positional_embedding_type='alibi' (no W_pos added before it)")
     if cfg.sliding_window_layers is not None:
         if cfg.sliding_window is None:
             problems.append("sliding_window_layers needs a sliding_window")

@@ -127,7 +127,8 @@ def test_negative_control_the_float32_comparison_sees_eight_units_in_the_last_pl
 @pytest.mark.parametrize("name", NAMES)
 def test_the_bridge_computes_its_models_log_probs(name):
     """The bridge's own forward pass, before and after its processing, is the model's (float32:
-    measured up to 3e-6), except on a post-norm OPT, whose forward the bridge cannot run, and
+    measured up to 3e-6; 1.5e-5 on Gemma 3, whose uncapped logits reach 15 and whose
+    transformers forward pass is itself 1.9e-5 from its float64 value), except on a post-norm OPT, whose forward the bridge cannot run, and
     after processing GPT-OSS, whose value biases it folds although its attention sinks make the
     pattern's rows sum to less than 1."""
     model, config = family_model(name)
@@ -145,7 +146,7 @@ def test_the_bridge_computes_its_models_log_probs(name):
             if each is processed and io.family(name).cfg.attn_sinks:  # 4.3 folds value biases through sinks
                 assert error > 1  # measured 2.99
             else:
-                assert error < 1e-5
+                assert error < (3e-5 if name == "Gemma3" else 1e-5)
 
 
 # -- the differences, each as measured on 4.3.0 --------------------------------------------------

@@ -77,7 +77,7 @@ def _architecture(cfg: Config) -> dict:
     norm = {"LN": "LayerNorm", "LNPre": "LayerNorm", "RMS": "RMSNorm", "RMSPre": "RMSNorm"}.get(cfg.normalization_type)
     return {
         "n_layers": cfg.n_layers, "d_model": cfg.d_model, "d_vocab": cfg.d_vocab, "n_ctx": cfg.n_ctx,
-        "positions": "rotary" if cfg.positional_embedding_type == "rotary" else "learned",
+        "positions": {"rotary": "rotary", "alibi": "ALiBi"}.get(cfg.positional_embedding_type, "learned"),
         "mlp": "none" if cfg.d_mlp is None else ("gated " if cfg.gated_mlp else "") + cfg.act_fn,
         "parallel_attn_mlp": cfg.parallel_attn_mlp, "norm_position": cfg.norm_position,
         "embedding_norm": cfg.embedding_norm, "norm": norm,
