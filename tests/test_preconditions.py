@@ -107,7 +107,9 @@ def _circuit_calls(state_dict, cfg, tokens):
     yield lambda: circuits.attention_patterns(state_dict, cfg, tokens)
     yield lambda: circuits.path_terms(state_dict, cfg, tokens)
     yield lambda: circuits.score_terms(state_dict, cfg, tokens, 1)
-    bases = torch.eye(cfg.d_head, dtype=torch.float64).expand(cfg.n_layers, cfg.n_key_value_heads or cfg.n_heads, -1, -1)
+    # a basis that scales the two dimensions of a rotary pair differently: it does not commute with the rotation
+    diagonal = torch.diag(torch.arange(1, cfg.d_head + 1, dtype=torch.float64))
+    bases = diagonal.expand(cfg.n_layers, cfg.n_key_value_heads or cfg.n_heads, -1, -1)
     yield lambda: circuits.change_head_bases(state_dict, cfg, query_key=bases, value=bases)
 
 

@@ -91,3 +91,35 @@ def test_the_checker_recovers_a_commuting_rotation_and_refuses_a_planted_wrong_o
         assert not report.ok, name
         assert {c.name for c in report.culprits()} & {"blocks.0.attn.W_Q", "blocks.0.attn.W_K", "blocks.0.attn._W_K"}, \
             (name, report)
+
+
+def _scaled_turns(cfg, pairs_of) -> torch.Tensor:
+    """An invertible, not orthogonal, N ``[n_layers, kv_heads, d_head, d_head]``: each pair of
+    ``pairs_of``'s layout scaled and turned within itself, the dimensions past rotary_dim mixed."""
+    half = cfg.rotary_dim // 2
+    N = torch.zeros(cfg.d_head, cfg.d_head, dtype=torch.float64)
+    for i in range(half):
+        first, second = (2 * i, 2 * i + 1) if pairs_of.rotary_interleaved else (i, i + half)
+        a, b = 1.5 + i, 0.5 - i
+        N[first, first], N[second, second], N[first, second], N[second, first] = a, a, b, -b
+    rest = cfg.d_head - cfg.rotary_dim
+    N[cfg.rotary_dim:, cfg.rotary_dim:] = torch.eye(rest, dtype=torch.float64) * 2 + torch.ones(rest, rest) * 0.5
+    return N.expand(cfg.n_layers, cfg.n_key_value_heads, cfg.d_head, cfg.d_head).clone()
+
+
+@pytest.mark.parametrize("model", [m for m in MODELS if "rotary_dim 4" in m])
+def test_change_head_bases_takes_an_invertible_basis_that_commutes_with_the_rotary_embedding(model):
+    """Scaled turns of each pair and any invertible map of the unrotated dimensions keep every
+    score (the proof does not use orthogonality); the same built on the other layout's pairs is
+    refused, and would have changed the model."""
+    from circuitmath.circuits import change_head_bases
+
+    cfg = MODELS[model]
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    N = _scaled_turns(cfg, cfg)
+    assert _gap(sd, cfg, change_head_bases(sd, cfg, query_key=N), cfg) < 1e-12
+    wrong = _scaled_turns(cfg, cfg.replace(rotary_interleaved=not cfg.rotary_interleaved))
+    with pytest.raises(cm.PreconditionError, match="does not commute"):
+        change_head_bases(sd, cfg, query_key=wrong)
+    inverse = torch.linalg.inv(wrong).transpose(-1, -2)
+    assert _gap(sd, cfg, _change_bases(sd, cfg, query=wrong, key=inverse), cfg) > 1e-2

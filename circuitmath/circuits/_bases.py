@@ -19,6 +19,19 @@ from .._state import StateDict, attention_names, validate_state_dict
 __all__ = ["change_head_bases"]
 
 
+def _commutes_with_rotary(N: torch.Tensor, cfg: Config) -> bool:
+    """Whether every ``N`` ``[..., d_head, d_head]`` (float64) commutes with the rotary embedding's
+    generator (:func:`~circuitmath._processing.quantisation.rotary_generator`), to float64's rounding
+    of ``N``'s size."""
+    from .._processing.quantisation import rotary_generator
+
+    if not N.numel():  # no layers: nothing to change
+        return True
+    J = rotary_generator(cfg).to(N.device)
+    scale = max(float(N.abs().max()) * float(J.abs().max()), 1e-300)
+    return float((N @ J - J @ N).abs().max()) <= 64 * cfg.d_head * torch.finfo(torch.float64).eps * scale
+
+
 def _change_bases(
     state_dict: StateDict, cfg: Config, *, query=None, key=None, value=None, output=None
 ) -> dict[str, torch.Tensor]:
@@ -77,8 +90,11 @@ def change_head_bases(
     and ``M`` from an SVD); this function takes any. Not a processing step: nothing is recorded
     in ``cfg.applied``. Computed in float64, returned in the input dtype.
 
-    Refused (:class:`~circuitmath.PreconditionError`) for a rotary model when ``query_key`` is
-    given: the rotation by position between ``W_Q`` and ``W_K`` does not commute with ``N``.
+    On a rotary model ``N`` must commute with the rotation by position between ``W_Q`` and
+    ``W_K``: each rotary pair (``(i, i + rotary_dim / 2)``, or ``(2i, 2i + 1)`` interleaved)
+    scaled and turned within itself (``[[a, b], [-b, a]]``), the dimensions past ``rotary_dim``
+    mapped among themselves by any invertible block (identity ``rotate_rotary_pairs``). Any other
+    ``N`` is refused (:class:`~circuitmath.PreconditionError`).
 
     >>> import torch, circuitmath as cm
     >>> cfg = cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=6, d_mlp=None)
@@ -99,12 +115,14 @@ def change_head_bases(
             raise InputError(f"change_head_bases: {name} is on {matrices.device}, the weights on {device}")
     changes = {}
     if query_key is not None:
-        require(
-            refactor_factored_attn_matrices.identity, NOT_ROTARY, cfg.positional_embedding_type != "rotary",
-            "positional_embedding_type is 'rotary': a rotation by position sits between W_Q and W_K,"
-            " and N does not commute with it",
-        )
         N = query_key.double()
+        require(
+            refactor_factored_attn_matrices.identity, NOT_ROTARY,
+            cfg.positional_embedding_type != "rotary" or _commutes_with_rotary(N, cfg),
+            "positional_embedding_type is 'rotary': a rotation by position sits between W_Q and W_K,"
+            " and N does not commute with it (it must scale and turn each rotary pair within itself and"
+            " map the dimensions past rotary_dim among themselves)",
+        )
         changes |= {"query": N, "key": torch.linalg.inv(N).transpose(-1, -2)}
     if value is not None:
         M = value.double()
