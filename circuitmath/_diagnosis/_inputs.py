@@ -52,7 +52,7 @@ def resolve_model(source, cfg=None) -> tuple[dict[str, torch.Tensor], Config]:
     naming what is wrong.
     """
     model = resolve(source, cfg)
-    return model.state_dict, model.cfg
+    return dict(model.state_dict), model.cfg  # a plain dict: the caller's to change
 
 
 @dataclass(frozen=True, eq=False)
