@@ -186,3 +186,22 @@ def test_a_failing_check_builds_no_proof(monkeypatch):
                 if wrong is not None and not wrong.regardless:  # regardless: the identity's rewrite, refused
                     assert twin.description.startswith(wrong.description), (identity.name, twin.name)
     assert built
+
+
+def test_a_model_object_and_a_hugging_face_state_dict_are_validated_once(counted):
+    """Inputs converted from a ``transformers`` model or a Hugging Face state dict are validated
+    by their conversion, once; nothing made of them is validated again."""
+    from circuitmath._conformance import family_model
+
+    model, config = family_model("LLaMA")
+    stored = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    before, cfg = cm.io.from_hf(stored, config)
+    after, after_cfg = cm.process_weights(before, cfg)
+    tally = counted(after=after)
+    assert_equivalent(model, after, after_cfg=after_cfg)
+    assert tally == {"other": 1, "after": 1}
+    after["blocks.0.attn.b_O"] = after["blocks.0.attn.b_O"] + 0.5
+    tally = counted(after=after)
+    with pytest.raises(NotEquivalentError):
+        assert_equivalent(stored, after, config, after_cfg=after_cfg)
+    assert tally == {"other": 1, "after": 1}
