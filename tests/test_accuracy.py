@@ -108,6 +108,7 @@ _HALF_MODELS["shortformer"] = _HALF_MODELS["LN"].replace(positional_embedding_ty
 _HALF_MODELS["RMSPre"] = _HALF_MODELS["RMS"].replace(normalization_type="RMSPre")
 _HALF_MODELS["LNPre"] = _HALF_MODELS["LN"].replace(normalization_type="LNPre")
 _HALF_MODELS["eps 0"] = _HALF_MODELS["LN"].replace(eps=0.0)
+_HALF_MODELS["logit scale"] = _HALF_MODELS["RMS"].replace(logit_scale=0.0625 * 1.1)
 
 
 def _rotated(state_dict, cfg):
@@ -130,6 +131,7 @@ _HALF_PRECISION_CASES = [
     ("LN", functools.partial(rotate_heads, value=_ORTHOGONAL_64[0], query_key=_ORTHOGONAL_64[1])),
     ("RMS", functools.partial(scale_neurons, scales=torch.exp(torch.randn(
         512, dtype=torch.float64, generator=torch.Generator().manual_seed(2))))),
+    ("logit scale", "fold_logit_scale"),
 ]
 
 
@@ -158,8 +160,12 @@ def test_every_public_transform_is_checked_in_half_precision():
     """Registry guard: a new public transform joins the cases above, or says here why not."""
     import circuitmath
 
-    moves_entries_only = {"permute_heads", "permute_neurons", "remove_key_biases", "layer_norm_to_rms_norm"}
-    elsewhere = {"process_weights"}  # test_half_precision_equals_float32_processing_rounded_once
+    moves_entries_only = {"permute_heads", "permute_neurons", "remove_key_biases", "layer_norm_to_rms_norm",
+                          "permute_experts"}
+    # process_weights: test_half_precision_equals_float32_processing_rounded_once; fold_embedding_scale
+    # multiplies by the scale rounded to the weights' dtype, as the forward pass does (not the float64
+    # transform rounded once): test_scales' bit-for-bit test in each dtype
+    elsewhere = {"process_weights", "fold_embedding_scale"}
     named = {getattr(step, "func", step).__name__ if callable(step) else step for _arch, step in _HALF_PRECISION_CASES}
     named = {"rotate_residual_stream" if name == "_rotated" else name for name in named}
     public = {name for name in circuitmath.__all__ if hasattr(getattr(circuitmath, name), "identity")}
