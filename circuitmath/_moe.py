@@ -102,12 +102,15 @@ def routing(params, prefix: str, cfg: Config, x: torch.Tensor) -> torch.Tensor:
 
 
 def mixture(params, prefix: str, cfg: Config, x: torch.Tensor,
-            gated_mlp: Callable[[str, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+            gated_mlp: Callable[[str, torch.Tensor], torch.Tensor], record: list | None = None) -> torch.Tensor:
     """The mixture-of-experts MLP ``prefix`` on the normalised stream ``x`` ``[batch, pos,
     d_model]``, ``[batch, pos, d_model]``. ``gated_mlp(prefix, x)`` is the dense gated MLP of the
     tensors under ``prefix`` (the reference's). Every expert runs on every position (clarity,
-    not speed); one not chosen has weight exactly zero, so it adds nothing."""
+    not speed); one not chosen has weight exactly zero, so it adds nothing. ``record``, a list,
+    receives the routing weights ``[batch, pos, n_experts]``."""
     weights = routing(params, prefix, cfg, x)
+    if record is not None:
+        record.append(weights)
     out = torch.zeros_like(x)
     for e, expert in enumerate(expert_names(cfg, prefix)):
         chosen = weights[..., e] != 0

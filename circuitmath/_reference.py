@@ -173,9 +173,10 @@ def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in, record:
     return per_head.sum(dim=2) + params[f"{p}.b_O"]
 
 
-def _mlp(params: StateDict, p: str, cfg: Config, x: torch.Tensor) -> torch.Tensor:
+def _mlp(params: StateDict, p: str, cfg: Config, x: torch.Tensor, record: dict | None = None) -> torch.Tensor:
     if cfg.n_experts is not None:
-        return mixture(params, p, cfg, x, lambda expert, v: _dense_mlp(params, expert, cfg, v))
+        return mixture(params, p, cfg, x, lambda expert, v: _dense_mlp(params, expert, cfg, v),
+                       None if record is None else record["routing"])
     return _dense_mlp(params, p, cfg, x)
 
 
@@ -226,13 +227,14 @@ def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, *, record:
     attention pattern ``[batch, n_heads, query, key]``; ``"head_outputs"``, per layer each head's
     write ``[batch, pos, n_heads, d_model]`` (without ``b_O``; they sum, with it, to the
     layer's output); ``"residuals"``, per layer of a pre-norm model the residual stream entering
-    it ``[batch, pos, d_model]`` (what its first norm reads); and ``"final_residual"``, the
+    it ``[batch, pos, d_model]`` (what its first norm reads); ``"final_residual"``, the
     residual stream ``[batch, pos, d_model]`` after the last block (what a pre-norm model's
-    final norm reads).
+    final norm reads); and for a mixture-of-experts model ``"routing"``, per layer the weight of
+    each expert at each position ``[batch, pos, n_experts]`` (zero for the experts not chosen).
     """
     validate_state_dict(state_dict, cfg)
     if record is not None:
-        record.update(patterns=[], head_outputs=[], residuals=[])
+        record.update(patterns=[], head_outputs=[], residuals=[], **({"routing": []} if cfg.n_experts else {}))
     tokens = check_tokens(cfg, tokens, state_dict["embed.W_E"].device)
     x, pos = embed(state_dict, cfg, tokens)
     for layer in range(cfg.n_layers):
@@ -278,7 +280,8 @@ def block(params: StateDict, layer: int, cfg: Config, x: torch.Tensor, pos: torc
         return x + attn_out + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x, centering))
     x = x + _post_norm(params, f"{p}.ln1_post", cfg, attn_out)
     if not cfg.attn_only:
-        x = x + _post_norm(params, f"{p}.ln2_post", cfg, _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x, centering)))
+        mlp_out = _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x, centering), record)
+        x = x + _post_norm(params, f"{p}.ln2_post", cfg, mlp_out)
     return x
 
 
