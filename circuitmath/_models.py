@@ -10,11 +10,12 @@ once, at the public boundary:
   ``process_weights`` the ``w`` that ``tl_parameters`` reports is stale), grouped keys and values
   taken back from the per-query-head copies it hands out, and its config read from the
   ``transformers`` model it wraps (the converter of its ``model_type``). What ``tl_parameters``
-  leaves out is read as the family's converter reads it: QK-norms and sandwich norms from
-  ``state_dict()``, the one norm both parallel branches read as ``ln1`` and ``ln2``, a
-  LayerNorm without a bias as one whose bias is zero, learned positions from the row the
-  embedding's ``offset`` says position 0 reads (OPT's 2), the logit scale the wrapped model
-  multiplies by (Cohere's, 1 once the bridge folds it into the unembedding);
+  leaves out is read as the family's converter reads it: QK-norms, sandwich norms and an
+  embedding norm from ``state_dict()``, the one norm both parallel branches read as ``ln1`` and
+  ``ln2``, a LayerNorm without a bias as one whose bias is zero, learned positions from the row
+  the embedding's ``offset`` says position 0 reads (OPT's 2), the logit scale the wrapped model
+  multiplies by (Cohere's, 1 once the bridge folds it into the unembedding); a parameter it
+  makes up that its forward pass does not read (BLOOM's ``W_pos``) is left out;
 - a ``transformers`` ``PreTrainedModel``: ``state_dict()`` in Hugging Face names with
   ``model.config`` (converted by :func:`circuitmath.io.from_hf`);
 - any other ``nn.Module``: its ``state_dict()``, in a naming circuitmath reads (TransformerLens's
@@ -82,6 +83,8 @@ _LIVE = [
     (re.compile(r"(blocks\.\d+\.mlp)\.W_(in|out|gate)"), r"\1.\2.weight"),
     (re.compile(r"(blocks\.\d+\.mlp)\.b_(in|out|gate)"), r"\1.\2.bias"),
     (re.compile(r"embed\.W_E"), "embed.weight"),
+    (re.compile(r"embed\.ln\.w"), "embed_ln.weight"),
+    (re.compile(r"embed\.ln\.b"), "embed_ln.bias"),
     (re.compile(r"pos_embed\.W_pos"), "pos_embed.weight"),
     (re.compile(r"unembed\.W_U"), "unembed.weight"),
     (re.compile(r"unembed\.b_U"), "unembed.bias"),
@@ -133,6 +136,9 @@ def _bridge_state_dict(bridge, cfg) -> tuple[dict[str, torch.Tensor], Config]:
     shapes = expected_shapes(cfg)
     for name in shapes.keys() - params.keys():  # read from the live tensors below
         params[name] = torch.empty(0)
+    for name in params.keys() - shapes.keys():  # made up by the bridge (BLOOM's W_pos): nothing reads it
+        if live.get(_live_key(name.replace("._", ".")) or "") is None:
+            del params[name]
     for name, tensor in params.items():
         key = _live_key(name.replace("._", "."))
         stored = live.get(key) if key else None
