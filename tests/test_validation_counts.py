@@ -136,7 +136,8 @@ def test_a_nan_planted_after_processing_is_still_refused():
     assert torch.isnan(after["unembed.b_U"][0])
 
 
-def test_after_s_norm_is_read_from_the_tensors_without_a_forward_pass(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_after_s_norm_is_read_from_the_tensors_without_a_forward_pass(monkeypatch, dtype):
     """Without ``after_cfg``, a LayerNorm model processed into uncentered writes is read as
     ``LNPre`` or ``RMSPre`` from its embedding (the fold leaves it alone; the SliceGPT route centers
     it, switches to RMSNorm and rotates it): no forward pass; where the embedding does not decide
@@ -149,7 +150,7 @@ def test_after_s_norm_is_read_from_the_tensors_without_a_forward_pass(monkeypatc
     real = _inputs.compare_log_probs
     monkeypatch.setattr(_inputs, "compare_log_probs", lambda *args: passes.append(1) or real(*args))
     cfg = LN.replace(d_model=12, n_heads=3, d_head=4)
-    before = cm.random_state_dict(cfg, seed=1, dtype=torch.float64)
+    before = cm.random_state_dict(cfg, seed=1, dtype=dtype)
     folded, folded_cfg = cm.fold_layer_norm(before, cfg)
     rms, rms_cfg = to_rms_pre(before, cfg)
     rotated, rotated_cfg = cm.rotate_residual_stream(rms, rms_cfg, random_orthogonal(cfg.d_model, seed=0))
