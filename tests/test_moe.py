@@ -12,7 +12,7 @@ import transformers
 from test_families import _hf_log_probs, _model, _ours, _tokens
 
 import circuitmath as cm
-from circuitmath import _diagnosis as diagnosis, io
+from circuitmath import _diagnosis as diagnosis, io, testing
 from circuitmath._checkpoint import INDEX
 from circuitmath._hf import hf_layout
 from circuitmath._moe import routing
@@ -159,6 +159,20 @@ def test_a_router_left_out_is_rejected(name, identity, wrong):
     assert not ident.check_wrong_rewrite(wrong, sd, cfg).passed
     if identity != "permute_experts":  # a dense model has no router to leave out
         assert wrong not in ident.wrong_rewrites_for(io.family("LLaMA").cfg)
+
+
+@pytest.mark.parametrize("identity,wrong", ROUTER_TWINS[:3])
+def test_the_planted_router_error_is_named(identity, wrong):
+    """A router left out of a fold, a rotation or a scale migration: the identity's checker
+    names that wrong rewrite and the routers."""
+    cfg = io.family("Mixtral").cfg
+    ident = cm.get_identity(identity)
+    before, before_cfg = ident.prepared(cm.random_state_dict(cfg, seed=0, dtype=F64), cfg)
+    after, after_cfg = ident.wrong_rewrites[wrong](before, before_cfg)
+    report = getattr(testing, f"check_{ident.function}")(before, after, before_cfg, after_cfg=after_cfg)
+    row = next(f for f in report.findings if f.rewrite is not None)
+    assert not report.ok and row.rewrite == f"{identity}.{wrong}"
+    assert {p.name for p in row.parameters} >= {"blocks.0.mlp.W_router", "blocks.1.mlp.W_router"}
 
 
 @pytest.mark.parametrize("identity", ["permute_experts", "fold_rms_norm"])
