@@ -200,12 +200,12 @@ def test_the_expert_permutation_is_recovered_and_named():
     sd = cm.random_state_dict(cfg, seed=0, dtype=F64)
     perm = torch.tensor([[1, 2, 3, 0], [3, 2, 1, 0]])
     after, _ = cm.permute_experts(sd, cfg, perm)
-    assert torch.equal(cm._processing.recover_expert_permutation(sd, after, cfg), perm)
+    assert torch.equal(cm.recover_expert_permutation(sd, after, cfg), perm)
     assert_equivalent(sd, after, cfg)
     assert [(f.name, f.status, f.rewrite) for f in diagnose(sd, after, cfg).findings][0] == \
         ("permute_experts", "holds", "exact")
     spoiled = dict(after, **{"blocks.1.mlp.experts.0.W_out": after["blocks.1.mlp.experts.1.W_out"]})
-    assert cm._processing.recover_expert_permutation(sd, spoiled, cfg) is None
+    assert cm.recover_expert_permutation(sd, spoiled, cfg) is None
 
 
 def test_a_pipeline_with_an_expert_permutation_is_taken_apart():
