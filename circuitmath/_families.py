@@ -94,6 +94,11 @@ FAMILIES: tuple[Family, ...] = (
                                            "rope_parameters": _ROPE, "bos_token_id": 0, "eos_token_id": 0,
                                            "multi_query": False, "parallel_attn": False},
            "Falcon with per-head fused q/k/v and sequential attention and MLP, two norms"),
+    Family("Falcon-40B", "falcon", {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                    "num_kv_heads": 2, "new_decoder_architecture": True, "max_position_embeddings": 16,
+                                    "ffn_hidden_size": 48, "rope_parameters": _ROPE, "bos_token_id": 0, "eos_token_id": 0},
+           "Falcon's new decoder architecture: a LayerNorm for each parallel branch (ln_attn, ln_mlp) and grouped"
+           " key/value heads, each stored after its group's query heads in query_key_value"),
     Family("Mixtral", "mixtral", _SMALL | {"intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2},
            "LLaMA whose MLP is a mixture of gated experts: a router picks the top 2 of 4 per token"),
     Family("Qwen2-MoE", "qwen2_moe", _SMALL | {"moe_intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2,

@@ -427,8 +427,11 @@ def from_hf_falcon(state_dict: StateDict, config) -> tuple[dict[str, torch.Tenso
     head, then one key head and one value head (grouped-query attention with one key/value
     head); without, ``[q | k | v]`` per head (GPT-NeoX's layout). With ``parallel_attn`` both
     branches read ``input_layernorm`` (``ln1`` and ``ln2`` are views of it), else the MLP reads
-    ``post_attention_layernorm``. Refused: ``alibi``, ``new_decoder_architecture`` (its grouped
-    rows are no view of per-head weights).
+    ``post_attention_layernorm``. Falcon-40B/180B (``new_decoder_architecture``): parallel blocks
+    with a norm for each branch (``ln_attn``, ``ln_mlp``; one ``input_layernorm`` with
+    ``num_ln_in_parallel_attn=1``) and ``num_kv_heads`` key/value heads, each stored after its
+    group's query heads (:func:`_grouped_qkv`); its query heads are copies, not views, so a
+    processed Falcon-40B is written in circuitmath's names. Refused: ``alibi``.
     """
     return _falcon_layout(config).convert(state_dict)
 
@@ -436,11 +439,14 @@ def from_hf_falcon(state_dict: StateDict, config) -> tuple[dict[str, torch.Tenso
 def _falcon_layout(config) -> Layout:
     arch = "Falcon"
     _require(not _option(config, "alibi", False), arch, "alibi=True (ALiBi position biases, which the reference lacks)")
-    _require(not _option(config, "new_decoder_architecture", False), arch,
-             "new_decoder_architecture=True (Falcon-40B/180B's grouped fused rows)")
     d, heads, layers = _dimensions(config, arch)
     d_head = d // heads
-    multi_query, parallel = bool(_option(config, "multi_query", True)), bool(_option(config, "parallel_attn", True))
+    new = bool(_option(config, "new_decoder_architecture", False))
+    multi_query, parallel = bool(_option(config, "multi_query", True)) and not new, bool(_option(config, "parallel_attn", True))
+    _require(parallel or not new, arch, "new_decoder_architecture with parallel_attn=False (no norm feeds its MLP)")
+    kv_heads = (_int(config, "num_kv_heads", arch, None) or heads) if new else 1 if multi_query else heads
+    _require(heads % kv_heads == 0, arch, f"num_kv_heads={kv_heads} does not divide num_attention_heads={heads}")
+    two_norms = new and (_int(config, "num_ln_in_parallel_attn", arch, None) or 2) == 2
     bias = bool(_option(config, "bias", False))
     base, rotary_dim = _rotary(config, d_head, arch)
     cfg = Config(
@@ -449,7 +455,7 @@ def _falcon_layout(config) -> Layout:
         act_fn=_activation(_option(config, "activation", "gelu"), "activation", arch),
         eps=_number(config, "layer_norm_epsilon", arch, 1e-5), positional_embedding_type="rotary", rotary_base=base,
         rotary_dim=rotary_dim if rotary_dim != d_head else None, parallel_attn_mlp=parallel,
-        n_key_value_heads=1 if multi_query and heads > 1 else None,
+        n_key_value_heads=kv_heads if kv_heads != heads else None,
     )
     m = cfg.d_mlp
 
@@ -458,9 +464,11 @@ def _falcon_layout(config) -> Layout:
 
     def attention(src: _Source, h: str, p: str) -> dict:
         out, names = {}, [attention_names(cfg, name) for name in "QKV"]
-        rows = heads * d_head + 2 * d_head if multi_query else 3 * d
+        rows = (heads + 2 * kv_heads) * d_head if new or multi_query else 3 * d
         fused = src.linear(f"{h}.self_attention.query_key_value.weight", rows, d)
         fused_b = src.take(f"{h}.self_attention.query_key_value.bias", rows) if bias else None
+        if new:
+            return out | _grouped_qkv(src, p, names, fused, fused_b, (heads, kv_heads, d_head))
         for i, (weight, b, n) in enumerate(names):
             if multi_query:
                 start = (0, heads * d_head, heads * d_head + d_head)[i]
@@ -475,7 +483,8 @@ def _falcon_layout(config) -> Layout:
     def block(src: _Source, layer: int) -> dict:
         h, p = f"h.{layer}", f"blocks.{layer}"
         out = {}
-        norms = (("ln1", "input_layernorm"), ("ln2", "input_layernorm" if parallel else "post_attention_layernorm"))
+        norms = (("ln1", "ln_attn"), ("ln2", "ln_mlp")) if two_norms else \
+            (("ln1", "input_layernorm"), ("ln2", "input_layernorm" if parallel else "post_attention_layernorm"))
         for norm, name in norms:
             out[f"{p}.{norm}.w"], out[f"{p}.{norm}.b"] = src.take(f"{h}.{name}.weight", d), src.take(f"{h}.{name}.bias", d)
         out |= attention(src, h, p)
@@ -492,6 +501,25 @@ def _falcon_layout(config) -> Layout:
         }
 
     return Layout(cfg, ("transformer.",), r"(h\.\d+\.self_attention\.)?rotary_emb\.inv_freq", embed, block, final)
+
+
+def _grouped_qkv(src: _Source, p: str, names: list, fused: torch.Tensor, fused_b, dims: tuple) -> dict:
+    """Falcon-40B's ``query_key_value`` (``new_decoder_architecture``): per key/value head, its
+    group's query heads, then its key, then its value (``fused``: ``[d_model, rows]``, the bias
+    ``[rows]`` or ``None``). The keys and values are views; the query heads of all groups together
+    are no single strided view of the rows (each group's are followed by its key and value), so
+    ``W_Q`` and ``b_Q`` are copies. ``dims``: ``(heads, kv_heads, d_head)``."""
+    heads, kv_heads, d_head = dims
+    group = heads // kv_heads
+    d = fused.shape[0]
+    rows = fused.reshape(d, kv_heads, group + 2, d_head)
+    bias_rows = None if fused_b is None else fused_b.reshape(kv_heads, group + 2, d_head)
+    out = {}
+    for (weight, b, n), picked in zip(names, (slice(0, group), group, group + 1)):
+        out[f"{p}.attn.{weight}"] = rows[:, :, picked, :].permute(1, 2, 0, 3).reshape(n, d, d_head) if n == heads and group > 1 \
+            else rows[:, :, picked, :].reshape(d, n, d_head).permute(1, 0, 2)
+        out[f"{p}.attn.{b}"] = src.zeros(n, d_head) if bias_rows is None else bias_rows[:, picked, :].reshape(n, d_head)
+    return out
 
 
 def _output_and_mlp(src: _Source, h: str, p: str, names: tuple[str, str, str], dims: tuple, bias: bool) -> dict:

@@ -101,6 +101,8 @@ def _without(feature: str):
         "position_offset": lambda cfg: cfg,  # W_pos read from row 0 below
         "logit_scale": lambda cfg: cfg.replace(logit_scale=None),
         "rotary_base_local": lambda cfg: cfg.replace(rotary_base_local=None),
+        "ln_mlp": lambda cfg: cfg,  # ln_attn read for both branches below
+        "kv_groups": lambda cfg: cfg,  # each group's key and value given to the other group below
         "alibi": lambda cfg: cfg,  # the slopes are zeroed below
         "embedding_norm": lambda cfg: cfg.replace(embedding_norm=False),
     }[feature]
@@ -112,7 +114,8 @@ def _without(feature: str):
                                           ("Gemma2", "post_norms"), ("Gemma2", "window"), ("Phi3", "gate_up_order"),
                                           ("Phi3", "full_rotary"), ("GPT-J", "rotary_interleaved"),
                                           ("OPT", "position_offset"), ("Cohere", "logit_scale"),
-                                          ("Cohere", "rotary_interleaved"), ("BLOOM", "alibi"), ("Gemma3", "rotary_base_local"),
+                                          ("Cohere", "rotary_interleaved"), ("BLOOM", "alibi"), ("Gemma3", "rotary_base_local"), ("Falcon-40B", "ln_mlp"),
+                                          ("Falcon-40B", "kv_groups"),
                                           ("Gemma3", "qk_norm"), ("Gemma3", "post_norms"), ("Gemma3", "1 + w"),
                                           ("BLOOM", "embedding_norm")])
 def test_negative_control_a_feature_left_out_is_caught(name, feature, monkeypatch):
@@ -124,6 +127,10 @@ def test_negative_control_a_feature_left_out_is_caught(name, feature, monkeypatc
     wrong = _without(feature)(cfg)
     if feature == "position_offset":
         sd = sd | {"pos_embed.W_pos": model.state_dict()["model.decoder.embed_positions.weight"][: cfg.n_ctx]}
+    if feature == "ln_mlp":
+        sd = sd | {k.replace("ln1", "ln2"): v for k, v in sd.items() if ".ln1." in k}
+    if feature == "kv_groups":
+        sd = sd | {k: v.flip(0) for k, v in sd.items() if k.endswith(("_W_K", "_W_V", "_b_K", "_b_V"))}
     if feature == "gate_up_order":  # gate_up_proj read as [up | gate]
         sd = sd | {k.replace("W_in", "W_gate"): v for k, v in sd.items() if k.endswith("W_in")} \
             | {k.replace("W_gate", "W_in"): v for k, v in sd.items() if k.endswith("W_gate")}
@@ -156,8 +163,9 @@ UNTIED = {"tie_word_embeddings": False}
 
 
 #: OPT reads its positions from row 2 of embed_positions on: the rows before belong to no tensor
-#: of the reference, so the layout cannot be written through the converter's views.
-OWN_LAYOUT = [name for name in NAMES if not name.startswith("OPT")]
+#: of the reference, so the layout cannot be written through the converter's views; nor can
+#: Falcon-40B's query heads, each group's stored ahead of its key and value (copies, not views).
+OWN_LAYOUT = [name for name in NAMES if not name.startswith("OPT") and name != "Falcon-40B"]
 
 
 @pytest.mark.parametrize("name", OWN_LAYOUT)
@@ -189,7 +197,7 @@ def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
     assert (_hf_log_probs(loaded, tokens) - expected).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["Qwen2", "Gemma", "GPT-J", "OPT", "OPT-post", "Falcon", "BLOOM"])
+@pytest.mark.parametrize("name", ["Qwen2", "Gemma", "GPT-J", "OPT", "OPT-post", "Falcon", "BLOOM", "Falcon-40B"])
 def test_what_the_layout_cannot_hold_is_written_in_circuitmath_names(tmp_path, name):
     """The defaults fold Qwen2's value biases into an output bias its layout lacks, Gemma's
     final norm into an unembedding it ties to the embedding, and GPT-J's LayerNorm bias into
@@ -242,6 +250,8 @@ EXPECTED = {  # (family, identity): the verdict's start (a refusal names the fea
     ("Gemma3", "center_unembed"): "exact",
     ("Gemma3", "rotate_heads"): "not exact: no QK-norm",
     ("Gemma3", "rotate_residual_stream"): "not exact: each sandwich norm's gain is one number",
+    ("Falcon-40B", "fold_layer_norm"): "exact",
+    ("Falcon-40B", "fold_value_biases"): "exact",
     ("BLOOM", "fold_layer_norm"): "exact",
     ("BLOOM", "remove_key_biases"): "exact",
     ("BLOOM", "refactor_factored_attn_matrices"): "exact",
