@@ -246,9 +246,20 @@ _LAYOUTS = {"gpt2": _gpt2_layout, "gpt_neox": _gpt_neox_layout, "llama": _llama_
             "opt": _opt_layout, "cohere": _cohere_layout, "falcon": _falcon_layout, "bloom": _bloom_layout} | MOE_LAYOUTS
 
 
+#: Architectures circuitmath knows and does not read, with the feature the reference lacks.
+REFUSED = {
+    "olmo2": "OLMo-2: blocks without a norm before attention and the MLP (each sub-layer reads the residual stream"
+             " itself and RMS-normalises its output: post-norms without pre-norms) and a QK-norm over the whole"
+             " query and key projections rather than each head, which the reference forward pass lacks",
+}
+
+
 def hf_layout(config) -> Layout:
-    """The :class:`Layout` of ``config``'s ``model_type`` (see :data:`CONVERTERS`)."""
+    """The :class:`Layout` of ``config``'s ``model_type`` (see :data:`CONVERTERS`); one of
+    :data:`REFUSED` is refused naming the feature that keeps it out."""
     model_type = _option(config, "model_type")
+    if isinstance(model_type, str) and model_type in REFUSED:
+        raise UnsupportedArchitectureError(REFUSED[model_type])
     if not isinstance(model_type, str) or model_type not in _LAYOUTS:
         raise UnsupportedArchitectureError(f"model_type {model_type!r} is not one circuitmath reads; it reads {', '.join(sorted(_LAYOUTS))}")
     return _LAYOUTS[model_type](config)

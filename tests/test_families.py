@@ -234,6 +234,20 @@ def test_unknown_model_type_names_it_and_lists_the_supported(tmp_path, capsys, c
     assert not (tmp_path / "out").exists()
 
 
+def test_olmo2_is_refused_naming_its_features(tmp_path):
+    """OLMo-2's blocks have post-norms and no pre-norms, and its QK-norm spans the whole projection:
+    reading it is refused naming both (the CLI exits 2), not as an unknown model_type."""
+    from circuitmath._cli import main
+
+    config = transformers.AutoConfig.for_model("olmo2", vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                               num_attention_heads=4, intermediate_size=48, max_position_embeddings=16)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(io.UnsupportedArchitectureError, match="post-norms without pre-norms.*whole"):
+        io.from_hf(model.state_dict(), config.to_dict())
+    model.save_pretrained(tmp_path / "olmo2")
+    assert main(["check", str(tmp_path / "olmo2")]) == 2
+
+
 EXPECTED = {  # (family, identity): the verdict's start (a refusal names the feature that breaks it)
     ("Qwen3", "remove_key_biases"): "not exact: keys and queries are not rotated by position",
     ("LLaMA", "refactor_factored_attn_matrices"): "not exact: keys and queries are not rotated by position",
