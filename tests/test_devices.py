@@ -127,6 +127,8 @@ _CIRCUIT_CONFIGS = {
     "eps 0": cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, eps=0.0),
     "no norm": cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, normalization_type=None),
     "ReLU MLP": cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16, act_fn="relu"),
+    "scaled embeddings and logits": cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5,
+                                              d_mlp=16, embedding_scale=8**0.5, logit_scale=0.5),
 }
 
 

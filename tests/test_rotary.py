@@ -123,3 +123,14 @@ def test_change_head_bases_takes_an_invertible_basis_that_commutes_with_the_rota
         change_head_bases(sd, cfg, query_key=wrong)
     inverse = torch.linalg.inv(wrong).transpose(-1, -2)
     assert _gap(sd, cfg, _change_bases(sd, cfg, query=wrong, key=inverse), cfg) > 1e-2
+
+
+def test_the_pairs_of_each_layout():
+    from circuitmath._processing._rotary import rotary_generator, rotary_pairs
+
+    cfg = MODELS["neox, rotary_dim 4"]
+    assert [t.tolist() for t in rotary_pairs(cfg, "cpu")] == [[0, 1], [2, 3]]
+    interleaved = MODELS["interleaved, rotary_dim 4"]
+    assert [t.tolist() for t in rotary_pairs(interleaved, "cpu")] == [[0, 2], [1, 3]]
+    J = rotary_generator(interleaved)
+    assert J[0, 1] == 1 and J[1, 0] == -1 and J[2, 3] == 2 and not J[4:].any() and not J[:, 4:].any()

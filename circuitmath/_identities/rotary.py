@@ -153,7 +153,7 @@ def _query_key_rotation(cfg, layout_cfg=None) -> torch.Tensor:
     same in every layer."""
     shape = (1, cfg.n_key_value_heads or cfg.n_heads, cfg.d_head, cfg.d_head)
     generator = torch.Generator(device="cpu").manual_seed(0)
-    R = torch.linalg.qr(torch.randn(*shape, generator=generator, dtype=torch.float64))[0]
+    R = torch.linalg.qr(torch.randn(*shape, generator=generator, dtype=torch.float64, device="cpu"))[0]
     return nearest_commuting(R, layout_cfg or cfg).expand(cfg.n_layers, *shape[1:]).clone()
 
 
@@ -181,7 +181,7 @@ def _rotated_regardless(change):
 def _mixing_the_rest(R, cfg):
     """Then turn the first rotary dimension with the first one past ``rotary_dim`` (partial rotary)."""
     rotary = cfg.rotary_dim or cfg.d_head
-    G = torch.eye(cfg.d_head, dtype=torch.float64)
+    G = torch.eye(cfg.d_head, dtype=torch.float64, device="cpu")
     G[0, 0] = G[rotary, rotary] = 0.6
     G[0, rotary], G[rotary, 0] = 0.8, -0.8
     return R @ G
@@ -194,7 +194,7 @@ def _other_layout(R, cfg):
 
 def _reflected_pair(R, cfg):
     """Turn the first rotary pair by a reflection: its second dimension's sign flipped after R."""
-    flip = torch.ones(cfg.d_head, dtype=torch.float64)
+    flip = torch.ones(cfg.d_head, dtype=torch.float64, device="cpu")
     flip[1 if cfg.rotary_interleaved else (cfg.rotary_dim or cfg.d_head) // 2] = -1
     return R * flip
 

@@ -23,9 +23,10 @@ from .._errors import Precondition, PreconditionError
 from .._state import StateDict, attention_names, key_value_groups, validate_state_dict
 from ._common import NO_QK_NORM, readers, require, require_dense_mlp, rewrite
 from .layer_norm import reader_preconditions
+from ._rotary import rotary_generator, rotary_pairs
 from .rotation import HAS_MLPS, ORTHOGONALITY_SAFETY
 
-__all__ = ["migrate_norm_scales", "recover_norm_scales", "rotate_heads", "recover_head_rotations", "rotary_generator", "nearest_commuting",
+__all__ = ["migrate_norm_scales", "recover_norm_scales", "rotate_heads", "recover_head_rotations", "nearest_commuting",
            "scale_neurons", "scaled_neurons", "recover_neuron_scales", "NEURON_SCALES", "SCALE_REACHES_OUTPUT_LINEARLY",
            "HAS_A_NORM", "SCALES_PER_CHANNEL", "GAINS_AS_STORED", "HEAD_ROTATIONS", "COMMUTES_WITH_ROTARY"]
 
@@ -211,26 +212,6 @@ COMMUTES_WITH_ROTARY = Precondition(
 )
 
 
-def _rotary_pairs(cfg: Config, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two dimensions of each rotary pair, as index tensors on ``device``: ``(i, i + rotary_dim / 2)``
-    (NeoX layout) or ``(2i, 2i + 1)`` (``cfg.rotary_interleaved``, GPT-J)."""
-    half = (cfg.rotary_dim or cfg.d_head) // 2
-    index = torch.arange(half, device=device)
-    return (2 * index, 2 * index + 1) if cfg.rotary_interleaved else (index, index + half)
-
-
-def rotary_generator(cfg: Config) -> torch.Tensor:
-    """``J`` ``[d_head, d_head]`` (float64): ``J[a_i, b_i] = i + 1 = -J[b_i, a_i]`` for the rotary
-    pairs ``(a_i, b_i)`` (:func:`_rotary_pairs`), zero elsewhere. A matrix commutes with every
-    rotary rotation (one angle per pair, the frequencies distinct) exactly when it commutes with
-    ``J`` (whose pairs' distinct values stand for the distinct frequencies)."""
-    first, second = _rotary_pairs(cfg, "cpu")
-    J = torch.zeros(cfg.d_head, cfg.d_head, dtype=torch.float64, device="cpu")
-    J[first, second] = (torch.arange(len(first), device="cpu") + 1).double()
-    J[second, first] = -(torch.arange(len(first), device="cpu") + 1).double()
-    return J
-
-
 def _head_rotations(identity: str, R, cfg: Config, dtype: torch.dtype, side: str) -> torch.Tensor | None:
     """``R`` as float64 ``[n_layers, kv_heads, d_head, d_head]``, validated (``None`` stays ``None``)."""
     if R is None:
@@ -331,7 +312,7 @@ def nearest_commuting(R: torch.Tensor, cfg: Config) -> torch.Tensor:
     block made ``[[c, s], [-s, c]]`` and normalised, the rest orthogonalised, the rest cut off."""
     half = (cfg.rotary_dim or cfg.d_head) // 2
     out = torch.zeros_like(R)
-    i, j = _rotary_pairs(cfg, R.device)
+    i, j = rotary_pairs(cfg, R.device)
     c = (R[..., i, i] + R[..., j, j]) / 2
     s = (R[..., i, j] - R[..., j, i]) / 2
     norm = torch.sqrt(c * c + s * s).clamp_min(1e-300)

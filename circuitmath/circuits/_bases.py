@@ -13,6 +13,7 @@ import torch
 from .._config import Config
 from .._errors import InputError
 from .._processing._common import NOT_ROTARY, require
+from .._processing._rotary import rotary_generator
 from .._processing.attention import refactor_factored_attn_matrices
 from .._state import StateDict, attention_names, validate_state_dict
 
@@ -21,10 +22,8 @@ __all__ = ["change_head_bases"]
 
 def _commutes_with_rotary(N: torch.Tensor, cfg: Config) -> bool:
     """Whether every ``N`` ``[..., d_head, d_head]`` (float64) commutes with the rotary embedding's
-    generator (:func:`~circuitmath._processing.quantisation.rotary_generator`), to float64's rounding
+    generator (:func:`~circuitmath._processing._rotary.rotary_generator`), to float64's rounding
     of ``N``'s size."""
-    from .._processing.quantisation import rotary_generator
-
     if not N.numel():  # no layers: nothing to change
         return True
     J = rotary_generator(cfg).to(N.device)
