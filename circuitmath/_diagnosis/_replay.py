@@ -94,7 +94,8 @@ class _Replay:
     def __init__(self, after: Mapping[str, torch.Tensor], thresholds: _Thresholds):
         self.after = after
         self.thresholds = thresholds
-        self._wrong_cache: dict = {}  # (id(state), cfg) -> (state, wrong rewrites), the last state's only
+        self._wrong_cache: dict = {}  # (id(state), cfg) -> (state, {rewrite: candidates}), the last state's only
+        self._records: dict = {}  # (rewrite, cfg) -> the identities it recorded (() where it did not apply)
         #: The tensors a search is for (``None``: all): a stage whose exact rewrite touches none of them is not searched.
         self._focus: set[str] | None = None
         self._verdicts: dict = {}  # (name, id(tensor), id(reference), level) -> (tensor, reference, verdict)
@@ -176,29 +177,35 @@ class _Replay:
                 for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), function, state, cfg)
             ]
         allowed = {identity.name, *records}
-        return [
-            candidate
-            for owner, candidate in self._all_wrong_rewrites(state, cfg)
-            if owner == identity.name
-            or identity.name in candidate.cfg.applied[len(cfg.applied):]
-            and set(candidate.cfg.applied[len(cfg.applied):]) <= allowed
-        ]
 
-    def _all_wrong_rewrites(self, state, cfg) -> list[tuple[str, _Candidate]]:
-        """Every known wrong rewrite of ``state`` that applies to it, computed once per state."""
+        def qualifies(owner: str, record: tuple[str, ...]) -> bool:
+            return owner == identity.name or identity.name in record and set(record) <= allowed
+
+        return [candidate for owner, candidate in self._wrong_rewrites_of(state, cfg, qualifies)
+                if qualifies(owner, candidate.cfg.applied[len(cfg.applied):])]
+
+    def _wrong_rewrites_of(self, state, cfg, qualifies) -> list[tuple[str, _Candidate]]:
+        """The known wrong rewrites of ``state`` that apply to it, each computed once per state (one
+        state's at a time), but for those that recorded, on a state of the same config, identities
+        for which ``qualifies(owner, record)`` is false: what a rewrite records is its code's, not
+        its numbers'."""
         key = (id(state), cfg)
         if key not in self._wrong_cache:
             self._wrong_cache.clear()  # one state's candidates at a time: each holds rewritten copies of big tensors
-            out = []
-            for identity in weight_identities():
-                for name, wrong in identity.wrong_rewrites.items():
-                    if wrong.regardless:
-                        continue
-                    for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), wrong.function,
-                                               state, cfg):
-                        out.append((identity.name, candidate))
-            self._wrong_cache[key] = (state, out)
-        return self._wrong_cache[key][1]
+            self._wrong_cache[key] = (state, {})
+        computed = self._wrong_cache[key][1]
+        out = []
+        for identity in weight_identities():
+            for name, wrong in identity.wrong_rewrites.items():
+                rewrite, known = f"{identity.name}.{name}", self._records.get((f"{identity.name}.{name}", cfg))
+                if wrong.regardless or rewrite not in computed and known is not None and not qualifies(identity.name, known):
+                    continue
+                if rewrite not in computed:
+                    computed[rewrite] = list(self._run(rewrite, identity.describe(name), wrong.function, state, cfg))
+                    self._records[(rewrite, cfg)] = next(
+                        (c.cfg.applied[len(cfg.applied):] for c in computed[rewrite]), ())
+                out += [(identity.name, candidate) for candidate in computed[rewrite]]
+        return out
 
     @staticmethod
     def _run(rewrite, description, function, state, cfg) -> Iterable[_Candidate]:
