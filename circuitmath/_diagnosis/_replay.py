@@ -194,10 +194,14 @@ class _Replay:
             self._wrong_cache.clear()  # one state's candidates at a time: each holds rewritten copies of big tensors
             self._wrong_cache[key] = (state, {})
         computed = self._wrong_cache[key][1]
-        out = []
+        out, small = [], None
         for identity in weight_identities():
             for name, wrong in identity.wrong_rewrites.items():
                 rewrite, known = f"{identity.name}.{name}", self._records.get((f"{identity.name}.{name}", cfg))
+                if known is None and not wrong.regardless and not qualifies(identity.name, ()):
+                    small = small or _small_model(state, cfg)  # learn what it records where that is cheap
+                    known = next((c.cfg.applied[len(cfg.applied):] for c in self._run(
+                        rewrite, "", wrong.function, *small)), None) if small[0] is not None else None
                 if wrong.regardless or rewrite not in computed and known is not None and not qualifies(identity.name, known):
                     continue
                 if rewrite not in computed:
@@ -533,6 +537,23 @@ class _Replay:
         """The tensors of ``after`` that ``state`` does not reproduce up to rounding."""
         names = set(state) | set(self.after)
         return sorted(n for n in names if not self.same(n, state.get(n), before.get(n), "exact"))
+
+
+def _small_model(state: Mapping[str, torch.Tensor], cfg: Config, tokens: int = 16) -> tuple[dict | None, Config]:
+    """``state`` cut to its first layer and its first ``tokens`` tokens (``W_E``'s rows, ``W_U``'s
+    columns, ``b_U``'s entries), its values kept: where a wrong rewrite is cheap to run, to learn
+    which identities it records (``(None, cfg)`` when there is nothing to cut or ``cfg`` does not
+    allow it; a rewrite that fails on the cut model is run on ``state`` itself)."""
+    if cfg.n_layers < 2 and cfg.d_vocab <= tokens:
+        return None, cfg
+    try:
+        small_cfg = cfg.replace(n_layers=1, d_vocab=min(tokens, cfg.d_vocab))
+    except Exception:  # noqa: BLE001 - a config that cannot be cut: nothing is learnt from it
+        return None, cfg
+    cut = {"embed.W_E": lambda t: t[:tokens], "unembed.W_U": lambda t: t[..., :tokens],
+           "unembed.b_U": lambda t: t[:tokens]}
+    return {name: cut.get(name, lambda t: t)(tensor) for name, tensor in state.items()
+            if not name.startswith("blocks.") or name.startswith("blocks.0.")}, small_cfg
 
 
 def _given(function, parameter):
