@@ -552,8 +552,8 @@ def _small_model(state: Mapping[str, torch.Tensor], cfg: Config, tokens: int = 1
         return None, cfg
     cut = {"embed.W_E": lambda t: t[:tokens], "unembed.W_U": lambda t: t[..., :tokens],
            "unembed.b_U": lambda t: t[:tokens]}
-    return {name: cut.get(name, lambda t: t)(tensor) for name, tensor in state.items()
-            if not name.startswith("blocks.") or name.startswith("blocks.0.")}, small_cfg
+    return marked_as(state, {name: cut.get(name, lambda t: t)(tensor) for name, tensor in state.items()
+                             if not name.startswith("blocks.") or name.startswith("blocks.0.")}, small_cfg), small_cfg
 
 
 def _given(function, parameter):
