@@ -234,6 +234,29 @@ def test_unknown_model_type_names_it_and_lists_the_supported(tmp_path, capsys, c
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name", ["BLOOM", "Gemma3", "Falcon-40B"])
+def test_check_processed_passes_the_processing_and_names_a_planted_error(tmp_path, name, capsys):
+    """check --processed on each new family's processed folder (its own layout or circuitmath's
+    names): exit 0; the same folder with one processed MLP tensor of block 1 changed: exit 1, naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from circuitmath._cli import main
+
+    model, _config = _model(name, **UNTIED)
+    model.save_pretrained(tmp_path / "in")
+    io.process_checkpoint(tmp_path / "in", tmp_path / "out", steps=FITTING_STEPS.get(name))
+    assert main(["check", str(tmp_path / "in"), "--processed", str(tmp_path / "out")]) == 0
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    target = next(n for n in sorted(index["weight_map"]) if "mlp" in n and ".1." in n)
+    shard = tmp_path / "out" / index["weight_map"][target]
+    tensors = load_file(shard)
+    tensors[target] = tensors[target] + 0.5 * torch.randn(tensors[target].shape, generator=torch.Generator().manual_seed(0))
+    save_file(tensors, shard, metadata=json.loads(shard.read_bytes()[8:8 + int.from_bytes(shard.read_bytes()[:8], "little")])["__metadata__"])
+    capsys.readouterr()
+    assert main(["check", str(tmp_path / "in"), "--processed", str(tmp_path / "out")]) == 1
+    assert target in capsys.readouterr().out  # named as the folder stores it
+
+
 def test_olmo2_is_refused_naming_its_features(tmp_path):
     """OLMo-2's blocks have post-norms and no pre-norms, and its QK-norm spans the whole projection:
     reading it is refused naming both (the CLI exits 2), not as an unknown model_type."""
