@@ -236,7 +236,7 @@ def test_unknown_model_type_names_it_and_lists_the_supported(tmp_path, capsys, c
 
 @pytest.mark.parametrize("name", ["BLOOM", "Gemma3", "Falcon-40B"])
 def test_check_processed_passes_the_processing_and_names_a_planted_error(tmp_path, name, capsys):
-    """check --processed on each new family's processed folder (its own layout or circuitmath's
+    """check on each new family's folder, and check --processed on its processed folder (its own layout or circuitmath's
     names): exit 0; the same folder with one processed MLP tensor of block 1 changed: exit 1, naming it."""
     from safetensors.torch import load_file, save_file
 
@@ -245,6 +245,7 @@ def test_check_processed_passes_the_processing_and_names_a_planted_error(tmp_pat
     model, _config = _model(name, **UNTIED)
     model.save_pretrained(tmp_path / "in")
     io.process_checkpoint(tmp_path / "in", tmp_path / "out", steps=FITTING_STEPS.get(name))
+    assert main(["check", str(tmp_path / "in")]) == 0  # every identity holds or refuses, streamed
     assert main(["check", str(tmp_path / "in"), "--processed", str(tmp_path / "out")]) == 0
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     target = next(n for n in sorted(index["weight_map"]) if "mlp" in n and ".1." in n)
