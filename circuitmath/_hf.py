@@ -1,7 +1,8 @@
 """The Hugging Face converters beneath :mod:`circuitmath.io`: one :class:`Layout` of names and
 shapes per architecture, used whole (``from_hf_*``) or a part at a time
-(:mod:`circuitmath._checkpoint`). GPT-2, GPT-NeoX and BERT are here, the other families in
-:mod:`circuitmath._hf_families`; :func:`hf_layout` picks one by ``model_type``.
+(:mod:`circuitmath._checkpoint`). GPT-2, GPT-NeoX and BERT are here, BLOOM in
+:mod:`circuitmath._hf_bloom`, the other families in :mod:`circuitmath._hf_families`;
+:func:`hf_layout` picks one by ``model_type`` (and refuses those of :data:`REFUSED` by name).
 """
 
 from __future__ import annotations
