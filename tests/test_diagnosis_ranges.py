@@ -65,3 +65,20 @@ def test_a_hugging_face_tensor_names_the_entries_it_stores():
     (culprit,) = _culprits(found)
     assert culprit.name == "model.layers.1.mlp.up_proj.weight" and culprit.rows == ((4, 7),)
     assert "; entries [:, 4:8] (4 of 32) differ" in str(found), str(found)
+
+
+def test_one_row_of_a_gpt2_sized_block_is_named():
+    """The large-model control, one layer of GPT-2 small's shape (d_model 768, 12 heads, d_mlp
+    3072) and a small vocabulary: a 1 % change of one row of W_in is named with its row. The search
+    for a known wrong rewrite runs only on the stages that rewrite W_in (a whole GPT-2-small-shaped
+    model: benchmarks/one_row_control.py)."""
+    cfg = cm.Config(n_layers=1, d_model=768, n_heads=12, d_head=64, d_vocab=64, n_ctx=32, d_mlp=3072,
+                    act_fn="gelu_new")
+    model = cm.random_state_dict(cfg, seed=0, dtype=torch.float32)
+    after, after_cfg = cm.process_weights(model, cfg)
+    after = dict(after)
+    after["blocks.0.mlp.W_in"] = after["blocks.0.mlp.W_in"].clone()
+    after["blocks.0.mlp.W_in"][5] *= 1.01
+    found = diagnose(model, after, cfg, after_cfg=after_cfg, tokens=torch.randint(0, 64, (2, 32)))
+    assert not found.ok
+    assert [(p.name, p.rows) for p in _culprits(found)] == [("blocks.0.mlp.W_in", ((5, 5),))]
