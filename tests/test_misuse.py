@@ -146,6 +146,22 @@ def test_a_config_given_first_to_a_checker_names_the_right_call():
             check()
 
 
+def test_a_config_given_as_the_model_of_check_model_names_the_right_call():
+    sd = cm.random_state_dict(CFG, seed=0)
+    with pytest.raises(cm.CircuitMathError, match=r"check_model\(model, cfg\)"):
+        cm.testing.check_model(CFG, sd)
+
+
+def test_hugging_face_names_of_one_architecture_with_the_config_of_another_name_both():
+    """GPT-2's tensors with a LLaMA config.json: bad input naming the config's type and the
+    tensors' naming, not a missing tensor."""
+    weights = gpt2().state_dict()
+    with pytest.raises(cm.StateDictError, match=r"Hugging Face 'llama' config but the tensors are in GPT-2's"):
+        diagnose(weights, weights, llama().config)
+    # control: their own config reads them
+    assert diagnose(weights, weights, gpt2().config).ok
+
+
 def test_a_mapping_of_fields_still_suggests_building_a_config():
     """Control: a dict of config fields is no wrong order; it is told how to build a Config."""
     with pytest.raises(cm.StateDictError, match=r"Config.from_dict"):

@@ -235,3 +235,14 @@ def test_default_tokens_take_at_most_32_positions_from_a_fixed_seed():
     assert default_tokens(long).shape == (2, 32) and default_tokens(LN, batch=3).shape == (3, LN.n_ctx)
     assert torch.equal(default_tokens(long), default_tokens(long)) and int(default_tokens(long).max()) < LN.d_vocab
     assert not torch.equal(default_tokens(long), default_tokens(long, seed=1))
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_a_rotation_mapping_the_ones_to_plus_or_minus_the_ones_is_told_from_one_that_does_not(sign):
+    """The diagnosis snaps a recovered LNPre rotation to ``Q 1 = ±1`` exactly only when it
+    recognises one: both signs are recognised, a general rotation is not."""
+    from circuitmath._diagnosis._recover import fixes_ones
+    from circuitmath._processing.rotation import orthogonal_fixing_ones, random_orthogonal
+
+    assert fixes_ones(sign * orthogonal_fixing_ones(12, seed=3))
+    assert not fixes_ones(sign * random_orthogonal(12, seed=3))
