@@ -246,3 +246,17 @@ def test_a_rotation_mapping_the_ones_to_plus_or_minus_the_ones_is_told_from_one_
 
     assert fixes_ones(sign * orthogonal_fixing_ones(12, seed=3))
     assert not fixes_ones(sign * random_orthogonal(12, seed=3))
+
+
+def test_a_diagnosis_s_findings_are_values_a_caller_cannot_change():
+    """A :class:`~circuitmath.testing.Finding` is frozen: a caller that keeps one (in a set, as
+    a key) holds what the check found, and cannot rewrite it."""
+    import dataclasses
+
+    cfg = cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
+    sd = cm.random_state_dict(cfg, seed=0)
+    folded, folded_cfg = cm.fold_layer_norm(sd, cfg)
+    finding = cm.testing.diagnose(sd, folded, cfg).findings[0]
+    assert {finding: 1}[finding] == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        finding.kind = "model"
