@@ -161,7 +161,29 @@ def _bridge_state_dict(bridge, cfg) -> tuple[dict[str, torch.Tensor], Config]:
                 f"the bridge's {name} (tl_parameters) is not the weight {key} its forward pass reads, in either"
                 " layout ([in, out] or [out, in]): pass the processed model's state dict instead")
     _absent_norms(params, cfg)
+    _from_wrapped_modules(bridge, params)
+    for name in [name for name, tensor in params.items() if tensor.numel() == 0]:
+        del params[name]  # the state's validation names what is missing
     return params, cfg
+
+
+def _from_wrapped_modules(bridge, params: dict[str, torch.Tensor]) -> None:
+    """The block tensors the bridge holds in neither ``tl_parameters()`` nor ``state_dict()`` (a
+    mixture of experts' batched experts, router and shared expert; attention sinks), read by the
+    family's converter from the modules of the model it wraps (the tensors its forward pass reads)."""
+    from ._hf import hf_layout
+
+    missing = [name for name, tensor in params.items() if tensor.numel() == 0 and name.startswith("blocks.")]
+    config = getattr(getattr(bridge, "original_model", None), "config", None)
+    if not missing or config is None:
+        return
+    layout = hf_layout(config)
+    wrapped = {name.replace("._original_component", ""): tensor for name, tensor in bridge.original_model.state_dict().items()}
+    src = layout.source(wrapped)
+    read = {}
+    for layer in sorted({int(name.split(".")[1]) for name in missing}):
+        read |= layout.block(src, layer)
+    params.update({name: read[name] for name in missing if name in read})
 
 
 def _position_offset(bridge) -> int | None:
@@ -180,8 +202,6 @@ def _absent_norms(params: dict[str, torch.Tensor], cfg: Config) -> None:
         gain = params.get(name[:-1] + "w")
         if name.endswith(".b") and cfg.normalization_type == "LN" and gain is not None and gain.numel():
             params[name] = torch.zeros_like(gain)
-    for name in [name for name, tensor in params.items() if tensor.numel() == 0]:
-        del params[name]  # the state's validation names what is missing
 
 
 def _regroup(params: dict[str, torch.Tensor], cfg: Config) -> None:

@@ -32,9 +32,6 @@ from circuitmath.testing import NotEquivalentError, assert_equivalent
 #: multi-query rows, not Falcon-40B's groups (pinned by the last test).
 UNBUILT = {"Falcon-40B"}
 NAMES = [f.name for f in io.FAMILIES if f.name not in UNBUILT]
-#: The families whose MLP the bridge exposes as parameters: 4.3 omits a mixture of experts' MLP
-#: from its TL-style parameters (it warns that there is no single dense W_in/W_out).
-DENSE = [f.name for f in io.FAMILIES if f.cfg.n_experts is None and f.name not in UNBUILT]
 DTYPES = [torch.float32, torch.bfloat16]
 TOKENS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -48,7 +45,14 @@ DIFFERENCES = {
     # circuitmath folds BLOOM's embedding LayerNorm into W_E; the bridge keeps it
     ("BLOOM", torch.float32): {"embed.W_E"},
     ("BLOOM", torch.bfloat16): {"embed.W_E"},
+    # the bridge folds GPT-OSS's value biases under attention sinks (BROKEN); circuitmath refuses
+    **{("GPT-OSS", dtype): {f"blocks.{layer}.attn.{bias}" for layer in (0, 1) for bias in ("_b_V", "b_O")}
+       for dtype in (torch.float32, torch.bfloat16)},
 }
+
+#: Families whose function the bridge's processing changes, with the wrong rewrite the checker names.
+BROKEN = {"GPT-OSS": "fold_value_biases.under_attention_sinks"}
+RIGHT = [name for name in NAMES if name not in BROKEN]
 
 #: What the bridge's checked result fails on, by family and dtype (asserted below).
 CHECK_FAILS = {("Phi3", torch.bfloat16): "unembed.W_U"}
@@ -91,12 +95,19 @@ def _differing(ours: dict, theirs: dict, dtype: torch.dtype) -> set[str]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("name", NAMES)
 def test_both_processings_agree_and_the_checker_judges_the_bridge(name, dtype):
     model, bridge, (ours, ours_cfg), (theirs, _) = _both(name, dtype)
     assert _differing(ours, theirs, dtype) == DIFFERENCES.get((name, dtype), set())
     assert_equivalent(model, ours, after_cfg=ours_cfg)
-    if (name, dtype) in CHECK_FAILS:
+    if name in BROKEN:  # the log-probs move, and the checker names the step and the tensors
+        with pytest.raises(NotEquivalentError) as failure:
+            assert_equivalent(model, bridge)
+        diagnosis = failure.value.diagnosis
+        assert not failure.value.comparison.passed and failure.value.comparison.max_abs_error > 0.1
+        assert [f.rewrite for f in diagnosis.violations if f.kind == "identity"] == [BROKEN[name]]
+        assert {p.name for p in diagnosis.culprits()} == DIFFERENCES[name, dtype]
+    elif (name, dtype) in CHECK_FAILS:
         with pytest.raises(NotEquivalentError) as failure:
             assert_equivalent(model, bridge)
         assert [p.name for p in failure.value.diagnosis.culprits()] == [CHECK_FAILS[name, dtype]]
@@ -110,18 +121,31 @@ def test_both_processings_agree_and_the_checker_judges_the_bridge(name, dtype):
 CONTROL_FACTOR = {"BLOOM": 1.03}
 
 
-@pytest.mark.parametrize("name", DENSE)
+@pytest.mark.parametrize("name", RIGHT)
 def test_negative_control_a_row_changed_in_the_bridge_is_named(name):
     """The checker reads the tensors the bridge's forward pass reads: one changed there is caught
     and named, with the tensors no registered identity rewrites as the bridge does (Cohere's,
     BLOOM's: the diagnosis names every tensor it cannot explain once the log-probs move)."""
     model, bridge, _, _ = _both(name, torch.float32)
-    with torch.no_grad():
-        bridge.state_dict()["blocks.1.mlp.out.weight"][:, 3] *= CONTROL_FACTOR.get(name, 1.01)
+    with torch.no_grad():  # row 3 of head 0's W_O
+        bridge.state_dict()["blocks.1.attn.o.weight"][:, 3] *= CONTROL_FACTOR.get(name, 1.01)
     with pytest.raises(NotEquivalentError) as failure:
         assert_equivalent(model, bridge)
     named = {p.name for p in failure.value.diagnosis.culprits()} - {"embed.ln.w", "embed.ln.b"}
-    assert named == {"blocks.1.mlp.W_out"} | DIFFERENCES.get((name, torch.float32), set())
+    assert named == {"blocks.1.attn.W_O"} | DIFFERENCES.get((name, torch.float32), set())
+
+
+@pytest.mark.parametrize("name", [name for name in RIGHT if io.family(name).cfg.n_experts])
+def test_negative_control_an_expert_changed_in_the_wrapped_model_is_named(name):
+    """A mixture of experts' batched experts are read from the modules the bridge wraps: a row
+    of one expert's down projection changed there is caught and named."""
+    model, bridge, _, _ = _both(name, torch.float32)
+    experts = bridge.original_model.model.layers[1].mlp.experts
+    with torch.no_grad():
+        experts.down_proj[2, :, 3] *= 1.01
+    with pytest.raises(NotEquivalentError) as failure:
+        assert_equivalent(model, bridge)
+    assert {p.name for p in failure.value.diagnosis.culprits()} == {"blocks.1.mlp.experts.2.W_out"}
 
 
 def test_a_bridges_bloom_is_checked_less_sharply():
