@@ -255,9 +255,10 @@ def test_every_step_of_a_quantisation_pipeline_is_recovered_and_named(n_key_valu
     assert all(f.rewrite == "exact" for f in report.findings if f.kind == "identity")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_key_value_heads", [None, 2])
-def test_case_b_rotations_recovered_and_the_embedding_centered_behind_rms_norm_named(n_key_value_heads):
-    cfg, sd = _model(torch.float32, n_key_value_heads=n_key_value_heads)
+def test_case_b_rotations_recovered_and_the_embedding_centered_behind_rms_norm_named(n_key_value_heads, dtype):
+    cfg, sd = _model(dtype, n_key_value_heads=n_key_value_heads)
     after, after_cfg = _pipeline(sd, cfg, center_embedding=True, smooth=False)
     with pytest.raises(NotEquivalentError):
         assert_equivalent(sd, after, cfg, after_cfg=after_cfg)
@@ -270,11 +271,52 @@ def test_case_b_rotations_recovered_and_the_embedding_centered_behind_rms_norm_n
     assert "only for LayerNorm readers" in str(report)
 
 
-def test_case_b_negative_control_without_the_centering_everything_is_exact():
-    cfg, sd = _model(torch.float32, n_key_value_heads=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_key_value_heads", [None, 2])
+def test_case_b_negative_control_without_the_centering_everything_is_exact(n_key_value_heads, dtype):
+    cfg, sd = _model(dtype, n_key_value_heads=n_key_value_heads)
     after, after_cfg = _pipeline(sd, cfg, smooth=False)
+    assert_equivalent(sd, after, cfg, after_cfg=after_cfg)
     report = diagnose(sd, after, cfg, after_cfg=after_cfg)
-    assert report.ok and all(f.rewrite == "exact" for f in report.findings if f.kind == "identity"), report
+    assert report.ok, report
+    assert {f.name: f.rewrite for f in report.findings if f.kind == "identity"} == {
+        "fold_rms_norm": "exact", "rotate_residual_stream": "exact", "rotate_heads": "exact"}, report
+
+
+def _row_changed(after, name, row, r):
+    changed = after[name].double().clone()
+    changed[row] *= 1 + r
+    return dict(after, **{name: changed.to(after[name].dtype)})
+
+
+def test_in_bfloat16_the_recovered_rotation_s_uncertainty_covers_its_error_and_no_more():
+    """The re-fit's spread bounds the recovered Q's error; without it nothing rotated is
+    certified, and with it a 3 % change of one row of a rotated tensor is still caught (twice the
+    spread lets it through: the widening is pinned within a factor of two)."""
+    from circuitmath._diagnosis import _uncertain
+    from circuitmath._diagnosis._recover import best_rotation
+    from circuitmath._processing.rotation import rotate_residual_stream
+
+    cfg, sd = _model(torch.bfloat16)
+    after, after_cfg = _pipeline(sd, cfg, smooth=False)
+    folded, folded_cfg = cm.fold_rms_norm({k: v.float() for k, v in sd.items()}, cfg)
+    Q = best_rotation(folded, after, folded_cfg)
+    rewrite = _uncertain.rounded(rotate_residual_stream(folded, folded_cfg, Q)[0], torch.bfloat16)
+    error = float(torch.linalg.matrix_norm(Q - cm.random_orthogonal(cfg.d_model, seed=3).double(), 2))
+    bound = _uncertain.spread(Q, best_rotation(folded, rewrite, folded_cfg))
+    assert 1e-3 < error <= bound < 8 * error, (error, bound)  # known to about 1e-3, and covered
+    changed = _row_changed(after, "blocks.0.mlp.W_in", 3, 10**-1.5)
+    with pytest.raises(NotEquivalentError):
+        assert_equivalent(sd, changed, cfg, after_cfg=after_cfg)
+    row = next(f for f in diagnose(sd, changed, cfg, after_cfg=after_cfg).findings if f.name == "rotate_residual_stream")
+    assert [(p.name, p.at[0]) for p in row.parameters] == [("blocks.0.mlp.W_in", 3)], row  # the changed row
+    spread = _uncertain.SPREAD
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_uncertain, "SPREAD", 0.0)  # the certificate of 1 ulp against the recovered Q
+        rows = {f.name: f for f in diagnose(sd, after, cfg, after_cfg=after_cfg).findings if f.kind == "identity"}
+        assert rows["rotate_residual_stream"].rewrite != "exact" and rows["rotate_residual_stream"].parameters
+        patch.setattr(_uncertain, "SPREAD", 2 * spread)  # too wide: the change passes
+        assert_equivalent(sd, changed, cfg, after_cfg=after_cfg)
 
 
 # -- scales through the MLP's product or its ReLU --------------------------------------------

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from .._config import Config
-from .._processing.rotation import procrustes, residual_writers, rotation_mismatches
+from .._processing.rotation import procrustes, residual_writers, rotated_tensors, rotation_mismatches
 from ._tensors import _HEAD_AXIS, _location
 
 __all__ = ["anchor_sets", "anchors", "best_rotation", "fixes_ones", "fixing_ones_exactly", "slice_permutation", "tensors_layer",
@@ -60,9 +60,22 @@ def best_rotation(state: Mapping, after: Mapping, cfg: Config) -> torch.Tensor:
     """The Procrustes ``Q`` from ``W_E`` alone or from every tensor, whichever leaves fewer
     tensors of ``after`` unexplained: ``W_E`` is robust to a wrong rotation of other tensors,
     but leaves the image of a direction no writer has (1, once the writes are centered) free,
-    which uncentered readers then fix."""
+    which uncentered readers then fix. Between fits that leave as many unexplained (in half
+    precision the mismatch tolerance passes a wrong fit too), the one with the smaller median
+    misfit over the rotated tensors: other steps (a centered ``W_E``, rotated heads) change a
+    few of them, the wrong fit all."""
     fits = [procrustes(state, after, cfg, names) for names in anchor_sets(cfg)]
-    return min(fits, key=lambda Q: len(rotation_mismatches(state, after, cfg, Q)))
+    return min(fits, key=lambda Q: (len(rotation_mismatches(state, after, cfg, Q)), _median_misfit(state, after, cfg, Q)))
+
+
+def _median_misfit(state: Mapping, after: Mapping, cfg: Config, Q: torch.Tensor) -> float:
+    """The median over the tensors ``Q`` rotates of ``max |after - rotated| / max |after|``."""
+    misfits = []
+    for name, rotated in rotated_tensors(state, cfg, Q).items():
+        theirs = after[name].double()
+        scale = float(theirs.abs().max()) if theirs.numel() else 0.0
+        misfits.append(float((theirs - rotated.double()).abs().max()) / scale if scale > 0 else 0.0)
+    return float(torch.tensor(misfits).median()) if misfits else 0.0
 
 
 def unit_axis(name: str, cfg: Config) -> tuple[str, int] | None:

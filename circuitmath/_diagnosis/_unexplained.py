@@ -40,6 +40,7 @@ from .._compare import Comparison, _unit_roundoff, logprob_tolerance, named_gene
 from .._config import Config
 from .._reference import block, embed, unembed
 from ._tensors import CERTIFICATE_ULPS, _MANTISSA_BITS, _largest_entry, _ratios_float64, _Thresholds
+from ._uncertain import widened_ratios
 
 __all__ = ["NEAR_ULPS", "Change", "changes_of", "ChangePasses", "judge_changes"]
 
@@ -64,15 +65,20 @@ class Change:
     mask: torch.Tensor | None = None
 
 
-def changes_of(names: Iterable[str], after: Mapping, rewrite: Mapping, thresholds: _Thresholds) -> list[Change]:
+def changes_of(names: Iterable[str], after: Mapping, rewrite: Mapping, thresholds: _Thresholds,
+               allowance: Mapping[str, list] | None = None) -> list[Change]:
     """The :class:`Change` of each tensor named (``after``'s against ``rewrite``'s, same shapes),
-    measured entry by entry in float64 as the certificate measures it."""
+    measured entry by entry in float64 as the certificate measures it (widened where
+    ``allowance`` says a recovered rotation rewrote the tensor: :mod:`._uncertain`)."""
     bits = _MANTISSA_BITS.get(thresholds.dtype, 52)
     out = []
     for name in names:
         got, expected = after[name], rewrite[name]
         scale = max(_largest_entry(got), _largest_entry(expected))
-        ratios = _ratios_float64(got.reshape(-1), expected.reshape(-1).to(got.device), bits, thresholds.floor * scale)
+        if (allowance or {}).get(name):
+            ratios = widened_ratios(got, expected, scale, thresholds, allowance[name]).reshape(-1)
+        else:
+            ratios = _ratios_float64(got.reshape(-1), expected.reshape(-1).to(got.device), bits, thresholds.floor * scale)
         worst = float(ratios.max()) if ratios.numel() else 0.0
         near = worst * CERTIFICATE_ULPS <= NEAR_ULPS  # the ratio's unit is the bound, CERTIFICATE_ULPS units
         out.append(Change(name, worst, near, None if near else got, None if near else (ratios > 1).reshape(got.shape)))
