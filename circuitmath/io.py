@@ -36,8 +36,11 @@ reference conventions (TransformerLens names, row vectors ``x @ W``, per-head
   stacked experts or a saved folder's one ``Linear`` per expert;
 - :func:`from_hf_bert`: BERT (post-LN, embedding LayerNorm, bidirectional attention).
 
-:data:`FAMILIES` lists each architecture family as a tiny ``config.json`` (:class:`Family`), and
-:func:`identity_table` says which identity holds in which family.
+:data:`FAMILIES` lists each architecture family as a tiny ``config.json`` (:class:`Family`),
+:func:`identity_table` says which identity holds in which family, and :func:`family_model`
+builds a family's ``transformers`` model with realistic random weights. :func:`as_state_dict`
+reads a model object (a ``transformers`` model, a TransformerLens bridge) as a state dict and
+config in circuitmath's names.
 
 Every converter keeps the checkpoint's dtype, fills biases the architecture lacks with zeros,
 refuses configurations the reference forward pass cannot reproduce (naming the option), and
@@ -55,6 +58,8 @@ from ._checkpoint import Checkpoint, CheckpointWriter, open_checkpoint
 from ._config import Config
 from ._errors import InputError
 from ._families import FAMILIES, Family, family, feature_preconditions, identity_table
+from ._conformance import family_model
+from ._models import as_state_dict
 from ._files import (
     CONFIG_KEY,
     UnsafeFormatError,
@@ -127,6 +132,8 @@ __all__ = [
     "family",
     "feature_preconditions",
     "identity_table",
+    "family_model",
+    "as_state_dict",
     "Checkpoint",
     "CheckpointWriter",
     "open_checkpoint",
