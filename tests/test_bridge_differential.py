@@ -55,7 +55,11 @@ BROKEN = {"GPT-OSS": "fold_value_biases.under_attention_sinks"}
 RIGHT = [name for name in NAMES if name not in BROKEN]
 
 #: What the bridge's checked result fails on, by family and dtype (asserted below).
-CHECK_FAILS = {("Phi3", torch.bfloat16): "unembed.W_U"}
+#: Phi-3: rounded twice. Cohere: the bridge's uncentered W_gate is an exact form no registered
+#: rewrite gives, and in bfloat16 layer 1's lies within 32 units in the last place of the
+#: centered one: the checker cannot tell it from a slightly wrong centering (a near miss).
+CHECK_FAILS = {("Phi3", torch.bfloat16): {"unembed.W_U"},
+               ("Cohere", torch.bfloat16): {"blocks.0.mlp.W_gate", "blocks.1.mlp.W_gate"}}
 
 
 def _quietly(work, *args, **kwargs):
@@ -110,7 +114,7 @@ def test_both_processings_agree_and_the_checker_judges_the_bridge(name, dtype):
     elif (name, dtype) in CHECK_FAILS:
         with pytest.raises(NotEquivalentError) as failure:
             assert_equivalent(model, bridge)
-        assert [p.name for p in failure.value.diagnosis.culprits()] == [CHECK_FAILS[name, dtype]]
+        assert {p.name for p in failure.value.diagnosis.culprits()} == CHECK_FAILS[name, dtype]
         assert failure.value.comparison.passed  # the log-probs agree: the tensor is off by rounding
     else:
         assert_equivalent(model, bridge)
