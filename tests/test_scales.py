@@ -129,3 +129,29 @@ def test_in_bfloat16_a_multiplier_it_rounds_is_folded_as_rounded_and_a_second_fo
     after, after_cfg = cm.get_identity("fold_embedding_scale").wrong_rewrites["applied_twice"](sd, SCALED)
     report = testing.check_fold_embedding_scale(sd, after, SCALED, after_cfg=after_cfg)
     assert not report.ok and "embed.W_E" in {c.name for c in report.culprits()}
+
+
+@pytest.mark.parametrize("scale", [dict(embedding_scale=6**0.5), dict(logit_scale=0.0625)])
+def test_the_path_identities_refuse_a_scaled_model_and_hold_once_the_scale_is_folded(scale):
+    """The path expansion and the notation identities are statements about W_E and W_U as stored:
+    a model whose embeddings or logits are scaled is refused naming the scale; folded first, each
+    holds (on every number of layers it takes)."""
+    from circuitmath._identities import identities
+    from circuitmath.circuits._paths import PATH_MODEL
+
+    path_identities = [i for i in identities() if PATH_MODEL[-1] in i.preconditions]
+    held_somewhere = set()
+    for layers in (0, 1, 2):
+        cfg = cm.Config(**dict(BASE, d_mlp=None, n_layers=layers), normalization_type="LNPre", **scale)
+        sd = cm.random_state_dict(cfg, seed=0)
+        folded, folded_cfg = (cm.fold_embedding_scale if "embedding_scale" in scale else cm.fold_logit_scale)(sd, cfg)
+        for identity in path_identities:
+            try:
+                held = identity.check(folded, folded_cfg, TOKENS)
+            except cm.PreconditionError:  # another of its preconditions (its number of layers)
+                continue
+            assert held.max_abs_error <= held.tolerance, (identity.name, layers, held)
+            held_somewhere.add(identity.name)
+            with pytest.raises(cm.PreconditionError, match=rf"no embedding or logit scale.*{next(iter(scale))}"):
+                identity.check(sd, cfg, TOKENS)
+    assert held_somewhere == {i.name for i in path_identities} and len(held_somewhere) >= 8, held_somewhere

@@ -34,11 +34,14 @@ PATH_MODEL = (
     Precondition("known positional embedding", f"positional_embedding_type is one of {POSITIONS}"),
     NO_LOGIT_SOFTCAP,
     NO_POST_NORMS,
+    Precondition("no embedding or logit scale",
+                 "the stream starts at W_E's rows and the logits are the stream read by W_U, unscaled: no"
+                 " embedding_scale or logit_scale (fold_embedding_scale and fold_logit_scale fold them in)"),
 )
 
 
 def _require_path_model(cfg: Config, identity: str) -> None:
-    attention_only, pre_norm, known_positions, no_logit_softcap, no_post_norms = PATH_MODEL
+    attention_only, pre_norm, known_positions, no_logit_softcap, no_post_norms, unscaled = PATH_MODEL
     require(identity, attention_only, cfg.attn_only, "the model has MLPs, which are not linear in the residual stream")
     require(identity, pre_norm, cfg.norm_position == "pre", "a post-norm model normalises the residual stream itself")
     require(identity, known_positions, cfg.positional_embedding_type in POSITIONS,
@@ -47,6 +50,8 @@ def _require_path_model(cfg: Config, identity: str) -> None:
             "the logits pass through a softcap, so they are not the sum of the path terms")
     require(identity, no_post_norms, not cfg.post_norms,
             "each layer writes through a sandwich norm of its own, which the path terms do not freeze")
+    scales = [f"{name} is {getattr(cfg, name)}" for name in ("embedding_scale", "logit_scale") if getattr(cfg, name) is not None]
+    require(identity, unscaled, not scales, " and ".join(scales))
 
 
 @dataclass(frozen=True)
