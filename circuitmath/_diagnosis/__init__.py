@@ -274,7 +274,7 @@ def _judged(replay: _Replay, residual, final, final_cfg, after, tokens) -> tuple
     """``(near misses, float64 comparison of the changes)`` of the tensors ``residual`` (those
     the replay does not reproduce) of ``after`` against ``final`` (see :mod:`._unexplained`)."""
     comparable = [n for n in residual if _comparable(n, final, after)]
-    changes = changes_of(comparable, after, final, replay.thresholds, replay.allowance)
+    changes = changes_of(comparable, after, final, replay.thresholds, replay.widenings.of_names(final, comparable))
     rows, positions = sensitivity_window(tokens)
     return [c.name for c in changes if c.near], judge_changes(changes, final, final_cfg, tokens[:rows, :positions])
 

@@ -33,14 +33,12 @@ from .._processing.rotation import (
     procrustes,
     recover_head_permutation,
     recover_neuron_permutation,
-    residual_readers,
-    residual_writers,
     rotate_residual_stream,
     rotated_tensors,
 )
-from ._recover import anchor_sets, best_rotation, fixes_ones, fixing_ones_exactly, slice_permutation, tensors_layer, unit_axis
+from ._recover import anchor_sets, fixes_ones, fixing_ones_exactly, slice_permutation, tensors_layer, unit_axis
 from ._tensors import _certificate, _largest_entry, _natural_order, _relative_difference, _Thresholds
-from ._uncertain import Allowance, record, rounded, spread, widened_certificate
+from ._uncertain import Widenings, widened_certificate
 
 __all__ = ["weight_identities", "SYMMETRIES"]
 
@@ -104,8 +102,8 @@ class _Replay:
         self._verdicts: dict = {}  # (name, id(tensor), id(reference), level) -> (tensor, reference, verdict)
         self._largest: dict = {}  # id(tensor) -> (tensor, largest |entry|)
         self._relative: dict = {}  # (name, id(tensor), id(reference)) -> (tensor, reference, relative difference)
-        #: In half precision, the tensors rewritten with a recovered rotation and how far their bound widens.
-        self.allowance: Allowance = {}
+        #: In half precision, the tensors rewritten with a recovered rotation and how their bound widens.
+        self.widenings = Widenings(thresholds.dtype)
 
     def same(self, name: str, tensor, reference, level: str = "recognise") -> bool:
         """Whether ``tensor`` (``None``: absent) is ``after``'s tensor ``name``.
@@ -118,7 +116,7 @@ class _Replay:
             return tensor is None and theirs is None
         if tensor.shape != theirs.shape:
             return False
-        widening = self.allowance.get(name, []) if level == "exact" else []
+        widening = self.widenings.of(tensor) if level == "exact" else []
         key = (name, id(tensor), id(reference), level, tuple(widening))
         hit = self._verdicts.get(key)
         if hit is None or hit[0] is not tensor or hit[1] is not reference:
@@ -174,14 +172,14 @@ class _Replay:
         records ``records``, does not (a wrong pipeline is no wrong version of one of its steps)."""
         if refused or identity.name in SYMMETRIES:  # a symmetry's tried only where the symmetry is: not in every search
             # each with its own parameter and, for a symmetry, with the one recovered from ``after``
-            found = (None if identity.name not in SYMMETRIES
-                     else self._recovered(identity, state, cfg) if identity.recover is not None
-                     else self._rotation_of(state, cfg) if identity is ROTATION_INVARIANCE and _same_names(state, self.after)
-                     else None)
+            found, widen = (None, None) if identity.name not in SYMMETRIES else (
+                self.widenings.recovered(identity, state, self.after, cfg) if identity.recover is not None
+                else self.widenings.rotation(state, self.after, cfg) if identity is ROTATION_INVARIANCE and _same_names(state, self.after)
+                else (None, None))
             return [
                 candidate
                 for name, wrong in identity.wrong_rewrites.items() if wrong.regardless == refused
-                for function in (wrong.function, *([] if found is None else [_given(wrong.function, found)]))
+                for function in (wrong.function, *([] if found is None else [widen(_given(wrong.function, found))]))
                 for candidate in self._run(f"{identity.name}.{name}", identity.describe(name), function, state, cfg)
             ]
         allowed = {identity.name, *records}
@@ -231,55 +229,21 @@ class _Replay:
         """The rewrite the replay applies for ``identity``: its transform, except for a symmetry,
         whose parameter (``Q``, the permutation) is recovered from ``state`` and ``after``."""
         if identity.recover is not None:
-            found = self._recovered(identity, state, cfg)
-            return identity.transform if found is None else _given(identity.with_parameters, found)
+            found, widen = self.widenings.recovered(identity, state, self.after, cfg)
+            return identity.transform if found is None else widen(_given(identity.with_parameters, found))
         if identity.name not in SYMMETRIES or not _same_names(state, self.after):
             return identity.transform
         if identity in (ROTATION_INVARIANCE, LAYER_NORM_ROTATION):
-            Q = self._rotation_of(state, cfg)
+            Q, widen = self.widenings.rotation(state, self.after, cfg)
             if cfg.normalization_type == "LNPre" and fixes_ones(Q):
                 Q = fixing_ones_exactly(Q)  # to rounding: the Procrustes fit moves 1 by a little more
-            return lambda sd, c: rotate_residual_stream(sd, c, Q)
+            return widen(lambda sd, c: rotate_residual_stream(sd, c, Q))
         recover, apply = {
             PERMUTE_HEADS.name: (recover_head_permutation, permute_heads),
             PERMUTE_NEURONS.name: (recover_neuron_permutation, permute_neurons),
         }.get(identity.name, (None, None))
         perm = recover(state, self.after, cfg, verify_all=False) if recover else None
         return identity.transform if perm is None else (lambda sd, c: apply(sd, c, perm))
-
-    def _half(self) -> bool:
-        return self.thresholds.dtype in (torch.bfloat16, torch.float16)
-
-    def _rotation_of(self, state: Mapping, cfg: Config) -> torch.Tensor:
-        """:func:`best_rotation` from ``state`` to ``after``; in half precision, the tensors it
-        rotates given its uncertainty (:mod:`._uncertain`: ``Q`` re-fitted to the rewrite rounded)."""
-        Q = best_rotation(state, self.after, cfg)
-        if self._half():
-            rewrite = rounded(rotate_residual_stream(state, cfg, Q)[0], self.thresholds.dtype)
-            readers = set(residual_readers(cfg))
-            coefficient = spread(Q, best_rotation(state, rewrite, cfg))
-            record(self.allowance, {n: -2 if n in readers else -1 for n in [*residual_writers(cfg), *readers]},
-                   coefficient)
-        return Q
-
-    def _recovered(self, identity, state: Mapping, cfg: Config):
-        """``identity.recover(state, after, cfg)``; in half precision, where it recovers rotations
-        (square ``[..., d_head, d_head]`` matrices), the tensors their rewrite changes given its
-        uncertainty (:mod:`._uncertain`), on the ``d_head`` axis (``W_O``'s second to last)."""
-        found = identity.recover(state, self.after, cfg)
-        if not self._half() or not isinstance(found, dict) or not all(
-                v.ndim >= 2 and v.shape[-1] == v.shape[-2] for v in found.values()):
-            return found
-        try:
-            rewrite = identity.with_parameters(state, cfg, found)[0]
-            refit = identity.recover(state, rounded(rewrite, self.thresholds.dtype), cfg)
-        except PreconditionError:
-            return found
-        if refit is None or set(refit) != set(found):
-            return found
-        coefficient = max(spread(found[k], refit[k]) for k in found)
-        record(self.allowance, {n: -2 if n.endswith(".W_O") else -1 for n in self.touched(state, rewrite)}, coefficient)
-        return found
 
     def symmetric(self, before: dict, cfg: Config, replayed: tuple[list, dict, Config], residual: list[str]):
         """Recognise a rotation, then head and neuron permutations, applied after the replayed

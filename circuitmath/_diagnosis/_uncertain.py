@@ -24,17 +24,15 @@ from collections.abc import Mapping
 
 import torch
 
+from .._config import Config
+from .._processing.rotation import residual_readers, residual_writers, rotated_tensors
+from ._recover import best_rotation
 from ._tensors import _MANTISSA_BITS, CERTIFICATE_ULPS, _Thresholds
 
-__all__ = ["SPREAD", "Allowance", "record", "rounded", "spread", "widened_certificate", "widened_ratios"]
+__all__ = ["SPREAD", "Widenings", "rounded", "spread", "widened_certificate", "widened_ratios"]
 
 #: The re-fitted error's multiple taken for the recovered parameter's error.
 SPREAD = 2.0
-
-#: ``name -> [(axis, coefficient)]``: each recovered rotation that rewrote the tensor, the axis
-#: it rotated and ``SPREAD |Q' - Q^|_2`` (see the module's docstring).
-Allowance = dict[str, list[tuple[int, float]]]
-
 
 def spread(found: torch.Tensor, refit: torch.Tensor) -> float:
     """:data:`SPREAD` ``|refit - found|_2``, the largest over leading axes (``[..., d, d]``: one
@@ -72,9 +70,70 @@ def widened_ratios(got: torch.Tensor, expected: torch.Tensor, scale: float, thre
     return (x - e).abs() / bound.clamp_min(torch.finfo(torch.float64).tiny)
 
 
-def record(allowance: Allowance, touched: Mapping[str, int], coefficient: float) -> None:
-    """Add ``coefficient`` on each touched tensor's rotated axis (``name -> axis``)."""
-    for name, axis in touched.items():
-        entries = allowance.setdefault(name, [])
-        if (axis, coefficient) not in entries:
-            entries.append((axis, coefficient))
+class Widenings:
+    """The tensors a replay in ``dtype`` rewrote with a recovered rotation, and how each one's
+    bound widens: ``[(axis, coefficient)]``, one per recovered rotation that rewrote it (each
+    rewrite of a tensor inherits the widening of the tensor it replaces). Nothing in float32."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.half = dtype in (torch.bfloat16, torch.float16)
+        self.dtype = dtype
+        self._by_id: dict = {}  # id(tensor) -> (tensor, widening)
+
+    def rotation(self, state: Mapping, after: Mapping, cfg: Config):
+        """``(Q, widen)``: :func:`best_rotation` from ``state`` to ``after``, and what makes a
+        rewrite with it widen the bound of each tensor it rotates (writers on their last axis,
+        readers on their second to last) by ``spread(Q, Q')``, ``Q'`` re-fitted to the rewrite."""
+        Q = best_rotation(state, after, cfg)
+        if not self.half:
+            return Q, _unchanged
+        rewrite = rounded(dict(state) | rotated_tensors(state, cfg, Q), self.dtype)
+        readers = set(residual_readers(cfg))
+        axes = {n: -2 if n in readers else -1 for n in [*residual_writers(cfg), *readers]}
+        return Q, self._widen(axes, spread(Q, best_rotation(state, rewrite, cfg)))
+
+    def recovered(self, identity, state: Mapping, after: Mapping, cfg: Config):
+        """``(parameter, widen)``: ``identity.recover(state, after, cfg)``, and, where it recovers
+        rotations (square ``[..., d_head, d_head]`` matrices), what makes a rewrite with them widen
+        the bound of each tensor it changes, on the ``d_head`` axis (``W_O``'s second to last)."""
+        found = identity.recover(state, after, cfg)
+        if not self.half or not isinstance(found, dict) or not all(
+                v.ndim >= 2 and v.shape[-1] == v.shape[-2] for v in found.values()):
+            return found, _unchanged
+        try:
+            rewrite = identity.with_parameters(state, cfg, found)[0]
+            refit = identity.recover(state, rounded(rewrite, self.dtype), cfg)
+        except Exception:  # noqa: BLE001 - as a wrong rewrite's: the parameter does not fit this model
+            return found, _unchanged
+        if refit is None or set(refit) != set(found):
+            return found, _unchanged
+        changed = [n for n in set(state) | set(rewrite) if state.get(n) is not rewrite.get(n)]
+        axes = {n: -2 if n.endswith(".W_O") else -1 for n in changed}
+        return found, self._widen(axes, max(spread(found[k], refit[k]) for k in found))
+
+    def _widen(self, axes: Mapping[str, int], coefficient: float):
+        """``widen(rewrite)``: ``rewrite`` recording, for each tensor of ``axes`` it replaces, the
+        replaced tensor's widening and ``(axis, coefficient)``."""
+        def widen(rewrite):
+            def widened(state_dict, cfg):
+                out, out_cfg = rewrite(state_dict, cfg)
+                for name, axis in axes.items():
+                    new, old = out.get(name), state_dict.get(name)
+                    if new is not None and new is not old:
+                        self._by_id[id(new)] = (new, [*self.of(old), (axis, coefficient)])
+                return out, out_cfg
+            return widened
+        return widen
+
+    def of(self, tensor) -> list[tuple[int, float]]:
+        """The ``(axis, coefficient)`` by which ``tensor``'s certificate widens (``[]``: none)."""
+        hit = self._by_id.get(id(tensor))
+        return list(hit[1]) if hit is not None and hit[0] is tensor else []
+
+    def of_names(self, state: Mapping, names) -> dict[str, list[tuple[int, float]]]:
+        """:meth:`of` each tensor ``names`` of ``state``."""
+        return {name: self.of(state.get(name)) for name in names}
+
+
+def _unchanged(rewrite):
+    return rewrite
