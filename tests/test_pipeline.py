@@ -11,7 +11,7 @@ import circuitmath as cm
 from circuitmath._identities.pipeline import EVERYTHING_APPLICABLE
 from circuitmath._processing import dispatch as dispatch_module, fused as fused_module
 from circuitmath._processing.fused import FUSED_RMS_STEPS, FUSED_STEPS, fusable, rms_fusable
-from circuitmath._processing.steps import DEFAULTS, PIPELINE_STEPS, STEPS, leaving_out
+from circuitmath._processing.steps import DEFAULTS, PIPELINE_STEPS, STEPS, leaving_out, steps_between
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
 from support import VISIBLE, assert_caught, assume_above, same, snapshot, wide
@@ -406,3 +406,12 @@ def test_leaving_out_sets_only_what_is_left_to_apply_where_it_can():
     assert tuple(DEFAULTS) == STEPS  # one keyword per step, in the order applied
     assert DEFAULTS == {name: p.default for name, p in inspect.signature(cm.process_weights).parameters.items()
                         if name in DEFAULTS}
+
+
+def test_the_steps_two_parts_differ_in_are_keywords_and_nothing_else_is_taken_for_one():
+    """Two parts of a model that differ in a step name its keyword; an identity that is no step
+    of process_weights cannot differ between parts, and is an internal error saying both records."""
+    assert steps_between(("fold_layer_norm",), ("fold_layer_norm", "center_unembed")) == {"center_unembed"}
+    assert steps_between(("fold_layer_norm",), ("fold_layer_norm",)) == frozenset()
+    with pytest.raises(RuntimeError, match="parts of a model applied"):
+        steps_between(("fold_layer_norm",), ("rotate_residual_stream",))
