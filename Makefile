@@ -73,7 +73,7 @@ soak: env
 	SOAK_EXAMPLES=$(SOAK_EXAMPLES) $(PY) -m pytest tests -m hypothesis -n 2 --dist loadgroup --hypothesis-profile=soak --hypothesis-show-statistics -p no:cacheprovider
 
 # Every benchmark prints its figures, then the target fails if any of them missed its target.
-BENCHMARKS := prove_suite process_weights composition_scores check_speed check_load streaming blame sharpness
+BENCHMARKS := prove_suite process_weights composition_scores check_speed check_load streaming blame sharpness one_row_control
 
 bench: env
 	@status=0; for b in $(BENCHMARKS); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py || status=1; done; exit $$status

@@ -16,6 +16,7 @@ import torch
 
 from .._hf import Layout
 from .._stored import _grouped
+from ._tensors import SHOWN_RANGES
 
 __all__ = ["InputNames", "checkpoint_names", "speak"]
 
@@ -75,6 +76,26 @@ class InputNames:
             return ""
         _stored, shape, _view_shape, strides, offset = found
         return _slice(shape, strides, offset, [(i, i) for i in at]) or ""
+
+    def rows(self, parameter) -> str:
+        """A :class:`~._tensors.ParameterMismatch`'s differing rows as the entries of the input's
+        tensor they are (the first ranges shown): ``"[:, 4:8]"``; empty when the view is not a box
+        of it."""
+        found = self.views.get(parameter.name)
+        if not parameter.rows or found is None or found[1] is None:
+            return ""
+        _stored, shape, view_shape, strides, offset = found
+        whole = [(0, size - 1) for size in view_shape]
+        pieces = []
+        for first, last in parameter.rows[:SHOWN_RANGES]:
+            box = list(whole)
+            box[parameter.row_axis] = (first, last)
+            piece = _slice(shape, strides, offset, box)
+            if not piece:
+                return ""
+            pieces.append(piece)
+        more = len(parameter.rows) - SHOWN_RANGES
+        return ", ".join(pieces) + (f", … ({more} more ranges)" if more > 0 else "")
 
     def text(self, text: str | None) -> str | None:
         """``text`` with every circuitmath name the input does not use replaced by the input's."""

@@ -391,30 +391,7 @@ def _renamed(parameter: ParameterMismatch, names) -> ParameterMismatch:
     fields = {f.name: getattr(parameter, f.name) for f in dataclasses.fields(ParameterMismatch)}
     return _Named(**(fields | {"name": stored}), where=full[len(stored):], circuitmath_name=parameter.name,
                   stored_at=names.index(parameter.name, parameter.at) if parameter.at else "",
-                  stored_rows=_stored_rows(parameter, names))
-
-
-def _stored_rows(parameter: ParameterMismatch, names) -> str:
-    """``parameter``'s differing rows as the entries of the input's tensor they are (the first
-    ranges shown), empty when the view is not a box of it."""
-    from ._names import _slice
-    from ._tensors import SHOWN_RANGES
-
-    found = names.views.get(parameter.name)
-    if not parameter.rows or found is None or found[1] is None:
-        return ""
-    _stored, shape, view_shape, strides, offset = found
-    whole = [(0, size - 1) for size in view_shape]
-    pieces = []
-    for first, last in parameter.rows[:SHOWN_RANGES]:
-        box = list(whole)
-        box[parameter.row_axis] = (first, last)
-        piece = _slice(shape, strides, offset, box)
-        if not piece:
-            return ""
-        pieces.append(piece)
-    more = len(parameter.rows) - SHOWN_RANGES
-    return ", ".join(pieces) + (f", … ({more} more ranges)" if more > 0 else "")
+                  stored_rows=names.rows(parameter))
 
 
 def in_input_names(diagnosis: Diagnosis, names) -> Diagnosis:

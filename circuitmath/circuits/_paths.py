@@ -36,7 +36,7 @@ PATH_MODEL = (
     NO_POST_NORMS,
     Precondition("no embedding or logit scale",
                  "the stream starts at W_E's rows and the logits are the stream read by W_U, unscaled: no"
-                 " embedding_scale or logit_scale (fold_embedding_scale and fold_logit_scale fold them in)"),
+                 " embedding_scale or logit_scale (fold them into W_E and W_U first)"),
 )
 
 
