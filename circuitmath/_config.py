@@ -19,10 +19,17 @@ NORMALIZATIONS = ("LN", "LNPre", "RMS", "RMSPre", None)
 POSITIONAL = ("standard", "shortformer", "shortformer_tables", "rotary", "alibi")
 ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu")
 NORM_POSITIONS = ("pre", "post")
-#: An identity's former name -> its name now (filled by :func:`circuitmath._registry.register`
-#: from each identity's ``aliases``): ``Config.applied`` reads a former name as the current one,
-#: so a config saved before a rename still says what was applied.
-FORMER_NAMES: dict[str, str] = {}
+#: The one table of former names: an identity's former name -> its name now. ``Config.applied``
+#: reads a former name as the current one, so a file saved under a former name still says what
+#: was applied; :func:`circuitmath.get_identity` finds the identity by it, with a warning.
+FORMER_NAMES: dict[str, str] = {
+    "layer_norm_fold": "fold_layer_norm",
+    "centring_projection": "centering_projection",
+    "scale_invariance": "rescale_residual_stream",
+    "rms_norm_fold": "fold_rms_norm",
+    "shortformer_tables": "shortformer_to_tables",
+    "rotation_invariance": "rotate_residual_stream",
+}
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,42 @@
 """The one list of identities: :class:`Identity` and :func:`register`.
 
-Each family module of :mod:`circuitmath._identities` registers its identities on import;
-:func:`circuitmath._identities.identities` imports every family and lists them (the CLI, the
-diagnosis, the tests and the book iterate that list). This module imports nothing above the
-comparison of log-probs (:mod:`circuitmath._compare`), so nothing it imports comes back to it.
+How to add an identity (four files):
+
+1. **Its family module** in ``circuitmath/_identities/`` (or a new one): the transform, a function
+   ``name(state_dict, cfg, ..., *, identity)`` decorated with
+   :func:`~circuitmath._processing._common.rewrite`, whose Python name is the identity's name
+   (the wrapper checks the arguments, refuses a second application, records the name in
+   ``cfg.applied``, refuses an overflowed output, and passes the name as ``identity`` for the
+   transform's own refusals through ``require``); the proof, a function returning a
+   :class:`~circuitmath.Proof` with negative twins; the wrong rewrites; and
+   ``register(Identity(title=..., summary=..., preconditions=(...), build_proof=...,
+   transform=..., wrong_rewrites={...}, half_precision=COMPUTES))``. Its ``CHAPTER`` names the
+   book chapter. An identity with a free parameter gives ``recover`` and ``with_parameters``; one
+   that licenses a computation rather than a weight rewrite gives ``name`` and ``compare``.
+2. **The one line that lists families**, for a new family only: its import in
+   ``circuitmath/_identities/__init__.py``.
+3. **Its tests**: ``tests/test_<family>.py``.
+4. **Its book section**, in ``book/<CHAPTER>.md``.
+
+Everything else iterates the registry: its checker (``circuitmath.testing.CHECKERS``,
+``check_identity``), the diagnosis's replay and ``check_model``, the checker and half-precision
+tests, the book's list of identities, the mutation targets. Giving the transform a public name
+(``circuitmath.<name>``, ``circuitmath.testing.check_<name>``) is one line in each of the two static
+lists of public names, ``circuitmath/__init__.py`` and ``circuitmath/testing.py``, which
+``tests/test_registry.py`` and ``tests/test_public_api.py`` hold to the registry.
+
+Each family module registers its identities on import;
+:func:`circuitmath._identities.identities` imports every family and lists them. This module
+imports nothing above the comparison of log-probs (:mod:`circuitmath._compare`), so nothing it
+imports comes back to it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import InitVar, dataclass, field
+import functools
+import sys
+from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
 
@@ -20,12 +47,25 @@ from ._proof import Proof, ProofReport
 from ._state import StateDict
 from ._compare import Comparison, compare_log_probs
 
-__all__ = ["Identity", "WrongRewrite", "register", "registered"]
+__all__ = ["Identity", "WrongRewrite", "register", "registered", "COMPUTES", "MOVES_ENTRIES", "COMPOSES",
+           "AS_THE_FORWARD_PASS"]
 
 Transform = Callable[[StateDict, Config], tuple[dict, Config]]
 #: ``compare(state_dict, cfg, tokens, computation) -> Comparison``: the numeric check of an identity
 #: whose ``transform`` is a computation it licenses rather than a weight rewrite.
 Compare = Callable[[StateDict, Config, "torch.Tensor | None", Callable], Comparison]
+
+#: What a weight identity's transform does to half-precision weights (``Identity.half_precision``),
+#: which ``tests/test_accuracy.py`` measures on every model of its list the identity applies to:
+#: it computes (in float32 or float64, each entry rounded once to the weights' dtype) ...
+COMPUTES = "computes"
+#: ... it only copies, permutes or zeroes entries (bit for bit the float64 result rounded) ...
+MOVES_ENTRIES = "moves entries"
+#: ... it composes other identities' transforms, each measured as its own identity ...
+COMPOSES = "composes"
+#: ... or it rounds as the model's forward pass does (a multiplier rounded to the weights' dtype
+#: first), which its own tests check bit for bit against the forward pass.
+AS_THE_FORWARD_PASS = "as the forward pass"
 
 
 @dataclass(frozen=True)
@@ -53,7 +93,7 @@ class WrongRewrite:
         return self.function(state_dict, cfg, *tokens)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class Identity:
     """One identity, seen three ways: a proof, a numeric check, and the transform it licenses.
 
@@ -69,9 +109,12 @@ class Identity:
     transform, so it tests this identity alone. ``wrong_rewrites`` is the one catalogue of the
     identity's wrong variants (:class:`WrongRewrite`, or a bare transform): the numeric checks
     must reject each where it differs, the diagnosis names the one a processed model shows, the
-    tests and the book iterate them. ``function`` is the public name of the transform
-    (``circuitmath.<function>``; the checker is ``circuitmath.testing.check_<function>``) and
-    ``check_note`` adds to that checker's documentation.
+    tests and the book iterate them. ``public`` is the public transform (``circuitmath.<function>``,
+    made by :func:`~circuitmath._processing._common.rewrite`; default: ``transform`` when it is
+    one), where the identity has one with a parameter that ``transform`` fixes; ``function`` is its
+    name, and the checker is ``circuitmath.testing.check_<function>``; ``check_note`` adds to that
+    checker's documentation. ``name`` defaults to the name of the identity the transform performs
+    (a public transform's own name): a weight identity's name is written once, as its transform's.
 
     ``compare`` is for identities that license a computation rather than a weight rewrite (the
     logits as a sum of path terms, composition scores from factors): ``transform`` and each
@@ -80,10 +123,10 @@ class Identity:
     (the forward pass, or the same quantity computed naively) as a
     :class:`~circuitmath.testing.Comparison`.
 
-    ``aliases`` are the identity's former names: :func:`circuitmath.get_identity` still finds
-    it by them (with a :class:`DeprecationWarning`) and a :class:`~circuitmath.Config` whose
-    ``applied`` records one reads it as ``name``. ``corruptions=`` (the former name of
-    ``wrong_rewrites``) is still accepted when constructing.
+    ``half_precision`` says what a weight identity's transform does to half-precision weights:
+    :data:`COMPUTES`, :data:`MOVES_ENTRIES`, :data:`COMPOSES` or :data:`AS_THE_FORWARD_PASS` (``None`` for an identity that
+    licenses a computation). ``chapter`` is the book chapter (its file's stem) whose section
+    states, proves and checks the identity; default: its family module's ``CHAPTER``.
 
     ``recover(before, after, cfg)``: for an identity with a free parameter (per-channel scales),
     the parameter that maps ``before`` onto ``after``, or ``None``; ``with_parameters(state_dict,
@@ -92,7 +135,7 @@ class Identity:
     replaying ``transform``, whose parameter is fixed for the numeric checks.
     """
 
-    name: str
+    name: str = None  # type: ignore[assignment]  # derived from the transform when not given
     title: str
     summary: str
     preconditions: tuple[str, ...]
@@ -101,21 +144,34 @@ class Identity:
     wrong_rewrites: Mapping[str, WrongRewrite | Transform] = field(default_factory=dict, repr=False)
     prepare: Transform | None = field(default=None, repr=False)
     compare: Compare | None = field(default=None, repr=False)
-    function: str | None = None
+    public: Callable[..., tuple[dict, Config]] | None = field(default=None, repr=False)
+    function: str | None = field(default=None, init=False)
     check_note: str | None = field(default=None, repr=False)
     check_requires: tuple = ()
-    aliases: tuple[str, ...] = ()
     recover: Callable[[StateDict, StateDict, Config], object] | None = field(default=None, repr=False)
     with_parameters: Callable[..., tuple[dict, Config]] | None = field(default=None, repr=False)
-    corruptions: InitVar[Mapping[str, Transform] | None] = None  # deprecated: wrong_rewrites
+    half_precision: str | None = None
+    chapter: str | None = None
 
-    def __post_init__(self, corruptions) -> None:
-        if self.function is None and self.compare is None:
-            # a public transform (made by ``rewrite``) names itself; a partial or a private route does not
-            object.__setattr__(self, "function", getattr(self.transform, "public_name", None))
-        merged = {**(corruptions or {}), **self.wrong_rewrites}
+    def __post_init__(self) -> None:
+        public = self.public
+        if public is None and self.compare is None and hasattr(self.transform, "identity"):
+            public = self.transform  # a public transform (made by ``rewrite``); a partial or a private route is none
+        object.__setattr__(self, "public", public)
+        object.__setattr__(self, "function", None if public is None else public.__name__)
+        if self.name is None:
+            performs = self.transform.func if isinstance(self.transform, functools.partial) else self.transform
+            object.__setattr__(self, "name", getattr(public or performs, "identity", None))
+        if not isinstance(self.name, str):
+            raise ValueError(f"an identity whose transform {self.transform!r} is no public transform needs a name")
+        if self.chapter is None:
+            object.__setattr__(self, "chapter", getattr(sys.modules.get(self.build_proof.__module__), "CHAPTER", None))
+        if self.half_precision not in (COMPUTES, MOVES_ENTRIES, COMPOSES, AS_THE_FORWARD_PASS, None):
+            raise ValueError(f"{self.name}: half_precision is {self.half_precision!r}, not one of COMPUTES, MOVES_ENTRIES,"
+                             " COMPOSES, AS_THE_FORWARD_PASS")
         object.__setattr__(self, "wrong_rewrites", MappingProxyType({
-            name: wrong if isinstance(wrong, WrongRewrite) else WrongRewrite(wrong) for name, wrong in merged.items()
+            name: wrong if isinstance(wrong, WrongRewrite) else WrongRewrite(wrong)
+            for name, wrong in self.wrong_rewrites.items()
         }))
 
     @cached_property
@@ -128,6 +184,15 @@ class Identity:
 
     def prove(self) -> ProofReport:
         return self.proof.verify(self.name)
+
+    @property
+    def wrong_everywhere(self) -> dict[str, WrongRewrite]:
+        """The wrong rewrites that differ on every model the identity applies to (no ``differs_on``,
+        not ``regardless``): those a numeric check must reject on any model."""
+        return {
+            name: wrong for name, wrong in self.wrong_rewrites.items()
+            if wrong.differs_on is None and not wrong.regardless
+        }
 
     def wrong_rewrites_for(self, cfg: Config) -> dict[str, WrongRewrite]:
         """The wrong rewrites the numeric check must reject on a model of config ``cfg``."""
@@ -159,9 +224,6 @@ class Identity:
         """The same comparison for one of the wrong rewrites; it is expected to fail."""
         return self._check(self.wrong_rewrites[wrong].function, state_dict, cfg, tokens)
 
-    #: Deprecated name of :meth:`check_wrong_rewrite`.
-    check_corruption = check_wrong_rewrite
-
     def _check(self, transform, state_dict: StateDict, cfg: Config, tokens: torch.Tensor | None) -> Comparison:
         before, before_cfg = self.prepared(state_dict, cfg)
         if self.compare is not None:
@@ -170,33 +232,14 @@ class Identity:
         return compare_log_probs(before, before_cfg, after, after_cfg, tokens)
 
 
-def _wrong_everywhere(self: Identity) -> dict[str, WrongRewrite]:
-    """The wrong rewrites that differ on every model the identity applies to (no ``differs_on``,
-    not ``regardless``): those a numeric check must reject on any model."""
-    return {
-        name: wrong for name, wrong in self.wrong_rewrites.items()
-        if wrong.differs_on is None and not wrong.regardless
-    }
-
-
-def _corruptions(self: Identity) -> dict[str, Transform]:
-    """Deprecated name: :attr:`Identity.wrong_everywhere`, as plain transforms."""
-    return {name: wrong.function for name, wrong in _wrong_everywhere(self).items()}
-
-
-Identity.wrong_everywhere = property(_wrong_everywhere)
-Identity.corruptions = property(_corruptions)  # after the dataclass took ``corruptions=`` as its init argument
-
 _REGISTRY: dict[str, Identity] = {}
 
 
 def register(identity: Identity) -> Identity:
     """Add ``identity`` to the registry; a second identity of the same name is an error."""
-    for name in (identity.name, *identity.aliases):
-        if name in _REGISTRY or name in FORMER_NAMES:
-            raise ValueError(f"identity {name!r} is registered twice")
+    if identity.name in _REGISTRY or identity.name in FORMER_NAMES:
+        raise ValueError(f"identity {identity.name!r} is registered twice")
     _REGISTRY[identity.name] = identity
-    FORMER_NAMES.update(dict.fromkeys(identity.aliases, identity.name))
     return identity
 
 

@@ -59,6 +59,7 @@ from ._compare import (
     logprob_tolerance as logprob_tolerance,
     rounding_sensitivity as rounding_sensitivity,
 )
+from . import _processing as _transforms
 from . import _diagnosis  # after _compare: an identity family may import testing's comparison names
 from ._diagnosis._logprobs import _coarser
 from ._diagnosis._tensors import CERTIFICATE_ULPS
@@ -86,6 +87,44 @@ __all__ = [
     "Diagnosis",
     "Finding",
     "ParameterMismatch",
+    "check_fold_layer_norm",
+    "assert_fold_layer_norm",
+    "check_center_reading_weights",
+    "assert_center_reading_weights",
+    "check_center_writing_weights",
+    "assert_center_writing_weights",
+    "check_center_unembed",
+    "assert_center_unembed",
+    "check_layer_norm_to_rms_norm",
+    "assert_layer_norm_to_rms_norm",
+    "check_fold_rms_norm",
+    "assert_fold_rms_norm",
+    "check_shortformer_to_tables",
+    "assert_shortformer_to_tables",
+    "check_fold_value_biases",
+    "assert_fold_value_biases",
+    "check_remove_key_biases",
+    "assert_remove_key_biases",
+    "check_refactor_factored_attn_matrices",
+    "assert_refactor_factored_attn_matrices",
+    "check_rotate_residual_stream",
+    "assert_rotate_residual_stream",
+    "check_permute_heads",
+    "assert_permute_heads",
+    "check_permute_neurons",
+    "assert_permute_neurons",
+    "check_permute_experts",
+    "assert_permute_experts",
+    "check_migrate_norm_scales",
+    "assert_migrate_norm_scales",
+    "check_rotate_heads",
+    "assert_rotate_heads",
+    "check_scale_neurons",
+    "assert_scale_neurons",
+    "check_fold_embedding_scale",
+    "assert_fold_embedding_scale",
+    "check_fold_logit_scale",
+    "assert_fold_logit_scale",
 ]
 
 
@@ -376,12 +415,37 @@ def _asserting(check: Callable) -> Callable:
 
 
 #: The per-identity checkers, one per registered weight identity with a public transform,
-#: derived from the registry: ``check_fold_layer_norm``, ``check_center_reading_weights``, ...;
-#: each has an ``assert_`` form that raises instead of returning a failed report.
-CHECKERS: dict[str, Callable] = {}
-for _identity in _diagnosis.weight_identities(symmetries=True):
-    if _identity.function:
-        CHECKERS[_identity.name] = globals()[f"check_{_identity.function}"] = _checker(_identity)
-        globals()[f"assert_{_identity.function}"] = _asserting(CHECKERS[_identity.name])
-        __all__ += [f"check_{_identity.function}", f"assert_{_identity.function}"]
-del _identity
+#: derived from the registry (by identity name); each has an ``assert_`` form that raises instead
+#: of returning a failed report. The module-level names below are these, written out so that
+#: they are defined statically; ``tests/test_registry.py`` checks that they are exactly the registry's.
+CHECKERS: dict[str, Callable] = {
+    identity.name: _checker(identity) for identity in _diagnosis.weight_identities(symmetries=True) if identity.function
+}
+
+
+def _pair(public: Callable) -> tuple[Callable, Callable]:
+    """The checker of the identity whose public transform is ``public``, and its ``assert_`` form."""
+    check = next(CHECKERS[identity.name] for identity in _diagnosis.weight_identities(symmetries=True)
+                 if identity.public is public)
+    return check, _asserting(check)
+
+
+check_fold_layer_norm, assert_fold_layer_norm = _pair(_transforms.fold_layer_norm)
+check_center_reading_weights, assert_center_reading_weights = _pair(_transforms.center_reading_weights)
+check_center_writing_weights, assert_center_writing_weights = _pair(_transforms.center_writing_weights)
+check_center_unembed, assert_center_unembed = _pair(_transforms.center_unembed)
+check_layer_norm_to_rms_norm, assert_layer_norm_to_rms_norm = _pair(_transforms.layer_norm_to_rms_norm)
+check_fold_rms_norm, assert_fold_rms_norm = _pair(_transforms.fold_rms_norm)
+check_shortformer_to_tables, assert_shortformer_to_tables = _pair(_transforms.shortformer_to_tables)
+check_fold_value_biases, assert_fold_value_biases = _pair(_transforms.fold_value_biases)
+check_remove_key_biases, assert_remove_key_biases = _pair(_transforms.remove_key_biases)
+check_refactor_factored_attn_matrices, assert_refactor_factored_attn_matrices = _pair(_transforms.refactor_factored_attn_matrices)
+check_rotate_residual_stream, assert_rotate_residual_stream = _pair(_transforms.rotate_residual_stream)
+check_permute_heads, assert_permute_heads = _pair(_transforms.permute_heads)
+check_permute_neurons, assert_permute_neurons = _pair(_transforms.permute_neurons)
+check_permute_experts, assert_permute_experts = _pair(_transforms.permute_experts)
+check_migrate_norm_scales, assert_migrate_norm_scales = _pair(_transforms.migrate_norm_scales)
+check_rotate_heads, assert_rotate_heads = _pair(_transforms.rotate_heads)
+check_scale_neurons, assert_scale_neurons = _pair(_transforms.scale_neurons)
+check_fold_embedding_scale, assert_fold_embedding_scale = _pair(_transforms.fold_embedding_scale)
+check_fold_logit_scale, assert_fold_logit_scale = _pair(_transforms.fold_logit_scale)

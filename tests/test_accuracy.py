@@ -5,7 +5,6 @@ biases through ``W_O``) or to process half precision in float32 is run on inputs
 precision visibly loses: the result must equal the float64 computation rounded once.
 """
 
-import functools
 import math
 import re
 
@@ -15,9 +14,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from circuitmath import (
-    CircuitMathError, Config, OverflowedError, fold_layer_norm, migrate_norm_scales, process_weights, random_state_dict,
-    rescale_residual_stream, rotate_heads, rotate_residual_stream, scale_neurons,
+    CircuitMathError, Config, OverflowedError, PreconditionError, fold_layer_norm, identities, process_weights,
+    random_state_dict,
 )
+from circuitmath._registry import AS_THE_FORWARD_PASS, COMPOSES, COMPUTES, MOVES_ENTRIES
 from circuitmath._processing.steps import STEPS
 from circuitmath.strategies import models
 from circuitmath._processing.attention import value_bias_through_output
@@ -111,65 +111,71 @@ _HALF_MODELS["eps 0"] = _HALF_MODELS["LN"].replace(eps=0.0)
 _HALF_MODELS["logit scale"] = _HALF_MODELS["RMS"].replace(logit_scale=0.0625 * 1.1)
 
 
-def _rotated(state_dict, cfg):
-    Q = torch.linalg.qr(torch.randn(cfg.d_model, cfg.d_model, dtype=torch.float64,
-                                    generator=torch.Generator().manual_seed(0)))[0]
-    return rotate_residual_stream(state_dict, cfg, Q)  # a float64 Q for every dtype
+def _half_precision(identity, dtype):
+    """For each model of :data:`_HALF_MODELS` that ``identity`` applies to (after its own
+    preparation, in float64): that float64 model, its config, the model in ``dtype`` and its
+    transform."""
+    out = []
+    for cfg in _HALF_MODELS.values():
+        try:
+            before, before_cfg = identity.prepared(random_state_dict(cfg, seed=0, dtype=torch.float64), cfg)
+            half = {k: v.to(dtype) for k, v in before.items()}
+            got, _ = identity.transform(half, before_cfg)
+        except PreconditionError:
+            continue
+        out.append((before, before_cfg, half, got))
+    return out
 
 
-_ORTHOGONAL_64 = torch.linalg.qr(torch.randn(2, 64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))[0]
-
-_HALF_PRECISION_CASES = [
-    ("LN", "fold_layer_norm"), ("LNPre", "center_reading_weights"), ("LN", "center_writing_weights"),
-    ("LN", "center_unembed"), ("LN", "fold_value_biases"), ("LN", "refactor_factored_attn_matrices"),
-    ("shortformer", "shortformer_to_tables"),
-    ("RMS", "fold_rms_norm"), ("RMS", "center_unembed"), ("RMS", "fold_value_biases"), ("RMSPre", _rotated),
-    ("eps 0", functools.partial(rescale_residual_stream, scale=3.0)),
-    *((arch, functools.partial(migrate_norm_scales, scales=torch.exp(torch.randn(
-        256, dtype=torch.float64, generator=torch.Generator().manual_seed(0))))) for arch in ("RMS", "LN", "RMSPre")),
-    ("RMS", functools.partial(rotate_heads, value=_ORTHOGONAL_64[0])),
-    ("LN", functools.partial(rotate_heads, value=_ORTHOGONAL_64[0], query_key=_ORTHOGONAL_64[1])),
-    ("RMS", functools.partial(scale_neurons, scales=torch.exp(torch.randn(
-        512, dtype=torch.float64, generator=torch.Generator().manual_seed(2))))),
-    ("logit scale", "fold_logit_scale"),
-]
+_DECLARED = [identity for identity in identities() if identity.compare is None]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("architecture, step", _HALF_PRECISION_CASES)
-def test_each_transform_on_its_own_rounds_half_precision_once(architecture, step, dtype):
-    """Every public weight transform that computes (the permutations and ``remove_key_biases``
-    only move or zero entries), given half-precision weights, returns entry by entry their
-    float64 transform rounded once, up to what float32 arithmetic may move a result that
-    cancels (measured at most 0.51 ulp here). Before: ``center_unembed`` and
-    ``center_reading_weights`` subtracted a mean rounded to half precision (256 and 255 ulps off
-    in bfloat16), and ``shortformer_to_tables`` summed its tables in float32 (1.27 ulps in
-    float16, where ``W_pos @ W_K`` cancels)."""
-    import circuitmath
-
-    cfg, transform = _HALF_MODELS[architecture], step if callable(step) else getattr(circuitmath, step)
-    half = {k: v.to(dtype) for k, v in random_state_dict(cfg, seed=0, dtype=torch.float64).items()}
-    got, _ = transform(half, cfg)
-    exact, _ = transform({k: v.double() for k, v in half.items()}, cfg)
-    changed = [name for name in got if got[name] is not half.get(name)]
-    assert changed and all(got[name].dtype == dtype for name in got)
-    assert max(_ulps_from(got[name], exact[name], dtype) for name in changed) <= 0.6
+@pytest.mark.parametrize("identity", [i for i in _DECLARED if i.half_precision == COMPUTES], ids=lambda i: i.name)
+def test_each_identity_that_computes_rounds_half_precision_once(identity, dtype):
+    """Every weight identity that computes (the registry says which), given half-precision
+    weights, returns entry by entry their float64 transform rounded once, up to what float32
+    arithmetic may move a result that cancels (measured at most 0.51 ulp here), on every model of
+    :data:`_HALF_MODELS` it applies to (at least one). A mean rounded to half precision before it
+    is subtracted is 255 ulps off in bfloat16, tables summed in float32 1.27 ulps in float16."""
+    runs = _half_precision(identity, dtype)
+    assert runs, f"{identity.name} applies to none of the half-precision models"
+    for _before, cfg, half, got in runs:
+        exact, _ = identity.transform({k: v.double() for k, v in half.items()}, cfg)
+        changed = [name for name in got if got[name] is not half.get(name)]
+        assert changed and all(got[name].dtype == dtype for name in got)
+        assert max(_ulps_from(got[name], exact[name], dtype) for name in changed) <= 0.6
 
 
-def test_every_public_transform_is_checked_in_half_precision():
-    """Registry guard: a new public transform joins the cases above, or says here why not."""
-    import circuitmath
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("identity", [i for i in _DECLARED if i.half_precision == MOVES_ENTRIES], ids=lambda i: i.name)
+def test_each_identity_that_moves_entries_is_exact_in_half_precision(identity, dtype):
+    """A weight identity that only copies, permutes or zeroes entries commutes with rounding: in
+    half precision it gives bit for bit its float64 result rounded (on the float64 model: a
+    precondition checked to the dtype's rounding may refuse the rounded weights in float64)."""
+    runs = _half_precision(identity, dtype)
+    assert runs, f"{identity.name} applies to none of the half-precision models"
+    for before, cfg, _half, got in runs:
+        exact, _ = identity.transform(before, cfg)
+        assert got.keys() == exact.keys() and all(torch.equal(got[k], exact[k].to(dtype)) for k in got)
 
-    moves_entries_only = {"permute_heads", "permute_neurons", "remove_key_biases", "layer_norm_to_rms_norm",
-                          "permute_experts"}
-    # process_weights: test_half_precision_equals_float32_processing_rounded_once; fold_embedding_scale
-    # multiplies by the scale rounded to the weights' dtype, as the forward pass does (not the float64
-    # transform rounded once): test_scales' bit-for-bit test in each dtype
-    elsewhere = {"process_weights", "fold_embedding_scale"}
-    named = {getattr(step, "func", step).__name__ if callable(step) else step for _arch, step in _HALF_PRECISION_CASES}
-    named = {"rotate_residual_stream" if name == "_rotated" else name for name in named}
-    public = {name for name in circuitmath.__all__ if hasattr(getattr(circuitmath, name), "identity")}
-    assert public == named | moves_entries_only | elsewhere
+
+def test_every_weight_identity_declares_its_half_precision_behaviour():
+    """Registry guard: each weight identity says what its transform does in half precision; the
+    ones that compose others (``process_weights``: :func:`test_half_precision_is_processed_in_float32_and_rounded_once`)
+    are measured through the identities they compose, the ones that round as the forward pass does
+    (``fold_embedding_scale``) bit for bit against it by their own tests."""
+    assert all(identity.half_precision in (COMPUTES, MOVES_ENTRIES, COMPOSES, AS_THE_FORWARD_PASS)
+               for identity in _DECLARED)
+
+
+def test_negative_control_a_mean_rounded_to_half_precision_is_caught():
+    """What the 0.6-ulp bound rejects: centering the unembed with its mean computed in bfloat16."""
+    cfg = _HALF_MODELS["LN"]
+    half = {k: v.to(torch.bfloat16) for k, v in random_state_dict(cfg, seed=0, dtype=torch.float64).items()}
+    W_U = half["unembed.W_U"]
+    exact = W_U.double() - W_U.double().mean(dim=-1, keepdim=True)
+    assert _ulps_from(W_U - W_U.mean(dim=-1, keepdim=True), exact, torch.bfloat16) > 0.6
 
 
 def test_float32_processing_stays_close_to_float64():

@@ -33,31 +33,50 @@ from circuitmath.testing import (
 F64 = torch.float64
 BASE = dict(n_layers=2, d_model=6, n_heads=2, d_head=3, d_vocab=9, n_ctx=5, d_mlp=12)
 
-#: Each named checker, its identity, and a model it applies to (on which most of the identity's
-#: registered wrong rewrites differ from the exact rewrite).
-CHECKERS = {
-    "fold_layer_norm": (check_fold_layer_norm, {}),
-    "center_reading_weights": (check_center_reading_weights, {}),
-    "center_writing_weights": (check_center_writing_weights, {}),
-    "center_unembed": (check_center_unembed, {}),
-    "fold_value_biases": (check_fold_value_biases, {"n_heads": 4, "n_key_value_heads": 2}),
-    "remove_key_biases": (check_remove_key_biases, {}),
-    "refactor_factored_attn_matrices": (check_refactor_factored_attn_matrices, {"n_heads": 4, "n_key_value_heads": 2}),
-    "fold_rms_norm": (check_fold_rms_norm, {"normalization_type": "RMS", "gated_mlp": True}),
-    "layer_norm_to_rms_norm": (check_layer_norm_to_rms_norm, {}),
-    "shortformer_to_tables": (check_shortformer_to_tables, {"positional_embedding_type": "shortformer"}),
-    # symmetries: the checker recovers the rotation or permutation from the tensors
-    "rotate_residual_stream": (testing.check_rotate_residual_stream, {"normalization_type": "RMSPre"}),
-    "permute_heads": (testing.check_permute_heads, {}),
-    "permute_neurons": (testing.check_permute_neurons, {}),
-    "permute_experts": (testing.check_permute_experts, {"normalization_type": "RMS", "gated_mlp": True,
-                                                        "n_experts": 4, "experts_per_token": 2}),
-    "migrate_norm_scales": (testing.check_migrate_norm_scales, {"normalization_type": "RMS", "gated_mlp": True}),
-    "rotate_heads": (testing.check_rotate_heads, {"n_heads": 4, "n_key_value_heads": 2}),
-    "scale_neurons": (testing.check_scale_neurons, {"normalization_type": "RMS", "gated_mlp": True}),
-    "fold_embedding_scale": (testing.check_fold_embedding_scale, {"embedding_scale": 6**0.5}),
-    "fold_logit_scale": (testing.check_fold_logit_scale, {"logit_scale": 0.0625}),
-}
+#: The models a checker is tried on: changes to :data:`BASE`.
+MODELS = (
+    {},
+    {"n_heads": 4, "n_key_value_heads": 2},
+    {"normalization_type": "RMS", "gated_mlp": True},
+    {"positional_embedding_type": "shortformer"},
+    {"normalization_type": "RMSPre"},
+    {"embedding_scale": 6**0.5},
+    {"logit_scale": 0.0625},
+    {"normalization_type": "RMS", "gated_mlp": True, "n_experts": 4, "experts_per_token": 2},
+)
+
+
+def _differing(identity, changes) -> int:
+    """How many of ``identity``'s wrong rewrites differ from its exact rewrite on the model
+    ``changes`` by more than float64 rounding (-1 where it does not apply)."""
+    cfg, before = _model(**changes)
+    try:
+        prepared, prepared_cfg = _prepared(identity, before, cfg)
+        exact, exact_cfg = identity.transform(prepared, prepared_cfg)
+    except cm.PreconditionError:
+        return -1
+    count = 0
+    for wrong in identity.wrong_rewrites_for(prepared_cfg).values():
+        try:
+            after, after_cfg = wrong(prepared, prepared_cfg)
+        except ValueError:  # a mistake this model has no tensor for
+            continue
+        count += not (after_cfg == exact_cfg and after.keys() == exact.keys()
+                      and all(torch.allclose(after[k], exact[k], rtol=1e-9, atol=1e-12) for k in after))
+    return count
+
+
+def _checkers() -> dict:
+    """Each checker the registry derives (``testing.CHECKERS``), with the first model of
+    :data:`MODELS` its identity applies to on which most of its wrong rewrites differ from the
+    exact rewrite."""
+    out = {}
+    for name, checker in testing.CHECKERS.items():
+        identity = cm.get_identity(name)
+        counts = [_differing(identity, changes) for changes in MODELS]
+        assert max(counts) >= 0, f"{name} applies to none of the checkers' models"
+        out[name] = (checker, MODELS[counts.index(max(counts))])
+    return out
 
 
 def _model(seed=0, **changes):
@@ -67,6 +86,9 @@ def _model(seed=0, **changes):
 
 def _prepared(identity, sd, cfg):
     return identity.prepare(sd, cfg) if identity.prepare else (sd, cfg)
+
+
+CHECKERS = _checkers()
 
 
 @pytest.mark.parametrize("name", sorted(CHECKERS))

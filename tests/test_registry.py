@@ -168,9 +168,13 @@ def test_one_name_per_identity_and_its_transform():
 
 
 def test_a_former_name_still_finds_its_identity_with_a_warning_and_is_normalised_in_applied():
-    renamed = {old: identity.name for identity in IDENTITIES for old in identity.aliases}
-    assert renamed["layer_norm_fold"] == "fold_layer_norm" and len(renamed) >= 6
-    for old, new in renamed.items():
+    """The one table of former names (``_config.FORMER_NAMES``) names registered identities only."""
+    from circuitmath._config import FORMER_NAMES
+
+    names = {identity.name for identity in IDENTITIES}
+    assert FORMER_NAMES["layer_norm_fold"] == "fold_layer_norm" and len(FORMER_NAMES) >= 6
+    assert set(FORMER_NAMES.values()) <= names and not set(FORMER_NAMES) & names
+    for old, new in FORMER_NAMES.items():
         with pytest.warns(DeprecationWarning, match=new):
             assert cm.get_identity(old) is cm.get_identity(new)
     cfg = cm.Config.from_json(cm.Config(**BASE_FIELDS, applied=["layer_norm_fold", "center_reading_weights"]).to_json())
@@ -178,9 +182,31 @@ def test_a_former_name_still_finds_its_identity_with_a_warning_and_is_normalised
     assert cm.Config(**BASE_FIELDS, applied=("rms_norm_fold",)).applied == ("fold_rms_norm",)
 
 
-def test_the_former_word_corruptions_still_lists_the_wrong_rewrites_on_every_model():
-    fold = cm.get_identity("fold_layer_norm")
-    assert set(fold.corruptions) == set(fold.wrong_everywhere) and fold.check_corruption == fold.check_wrong_rewrite
+def test_a_weight_identity_is_named_once_by_its_public_transform():
+    """A weight identity's name is its public transform's, read from the transform (written once);
+    the transform records exactly that name, and an identity whose transform is private needs one."""
+    for identity in IDENTITIES:
+        if identity.public is not None and identity.public.identity == identity.name:
+            assert identity.function == identity.public.__name__ == identity.name
+    sd, cfg = cm.random_state_dict(cm.Config(**BASE_FIELDS), seed=0), cm.Config(**BASE_FIELDS)
+    assert cm.center_unembed(sd, cfg)[1].applied == (cm.get_identity("center_unembed").name,)
+    with pytest.raises(ValueError, match="needs a name"):
+        cm.Identity(title="t", summary="s", preconditions=(), build_proof=lambda: None,
+                    transform=lambda state_dict, cfg: (state_dict, cfg))
+
+
+def test_the_static_checker_names_are_the_registry_s():
+    """``circuitmath.testing`` defines its ``check_``/``assert_`` names statically; they are exactly
+    one pair per checker the registry derives, each bound to that checker."""
+    from circuitmath import testing
+
+    derived = {f"check_{cm.get_identity(name).function}": checker for name, checker in testing.CHECKERS.items()}
+    static = {n for n in testing.__all__ if n.startswith(("check_", "assert_"))} - {"check_model", "check_identity",
+                                                                                   "assert_equivalent"}
+    assert static == set(derived) | {n.replace("check_", "assert_", 1) for n in derived}
+    for name, checker in derived.items():
+        assert getattr(testing, name) is checker
+        assert getattr(testing, name.replace("check_", "assert_", 1)).__name__ == name.replace("check_", "assert_", 1)
 
 
 def test_a_file_saved_with_former_names_loads_with_the_new_ones(tmp_path):

@@ -26,6 +26,9 @@ from ..circuits._heads import HAS_ATTENTION
 from ..circuits._paths import PATH_MODEL, _run
 from ._circuit_checks import Joint, compare_logits, dim, logits_with_heads, notation_proof, selector
 
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "attention"
+
 n, d, e, q = dim("n"), dim("d"), dim("e"), dim("q")
 #: The routes rerun the forward pass with frozen patterns (the path expansion's preconditions);
 #: the tensor form reads the OV circuits, which need attention layers.

@@ -27,11 +27,14 @@ from .._processing import fold_value_biases, remove_key_biases
 from .._processing.attention import value_bias_through_output
 from .._processing._common import NO_ATTN_SINKS, NO_ATTN_SOFTCAP, NOT_APPLIED, NOT_ROTARY, NO_QK_NORM
 from .._proof import Definition, Fact, Proof, Step, Twin
-from .._registry import Identity, WrongRewrite, register
+from .._registry import COMPUTES, MOVES_ENTRIES, Identity, WrongRewrite, register
 from .._state import attention_names
 from ._sinks import sink_rows_twin, sink_shift_twin
 from ._softcaps import attention_softcap_twin, capped_rows_sum_to_one
 from .layer_norm import REGARDLESS
+
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "attention_weights"
 
 n, d, e = (Symbol(s, positive=True, integer=True) for s in ("n", "d", "e"))
 ones = OneMatrix(n, 1)
@@ -327,7 +330,7 @@ def _remove_key_biases_regardless(state_dict, cfg):
     out = dict(state_dict)
     for layer in range(cfg.n_layers):
         out[f"blocks.{layer}.attn.{bias}"] = torch.zeros_like(state_dict[f"blocks.{layer}.attn.{bias}"])
-    return out, cfg.replace(applied=cfg.applied + ("remove_key_biases",))
+    return out, cfg.replace(applied=cfg.applied + (remove_key_biases.identity,))
 
 
 def _drop_query_biases(state_dict, cfg):
@@ -341,7 +344,6 @@ def _drop_query_biases(state_dict, cfg):
 
 FOLD_VALUE_BIASES = register(
     Identity(
-        name="fold_value_biases",
         title="Folding value biases into the output bias",
         summary="rows of a pattern sum to 1, so A (X W_V + 1 b_V) W_O = A X W_V W_O + 1 b_V W_O: b_O += sum_h b_V[h] W_O[h]",
         preconditions=(
@@ -364,12 +366,12 @@ FOLD_VALUE_BIASES = register(
             "drop_value_biases": _fold_through(lambda heads: []),
             "under_attention_sinks": WrongRewrite(_fold_value_biases_regardless, REGARDLESS, regardless=True),
         },
+        half_precision=COMPUTES,
     )
 )
 
 REMOVE_KEY_BIASES = register(
     Identity(
-        name="remove_key_biases",
         title="Removing key biases",
         summary="q_i . (k_j + b_K) = q_i . k_j + q_i . b_K, the same for every key j, and softmax over j ignores it",
         preconditions=(NOT_ROTARY, NO_QK_NORM, NO_ATTN_SOFTCAP, NO_ATTN_SINKS, NOT_APPLIED),
@@ -379,5 +381,6 @@ REMOVE_KEY_BIASES = register(
             "drop_query_biases": _drop_query_biases,
             "regardless": WrongRewrite(_remove_key_biases_regardless, REGARDLESS, regardless=True),
         },
+        half_precision=MOVES_ENTRIES,
     )
 )

@@ -26,9 +26,12 @@ from .._processing import center_unembed, center_writing_weights, writers
 from .._processing._common import NO_LOGIT_SOFTCAP, NOT_APPLIED, PRE_NORM
 from .._processing.centering import CENTERING_NORM
 from .._proof import Definition, Fact, Proof, Step, Twin
-from .._registry import Identity, WrongRewrite, register
+from .._registry import COMPUTES, Identity, WrongRewrite, register
 from ._softcaps import fold_before_the_logit_softcap, logit_softcap_twin
 from .layer_norm import REGARDLESS
+
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "centering"
 
 d, V = Symbol("d", positive=True, integer=True), Symbol("V", positive=True, integer=True)
 e, k = Symbol("e", positive=True, integer=True), Symbol("k", positive=True, integer=True)
@@ -231,7 +234,7 @@ def _center_unembed_regardless(state_dict, cfg):
     out = dict(state_dict)
     for name in ("unembed.W_U", "unembed.b_U"):
         out[name] = state_dict[name] - state_dict[name].mean(dim=-1, keepdim=True)
-    return out, cfg.replace(applied=cfg.applied + ("center_unembed",))
+    return out, cfg.replace(applied=cfg.applied + (center_unembed.identity,))
 
 
 def _center_writers_regardless(state_dict, cfg):
@@ -244,7 +247,6 @@ def _center_writers_regardless(state_dict, cfg):
 
 CENTER_WRITING_WEIGHTS = register(
     Identity(
-        name="center_writing_weights",
         title="Centering the weights that write to the residual stream",
         summary="every reader sees the stream x through LNPre(x) = n(x C); centering every write turns x into"
         " x C, and (x C) C = x C, so LNPre is unchanged, eps included",
@@ -269,12 +271,12 @@ CENTER_WRITING_WEIGHTS = register(
             ),
             "regardless": WrongRewrite(_center_writers_regardless, REGARDLESS, regardless=True),
         },
+        half_precision=COMPUTES,
     )
 )
 
 CENTER_UNEMBED = register(
     Identity(
-        name="center_unembed",
         title="Centering the unembed",
         summary="centering W_U and b_U over the vocabulary shifts each position's logits by minus their mean;"
         " log_softmax is shift invariant, so the log-probs are unchanged",
@@ -293,5 +295,6 @@ CENTER_UNEMBED = register(
             ),
             "regardless": WrongRewrite(_center_unembed_regardless, REGARDLESS, regardless=True),
         },
+        half_precision=COMPUTES,
     )
 )

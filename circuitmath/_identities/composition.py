@@ -49,6 +49,9 @@ from ._circuit_checks import (
     values_tolerance,
 )
 
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "composition"
+
 n, d, e, m, k, V = dim("n"), dim("d"), dim("e"), dim("m"), dim("k"), dim("V")
 ANY_ATTENTION = (HAS_ATTENTION,)
 #: Checking eigenvalues_ab_ba compares with the dense spectrum of every head's circuit.

@@ -25,11 +25,14 @@ from sympy import Identity as Eye, MatMul, MatrixSymbol
 
 from .._processing.experts import AN_EXPERT_PERMUTATION, HAS_EXPERTS, permute_experts, recover_expert_permutation
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import Identity, WrongRewrite, register
+from .._registry import MOVES_ENTRIES, Identity, WrongRewrite, register
 from .._moe import EXPERT_LEAVES, expert_names, routers
 from ._circuit_checks import dim
 from .permutations import _permutation
 from .rotation import forgetting
+
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "quantisation"
 
 
 d, E = dim("d"), dim("E")
@@ -99,12 +102,11 @@ def _router_by_inverse(state_dict, cfg):
 
 PERMUTE_EXPERTS = register(
     Identity(
-        name="permute_experts",
         title="Permuting the experts of a mixture-of-experts MLP",
         summary="g(L P) P^T Y = g(L) Y for a permutation P: top-k routing is permutation-equivariant, so"
         " the experts may be reordered with the router's columns",
         preconditions=(HAS_EXPERTS, AN_EXPERT_PERMUTATION),
-        function="permute_experts",
+        public=permute_experts,
         check_note="the permutation is recovered from the experts' output maps and verified on every tensor",
         build_proof=_experts_proof,
         transform=_permute,
@@ -121,5 +123,6 @@ PERMUTE_EXPERTS = register(
         },
         recover=recover_expert_permutation,
         with_parameters=permute_experts,
+        half_precision=MOVES_ENTRIES,
     )
 )

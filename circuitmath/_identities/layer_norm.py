@@ -20,7 +20,10 @@ from .._processing import center_reading_weights, fold_layer_norm, readers
 from .._processing._common import NORM_READ_LINEARLY, NOT_APPLIED, PRE_NORM
 from .._processing.layer_norm import IS_LN, READER_HAS_BIAS, READS_LNPRE
 from .._proof import Definition, Fact, Proof, Step, Twin
-from .._registry import Identity, WrongRewrite, register
+from .._registry import COMPUTES, Identity, WrongRewrite, register
+
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "layer_norm"
 
 d, m = Symbol("d", positive=True, integer=True), Symbol("m", positive=True, integer=True)
 rho = Symbol(r"\rho", positive=True)
@@ -214,8 +217,6 @@ REGARDLESS = "the rewrite, applied although the identity refuses this model"
 
 LAYER_NORM_FOLD = register(
     Identity(
-        name="fold_layer_norm",
-        aliases=("layer_norm_fold",),
         title="Folding LayerNorm into its readers",
         summary="LN(x) W + b_W = LNPre(x) (diag(w) W) + (b_W + b W), with eps kept inside LNPre",
         preconditions=(PRE_NORM, IS_LN, NORM_READ_LINEARLY, READER_HAS_BIAS, NOT_APPLIED),
@@ -242,12 +243,12 @@ LAYER_NORM_FOLD = register(
                 differs_on=_a_square_reader,
             ),
         },
+        half_precision=COMPUTES,
     )
 )
 
 CENTER_READING_WEIGHTS = register(
     Identity(
-        name="center_reading_weights",
         title="Centering the weights that read the residual stream",
         summary="LNPre(x) is orthogonal to 1, so W - 1 mean_d(W) reads the same values as W",
         preconditions=(READS_LNPRE, PRE_NORM, NORM_READ_LINEARLY, NOT_APPLIED),
@@ -260,5 +261,6 @@ CENTER_READING_WEIGHTS = register(
         },
         prepare=lambda sd, cfg: fold_layer_norm(sd, cfg) if cfg.normalization_type == "LN" else (sd, cfg),
         check_note="folded first if it is a LayerNorm model",
+        half_precision=COMPUTES,
     )
 )

@@ -30,7 +30,10 @@ from .._processing import (
 from .._processing._common import NO_POST_NORMS, NORM_READ_LINEARLY, NOT_APPLIED, PRE_NORM
 from .._processing.norms import BEHIND_A_NORM, EPS_ZERO, IS_LNPRE, IS_RMS, SCALE_POSITIVE, WRITES_CENTERED
 from .._proof import Definition, Fact, Proof, Step, Twin
-from .._registry import Identity, WrongRewrite, register
+from .._registry import COMPUTES, MOVES_ENTRIES, Identity, WrongRewrite, register
+
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "norms"
 
 d, m = Symbol("d", positive=True, integer=True), Symbol("m", positive=True, integer=True)
 a = Symbol("a", real=True)
@@ -321,7 +324,6 @@ CHECK_SCALE = 3.7
 CENTERING_PROJECTION = register(
     Identity(
         name="centering_projection",
-        aliases=("centring_projection",),
         title="Centering is the orthogonal projection C = I - 1 1^T / d",
         summary="(x + a 1^T) C^T C = x C for all x and a: C is symmetric, idempotent and kills 1,"
         " so the 1 direction of the residual stream is invisible to LayerNorm",
@@ -332,13 +334,12 @@ CENTERING_PROJECTION = register(
         build_proof=_projection_proof,
         transform=center_writing_weights,
         wrong_rewrites={"keep_only_the_mean": _keep_only_the_mean},
+        half_precision=COMPUTES,
     )
 )
 
 SCALE_INVARIANCE = register(
     Identity(
-        name="rescale_residual_stream",
-        aliases=("scale_invariance",),
         title="LayerNorm is invariant to positive scaling exactly when eps = 0",
         summary="LNPre(s x) = LNPre(x) for s > 0 when eps = 0; with eps > 0 it is not, while the"
         " LayerNorm fold, which holds for any normaliser, stays exact",
@@ -349,12 +350,12 @@ SCALE_INVARIANCE = register(
             "negative_scale": WrongRewrite(
                 _rescale_by_negative_scale, "scale by t < 0: sqrt(t^2) = |t|, so LNPre(t x) = -LNPre(x)"),
         },
+        half_precision=COMPUTES,
     )
 )
 
 LAYER_NORM_TO_RMS_NORM = register(
     Identity(
-        name="layer_norm_to_rms_norm",
         title="LayerNorm becomes RMSNorm once every write is centered",
         summary="if every write to the residual stream is centered then x C = x, so LNPre(x) = RMSPre(x) with the same eps",
         preconditions=(WRITES_CENTERED, PRE_NORM, IS_LNPRE, NOT_APPLIED),
@@ -363,13 +364,12 @@ LAYER_NORM_TO_RMS_NORM = register(
         wrong_rewrites={"other_eps": _switch_with_other_eps},
         prepare=centered_layer_norm_model,
         check_note="folded and with its writing weights centered first, as the identity needs",
+        half_precision=MOVES_ENTRIES,
     )
 )
 
 RMS_NORM_FOLD = register(
     Identity(
-        name="fold_rms_norm",
-        aliases=("rms_norm_fold",),
         title="Folding RMSNorm into its readers, W_gate included",
         summary="RMS(x) W + b_W = RMSPre(x) (diag(w) W) + b_W for every reader, W_gate of a gated MLP"
         " included; nothing is centered",
@@ -392,5 +392,6 @@ RMS_NORM_FOLD = register(
                 differs_on=lambda cfg: cfg.norm_gain_offset != 0,
             ),
         },
+        half_precision=COMPUTES,
     )
 )

@@ -30,6 +30,9 @@ from ..circuits._heads import _layer_weight
 from ..circuits._paths import PATH_MODEL, _embed, _run, _through_layer
 from ._circuit_checks import Joint, compare_logits, dim, frozen_norm_operator, heads_route, notation_proof, selector
 
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "notation"
+
 n, m, d, q = dim("n"), dim("m"), dim("d"), dim("q")
 e = dim("e")
 A = MatrixSymbol("A", m, n)

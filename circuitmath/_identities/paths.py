@@ -38,6 +38,9 @@ from ..circuits._heads import _layer_bias, _layer_weight
 from ..circuits._paths import PATH_MODEL, _embed, _run
 from ._circuit_checks import compare_logits, dim, frozen_norm_operator, logits_with_heads, notation_proof
 
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "path_expansion"
+
 n, d, e, V, f = dim("n"), dim("d"), dim("e"), dim("V"), dim("f")
 t = MatrixSymbol("t", n, V)
 W_E, W_U = MatrixSymbol("W_E", V, d), MatrixSymbol("W_U", d, V)

@@ -20,9 +20,12 @@ from .._processing.rotation import (
     A_HEAD_PERMUTATION, A_NEURON_PERMUTATION, GROUPS_MOVE_TOGETHER, HAS_MLPS, HEADS_SEE_POSITIONS_ALIKE,
 )
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import Identity, WrongRewrite, register
+from .._registry import MOVES_ENTRIES, Identity, WrongRewrite, register
 from .._state import attention_names
 from .rotation import F, W_gate, W_in, W_out, b_in, d, e, forgetting, free_matrix, k, m, n, ones_n
+
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "rotation"
 
 
 # -- the heads of a layer ---------------------------------------------------------------------
@@ -180,12 +183,11 @@ ENTRYWISE_ACTIVATION = Precondition("the activation (and the gate) acts entry by
 
 PERMUTE_HEADS = register(
     Identity(
-        name="permute_heads",
         title="Permuting the heads of a layer",
         summary="a layer's output is the sum of its heads: any order gives the same sum, each head moving"
         " its W_Q, W_K, W_V, W_O and biases together; with grouped-query attention whole groups move",
         preconditions=(A_HEAD_PERMUTATION, GROUPS_MOVE_TOGETHER, HEADS_SEE_POSITIONS_ALIKE),
-        function="permute_heads",
+        public=permute_heads,
         check_note="the permutation is recovered from the tensors and verified on every tensor",
         build_proof=_heads_proof,
         transform=_permute_heads,
@@ -200,17 +202,17 @@ PERMUTE_HEADS = register(
                 "move every head's W_Q, W_K, W_V but not its W_O",
             ),
         },
+        half_precision=MOVES_ENTRIES,
     )
 )
 
 PERMUTE_NEURONS = register(
     Identity(
-        name="permute_neurons",
         title="Permuting the neurons of an MLP",
         summary="f(x W_in P + b_in P) P^T W_out = f(x W_in + b_in) W_out for a permutation P: the"
         " activation acts entry by entry; W_gate moves with W_in",
         preconditions=(HAS_MLPS, DENSE_MLP, A_NEURON_PERMUTATION, ENTRYWISE_ACTIVATION),
-        function="permute_neurons",
+        public=permute_neurons,
         check_note="the permutation is recovered from the tensors and verified on every tensor",
         build_proof=_neurons_proof,
         transform=_permute_neurons,
@@ -218,5 +220,6 @@ PERMUTE_NEURONS = register(
             "bias_not_permuted": WrongRewrite(_neurons_but("b_in"), "permute W_in's columns but not b_in"),
             "out_not_permuted": WrongRewrite(_neurons_but("W_out"), "permute W_in but not W_out's rows"),
         },
+        half_precision=MOVES_ENTRIES,
     )
 )

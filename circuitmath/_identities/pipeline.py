@@ -30,9 +30,12 @@ from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSy
 from .._processing import center_reading_weights, fold_value_biases, process_weights, readers
 from .._processing.steps import PIPELINE_STEPS, leaving_out
 from .._proof import Definition, Fact, Proof, Step, Twin
-from .._registry import Identity, WrongRewrite, register
+from .._registry import COMPOSES, Identity, WrongRewrite, register
 from .._state import marked_as
 from .attention_biases import causal_exponentials
+
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "transformer_lens"
 
 n, d, e = (Symbol(s, positive=True, integer=True) for s in ("n", "d", "e"))
 ones_n, ones_d = OneMatrix(n, 1), OneMatrix(d, 1)
@@ -248,7 +251,7 @@ def _center_readers_behind_rms_norm(state_dict, cfg):
 
 PROCESS_WEIGHTS = register(
     Identity(
-        name="process_weights",
+        name=process_weights.identity,  # its transform runs every step, not the public keywords
         title="The whole pipeline: fold, center, fold value biases, center writers, center the unembed",
         summary="after folding the LayerNorm into its centered readers, folding the value biases and centering the"
         " writers, every layer writes out C instead of out; LNPre sees the stream only through (.) C",
@@ -277,5 +280,6 @@ PROCESS_WEIGHTS = register(
                 "center the readers of an RMSNorm model, whose output RMSPre(X) is not orthogonal to 1",
             ),
         },
+        half_precision=COMPOSES,
     )
 )

@@ -44,9 +44,12 @@ from .._processing.quantisation import (
 from .._processing.rotation import HAS_MLPS
 from .._state import attention_names, key_value_groups, per_query_head
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import Identity, WrongRewrite, register
+from .._registry import COMPUTES, Identity, WrongRewrite, register
 from ._circuit_checks import dim, rational_orthogonal
 from .rotation import free_matrix
+
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "quantisation"
 
 d, e, m, k = (dim(s) for s in ("d", "e", "m", "k"))
 
@@ -162,12 +165,11 @@ def _bias_unscaled(out, before, _pairs, norm, _s):
 
 MIGRATE_NORM_SCALES = register(
     Identity(
-        name="migrate_norm_scales",
         title="Migrating per-channel scales across a norm (SmoothQuant)",
         summary="gain w / s (and bias b / s), every reader of the norm diag(s) W: the readers compute what"
         " they did for any nonzero s; readers left unscaled, or divided by s too, change the model",
         preconditions=(NOT_APPLIED, PRE_NORM, NORM_READ_LINEARLY, HAS_A_NORM, GAINS_AS_STORED, SCALES_PER_CHANNEL),
-        function="migrate_norm_scales",
+        public=migrate_norm_scales,
         check_note="the scales are recovered from the tensors (each reader's input rows and the gain, by norm)"
         " and every tensor is certified against the migration by them",
         build_proof=_norm_scales_proof,
@@ -199,6 +201,7 @@ MIGRATE_NORM_SCALES = register(
         },
         recover=recover_norm_scales,
         with_parameters=migrate_norm_scales,
+        half_precision=COMPUTES,
     )
 )
 
@@ -376,12 +379,11 @@ def _query_key_generic(state_dict, cfg, rotations=None):
 
 ROTATE_HEADS = register(
     Identity(
-        name="rotate_heads",
         title="Rotating the value/output and query/key spaces of each head",
         summary="W_V U, b_V U, U^T W_O (one U per key/value head, shared by its group) and W_Q R, W_K R with R"
         " commuting with the rotary embedding: every head's scores and output are what they were",
         preconditions=(HEAD_ROTATIONS, COMMUTES_WITH_ROTARY, NO_QK_NORM),
-        function="rotate_heads",
+        public=rotate_heads,
         check_note="the rotations are recovered per key/value head (orthogonal Procrustes; on a rotary model the"
         " nearest rotation that commutes with it) and every tensor is certified against the rotation by them",
         build_proof=_head_rotation_proof,
@@ -406,6 +408,7 @@ ROTATE_HEADS = register(
         },
         recover=recover_head_rotations,
         with_parameters=lambda state_dict, cfg, rotations: rotate_heads(state_dict, cfg, **rotations),
+        half_precision=COMPUTES,
     )
 )
 
@@ -508,17 +511,16 @@ def _regardless(state_dict, cfg, scales=None):
     """Scale the neurons of an MLP the identity refuses (GELU or SiLU without a gate, or ReLU with a
     negative scale): the activation is not positively homogeneous there."""
     scales = check_neuron_scales(cfg) if scales is None else scales
-    return scaled_neurons(state_dict, cfg, scales), cfg.replace(applied=cfg.applied + ("scale_neurons",))
+    return scaled_neurons(state_dict, cfg, scales), cfg.replace(applied=cfg.applied + (scale_neurons.identity,))
 
 
 SCALE_NEURONS = register(
     Identity(
-        name="scale_neurons",
         title="Scaling neurons through a gated product or a ReLU (cross-layer equalisation)",
         summary="W_in diag(s), b_in s, diag(1/s) W_out: exact through a gated MLP's up projection for any nonzero s,"
         " through ReLU for s > 0; not through the gate, GELU or SiLU, or ReLU with s < 0",
         preconditions=(HAS_MLPS, DENSE_MLP, NEURON_SCALES, SCALE_REACHES_OUTPUT_LINEARLY),
-        function="scale_neurons",
+        public=scale_neurons,
         check_note="the scales are recovered from each neuron's W_in column (or W_out row) and every tensor is"
         " certified against the scaling by them",
         build_proof=_neuron_scales_proof,
@@ -536,5 +538,6 @@ SCALE_NEURONS = register(
         },
         recover=recover_neuron_scales,
         with_parameters=scale_neurons,
+        half_precision=COMPUTES,
     )
 )

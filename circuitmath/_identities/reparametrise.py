@@ -24,9 +24,12 @@ from sympy import Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol, Tran
 from .._processing import refactor_factored_attn_matrices
 from .._processing._common import NOT_APPLIED, NOT_ROTARY, NO_QK_NORM
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import Identity, WrongRewrite, register
+from .._registry import COMPUTES, Identity, WrongRewrite, register
 from .._state import attention_names, marked_as
 from ..circuits._bases import _change_bases
+
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "attention_weights"
 
 n, d, e, m = (Symbol(s, positive=True, integer=True) for s in ("n", "d", "e", "m"))
 ones = OneMatrix(n, 1)
@@ -195,7 +198,6 @@ def _one_svd_per_query_head(state_dict, cfg):
 
 REFACTOR_FACTORED_ATTN_MATRICES = register(
     Identity(
-        name="refactor_factored_attn_matrices",
         title="Reparametrising the query/key and value/output factors",
         summary="W_Q N, W_K N^-T, W_V M, M^-1 W_O (biases alike) give the same scores and head outputs;"
         " the SVD picks balanced factors",
@@ -216,5 +218,6 @@ REFACTOR_FACTORED_ATTN_MATRICES = register(
             "biases_left_behind": _biases_left_behind,
             "one_svd_per_query_head": _one_svd_per_query_head,
         },
+        half_precision=COMPUTES,
     )
 )

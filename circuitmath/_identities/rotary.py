@@ -32,8 +32,11 @@ from .._errors import NOT_APPLIED, Precondition
 from .._processing._common import NO_QK_NORM, require
 from .._processing.quantisation import COMMUTES_WITH_ROTARY, nearest_commuting, rotate_heads
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import Identity, WrongRewrite, register
+from .._registry import COMPUTES, Identity, WrongRewrite, register
 from ._circuit_checks import dim
+
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "quantisation"
 
 h, r = dim("h"), dim("r")
 e = 2 * h + r
@@ -224,5 +227,6 @@ ROTATE_ROTARY_PAIRS = register(
                 _rotated_regardless(_other_layout), "turn the pairs of the other layout",
                 differs_on=lambda cfg: (cfg.rotary_dim or cfg.d_head) >= 4),
         },
+        half_precision=COMPUTES,
     )
 )

@@ -43,7 +43,7 @@ from .._processing.rotation import (
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._moe import routers
 from .._reference import forward, normalize
-from .._registry import Identity, WrongRewrite, register
+from .._registry import COMPOSES, COMPUTES, Identity, WrongRewrite, register
 from .._state import marked_as, validate_state_dict
 from .._compare import compute_dtype, default_tokens
 from ._circuit_checks import compare_values, dim, rational_orthogonal
@@ -64,6 +64,9 @@ ORTHOGONAL = (
     Fact(MatMul(Q, Q.T), Eye(d), "Q is orthogonal: Q Q^T = I"),
     Fact(MatMul(Q.T, Q), Eye(d), "Q is orthogonal: Q^T Q = I"),
 )
+
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "rotation"
 
 
 def _orthogonal(rng, shape):
@@ -453,7 +456,7 @@ def _norm_not_transposed(x, Q_, eps):
 
 def _layer_norm_rotation(state_dict, cfg):
     require(
-        "layer_norm_rotation", IS_LNPRE, cfg.normalization_type == "LNPre",
+        LAYER_NORM_ROTATION.name, IS_LNPRE, cfg.normalization_type == "LNPre",
         f"normalization_type is {cfg.normalization_type!r}: this identity is about LayerNorm without gain and bias"
         + (f" (fold it first: {fold_layer_norm.identity})" if cfg.normalization_type == "LN" else ""),
     )
@@ -540,18 +543,17 @@ LAYER_NORM_ROTATION = register(
             ),
         },
         prepare=_to_lnpre,
+        half_precision=COMPUTES,
     )
 )
 
 ROTATION_INVARIANCE = register(
     Identity(
-        name="rotate_residual_stream",
-        aliases=("rotation_invariance",),
         title="Rotating the residual stream of a pre-RMSNorm model",
         summary="writers W Q (W_E, W_pos, W_O, b_O, W_out, b_out), readers Q^T W (W_Q, W_K, W_V, W_in,"
         " W_gate, W_U): the stream becomes x Q and every reader computes what it did",
         preconditions=(PRE_NORM, NO_NORM_GAIN, POST_NORM_GAINS_EQUAL, Q_SQUARE, Q_ORTHOGONAL),
-        function="rotate_residual_stream",
+        public=rotate_residual_stream,
         check_note="the rotation Q is recovered from the tensors (orthogonal Procrustes) and verified on every tensor",
         build_proof=_model_rotation_proof,
         transform=_rotate,
@@ -573,6 +575,7 @@ ROTATION_INVARIANCE = register(
                 " only for LayerNorm readers, which center what they read", differs_on=lambda cfg: cfg.normalization_type != "LNPre"),
         },
         prepare=to_rms_pre,
+        half_precision=COMPUTES,
     )
 )
 
@@ -595,5 +598,6 @@ SLICEGPT_ROUTE = register(
                 "rotate the centered model but keep LNPre instead of switching to RMSPre",
             ),
         },
+        half_precision=COMPOSES,
     )
 )

@@ -19,7 +19,10 @@ from .._processing.scales import (
     EMBEDDING_SCALED, LOGIT_SCALED, embedding_multiplier, fold_embedding_scale, fold_logit_scale, scaled,
 )
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import Identity, WrongRewrite, register
+from .._registry import AS_THE_FORWARD_PASS, COMPUTES, Identity, WrongRewrite, register
+
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "architectures"
 
 d, V = Symbol("d", positive=True, integer=True), Symbol("V", positive=True, integer=True)
 s = Symbol("s", real=True)
@@ -94,7 +97,6 @@ def _embedding_unrounded(state_dict, cfg):
 
 FOLD_EMBEDDING_SCALE = register(
     Identity(
-        name="fold_embedding_scale",
         title="Folding the embedding scale into W_E",
         summary="t (s W_E) + p = s (t W_E) + p: W_E becomes s W_E and the multiplier is dropped; a tied"
         " unembedding is untied (W_U keeps the unscaled matrix); s is the multiplier rounded to the model's dtype",
@@ -116,6 +118,7 @@ FOLD_EMBEDDING_SCALE = register(
                 "keep a tied unembedding tied, W_U = (W_E^s)^T: the logits y W_E^T are scaled by s",
             ),
         },
+        half_precision=AS_THE_FORWARD_PASS,
     )
 )
 
@@ -184,7 +187,6 @@ def _logit_divided(state_dict, cfg):
 
 FOLD_LOGIT_SCALE = register(
     Identity(
-        name="fold_logit_scale",
         title="Folding the logit scale into the unembedding",
         summary="y (s W_U) + s b_U = s (y W_U + b_U): W_U and b_U become s W_U and s b_U and the multiplier is"
         " dropped; a softcap after it sees the same logits",
@@ -199,5 +201,6 @@ FOLD_LOGIT_SCALE = register(
             "bias_unscaled": WrongRewrite(_logit_bias_unscaled, "scale W_U but not b_U"),
             "divided": WrongRewrite(_logit_divided, "divide by the scale instead of multiplying"),
         },
+        half_precision=COMPUTES,
     )
 )

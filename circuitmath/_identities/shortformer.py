@@ -20,8 +20,11 @@ from .._processing import fold_layer_norm, shortformer_to_tables
 from .._processing._common import NOT_APPLIED
 from .._processing.shortformer import IS_SHORTFORMER
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import Identity, WrongRewrite, register
+from .._registry import COMPUTES, Identity, WrongRewrite, register
 from .layer_norm import C, DEFINITIONS, FACTS, LN, LNPre, b, d, w, x
+
+#: The book chapter whose sections state, prove and check this family's identities.
+CHAPTER = "shortformer"
 
 e = Symbol("e", positive=True, integer=True)
 p = MatrixSymbol("p", 1, d)
@@ -91,8 +94,6 @@ def _older_reading(state_dict, cfg):
 
 SHORTFORMER_TABLES = register(
     Identity(
-        name="shortformer_to_tables",
-        aliases=("shortformer_tables",),
         title="Shortformer: positions only in queries and keys, folded into per-layer tables",
         summary="(LN(x) + p) W + b_W = LNPre(x) (diag(w) W) + (b_W + b W) + p W: positions move into"
         " per-layer query and key tables, so LayerNorm folds exactly",
@@ -106,5 +107,6 @@ SHORTFORMER_TABLES = register(
             ),
             "older_reading": _older_reading,
         },
+        half_precision=COMPUTES,
     )
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 
 import torch
@@ -119,52 +120,69 @@ def _reestablished(identity: str, given: Config, out: dict, out_cfg: Config) -> 
     return out, out_cfg
 
 
-def rewrite(identity: str, *, check_output: bool = True) -> Callable:
-    """Make ``transform(state_dict, cfg, ...) -> (state_dict, cfg)`` a public transform of ``identity``.
+def rewrite(transform: Callable | None = None, *, composes: bool = False, records: bool = True,
+            check_output: bool = True) -> Callable:
+    """Make ``transform(state_dict, cfg, ..., *, identity) -> (state_dict, cfg)`` the public
+    transform of the identity named after it (``transform.__name__``: the one place the name is
+    written; the registered :class:`~circuitmath.Identity` reads it from here).
 
-    It runs without autograd, so weights that require grad (``nn.Parameter``) are accepted and
-    plain tensors come back. With ``check_output``, every tensor the transform wrote is checked:
-    the input was validated finite, so a NaN or an Inf in the output means the rewrite left the
-    dtype's range, and :class:`~circuitmath.OverflowedError` names the identity and the tensors
-    instead of returning a different model; not when the input's entries are checked by its maker
-    (a :class:`~circuitmath._state.Validated` with ``entries=False``: the pipeline checks once at
-    the end). A :class:`~circuitmath._state.Validated` input gives one as output, so a chain of
-    transforms inside the package validates nothing again.
+    The prologue and epilogue every transform shares, done once here: the arguments' types are
+    checked; unless the identity ``composes`` (a rotation or a permutation applied twice is one
+    exact application), a config that records the identity already is refused
+    (:class:`~circuitmath.AlreadyAppliedError`); ``transform`` runs without autograd (weights that
+    require grad are accepted, plain tensors come back) and receives the identity's name as
+    ``identity`` (for its refusals); with ``records``, its output config records the identity (a
+    transform that records something else, or more, says so itself, ``records=False``). With
+    ``check_output``, every tensor the transform wrote is checked: the input was validated finite,
+    so a NaN or an Inf in the output means the rewrite left the dtype's range, and
+    :class:`~circuitmath.OverflowedError` names the identity and the tensors instead of returning a
+    different model; not when the input's entries are checked by its maker (a
+    :class:`~circuitmath._state.Validated` with ``entries=False``: the pipeline checks once at the
+    end). A :class:`~circuitmath._state.Validated` input gives one as output, so a chain of
+    transforms inside the package validates nothing again. Last, each identity that the input
+    records and this one undoes (:func:`undone_by`) is applied again.
     """
+    if transform is None:
+        return functools.partial(rewrite, composes=composes, records=records, check_output=check_output)
+    identity = transform.__name__
 
-    def decorate(transform: Callable) -> Callable:
-        @functools.wraps(transform)
-        def run(state_dict, cfg, *args, **kwargs):
-            if not isinstance(cfg, Config):
-                raise StateDictError(f"{identity}: {config_expected(cfg, state_dict, f'{identity}(state_dict, cfg)')}")
-            if not isinstance(state_dict, Mapping):
-                raise StateDictError(f"{identity}: expected a mapping of names to tensors, got {type(state_dict).__name__}")
-            with torch.no_grad():
-                out, out_cfg = transform(state_dict, cfg, *args, **kwargs)
-                out = {name: tensor.detach() if tensor.requires_grad else tensor for name, tensor in out.items()}
-                if check_output and entries_known_finite(state_dict):
-                    bad = {
-                        name: count
-                        for name, tensor in out.items()
-                        if not _same(state_dict.get(name), tensor) and (count := not_finite(tensor))
-                    }
-                    if bad:
-                        dtype = next(iter(out.values())).dtype
-                        raise OverflowedError(
-                            f"{identity}: the rewrite of finite weights overflowed {dtype} (left its range): "
-                            + ", ".join(f"{name} has {count} NaN or Inf entries" for name, count in bad.items())
-                            + "; nothing is returned (compute in a wider dtype)"
-                        )
-                if isinstance(state_dict, Validated) and state_dict.holds_for(cfg):
-                    out = vouched(out, out_cfg, state_dict.dtype, entries=state_dict.entries)
-                out, out_cfg = _reestablished(identity, cfg, out, out_cfg)
-            return out, out_cfg
+    @functools.wraps(transform)
+    def run(state_dict, cfg, *args, **kwargs):
+        if not isinstance(cfg, Config):
+            raise StateDictError(f"{identity}: {config_expected(cfg, state_dict, f'{identity}(state_dict, cfg)')}")
+        if not isinstance(state_dict, Mapping):
+            raise StateDictError(f"{identity}: expected a mapping of names to tensors, got {type(state_dict).__name__}")
+        if not composes:
+            refuse_reapplication(identity, cfg)
+        with torch.no_grad():
+            out, out_cfg = transform(state_dict, cfg, *args, identity=identity, **kwargs)
+            if records:
+                out_cfg = out_cfg.replace(applied=out_cfg.applied + (identity,))
+            out = {name: tensor.detach() if tensor.requires_grad else tensor for name, tensor in out.items()}
+            if check_output and entries_known_finite(state_dict):
+                _refuse_overflow(identity, state_dict, out)
+            if isinstance(state_dict, Validated) and state_dict.holds_for(cfg):
+                out = vouched(out, out_cfg, state_dict.dtype, entries=state_dict.entries)
+            out, out_cfg = _reestablished(identity, cfg, out, out_cfg)
+        return out, out_cfg
 
-        run.identity = identity  # the registered identity it performs
-        run.public_name = transform.__name__  # its name in ``circuitmath``: the registry derives the checker's from it
-        return run
+    signature = inspect.signature(transform)
+    run.__signature__ = signature.replace(parameters=[p for p in signature.parameters.values() if p.name != "identity"])
+    run.identity = identity  # the registered identity it performs
+    return run
 
-    return decorate
+
+def _refuse_overflow(identity: str, given: Mapping, out: dict) -> None:
+    """:class:`~circuitmath.OverflowedError` when a tensor of ``out`` that is not ``given``'s own has a NaN or an Inf."""
+    bad = {name: count for name, tensor in out.items()
+           if not _same(given.get(name), tensor) and (count := not_finite(tensor))}
+    if bad:
+        dtype = next(iter(out.values())).dtype
+        raise OverflowedError(
+            f"{identity}: the rewrite of finite weights overflowed {dtype} (left its range): "
+            + ", ".join(f"{name} has {count} NaN or Inf entries" for name, count in bad.items())
+            + "; nothing is returned (compute in a wider dtype)"
+        )
 
 
 def readers(cfg: Config) -> list[tuple[str, list[tuple[str, str]]]]:

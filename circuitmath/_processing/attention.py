@@ -6,7 +6,7 @@ import torch
 
 from .._config import Config
 from .._state import StateDict, attention_names, key_value_groups, validate_state_dict
-from ._common import NO_ATTN_SOFTCAP, NO_QK_NORM, NOT_ROTARY, refuse_reapplication, require, require_no_sinks, rewrite
+from ._common import NO_ATTN_SOFTCAP, NO_QK_NORM, NOT_ROTARY, require, require_no_sinks, rewrite
 from ._memory import new_tensor
 
 __all__ = ["fold_value_biases", "remove_key_biases", "refactor_factored_attn_matrices"]
@@ -23,8 +23,10 @@ def _refuse_qk_norm(identity: str, cfg: Config, why: str) -> None:
     require(identity, NO_QK_NORM, not cfg.qk_norm, f"the model normalises each head's queries and keys (QK-norm): {why}")
 
 
-@rewrite("fold_value_biases")
-def fold_value_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite
+def fold_value_biases(
+    state_dict: StateDict, cfg: Config, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Move every value bias into the layer's output bias: ``b_O += Σ_h b_V[h] @ W_O[h]``, ``b_V = 0``.
 
     ``b_V`` is ``[n_heads, d_head]`` (``attn._b_V``, ``[n_key_value_heads, d_head]``, with
@@ -42,8 +44,6 @@ def fold_value_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
     >>> bool(folded["blocks.0.attn.b_V"].eq(0).all()), folded_cfg.applied
     (True, ('fold_value_biases',))
     """
-    identity = "fold_value_biases"
-    refuse_reapplication(identity, cfg)
     require_no_sinks(identity, cfg, "each head's softmax gives part of its weight to a sink logit, so a pattern's rows"
                      " sum to less than 1 and A 1 b_V W_O is not 1 b_V W_O")
     validate_state_dict(state_dict, cfg)
@@ -54,7 +54,7 @@ def fold_value_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
         b_V, b_O = state_dict[f"{p}.{bias}"], state_dict[f"{p}.b_O"]
         out[f"{p}.b_O"] = (b_O.double() + value_bias_through_output(b_V, state_dict[f"{p}.W_O"])).to(b_O.dtype)
         out[f"{p}.{bias}"] = torch.zeros_like(b_V)
-    return out, cfg.replace(applied=cfg.applied + (identity,))
+    return out, cfg
 
 
 def nothing_to_carry(b_V: torch.Tensor, W_O: torch.Tensor) -> bool:
@@ -77,8 +77,10 @@ def value_bias_through_output(b_V: torch.Tensor, W_O: torch.Tensor) -> torch.Ten
     return torch.einsum("...he,...hed->...d", per_query_head, W_O.double())
 
 
-@rewrite("remove_key_biases")
-def remove_key_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite
+def remove_key_biases(
+    state_dict: StateDict, cfg: Config, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Set every key bias ``b_K`` (``[n_heads, d_head]``, or ``attn._b_K``) to zero.
 
     A key bias adds ``q_i · b_K`` to every score of query ``i``: the same number for every key
@@ -88,8 +90,6 @@ def remove_key_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
     attention-score softcap, which is not shift-invariant. Records
     ``"remove_key_biases"``.
     """
-    identity = "remove_key_biases"
-    refuse_reapplication(identity, cfg)
     _refuse_rotary(
         identity, cfg,
         "each key, bias included, is rotated by an angle that depends on its position, so the bias"
@@ -111,7 +111,7 @@ def remove_key_biases(state_dict: StateDict, cfg: Config) -> tuple[dict[str, tor
     for layer in range(cfg.n_layers):
         name = f"blocks.{layer}.attn.{bias}"
         out[name] = torch.zeros_like(state_dict[name])
-    return out, cfg.replace(applied=cfg.applied + (identity,))
+    return out, cfg
 
 
 def _svd_of_product(left: torch.Tensor, right: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,8 +135,10 @@ def _svd_of_product(left: torch.Tensor, right: torch.Tensor) -> tuple[torch.Tens
     return U, s, Vh
 
 
-@rewrite("refactor_factored_attn_matrices")
-def refactor_factored_attn_matrices(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite
+def refactor_factored_attn_matrices(
+    state_dict: StateDict, cfg: Config, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Refactor every head's ``W_Q, W_K`` and ``W_V, W_O`` into balanced factors of the same products.
 
     A head depends on its query and key weights only through the bilinear form
@@ -160,8 +162,6 @@ def refactor_factored_attn_matrices(state_dict: StateDict, cfg: Config) -> tuple
     stay exactly zero. Computed in float64, rounded once to the input dtype. Refused for rotary
     models and for models with QK-norm. Records ``"refactor_factored_attn_matrices"``.
     """
-    identity = "refactor_factored_attn_matrices"
-    refuse_reapplication(identity, cfg)
     _refuse_rotary(
         identity, cfg,
         "queries and keys are rotated by position between W_Q, W_K and the scores, and a rotation"
@@ -178,7 +178,7 @@ def refactor_factored_attn_matrices(state_dict: StateDict, cfg: Config) -> tuple
         p = f"blocks.{layer}.attn"
         out |= _refactor_qk(state_dict, cfg, p)
         out |= _refactor_ov(state_dict, cfg, p)
-    return out, cfg.replace(applied=cfg.applied + (identity,))
+    return out, cfg
 
 
 class _Side:

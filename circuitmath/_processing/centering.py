@@ -9,7 +9,7 @@ from .._config import Config
 from .._errors import Precondition
 from .._moe import mixture_writers
 from .._state import StateDict, validate_state_dict
-from ._common import NO_LOGIT_SOFTCAP, PRE_NORM, refuse_reapplication, require, rewrite
+from ._common import NO_LOGIT_SOFTCAP, PRE_NORM, require, rewrite
 from ._memory import new_tensor, rows_per_block, scratch
 
 __all__ = ["writers", "center_writing_weights", "center_unembed", "centered_last_axis", "CENTERING_NORM"]
@@ -53,8 +53,10 @@ def require_pre_norm(identity: str, cfg: Config) -> None:
     )
 
 
-@rewrite("center_writing_weights")
-def center_writing_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite
+def center_writing_weights(
+    state_dict: StateDict, cfg: Config, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Subtract from every write to the residual stream its mean over ``d_model``.
 
     Each tensor of :func:`writers` becomes ``W - W.mean(-1, keepdim=True)``: every write ``w``
@@ -78,8 +80,6 @@ def center_writing_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     True
     >>> _ = assert_equivalent(sd, centered, cfg, after_cfg=centered_cfg)
     """
-    identity = "center_writing_weights"
-    refuse_reapplication(identity, cfg)
     require_pre_norm(identity, cfg)
     require(
         identity, CENTERING_NORM, cfg.normalization_type in ("LN", "LNPre"),
@@ -93,7 +93,7 @@ def center_writing_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     out = dict(state_dict)
     for name in writers(cfg):
         out[name] = centered_last_axis(state_dict[name])
-    return out, cfg.replace(applied=cfg.applied + (identity,))
+    return out, cfg
 
 
 def centered_last_axis(
@@ -132,8 +132,10 @@ def centered_last_axis(
     return out.view(W.shape)
 
 
-@rewrite("center_unembed")
-def center_unembed(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite
+def center_unembed(
+    state_dict: StateDict, cfg: Config, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Subtract from ``W_U`` (``[d_model, d_vocab]``) and ``b_U`` (``[d_vocab]``) their means over the vocabulary.
 
     Every position's logits ``l`` become ``l - mean(l)``: each raw logit of a position shifts by
@@ -143,8 +145,6 @@ def center_unembed(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.
     shift-invariant. Records ``"center_unembed"``. Half precision is centered in
     float32 and rounded once (:func:`centered_last_axis`).
     """
-    identity = "center_unembed"
-    refuse_reapplication(identity, cfg)
     require(identity, NO_LOGIT_SOFTCAP, cfg.logit_softcap is None,
             f"the logits pass through the softcap {cfg.logit_softcap:g} * tanh(l / {cfg.logit_softcap:g}) before the"
             " softmax, and a shift of l is not a shift of the capped logits" if cfg.logit_softcap else "")
@@ -153,4 +153,4 @@ def center_unembed(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.
     W_U, b_U = state_dict["unembed.W_U"], state_dict["unembed.b_U"]
     out["unembed.W_U"] = centered_last_axis(W_U)
     out["unembed.b_U"] = centered_last_axis(b_U)
-    return out, cfg.replace(applied=cfg.applied + (identity,))
+    return out, cfg

@@ -17,8 +17,10 @@ HAS_EXPERTS = Precondition("the MLPs are mixtures of experts", "every MLP is a m
 AN_EXPERT_PERMUTATION = Precondition("a permutation of the experts", "a permutation of 0..n_experts-1, per layer or for all")
 
 
-@rewrite("permute_experts", check_output=False)
-def permute_experts(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite(composes=True, check_output=False)
+def permute_experts(
+    state_dict: StateDict, cfg: Config, permutation, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Reorder the experts of every mixture-of-experts MLP: new expert ``i`` is old expert
     ``permutation[i]``, with the router's column ``i`` (``W_router`` ``[d_model, n_experts]``,
     ``b_router`` ``[n_experts]``) the old column ``permutation[i]``.
@@ -31,7 +33,6 @@ def permute_experts(state_dict: StateDict, cfg: Config, permutation) -> tuple[di
     The shared expert is not routed and stays. Data movement only; dtype and device are kept. A
     second application is a permutation too and is not refused; each records ``"permute_experts"``.
     """
-    identity = "permute_experts"
     require(identity, HAS_EXPERTS, cfg.n_experts is not None, "every MLP is dense: there are no experts to permute")
     validate_state_dict(state_dict, cfg)
     perms = _per_layer(identity, permutation, cfg.n_layers, cfg.n_experts, "experts", AN_EXPERT_PERMUTATION)
@@ -44,7 +45,7 @@ def permute_experts(state_dict: StateDict, cfg: Config, permutation) -> tuple[di
         for new, old in zip(names, perm.tolist()):
             for leaf in EXPERT_LEAVES:
                 out[f"{new}.{leaf}"] = state_dict[f"{names[old]}.{leaf}"]
-    return out, cfg.replace(applied=cfg.applied + (identity,))
+    return out, cfg
 
 
 def recover_expert_permutation(before: StateDict, after: StateDict, cfg: Config) -> torch.Tensor | None:

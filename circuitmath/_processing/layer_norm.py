@@ -46,9 +46,9 @@ def reader_preconditions(identity: str, cfg: Config) -> None:
     )
 
 
-@rewrite("fold_layer_norm")
+@rewrite(records=False)
 def fold_layer_norm(
-    state_dict: StateDict, cfg: Config, *, center_reading_weights: bool = False
+    state_dict: StateDict, cfg: Config, *, center_reading_weights: bool = False, identity: str
 ) -> tuple[dict[str, torch.Tensor], Config]:
     """Fold every LayerNorm's gain ``w`` and bias ``b`` into the linear maps that read it.
 
@@ -79,7 +79,6 @@ def fold_layer_norm(
     >>> bool(torch.allclose(forward(sd, cfg, tokens), forward(folded, folded_cfg, tokens)))
     True
     """
-    identity = "fold_layer_norm"
     require(
         identity, IS_LN, cfg.normalization_type == "LN",
         f"normalization_type is {cfg.normalization_type!r}; there is no LayerNorm gain and bias"
@@ -97,9 +96,9 @@ def fold_layer_norm(
                 f"{weight} has no bias, so {norm}.b @ {weight} (nonzero) cannot be folded;"
                 " its non-linearity sits right behind it",
             )
-    applied = (identity, "center_reading_weights") if center_reading_weights else (identity,)
+    applied = (identity, _CENTERED_READERS) if center_reading_weights else (identity,)
     if center_reading_weights:
-        reader_preconditions("center_reading_weights", cfg)
+        reader_preconditions(_CENTERED_READERS, cfg)
     out = dict(state_dict)
     for norm, pairs in readers(cfg):
         w, b = out.pop(f"{norm}.w"), out.pop(f"{norm}.b")
@@ -189,8 +188,10 @@ def products_through(V: torch.Tensor, W: torch.Tensor, *, rows: int = PRODUCT_RO
     return total
 
 
-@rewrite("center_reading_weights")
-def center_reading_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite
+def center_reading_weights(
+    state_dict: StateDict, cfg: Config, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Subtract from every reader its mean over the residual axis: ``W - 1 mean_d(W)``.
 
     Exact because every reader's input is ``LNPre(x)``, which is orthogonal to the all-ones
@@ -198,7 +199,6 @@ def center_reading_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     ``"center_reading_weights"``. The mean is summed as :func:`fold_layer_norm`'s bias products
     are (:func:`products_through`), and half precision is centered in float32 and rounded once.
     """
-    identity = "center_reading_weights"
     reader_preconditions(identity, cfg)
     require(
         identity, READS_LNPRE, cfg.normalization_type == "LNPre",
@@ -217,4 +217,9 @@ def center_reading_weights(state_dict: StateDict, cfg: Config) -> tuple[dict[str
             W = state_dict[weight]
             ones = torch.ones(W.shape[-2], dtype=W.dtype, device=W.device)
             out[weight], _ = fold_reader(W, ones, torch.zeros_like(ones), None, center=True)  # the fold's centering alone
-    return out, cfg.replace(applied=cfg.applied + (identity,))
+    return out, cfg
+
+
+#: What :func:`fold_layer_norm` with ``center_reading_weights=True`` records after itself (its
+#: keyword shadows the function there).
+_CENTERED_READERS = center_reading_weights.identity

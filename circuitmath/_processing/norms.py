@@ -12,7 +12,7 @@ import torch
 from .._config import Config
 from .._errors import InputError, Precondition
 from .._state import StateDict, validate_state_dict
-from ._common import NO_POST_NORMS, readers, refuse_reapplication, require, rewrite
+from ._common import NO_POST_NORMS, readers, require, rewrite
 from .centering import center_writing_weights, require_pre_norm, writers
 from .layer_norm import fold_layer_norm, reader_preconditions
 
@@ -31,8 +31,10 @@ BEHIND_A_NORM = Precondition("every reader sits behind a norm", "every reader be
 EPS_ZERO = Precondition("eps == 0")
 
 
-@rewrite("fold_rms_norm")
-def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite
+def fold_rms_norm(
+    state_dict: StateDict, cfg: Config, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Fold every RMSNorm gain ``w`` into the linear maps that read it: ``W -> w[:, None] * W``.
 
     ``RMS(x) @ W = RMSPre(x) @ (w[:, None] * W)`` for each reader: ``W_Q``, ``W_K``, ``W_V``
@@ -54,7 +56,6 @@ def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.T
     ('RMSPre', False)
     >>> _ = assert_equivalent(sd, folded, cfg, after_cfg=folded_cfg)
     """
-    identity = "fold_rms_norm"
     reader_preconditions(identity, cfg)
     require(
         identity, IS_RMS, cfg.normalization_type == "RMS",
@@ -67,7 +68,7 @@ def fold_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.T
         w = out.pop(f"{norm}.w")
         for weight, _bias in pairs:
             out[weight] = _scaled(state_dict[weight], w, cfg.norm_gain_offset)
-    return out, cfg.replace(normalization_type="RMSPre", applied=cfg.applied + (identity,))
+    return out, cfg.replace(normalization_type="RMSPre")
 
 
 def _scaled(W: torch.Tensor, w: torch.Tensor, offset: float) -> torch.Tensor:
@@ -127,8 +128,10 @@ def writers_given(given: Callable[[dict, float], tuple[dict, float]]):
         _GIVEN.reset(token)
 
 
-@rewrite("layer_norm_to_rms_norm")
-def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite
+def layer_norm_to_rms_norm(
+    state_dict: StateDict, cfg: Config, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Replace every ``LNPre`` by ``RMSPre`` (same ``eps``) in a model whose writes are all centered.
 
     When every write to the residual stream has mean zero over ``d_model`` the stream ``x``
@@ -142,8 +145,6 @@ def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str
     :func:`~circuitmath.center_writing_weights` first. Needs a pre-norm ``LNPre`` model (fold a
     LayerNorm's gain and bias first: an RMSNorm has no bias).
     """
-    identity = "layer_norm_to_rms_norm"
-    refuse_reapplication(identity, cfg)
     require_pre_norm(identity, cfg)
     require(
         identity, IS_LNPRE, cfg.normalization_type == "LNPre",
@@ -159,12 +160,12 @@ def layer_norm_to_rms_norm(state_dict: StateDict, cfg: Config) -> tuple[dict[str
         f"{len(uncentered)} writer(s) have a nonzero mean over d_model, largest |mean| {uncentered.get(worst, 0):.3g}"
         f" in {worst}; center them first ({center_writing_weights.identity})",
     )
-    return dict(state_dict), cfg.replace(normalization_type="RMSPre", applied=cfg.applied + (identity,))
+    return dict(state_dict), cfg.replace(normalization_type="RMSPre")
 
 
-@rewrite("rescale_residual_stream")
+@rewrite
 def rescale_residual_stream(
-    state_dict: StateDict, cfg: Config, *, scale: float
+    state_dict: StateDict, cfg: Config, *, scale: float, identity: str
 ) -> tuple[dict[str, torch.Tensor], Config]:
     """Multiply every write to the residual stream by ``scale > 0``; exact only when ``eps == 0``.
 
@@ -174,8 +175,6 @@ def rescale_residual_stream(
     are refused. The writers are those of :func:`~circuitmath.center_writing_weights`. Needs a
     pre-norm model with a norm. Records ``"rescale_residual_stream"``.
     """
-    identity = "rescale_residual_stream"
-    refuse_reapplication(identity, cfg)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise InputError(f"scale must be a finite number, got {scale!r}")
     require(
@@ -201,4 +200,4 @@ def rescale_residual_stream(
     out = dict(state_dict)
     for name in writers(cfg):
         out[name] = state_dict[name] * scale
-    return out, cfg.replace(applied=cfg.applied + (identity,))
+    return out, cfg

@@ -14,7 +14,7 @@ from .steps import StepDefaults, requested as requested_steps
 __all__ = ["process_weights"]
 
 
-@rewrite("process_weights", check_output=False)  # no autograd; the output is checked below, once
+@rewrite(composes=True, records=False, check_output=False)  # no autograd; the output is checked below, once
 def process_weights(
     state_dict: StateDict,
     cfg: Config,
@@ -24,6 +24,7 @@ def process_weights(
     center_unembed: bool | None = StepDefaults.center_unembed,
     fold_value_biases: bool | None = StepDefaults.fold_value_biases,
     refactor_factored_attn_matrices: bool | None = StepDefaults.refactor_factored_attn_matrices,
+    identity: str,
 ) -> tuple[dict[str, torch.Tensor], Config]:
     """Apply the weight-processing steps of the source notes, each only where it is exact.
 

@@ -74,8 +74,10 @@ def _scales(identity: str, scales, cfg: Config) -> dict[str, torch.Tensor]:
     return out
 
 
-@rewrite("migrate_norm_scales")
-def migrate_norm_scales(state_dict: StateDict, cfg: Config, scales) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite
+def migrate_norm_scales(
+    state_dict: StateDict, cfg: Config, scales, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Migrate a per-channel scale out of each norm's gain into its readers' input rows.
 
     ``scales`` maps norm names (``"blocks.{l}.ln1"``, ``"blocks.{l}.ln2"``, ``"ln_final"``) to
@@ -104,7 +106,6 @@ def migrate_norm_scales(state_dict: StateDict, cfg: Config, scales) -> tuple[dic
     (('migrate_norm_scales',), True)
     >>> _ = assert_equivalent(sd, out, cfg, after_cfg=out_cfg)
     """
-    identity = "migrate_norm_scales"
     reader_preconditions(identity, cfg)
     require(identity, HAS_A_NORM, cfg.normalization_type in _GAINED,
             f"normalization_type is {cfg.normalization_type!r}: the readers see the stream itself, no gain takes 1 / s")
@@ -128,7 +129,7 @@ def migrate_norm_scales(state_dict: StateDict, cfg: Config, scales) -> tuple[dic
         for weight, _bias in pairs:
             W = state_dict[weight]
             out[weight] = (W.double() * s.to(W.device)[:, None]).to(W.dtype)
-    return out, cfg.replace(normalization_type=_GAINED[kind], applied=cfg.applied + (identity,))
+    return out, cfg.replace(normalization_type=_GAINED[kind])
 
 
 def recover_norm_scales(before: StateDict, after: StateDict, cfg: Config) -> dict[str, torch.Tensor] | None:
@@ -247,8 +248,10 @@ def _head_rotations(identity: str, R, cfg: Config, dtype: torch.dtype, side: str
     return R
 
 
-@rewrite("rotate_heads")
-def rotate_heads(state_dict: StateDict, cfg: Config, *, value=None, query_key=None) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite(composes=True)
+def rotate_heads(
+    state_dict: StateDict, cfg: Config, *, value=None, query_key=None, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Rotate the value/output space and the query/key space of every head.
 
     ``value`` and ``query_key`` are orthogonal ``R`` ``[n_layers, kv_heads, d_head, d_head]``
@@ -268,7 +271,6 @@ def rotate_heads(state_dict: StateDict, cfg: Config, *, value=None, query_key=No
     """
     from ..circuits._bases import _change_bases  # the one copy of the per-head products; circuits imports _processing
 
-    identity = "rotate_heads"
     dtype = validate_state_dict(state_dict, cfg)
     R_v = _head_rotations(identity, value, cfg, dtype, "value")
     R_qk = _head_rotations(identity, query_key, cfg, dtype, "query_key")
@@ -284,7 +286,7 @@ def rotate_heads(state_dict: StateDict, cfg: Config, *, value=None, query_key=No
                 "the model normalises each head's queries and keys (QK-norm): its gain diag(w) sits between W_Q R and"
                 " the scores and does not commute with R; rotate the values only")
         changes |= {"query": R_qk, "key": R_qk}
-    return _change_bases(state_dict, cfg, **changes), cfg.replace(applied=cfg.applied + (identity,))
+    return _change_bases(state_dict, cfg, **changes), cfg
 
 
 def _fit(pairs: list[tuple[torch.Tensor, torch.Tensor]], project=None) -> torch.Tensor:
@@ -367,8 +369,10 @@ SCALE_REACHES_OUTPUT_LINEARLY = Precondition(
 )
 
 
-@rewrite("scale_neurons")
-def scale_neurons(state_dict: StateDict, cfg: Config, scales) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite(composes=True)
+def scale_neurons(
+    state_dict: StateDict, cfg: Config, scales, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Scale each MLP neuron's input by ``s`` and its output by ``1 / s``.
 
     ``scales`` is ``[d_mlp]`` (every layer) or ``[n_layers, d_mlp]``: ``W_in -> W_in diag(s)``
@@ -381,7 +385,6 @@ def scale_neurons(state_dict: StateDict, cfg: Config, scales) -> tuple[dict[str,
     dtypes and devices kept. Two scalings are one, so a second application is not refused; each
     records ``"scale_neurons"``.
     """
-    identity = "scale_neurons"
     require(identity, HAS_MLPS, not cfg.attn_only, "the model is attention-only: there are no neurons to scale")
     require_dense_mlp(identity, cfg)
     validate_state_dict(state_dict, cfg)
@@ -402,7 +405,7 @@ def scale_neurons(state_dict: StateDict, cfg: Config, scales) -> tuple[dict[str,
         negative = int((s < 0).sum())
         require(identity, SCALE_REACHES_OUTPUT_LINEARLY, negative == 0,
                 f"{negative} negative scales through ReLU: relu(s z) = -s relu(-z), not s relu(z), when s < 0")
-    return scaled_neurons(state_dict, cfg, s), cfg.replace(applied=cfg.applied + (identity,))
+    return scaled_neurons(state_dict, cfg, s), cfg
 
 
 def scaled_neurons(state_dict: StateDict, cfg: Config, s: torch.Tensor) -> dict[str, torch.Tensor]:

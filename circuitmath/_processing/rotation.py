@@ -205,9 +205,9 @@ def _as_square(identity: str, Q, d_model: int) -> torch.Tensor:
     return Q
 
 
-@rewrite("rotate_residual_stream")
+@rewrite(composes=True, records=False)
 def rotate_residual_stream(
-    state_dict: StateDict, cfg: Config, Q: torch.Tensor
+    state_dict: StateDict, cfg: Config, Q: torch.Tensor, *, identity: str
 ) -> tuple[dict[str, torch.Tensor], Config]:
     """Rotate the basis of the residual stream by the orthogonal ``Q`` (``[d_model, d_model]``).
 
@@ -248,7 +248,6 @@ def rotate_residual_stream(
     ('rotate_residual_stream',)
     >>> _ = assert_equivalent(sd, rotated, cfg, after_cfg=rotated_cfg)
     """
-    identity = "rotate_residual_stream"
     require_pre_norm(identity, cfg)
     _require_no_norm_gain(identity, cfg)
     dtype = validate_state_dict(state_dict, cfg)
@@ -349,15 +348,17 @@ def _key_value_permutation(cfg: Config, perm: torch.Tensor, layer: int) -> torch
     groups = (perm // size).reshape(kv_heads, size)
     if not bool((groups == groups[:, :1]).all()):
         raise PreconditionError(
-            "permute_heads", GROUPS_MOVE_TOGETHER,
+            permute_heads.identity, GROUPS_MOVE_TOGETHER,
             f"layer {layer}: the permutation {perm.tolist()} mixes query heads of different groups"
             f" (groups of {size}); a query head must stay with the keys and values it shares",
         )
     return groups[:, 0].contiguous()
 
 
-@rewrite("permute_heads", check_output=False)
-def permute_heads(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite(composes=True, check_output=False)
+def permute_heads(
+    state_dict: StateDict, cfg: Config, permutation, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Reorder the heads of every attention layer: new head ``i`` is old head ``permutation[i]``.
 
     ``permutation`` is ``[n_heads]`` (the same for every layer) or ``[n_layers, n_heads]``. A
@@ -374,7 +375,6 @@ def permute_heads(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict
     is permuting once by the composition, so a second application is not refused; each records
     ``"permute_heads"``.
     """
-    identity = "permute_heads"
     validate_state_dict(state_dict, cfg)
     perms = _per_layer(identity, permutation, cfg.n_layers, cfg.n_heads, "heads", A_HEAD_PERMUTATION)
     moved = [layer for layer in range(cfg.n_layers) if cfg.positional_embedding_type == "alibi"
@@ -395,11 +395,13 @@ def permute_heads(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict
                 out[f"{p}.pos_{side}"] = _take(state_dict[f"{p}.pos_{side}"], index, 1)
         for name in ["W_O"] + (["sinks"] if cfg.attn_sinks else []):
             out[f"{p}.{name}"] = _take(state_dict[f"{p}.{name}"], perm, 0)
-    return out, cfg.replace(applied=cfg.applied + (identity,))
+    return out, cfg
 
 
-@rewrite("permute_neurons", check_output=False)
-def permute_neurons(state_dict: StateDict, cfg: Config, permutation) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite(composes=True, check_output=False)
+def permute_neurons(
+    state_dict: StateDict, cfg: Config, permutation, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Reorder the neurons of every MLP: new neuron ``i`` is old neuron ``permutation[i]``.
 
     ``permutation`` is ``[d_mlp]`` (every layer) or ``[n_layers, d_mlp]``. ``W_in`` and
@@ -410,7 +412,6 @@ def permute_neurons(state_dict: StateDict, cfg: Config, permutation) -> tuple[di
     neurons and are refused. Data movement only; dtype and device are kept. A second application
     is a permutation too and is not refused; each records ``"permute_neurons"``.
     """
-    identity = "permute_neurons"
     require(identity, HAS_MLPS, not cfg.attn_only, "the model is attention-only: there are no neurons to permute")
     require_dense_mlp(identity, cfg)
     validate_state_dict(state_dict, cfg)
@@ -423,7 +424,7 @@ def permute_neurons(state_dict: StateDict, cfg: Config, permutation) -> tuple[di
         if cfg.gated_mlp:
             out[f"{p}.W_gate"] = _take(state_dict[f"{p}.W_gate"], perm, 1)
         out[f"{p}.W_out"] = _take(state_dict[f"{p}.W_out"], perm, 0)
-    return out, cfg.replace(applied=cfg.applied + (identity,))
+    return out, cfg
 
 
 # -- recognition ------------------------------------------------------------------------------

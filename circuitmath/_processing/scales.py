@@ -7,7 +7,7 @@ import torch
 from .._config import Config
 from .._errors import Precondition
 from .._state import StateDict, validate_state_dict
-from ._common import refuse_reapplication, require, rewrite
+from ._common import require, rewrite
 from ._memory import new_tensor, rows_per_block
 
 __all__ = [
@@ -31,8 +31,10 @@ def embedding_multiplier(cfg: Config, dtype: torch.dtype, device=None) -> torch.
     return torch.tensor(cfg.embedding_scale, dtype=torch.float64, device=device).to(dtype)
 
 
-@rewrite("fold_embedding_scale")
-def fold_embedding_scale(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite
+def fold_embedding_scale(
+    state_dict: StateDict, cfg: Config, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Multiply ``W_E`` ``[d_vocab, d_model]`` by the embedding scale and drop the scale.
 
     The forward pass of a model with ``embedding_scale`` (Gemma's ``sqrt(d_model)``) computes
@@ -65,8 +67,6 @@ def fold_embedding_scale(state_dict: StateDict, cfg: Config) -> tuple[dict[str, 
     >>> bool(torch.equal(log_probs(sd, cfg, tokens), log_probs(folded, folded_cfg, tokens)))
     True
     """
-    identity = "fold_embedding_scale"
-    refuse_reapplication(identity, cfg)
     require(identity, EMBEDDING_SCALED, cfg.embedding_scale is not None,
             "embedding_scale is None: the token embeddings reach the residual stream as they are, there is no"
             " multiplier to fold")
@@ -74,11 +74,13 @@ def fold_embedding_scale(state_dict: StateDict, cfg: Config) -> tuple[dict[str, 
     W_E = state_dict["embed.W_E"]
     out = dict(state_dict)
     out["embed.W_E"] = W_E * embedding_multiplier(cfg, W_E.dtype, W_E.device)
-    return out, cfg.replace(embedding_scale=None, applied=cfg.applied + (identity,))
+    return out, cfg.replace(embedding_scale=None)
 
 
-@rewrite("fold_logit_scale")
-def fold_logit_scale(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite
+def fold_logit_scale(
+    state_dict: StateDict, cfg: Config, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Multiply ``W_U`` ``[d_model, d_vocab]`` and ``b_U`` ``[d_vocab]`` by the logit scale and drop the scale.
 
     A model with ``logit_scale`` (Cohere) computes ``(y W_U + b_U) * s`` before any softcap;
@@ -89,15 +91,13 @@ def fold_logit_scale(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torc
     ``cfg.applied`` records ``"fold_logit_scale"``; a second application is refused (it would
     scale the logits by ``s^2``). Needs ``cfg.logit_scale`` to be set.
     """
-    identity = "fold_logit_scale"
-    refuse_reapplication(identity, cfg)
     require(identity, LOGIT_SCALED, cfg.logit_scale is not None,
             "logit_scale is None: the logits are not multiplied by a number, there is none to fold")
     validate_state_dict(state_dict, cfg)
     out = dict(state_dict)
     for name in ("unembed.W_U", "unembed.b_U"):
         out[name] = scaled(state_dict[name], cfg.logit_scale)
-    return out, cfg.replace(logit_scale=None, applied=cfg.applied + (identity,))
+    return out, cfg.replace(logit_scale=None)
 
 
 def scaled(W: torch.Tensor, s: float) -> torch.Tensor:

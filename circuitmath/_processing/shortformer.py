@@ -7,7 +7,7 @@ import torch
 from .._config import Config
 from .._errors import Precondition
 from .._state import StateDict, attention_names, validate_state_dict
-from ._common import refuse_reapplication, require, rewrite
+from ._common import require, rewrite
 
 __all__ = ["shortformer_to_tables", "IS_SHORTFORMER"]
 
@@ -17,8 +17,10 @@ IS_SHORTFORMER = Precondition(
 )
 
 
-@rewrite("shortformer_to_tables")
-def shortformer_to_tables(state_dict: StateDict, cfg: Config) -> tuple[dict[str, torch.Tensor], Config]:
+@rewrite
+def shortformer_to_tables(
+    state_dict: StateDict, cfg: Config, *, identity: str
+) -> tuple[dict[str, torch.Tensor], Config]:
     """Replace ``W_pos`` by each layer's positional query and key tables.
 
     A shortformer layer computes ``q = (ln1(x) + W_pos) @ W_Q + b_Q``, which is
@@ -29,8 +31,6 @@ def shortformer_to_tables(state_dict: StateDict, cfg: Config) -> tuple[dict[str,
     records ``"shortformer_to_tables"``; ``pos_embed.W_pos`` is dropped. The
     tables (``n_ctx`` rows each) are summed in float64 and rounded once to the weights' dtype.
     """
-    identity = "shortformer_to_tables"
-    refuse_reapplication(identity, cfg)
     require(
         identity, IS_SHORTFORMER, cfg.positional_embedding_type == "shortformer",
         f"positional_embedding_type is {cfg.positional_embedding_type!r}: W_pos is not added to the query"
@@ -46,4 +46,4 @@ def shortformer_to_tables(state_dict: StateDict, cfg: Config) -> tuple[dict[str,
             weight, _bias, _heads = attention_names(cfg, name)
             W = state_dict[f"{p}.{weight}"]
             out[f"{p}.pos_{name}"] = torch.einsum("pd,hde->phe", W_pos_up, W.double()).to(W.dtype)
-    return out, cfg.replace(positional_embedding_type="shortformer_tables", applied=cfg.applied + (identity,))
+    return out, cfg.replace(positional_embedding_type="shortformer_tables")

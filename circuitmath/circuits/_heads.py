@@ -24,6 +24,9 @@ ONE_QK_PER_HEAD = Precondition(
 )
 
 
+#: The identity that composition scores and the QK circuits are checked by (its refusals name it).
+SCORES_CHECKED_BY = "composition_scores_from_factors"
+
 def _per_head(state_dict: StateDict, cfg: Config, name: str) -> torch.Tensor:
     """``W_name`` of every layer, one per query head: ``[n_layers, n_heads, d_model, d_head]``."""
     weight, _bias, heads = attention_names(cfg, name)
@@ -75,8 +78,8 @@ def qk_circuits(state_dict: StateDict, cfg: Config) -> FactoredMatrix:
     Refused for rotary models, whose scores depend on the offset between positions.
     """
     validate_state_dict(state_dict, cfg)
-    _require_attention(cfg, "composition_scores_from_factors")  # the identity its scores are checked by
-    _require_position_free_scores(cfg, "composition_scores_from_factors")
+    _require_attention(cfg, SCORES_CHECKED_BY)
+    _require_position_free_scores(cfg, SCORES_CHECKED_BY)
     return FactoredMatrix(_per_head(state_dict, cfg, "Q"), _t(_per_head(state_dict, cfg, "K")))
 
 

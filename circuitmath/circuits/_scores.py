@@ -9,7 +9,7 @@ import torch
 from .._config import Config
 from .._state import StateDict, validate_state_dict
 from ._factored import FactoredMatrix, _t
-from ._heads import _per_head, _require_attention, _require_position_free_scores, ov_circuits, qk_circuits
+from ._heads import SCORES_CHECKED_BY, _per_head, _require_attention, _require_position_free_scores, ov_circuits, qk_circuits
 from .._errors import InputError
 
 __all__ = ["KINDS", "composition_scores", "copying_scores", "copying_circuits"]
@@ -71,9 +71,9 @@ def composition_scores(
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
         raise InputError(f"unknown composition kinds {unknown}; choose among {KINDS}")
-    _require_attention(cfg, "composition_scores_from_factors")
+    _require_attention(cfg, SCORES_CHECKED_BY)
     if {"q", "k"} & set(kinds):
-        _require_position_free_scores(cfg, "composition_scores_from_factors")
+        _require_position_free_scores(cfg, SCORES_CHECKED_BY)
     if materialise:
         return _materialised_scores({name: tensor.double() for name, tensor in state_dict.items()}, cfg, kinds)
     L, H = cfg.n_layers, cfg.n_heads
