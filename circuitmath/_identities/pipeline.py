@@ -256,7 +256,7 @@ PROCESS_WEIGHTS = register(
         summary="after folding the LayerNorm into its centered readers, folding the value biases and centering the"
         " writers, every layer writes out C instead of out; LNPre sees the stream only through (.) C",
         preconditions=(
-            "each step's own preconditions: process_weights applies a step only where they hold, and refuses"
+            f"each step's own preconditions: {process_weights.identity} applies a step only where they hold, and refuses"
             " a step asked for with True where they do not",
             "the order: the LayerNorm fold before centering its readers and before folding value biases;"
             " refactoring W_QK and W_OV last",
