@@ -128,6 +128,12 @@ class Identity:
     licenses a computation). ``chapter`` is the book chapter (its file's stem) whose section
     states, proves and checks the identity; default: its family module's ``CHAPTER``.
 
+    ``free_parameter``: the identity holds for every value of a parameter (a rotation ``Q``, a
+    permutation) that its ``transform`` fixes for the numeric checks, so the diagnosis does not
+    replay it blind: it recovers the parameter from the tensors (the rotations and permutations
+    in :mod:`circuitmath._diagnosis._replay`, or ``recover``; an identity with ``recover`` has a
+    free parameter whether it says so or not).
+
     ``recover(before, after, cfg)``: for an identity with a free parameter (per-channel scales),
     the parameter that maps ``before`` onto ``after``, or ``None``; ``with_parameters(state_dict,
     cfg, parameter)`` applies the identity with it (its public transform), and each wrong rewrite
@@ -152,6 +158,7 @@ class Identity:
     with_parameters: Callable[..., tuple[dict, Config]] | None = field(default=None, repr=False)
     half_precision: str | None = None
     chapter: str | None = None
+    free_parameter: bool = False
 
     def __post_init__(self) -> None:
         public = self.public

@@ -22,7 +22,7 @@ from ._registry import Identity
 
 __all__ = [
     "md_text", "prose", "display_math", "equation", "statement", "definitions", "derivation", "steps", "twins",
-    "summary", "established",
+    "summary", "established", "identity_list",
 ]
 
 #: Width of a displayed line, in units of :func:`_width` (MathJax 3 does not break long formulas
@@ -574,4 +574,14 @@ def established(proved, numbers=()) -> str:
         lines.append(f"- **`{identity.name}`** ({md_text(identity.title)}): " + "; ".join(parts) + ".")
     if numbers:
         lines += ["", "Measured when this page was built:", "", *[f"- {n}" for n in numbers]]
+    return "\n".join(lines)
+
+
+def identity_list(identities) -> str:
+    """Markdown: one line per identity, in registry order: its name linked to the chapter that
+    states, proves and checks it (``identity.chapter``), its title, and its checker when it has one."""
+    lines = []
+    for identity in identities:
+        checker = f" Checker: `check_{identity.function}`." if identity.function and identity.compare is None else ""
+        lines.append(f"- [`{identity.name}`]({identity.chapter}.md): {md_text(identity.title)}.{checker}")
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,172 @@ if __name__ == "__main__":  # the figures: python tests/test_layout.py
 
     for name, files in files_naming({identity.name for identity in cm.identities()}).items():
         print(f"{name:32s} {len(files)}  {' '.join(str(p.relative_to(ROOT)) for p in sorted(files))}")
+
+
+# -- adding an identity: four files, measured on a copy of the package -------------------------
+
+#: A throwaway identity's family module: negating every head's value map, value bias and output
+#: map leaves each head's output unchanged, ``A (X (-W_V) + 1 (-b_V)) (-W_O) = A (X W_V + 1 b_V) W_O``.
+THROWAWAY_FAMILY = '''"""Negating the value and output maps of every head together."""
+
+from __future__ import annotations
+
+from sympy import MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol
+
+from .._processing._common import NOT_APPLIED, rewrite
+from .._proof import Proof, Step, Twin
+from .._registry import {half_precision_import}Identity, register
+from .._state import attention_names, validate_state_dict
+
+CHAPTER = "attention_weights"
+
+n, d, e = (Symbol(s, positive=True, integer=True) for s in "nde")
+A, X = MatrixSymbol("A", n, n), MatrixSymbol("X", n, d)
+W_V, b_V, W_O = MatrixSymbol("W_V", d, e), MatrixSymbol("b_V", 1, e), MatrixSymbol("W_O", e, d)
+
+
+@rewrite
+def negate_values(state_dict, cfg, *, identity):
+    """Negate every head's ``W_V`` ``[heads, d_model, d_head]``, ``b_V`` ``[heads, d_head]`` and ``W_O``."""
+    validate_state_dict(state_dict, cfg)
+    out = dict(state_dict)
+    weight, bias, _heads = attention_names(cfg, "V")
+    for layer in range(cfg.n_layers):
+        for name in (weight, bias, "W_O"):
+            out[f"blocks.{{layer}}.attn.{{name}}"] = -state_dict[f"blocks.{{layer}}.attn.{{name}}"]
+    return out, cfg
+
+
+def _head(values, bias, output):
+    return MatMul(A, MatAdd(MatMul(X, values), MatMul(OneMatrix(n, 1), bias)), output)
+
+
+def _proof() -> Proof:
+    rhs = _head(W_V, b_V, W_O)
+    return Proof(
+        lhs=_head(-W_V, -b_V, -W_O),
+        rhs=rhs,
+        steps=(Step(rhs, "(-M)(-N) = M N"),),
+        explicit_dims={{n: 3, d: 3, e: 2}},
+        twins=(Twin("bias_kept", "negate W_V and W_O but keep b_V", _head(-W_V, b_V, -W_O), rhs),),
+    )
+
+
+def _bias_kept(state_dict, cfg):
+    """Negate W_V and W_O but keep b_V."""
+    out, out_cfg = negate_values(state_dict, cfg)
+    _weight, bias, _heads = attention_names(cfg, "V")
+    for layer in range(cfg.n_layers):
+        out[f"blocks.{{layer}}.attn.{{bias}}"] = state_dict[f"blocks.{{layer}}.attn.{{bias}}"]
+    return out, out_cfg
+
+
+NEGATE_VALUES = register(
+    Identity(
+        title="Negating the value and output maps together",
+        summary="A (X (-W_V) + 1 (-b_V)) (-W_O) = A (X W_V + 1 b_V) W_O",
+        preconditions=(NOT_APPLIED,),
+        build_proof=_proof,
+        transform=negate_values,
+        wrong_rewrites={{"bias_kept": _bias_kept}},{half_precision}
+    )
+)
+'''
+
+#: Its test file.
+THROWAWAY_TEST = '''import torch
+
+import circuitmath as cm
+
+
+def test_negating_values_and_outputs_keeps_the_log_probs():
+    cfg = cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    identity = cm.get_identity("negate_values")
+    out, out_cfg = identity.transform(sd, cfg)
+    assert out_cfg.applied == ("negate_values",) and torch.equal(out["blocks.0.attn.W_O"], -sd["blocks.0.attn.W_O"])
+    cm.assert_equivalent(sd, out, cfg, after_cfg=out_cfg)
+    report = identity.prove()
+    assert report.ok and [t.name for t in report.twins if t.rejected] == ["bias_kept"]
+'''
+
+#: Its section, appended to its chapter.
+THROWAWAY_SECTION = '''
+
+## Negating values and outputs
+
+`negate_values` negates every head's value map and output map together.
+'''
+
+#: The registry-driven tests run on the copy: its checker (recognises the exact rewrite through
+#: the diagnosis's replay, names each wrong rewrite), its half-precision behaviour, the book's list.
+REGISTRY_DRIVEN = ["tests/test_checkers.py", "tests/test_accuracy.py", "tests/test_registry.py"]
+SELECTED = "negate_values or declares_its_half_precision or book_lists_every_identity"
+
+
+def _copy_with_throwaway(root: Path, *, half_precision: bool) -> list[Path]:
+    """A copy of the package, its tests and book under ``root``, with the throwaway identity added by
+    editing four files only; returns them."""
+    import shutil
+
+    repository = ROOT.parent
+    shutil.copytree(ROOT, root / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(repository / "book", root / "book", ignore=shutil.ignore_patterns("_build", "_extra", "__pycache__"))
+    (root / "tests").mkdir()
+    for name in ["conftest.py", "support.py", *(Path(t).name for t in REGISTRY_DRIVEN)]:
+        shutil.copy(repository / "tests" / name, root / "tests" / name)
+    shutil.copy(repository / "pyproject.toml", root / "pyproject.toml")
+    family = root / PACKAGE / "_identities" / "signs.py"
+    family.write_text(THROWAWAY_FAMILY.format(
+        half_precision_import="MOVES_ENTRIES, " if half_precision else "",
+        half_precision="\n        half_precision=MOVES_ENTRIES," if half_precision else "",
+    ))
+    families = root / PACKAGE / "_identities" / "__init__.py"
+    text = families.read_text()
+    last = [line for line in text.splitlines() if re.fullmatch(r"from \. import \w+  # noqa: F401", line)][-1]
+    families.write_text(text.replace(last, last + "\nfrom . import signs  # noqa: F401", 1))
+    (root / "tests" / "test_signs.py").write_text(THROWAWAY_TEST)
+    chapter = root / "book" / "attention_weights.md"
+    chapter.write_text(chapter.read_text() + THROWAWAY_SECTION)
+    return [family, families, root / "tests" / "test_signs.py", chapter]
+
+
+def _run_registry_tests(root: Path):
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=str(root))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_signs.py",
+         *REGISTRY_DRIVEN, "-k", f"{SELECTED} or keeps_the_log_probs"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=900,
+    )
+
+
+def test_an_identity_added_in_four_files_passes_the_registry_driven_tests(tmp_path):
+    """Its family module, the line listing families, its test file and its book section: the
+    copy's registry-driven tests pass with the throwaway identity among them (and run it: each
+    test named after it ran)."""
+    edited = _copy_with_throwaway(tmp_path, half_precision=True)
+    assert len(edited) == 4
+    changed = {p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+               and not _same_as_repository(tmp_path, p)}
+    assert changed == {p.relative_to(tmp_path) for p in edited}
+    result = _run_registry_tests(tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    passed = int(re.search(r"(\d+) passed", result.stdout).group(1))
+    # its checker (exact rewrite, wrong rewrites), half precision (two dtypes), the two registry guards, its test
+    assert passed >= 7, result.stdout[-2000:]
+
+
+def test_negative_control_an_identity_missing_a_registry_hook_fails(tmp_path):
+    """The same identity without its half-precision behaviour declared: the registry guard fails."""
+    _copy_with_throwaway(tmp_path, half_precision=False)
+    result = _run_registry_tests(tmp_path)
+    assert result.returncode != 0
+    assert "test_every_weight_identity_declares_its_half_precision_behaviour" in result.stdout, result.stdout[-3000:]
+
+
+def _same_as_repository(root: Path, path: Path) -> bool:
+    original = ROOT.parent / path.relative_to(root)
+    return original.exists() and original.read_bytes() == path.read_bytes()

@@ -1,6 +1,9 @@
 """Every registered identity has a proof, negative twins, a numeric check and wrong transforms."""
 
+import dataclasses
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,3 +227,38 @@ def test_a_file_saved_with_former_names_loads_with_the_new_ones(tmp_path):
     unfolded = loaded.replace(normalization_type="LN")
     with pytest.raises(cm.AlreadyAppliedError):  # the old record still guards against a second fold
         cm.fold_layer_norm(cm.random_state_dict(unfolded, seed=0), unfolded)
+
+
+#: Identities whose chapter has no section on them yet: each must gain one (this set then shrinks;
+#: an entry that has its section fails the stale check below).
+PENDING_SECTIONS = {"fold_embedding_scale", "fold_logit_scale"}
+
+BOOK = Path(__file__).resolve().parents[1] / "book"
+
+
+def _section_of(identity) -> bool:
+    """Whether ``identity``'s chapter names it in its source (its section states, proves or checks it)."""
+    path = BOOK / f"{identity.chapter}.md"
+    return path.exists() and re.search(rf"\b{identity.name}\b", path.read_text()) is not None
+
+
+def test_the_book_lists_every_identity_with_its_chapter():
+    """The book's list of identities (``render.identity_list``, shown in ``checking.md``) is the
+    registry's; each identity links to an existing chapter that has a section on it."""
+    from circuitmath.render import identity_list
+
+    listed = identity_list(IDENTITIES)
+    assert "identity_list(cm.identities())" in (BOOK / "checking.md").read_text()
+    for identity in IDENTITIES:
+        assert f"[`{identity.name}`]({identity.chapter}.md)" in listed, identity.name
+        assert (BOOK / f"{identity.chapter}.md").exists(), (identity.name, identity.chapter)
+    missing = {identity.name for identity in IDENTITIES if not _section_of(identity)}
+    assert missing == PENDING_SECTIONS, f"no section in their chapter: {sorted(missing - PENDING_SECTIONS)}; " \
+                                        f"sections now written: {sorted(PENDING_SECTIONS - missing)}"
+
+
+def test_negative_control_an_identity_of_a_chapter_without_its_section_is_caught():
+    fold = cm.get_identity("fold_layer_norm")
+    assert _section_of(fold)
+    assert not _section_of(dataclasses.replace(fold, chapter="centering"))
+    assert not _section_of(dataclasses.replace(fold, chapter="no_such_chapter"))

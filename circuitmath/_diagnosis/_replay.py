@@ -19,9 +19,7 @@ from .._identities.norms import LAYER_NORM_TO_RMS_NORM
 from .._identities.permutations import PERMUTE_HEADS, PERMUTE_NEURONS
 from .._identities.rotation import (
     LAYER_NORM_ROTATION,
-    RMS_NORM_ROTATION,
     ROTATION_INVARIANCE,
-    SLICEGPT_ROUTE,
     to_rms_pre,
 )
 from .._config import Config
@@ -44,9 +42,8 @@ __all__ = ["weight_identities", "SYMMETRIES"]
 
 #: Identities with a free parameter (a rotation ``Q``, a permutation): the blind replay cannot try
 #: them with a fixed one, so the diagnosis recovers the parameter from the tensors instead.
-SYMMETRIES = tuple(identity.name for identity in (
-    RMS_NORM_ROTATION, LAYER_NORM_ROTATION, ROTATION_INVARIANCE, SLICEGPT_ROUTE, PERMUTE_HEADS, PERMUTE_NEURONS,
-)) + tuple(identity.name for identity in _identities.identities() if identity.recover is not None)
+SYMMETRIES = tuple(identity.name for identity in _identities.identities()
+                   if identity.free_parameter or identity.recover is not None)
 
 #: Symmetries whose identity recovers its own parameter (``Identity.recover``), tried after the permutations.
 RECOVERED = tuple(identity for identity in _identities.identities() if identity.recover is not None)

@@ -88,98 +88,113 @@ def _without_value_biases(pattern_1, bias_O):
     )
 
 
-def _value_bias_proof() -> Proof:
-    lhs = _layer(A1, b_Va, b_Vb, b_O)
-    rhs = _without_value_biases(A1, b_O_folded)
+def _value_bias_steps(rhs) -> tuple[Step, ...]:
+    """The derivation of :func:`_value_bias_proof`, ending in ``rhs``."""
+    return (
+        Step(
+            MatAdd(
+                MatMul(A1, X, W_Va, W_O1), MatMul(A1, ones, b_Va, W_O1),
+                MatMul(A2, X, W_Va, W_O2), MatMul(A2, ones, b_Va, W_O2),
+                MatMul(A3, X, W_Vb, W_O3), MatMul(A3, ones, b_Vb, W_O3),
+                MatMul(ones, b_O),
+            ),
+            "distribute over the sums",
+        ),
+        Step(
+            MatAdd(
+                MatMul(A1, X, W_Va, W_O1), MatMul(ones, b_Va, W_O1),
+                MatMul(A2, X, W_Va, W_O2), MatMul(ones, b_Va, W_O2),
+                MatMul(A3, X, W_Vb, W_O3), MatMul(ones, b_Vb, W_O3),
+                MatMul(ones, b_O),
+            ),
+            r"$A_h \mathbf{1}_n = \operatorname{diag}(r_h)^{-1} r_h = \mathbf{1}_n$ with $r_h = E_h \mathbf{1}_n$: every row of a softmax pattern sums to 1",
+        ),
+        Step(
+            MatAdd(
+                MatMul(A1, X, W_Va, W_O1), MatMul(A2, X, W_Va, W_O2), MatMul(A3, X, W_Vb, W_O3),
+                MatMul(ones, MatAdd(b_O, MatMul(b_Va, MatAdd(W_O1, W_O2)), MatMul(b_Vb, W_O3))),
+            ),
+            r"collect the rows $\mathbf{1}_n (\ldots)$, the same at every position",
+        ),
+        Step(rhs, r"definition of $b_O^{\mathrm{fold}}$, and $b_V = 0$ from now on"),
+    )
+
+
+def _value_bias_facts() -> tuple[Fact, ...]:
+    """The folded output bias, each head's pattern as the softmax of its scores, and their row sums' invertibility."""
     patterns = ((A1, "1"), (A2, "2"), (A3, "3"))
+    return (
+        Fact(
+            b_O_folded,
+            MatAdd(b_O, MatMul(b_Va, MatAdd(W_O1, W_O2)), MatMul(b_Vb, W_O3)),
+            "the folded output bias: each value bias through the W_O of every query head that reads it",
+        ),
+        *(
+            Fact(A, MatMul(Inverse(DiagMatrix(MatMul(E_h, ones))), E_h),
+                       f"head {h}'s pattern: the softmax of its scores, E_{h} their entrywise exponentials (0 where masked)")
+            for (A, h), E_h in zip(patterns, EXPS)
+        ),
+        *(Fact.invertible(DiagMatrix(MatMul(E_h, ones)), f"head {h}'s row sums are positive: every row has an unmasked key")
+          for (_A, h), E_h in zip(patterns, EXPS)),
+    )
+
+
+def _value_bias_twins(lhs) -> tuple[Twin, ...]:
+    """The wrong folds of the value biases, each a twin of ``lhs``."""
     b_V_square = MatrixSymbol("b_{V,a}", 1, d)
     b_Vb_square = MatrixSymbol("b_{V,b}", 1, d)
     square = {n: 3, d: 2, e: 2}
+    return (
+        sink_rows_twin(),
+        Twin(
+            "no_sum_over_heads",
+            FOLD_VALUE_BIASES.describe("no_sum_over_heads"),
+            lhs,
+            _without_value_biases(A1, MatAdd(b_O, MatMul(b_Va, W_O1))),
+        ),
+        Twin(
+            "once_per_key_value_head",
+            FOLD_VALUE_BIASES.describe("once_per_key_value_head"),
+            lhs,
+            _without_value_biases(A1, MatAdd(b_O, MatMul(b_Va, W_O1), MatMul(b_Vb, W_O3))),
+        ),
+        Twin(
+            "without_W_O",
+            "add the value biases to b_O directly, skipping W_O (type-checks only when d_head = d_model)",
+            MatAdd(
+                MatMul(A1, MatAdd(MatMul(X, MatrixSymbol("W_{V,a}", d, d)), MatMul(ones, b_V_square)),
+                       MatrixSymbol("W_{O,1}", d, d)),
+                MatMul(A3, MatAdd(MatMul(X, MatrixSymbol("W_{V,b}", d, d)), MatMul(ones, b_Vb_square)),
+                       MatrixSymbol("W_{O,3}", d, d)),
+                MatMul(ones, b_O),
+            ),
+            MatAdd(
+                MatMul(A1, X, MatrixSymbol("W_{V,a}", d, d), MatrixSymbol("W_{O,1}", d, d)),
+                MatMul(A3, X, MatrixSymbol("W_{V,b}", d, d), MatrixSymbol("W_{O,3}", d, d)),
+                MatMul(ones, MatAdd(b_O, b_V_square, b_Vb_square)),
+            ),
+            dims=square,
+        ),
+        Twin(
+            "fully_masked_row",
+            "fold where head 1's pattern P has a fully masked row set to zero (its rows need not sum to 1)",
+            _layer(P, b_Va, b_Vb, b_O),
+            _without_value_biases(P, b_O_folded),
+        ),
+    )
+
+
+def _value_bias_proof() -> Proof:
+    lhs = _layer(A1, b_Va, b_Vb, b_O)
+    rhs = _without_value_biases(A1, b_O_folded)
     return Proof(
         lhs=lhs,
         rhs=rhs,
-        steps=(
-            Step(
-                MatAdd(
-                    MatMul(A1, X, W_Va, W_O1), MatMul(A1, ones, b_Va, W_O1),
-                    MatMul(A2, X, W_Va, W_O2), MatMul(A2, ones, b_Va, W_O2),
-                    MatMul(A3, X, W_Vb, W_O3), MatMul(A3, ones, b_Vb, W_O3),
-                    MatMul(ones, b_O),
-                ),
-                "distribute over the sums",
-            ),
-            Step(
-                MatAdd(
-                    MatMul(A1, X, W_Va, W_O1), MatMul(ones, b_Va, W_O1),
-                    MatMul(A2, X, W_Va, W_O2), MatMul(ones, b_Va, W_O2),
-                    MatMul(A3, X, W_Vb, W_O3), MatMul(ones, b_Vb, W_O3),
-                    MatMul(ones, b_O),
-                ),
-                r"$A_h \mathbf{1}_n = \operatorname{diag}(r_h)^{-1} r_h = \mathbf{1}_n$ with $r_h = E_h \mathbf{1}_n$: every row of a softmax pattern sums to 1",
-            ),
-            Step(
-                MatAdd(
-                    MatMul(A1, X, W_Va, W_O1), MatMul(A2, X, W_Va, W_O2), MatMul(A3, X, W_Vb, W_O3),
-                    MatMul(ones, MatAdd(b_O, MatMul(b_Va, MatAdd(W_O1, W_O2)), MatMul(b_Vb, W_O3))),
-                ),
-                r"collect the rows $\mathbf{1}_n (\ldots)$, the same at every position",
-            ),
-            Step(rhs, r"definition of $b_O^{\mathrm{fold}}$, and $b_V = 0$ from now on"),
-        ),
-        facts=(
-            Fact(
-                b_O_folded,
-                MatAdd(b_O, MatMul(b_Va, MatAdd(W_O1, W_O2)), MatMul(b_Vb, W_O3)),
-                "the folded output bias: each value bias through the W_O of every query head that reads it",
-            ),
-            *(
-                Fact(A, MatMul(Inverse(DiagMatrix(MatMul(E_h, ones))), E_h),
-                           f"head {h}'s pattern: the softmax of its scores, E_{h} their entrywise exponentials (0 where masked)")
-                for (A, h), E_h in zip(patterns, EXPS)
-            ),
-            *(Fact.invertible(DiagMatrix(MatMul(E_h, ones)), f"head {h}'s row sums are positive: every row has an unmasked key")
-              for (_A, h), E_h in zip(patterns, EXPS)),
-        ),
+        steps=_value_bias_steps(rhs),
+        facts=_value_bias_facts(),
         samplers={**{E_h: causal_exponentials for E_h in EXPS}, P: _pattern_with_empty_first_row},
         explicit_dims=EXPLICIT_DIMS,
-        twins=(
-            sink_rows_twin(),
-            Twin(
-                "no_sum_over_heads",
-                FOLD_VALUE_BIASES.describe("no_sum_over_heads"),
-                lhs,
-                _without_value_biases(A1, MatAdd(b_O, MatMul(b_Va, W_O1))),
-            ),
-            Twin(
-                "once_per_key_value_head",
-                FOLD_VALUE_BIASES.describe("once_per_key_value_head"),
-                lhs,
-                _without_value_biases(A1, MatAdd(b_O, MatMul(b_Va, W_O1), MatMul(b_Vb, W_O3))),
-            ),
-            Twin(
-                "without_W_O",
-                "add the value biases to b_O directly, skipping W_O (type-checks only when d_head = d_model)",
-                MatAdd(
-                    MatMul(A1, MatAdd(MatMul(X, MatrixSymbol("W_{V,a}", d, d)), MatMul(ones, b_V_square)),
-                           MatrixSymbol("W_{O,1}", d, d)),
-                    MatMul(A3, MatAdd(MatMul(X, MatrixSymbol("W_{V,b}", d, d)), MatMul(ones, b_Vb_square)),
-                           MatrixSymbol("W_{O,3}", d, d)),
-                    MatMul(ones, b_O),
-                ),
-                MatAdd(
-                    MatMul(A1, X, MatrixSymbol("W_{V,a}", d, d), MatrixSymbol("W_{O,1}", d, d)),
-                    MatMul(A3, X, MatrixSymbol("W_{V,b}", d, d), MatrixSymbol("W_{O,3}", d, d)),
-                    MatMul(ones, MatAdd(b_O, b_V_square, b_Vb_square)),
-                ),
-                dims=square,
-            ),
-            Twin(
-                "fully_masked_row",
-                "fold where head 1's pattern P has a fully masked row set to zero (its rows need not sum to 1)",
-                _layer(P, b_Va, b_Vb, b_O),
-                _without_value_biases(P, b_O_folded),
-            ),
-        ),
+        twins=_value_bias_twins(lhs),
         lemmas=(("capped_rows_sum_to_one", capped_rows_sum_to_one()),),
     )
 

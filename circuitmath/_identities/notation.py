@@ -242,6 +242,28 @@ class Kron(MatrixExpr):
         return rf"\operatorname{{kron}}\left({printer._print(self.args[0])}, {printer._print(self.args[1])}\right)"
 
 
+def _selector_definitions(basis, S, T, Sc, Tc) -> tuple[Definition, ...]:
+    """The basis columns ``e_0, e_1`` of R^2 and the selectors, defined, not sampled: which order
+    of vec a proof means is part of it. Row-major: block i of ``S_i = e_i ⊗ I`` is the identity;
+    column-major: feature k of position i goes to row 2k + i, which is ``I ⊗ e_i``."""
+    e0, e1 = basis
+    return (
+        Definition(e0, sympy.ImmutableMatrix([[1], [0]]), "the first basis column of R^2"),
+        Definition(e1, sympy.ImmutableMatrix([[0], [1]]), "the second basis column of R^2"),
+        *(Definition(family[i], KroneckerProduct(basis[i], Eye(size)), "row-major block selector: e_i ⊗ I")
+          for family, size in ((S, d), (T, q)) for i in range(2)),
+        *(Definition(family[i], KroneckerProduct(Eye(size), basis[i]), "column-major interleaving selector: I ⊗ e_i")
+          for family, size in ((Sc, d), (Tc, q)) for i in range(2)),
+    )
+
+
+def _orthonormal_selectors(families) -> list[Fact]:
+    """``F_i^T F_j = δ_ij I`` for each family of two selectors ``(F, size)``."""
+    return [Fact(MatMul(Transpose(family[i]), family[j]), Eye(size) if i == j else ZeroMatrix(size, size),
+                 "selectors have orthonormal blocks")
+            for family, size in families for i in range(2) for j in range(2)]
+
+
 def _kronecker_vec_proof():
     """Two positions in and out (explicit), feature sizes ``d`` and ``q`` symbolic.
 
@@ -284,21 +306,8 @@ def _kronecker_vec_proof():
         Fact(lhs_col, vec_value(applied, Tc), "column-major vec, with interleaving selectors"),
         Fact(vec_X_col, vec_value(X2, Sc), "column-major vec of X"),
     ]
-    for family, size in ((S, d), (T, q), (Sc, d), (Tc, q)):
-        facts += [Fact(MatMul(Transpose(family[i]), family[j]), Eye(size) if i == j else ZeroMatrix(size, size),
-                       "selectors have orthonormal blocks") for i in range(2) for j in range(2)]
+    facts += _orthonormal_selectors(((S, d), (T, q), (Sc, d), (Tc, q)))
 
-    # The selectors are defined, not sampled: which order of vec a proof means is part of it.
-    # Row-major: block i of S_i = e_i ⊗ I is the identity; column-major: feature k of position
-    # i goes to row 2k + i, which is I ⊗ e_i.
-    definitions = (
-        Definition(e0, sympy.ImmutableMatrix([[1], [0]]), "the first basis column of R^2"),
-        Definition(e1, sympy.ImmutableMatrix([[0], [1]]), "the second basis column of R^2"),
-        *(Definition(family[i], KroneckerProduct(basis[i], Eye(size)), "row-major block selector: e_i ⊗ I")
-          for family, size in ((S, d), (T, q)) for i in range(2)),
-        *(Definition(family[i], KroneckerProduct(Eye(size), basis[i]), "column-major interleaving selector: I ⊗ e_i")
-          for family, size in ((Sc, d), (Tc, q)) for i in range(2)),
-    )
     step_rows = MatAdd(*(MatMul(T[i], B, Transpose(X2), Transpose(A2), basis[i]) for i in range(2)))
     step_entries = MatAdd(*(MatMul(a[i][j], T[i], B, Transpose(X2), basis[j]) for i in range(2) for j in range(2)))
     return notation_proof(
@@ -311,7 +320,7 @@ def _kronecker_vec_proof():
             Step(MatMul(kron_value(a, B, T, S), vec_value(X2, S)), r"$S_j^\top S_k = \delta_{jk} I_d$: block $(i, j)$ of the Kronecker product meets row $j$ of $X$"),
             Step(rhs, r"definitions of $\operatorname{kron}$ and $\operatorname{vec}$"),
         ),
-        definitions=definitions,
+        definitions=_selector_definitions(basis, S, T, Sc, Tc),
         facts=tuple(facts),
         explicit_dims={d: 3, q: 2},
         explicit_only=(

@@ -203,6 +203,7 @@ PERMUTE_HEADS = register(
             ),
         },
         half_precision=MOVES_ENTRIES,
+        free_parameter=True,
     )
 )
 
@@ -221,5 +222,6 @@ PERMUTE_NEURONS = register(
             "out_not_permuted": WrongRewrite(_neurons_but("W_out"), "permute W_in but not W_out's rows"),
         },
         half_precision=MOVES_ENTRIES,
+        free_parameter=True,
     )
 )

@@ -77,73 +77,123 @@ def _processed(reader, output_bias, heads=HEADS) -> MatAdd:
     return _layer(lambda h: MatMul(N, reader(h), W_O_new[h]), output_bias, heads)
 
 
-def _pipeline_proof() -> Proof:
+def _pipeline_steps(rhs, b_O_expanded) -> tuple[Step, ...]:
+    """The derivation of :func:`_pipeline_proof`, from the processed layer to ``rhs``."""
+    return (
+        Step(
+            _layer(lambda h: MatMul(N, C, DiagMatrix(w), W_V[h], W_O[h], C), b_O_new),
+            r"the processed weights: $\tilde{W}_V = C \operatorname{diag}(w) W_V$ (gain folded, then centered"
+            r" over $d$), $\tilde{W}_O = W_O C$ (centered)",
+        ),
+        Step(
+            _layer(lambda h: MatMul(N, DiagMatrix(w), W_V[h], W_O[h], C), b_O_new),
+            r"$\mathrm{LNPre}(X)\, C = R X C C = \mathrm{LNPre}(X)$: centering the reader changes nothing",
+        ),
+        Step(
+            _layer(lambda h: MatMul(N, DiagMatrix(w), W_V[h], W_O[h], C), MatMul(b_O_expanded, C)),
+            r"$\tilde{b}_O$: the LayerNorm bias folded into $b_V$, $b_V$ folded into $b_O$, then centered",
+        ),
+        Step(
+            MatAdd(
+                *(
+                    term
+                    for h in HEADS
+                    for term in (
+                        MatMul(A[h], N, DiagMatrix(w), W_V[h], W_O[h], C),
+                        MatMul(A[h], ones_n, _folded_value_bias(h), W_O[h], C),
+                    )
+                ),
+                MatMul(ones_n, b_O, C),
+            ),
+            r"$\mathbf{1}_n = A_h \mathbf{1}_n = \operatorname{diag}(E_h \mathbf{1}_n)^{-1} E_h \mathbf{1}_n$: every row of a softmax pattern sums to 1",
+        ),
+        Step(
+            MatMul(
+                _layer(
+                    lambda h: MatMul(
+                        MatAdd(MatMul(MatAdd(MatMul(N, DiagMatrix(w)), MatMul(ones_n, b)), W_V[h]),
+                               MatMul(ones_n, b_V[h])),
+                        W_O[h],
+                    ),
+                    b_O,
+                ),
+                C,
+            ),
+            r"collect $A_h (\ldots) W_{O,h}$ and the common factor $C$",
+        ),
+        Step(rhs, r"definition of $\mathrm{LN}$"),
+    )
+
+
+def _pipeline_facts(b_O_expanded) -> tuple[Fact, ...]:
+    """The centering matrix, the norms, the processed weights and each head's softmax pattern."""
+    return (
+        Fact(C, MatAdd(Eye(d), MatMul(-1 / d, ones_d, ones_d.T)), "the centering matrix"),
+        Fact(N, MatMul(R, X, C), "center each position, then normalise it (eps inside R)"),
+        Fact(LN, MatAdd(MatMul(N, DiagMatrix(w)), MatMul(ones_n, b)), "LNPre, then gain and bias"),
+        *(Fact(W_V_new[h], MatMul(C, DiagMatrix(w), W_V[h]), "gain folded, then centered over d")
+          for h in HEADS),
+        *(Fact(W_O_new[h], MatMul(W_O[h], C), "centered over d") for h in HEADS),
+        Fact(b_O_new, MatMul(b_O_expanded, C),
+             "b_O plus each folded value bias through its W_O, then centered"),
+        *(Fact(A[h], MatMul(Inverse(DiagMatrix(MatMul(E[h], ones_n))), E[h]),
+               f"head {h}'s pattern: the softmax of its scores, E_{h} their entrywise exponentials")
+          for h in HEADS),
+        *(Fact.invertible(DiagMatrix(MatMul(E[h], ones_n)), f"head {h}'s row sums are positive: every row has an unmasked key")
+          for h in HEADS),
+    )
+
+
+def _pipeline_twins() -> tuple[Twin, ...]:
+    """The wrong pipelines: steps in the wrong order, a step twice, centering behind RMSNorm."""
     one_head_bias = MatMul(MatAdd(b_O, MatMul(_folded_value_bias(1), W_O[1])), C)
+    return (
+        Twin(
+            "center_readers_before_fold",
+            PROCESS_WEIGHTS.describe("center_readers_before_fold"),
+            _processed(lambda h: MatMul(DiagMatrix(w), C, W_V[h]), one_head_bias, ONE_HEAD),
+            MatMul(_original(ONE_HEAD), C),
+        ),
+        Twin(
+            "fold_gain_twice",
+            PROCESS_WEIGHTS.describe("fold_gain_twice"),
+            _processed(lambda h: MatMul(C, DiagMatrix(w), DiagMatrix(w), W_V[h]), one_head_bias, ONE_HEAD),
+            MatMul(_original(ONE_HEAD), C),
+        ),
+        Twin(
+            "value_biases_before_ln_fold",
+            PROCESS_WEIGHTS.describe("value_biases_before_ln_fold"),
+            _processed(lambda h: W_V_new[h], MatMul(MatAdd(b_O, MatMul(b_V[1], W_O[1])), C), ONE_HEAD),
+            MatMul(_original(ONE_HEAD), C),
+        ),
+        Twin(
+            "ln_bias_through_processed_reader",
+            "fold the LayerNorm bias through the processed reader, b C diag(w) W_V, instead of b W_V",
+            _processed(
+                lambda h: W_V_new[h],
+                MatMul(MatAdd(b_O, MatMul(MatAdd(b_V[1], MatMul(b, W_V_new[1])), W_O[1])), C),
+                ONE_HEAD,
+            ),
+            MatMul(_original(ONE_HEAD), C),
+        ),
+        Twin(
+            "center_readers_behind_rms_norm",
+            PROCESS_WEIGHTS.describe("center_readers_behind_rms_norm"),
+            _layer(lambda h: MatMul(M, C, DiagMatrix(w), W_V[h], W_O[h]), b_O, ONE_HEAD),
+            _layer(lambda h: MatMul(M, DiagMatrix(w), W_V[h], W_O[h]), b_O, ONE_HEAD),
+        ),
+    )
+
+
+def _pipeline_proof() -> Proof:
     lhs = _processed(lambda h: W_V_new[h], b_O_new)
     rhs = MatMul(_original(), C)
     b_O_expanded = MatAdd(b_O, *(MatMul(_folded_value_bias(h), W_O[h]) for h in HEADS))
     return Proof(
         lhs=lhs,
         rhs=rhs,
-        steps=(
-            Step(
-                _layer(lambda h: MatMul(N, C, DiagMatrix(w), W_V[h], W_O[h], C), b_O_new),
-                r"the processed weights: $\tilde{W}_V = C \operatorname{diag}(w) W_V$ (gain folded, then centered"
-                r" over $d$), $\tilde{W}_O = W_O C$ (centered)",
-            ),
-            Step(
-                _layer(lambda h: MatMul(N, DiagMatrix(w), W_V[h], W_O[h], C), b_O_new),
-                r"$\mathrm{LNPre}(X)\, C = R X C C = \mathrm{LNPre}(X)$: centering the reader changes nothing",
-            ),
-            Step(
-                _layer(lambda h: MatMul(N, DiagMatrix(w), W_V[h], W_O[h], C), MatMul(b_O_expanded, C)),
-                r"$\tilde{b}_O$: the LayerNorm bias folded into $b_V$, $b_V$ folded into $b_O$, then centered",
-            ),
-            Step(
-                MatAdd(
-                    *(
-                        term
-                        for h in HEADS
-                        for term in (
-                            MatMul(A[h], N, DiagMatrix(w), W_V[h], W_O[h], C),
-                            MatMul(A[h], ones_n, _folded_value_bias(h), W_O[h], C),
-                        )
-                    ),
-                    MatMul(ones_n, b_O, C),
-                ),
-                r"$\mathbf{1}_n = A_h \mathbf{1}_n = \operatorname{diag}(E_h \mathbf{1}_n)^{-1} E_h \mathbf{1}_n$: every row of a softmax pattern sums to 1",
-            ),
-            Step(
-                MatMul(
-                    _layer(
-                        lambda h: MatMul(
-                            MatAdd(MatMul(MatAdd(MatMul(N, DiagMatrix(w)), MatMul(ones_n, b)), W_V[h]),
-                                   MatMul(ones_n, b_V[h])),
-                            W_O[h],
-                        ),
-                        b_O,
-                    ),
-                    C,
-                ),
-                r"collect $A_h (\ldots) W_{O,h}$ and the common factor $C$",
-            ),
-            Step(rhs, r"definition of $\mathrm{LN}$"),
-        ),
-        facts=(
-            Fact(C, MatAdd(Eye(d), MatMul(-1 / d, ones_d, ones_d.T)), "the centering matrix"),
-            Fact(N, MatMul(R, X, C), "center each position, then normalise it (eps inside R)"),
-            Fact(LN, MatAdd(MatMul(N, DiagMatrix(w)), MatMul(ones_n, b)), "LNPre, then gain and bias"),
-            *(Fact(W_V_new[h], MatMul(C, DiagMatrix(w), W_V[h]), "gain folded, then centered over d")
-              for h in HEADS),
-            *(Fact(W_O_new[h], MatMul(W_O[h], C), "centered over d") for h in HEADS),
-            Fact(b_O_new, MatMul(b_O_expanded, C),
-                 "b_O plus each folded value bias through its W_O, then centered"),
-            *(Fact(A[h], MatMul(Inverse(DiagMatrix(MatMul(E[h], ones_n))), E[h]),
-                   f"head {h}'s pattern: the softmax of its scores, E_{h} their entrywise exponentials")
-              for h in HEADS),
-            *(Fact.invertible(DiagMatrix(MatMul(E[h], ones_n)), f"head {h}'s row sums are positive: every row has an unmasked key")
-              for h in HEADS),
-        ),
+        steps=_pipeline_steps(rhs, b_O_expanded),
+        facts=_pipeline_facts(b_O_expanded),
         definitions=(Definition(M, MatMul(R, X), "normalise each position, no centering"),),
         samplers={E[h]: causal_exponentials for h in HEADS},
         explicit_dims={n: 3, d: 3, e: 2},
@@ -151,42 +201,7 @@ def _pipeline_proof() -> Proof:
             "R is any matrix: the per-position normalisers, eps included, never need a value",
             "the readers see the stream only through LNPre, which depends on it only through (.) C",
         ),
-        twins=(
-            Twin(
-                "center_readers_before_fold",
-                PROCESS_WEIGHTS.describe("center_readers_before_fold"),
-                _processed(lambda h: MatMul(DiagMatrix(w), C, W_V[h]), one_head_bias, ONE_HEAD),
-                MatMul(_original(ONE_HEAD), C),
-            ),
-            Twin(
-                "fold_gain_twice",
-                PROCESS_WEIGHTS.describe("fold_gain_twice"),
-                _processed(lambda h: MatMul(C, DiagMatrix(w), DiagMatrix(w), W_V[h]), one_head_bias, ONE_HEAD),
-                MatMul(_original(ONE_HEAD), C),
-            ),
-            Twin(
-                "value_biases_before_ln_fold",
-                PROCESS_WEIGHTS.describe("value_biases_before_ln_fold"),
-                _processed(lambda h: W_V_new[h], MatMul(MatAdd(b_O, MatMul(b_V[1], W_O[1])), C), ONE_HEAD),
-                MatMul(_original(ONE_HEAD), C),
-            ),
-            Twin(
-                "ln_bias_through_processed_reader",
-                "fold the LayerNorm bias through the processed reader, b C diag(w) W_V, instead of b W_V",
-                _processed(
-                    lambda h: W_V_new[h],
-                    MatMul(MatAdd(b_O, MatMul(MatAdd(b_V[1], MatMul(b, W_V_new[1])), W_O[1])), C),
-                    ONE_HEAD,
-                ),
-                MatMul(_original(ONE_HEAD), C),
-            ),
-            Twin(
-                "center_readers_behind_rms_norm",
-                PROCESS_WEIGHTS.describe("center_readers_behind_rms_norm"),
-                _layer(lambda h: MatMul(M, C, DiagMatrix(w), W_V[h], W_O[h]), b_O, ONE_HEAD),
-                _layer(lambda h: MatMul(M, DiagMatrix(w), W_V[h], W_O[h]), b_O, ONE_HEAD),
-            ),
-        ),
+        twins=_pipeline_twins(),
     )
 
 

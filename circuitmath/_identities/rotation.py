@@ -524,6 +524,7 @@ RMS_NORM_ROTATION = register(
                 _norm_not_transposed, "undo the rotation with Q instead of Q^T: RMSPre(x Q) Q != RMSPre(x)"),
         },
         compare=_norm_compare,
+        free_parameter=True,
     )
 )
 
@@ -544,6 +545,7 @@ LAYER_NORM_ROTATION = register(
         },
         prepare=_to_lnpre,
         half_precision=COMPUTES,
+        free_parameter=True,
     )
 )
 
@@ -576,6 +578,7 @@ ROTATION_INVARIANCE = register(
         },
         prepare=to_rms_pre,
         half_precision=COMPUTES,
+        free_parameter=True,
     )
 )
 
@@ -599,5 +602,6 @@ SLICEGPT_ROUTE = register(
             ),
         },
         half_precision=COMPOSES,
+        free_parameter=True,
     )
 )
