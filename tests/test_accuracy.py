@@ -109,6 +109,7 @@ _HALF_MODELS["RMSPre"] = _HALF_MODELS["RMS"].replace(normalization_type="RMSPre"
 _HALF_MODELS["LNPre"] = _HALF_MODELS["LN"].replace(normalization_type="LNPre")
 _HALF_MODELS["eps 0"] = _HALF_MODELS["LN"].replace(eps=0.0)
 _HALF_MODELS["logit scale"] = _HALF_MODELS["RMS"].replace(logit_scale=0.0625 * 1.1)
+_HALF_MODELS["experts"] = _HALF_MODELS["RMS"].replace(n_experts=4, experts_per_token=2)
 
 
 def _half_precision(identity, dtype):
