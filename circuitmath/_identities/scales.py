@@ -22,7 +22,7 @@ from .._proof import Fact, Proof, Step, Twin
 from .._registry import AS_THE_FORWARD_PASS, COMPUTES, Identity, WrongRewrite, register
 
 #: The book chapter whose sections state, prove and check this family's identities.
-CHAPTER = "architectures"
+CHAPTER = "norms"
 
 d, V = Symbol("d", positive=True, integer=True), Symbol("V", positive=True, integer=True)
 s = Symbol("s", real=True)
