@@ -538,14 +538,11 @@ LAYER_NORM_ROTATION = register(
         build_proof=_layer_norm_rotation_proof,
         transform=_layer_norm_rotation,
         wrong_rewrites={
-            "generic_rotation": WrongRewrite(
-                _layer_norm_generic_rotation,
-                "rotate an LNPre model by an orthogonal R that moves 1: centering does not commute with R",
-            ),
+            "generic_rotation": WrongRewrite(_layer_norm_generic_rotation, "rotate an LNPre model by an orthogonal"
+                                             " R that moves 1: centering does not commute with R"),
         },
         prepare=_to_lnpre,
-        half_precision=COMPUTES,
-        free_parameter=True,
+        half_precision=COMPUTES, free_parameter=True,
     )
 )
 
@@ -577,8 +574,7 @@ ROTATION_INVARIANCE = register(
                 " only for LayerNorm readers, which center what they read", differs_on=lambda cfg: cfg.normalization_type != "LNPre"),
         },
         prepare=to_rms_pre,
-        half_precision=COMPUTES,
-        free_parameter=True,
+        half_precision=COMPUTES, free_parameter=True,
     )
 )
 
@@ -592,16 +588,11 @@ SLICEGPT_ROUTE = register(
         build_proof=_slicegpt_proof,
         transform=slicegpt_route,
         wrong_rewrites={
-            "skip_centering": WrongRewrite(
-                _route_skipping_centering,
-                "fold and rotate without centering the writes: RMSPre then sees |x Q| = |x|, not |x C|",
-            ),
+            "skip_centering": WrongRewrite(_route_skipping_centering, "fold and rotate without centering the writes:"
+                                           " RMSPre then sees |x Q| = |x|, not |x C|"),
             "keep_layer_norm": WrongRewrite(
-                _route_keeping_layer_norm,
-                "rotate the centered model but keep LNPre instead of switching to RMSPre",
-            ),
+                _route_keeping_layer_norm, "rotate the centered model but keep LNPre instead of switching to RMSPre"),
         },
-        half_precision=COMPOSES,
-        free_parameter=True,
+        half_precision=COMPOSES, free_parameter=True,
     )
 )
