@@ -260,3 +260,24 @@ def test_a_diagnosis_s_findings_are_values_a_caller_cannot_change():
     assert {finding: 1}[finding] == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         finding.kind = "model"
+
+
+def test_a_record_naming_no_registered_identity_is_said_and_the_replay_inferred():
+    import dataclasses
+
+    cfg = cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
+    sd = cm.random_state_dict(cfg, seed=0)
+    folded, folded_cfg = cm.fold_layer_norm(sd, cfg)
+    own = dataclasses.replace(folded_cfg, applied=folded_cfg.applied + ("my_own_step",))
+    found = cm.testing.diagnose(sd, folded, cfg, after_cfg=own)
+    assert found.ok and found.replayed == ("fold_layer_norm",), str(found)
+    assert any("['my_own_step'], which are no registered identities" in note for note in found.notes), found.notes
+    # control: a record of registered identities is replayed as recorded, and said so
+    assert any("replaying the identities recorded" in note
+               for note in cm.testing.diagnose(sd, folded, cfg, after_cfg=folded_cfg).notes)
+
+
+def test_a_missing_file_is_bad_input_naming_it(tmp_path):
+    missing = tmp_path / "model.safetensors"
+    with pytest.raises(StateDictError, match=f"{missing}: no such file or folder"):
+        cm.testing.check_model(missing)
