@@ -129,6 +129,9 @@ _CIRCUIT_CONFIGS = {
     "ReLU MLP": cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16, act_fn="relu"),
     "scaled embeddings and logits": cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5,
                                               d_mlp=16, embedding_scale=8**0.5, logit_scale=0.5),
+    "mixture of experts": cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=6,
+                                    act_fn="silu", normalization_type="RMS", gated_mlp=True, n_experts=4,
+                                    experts_per_token=2),
 }
 
 

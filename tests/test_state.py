@@ -63,7 +63,7 @@ def test_a_config_that_does_not_match_the_weights_is_refused():
 @pytest.mark.parametrize("changes, message", [
     (dict(d_model=0), "d_model must be an int >= 1"),
     (dict(normalization_type="BatchNorm"), "normalization_type must be one of"),
-    (dict(positional_embedding_type="alibi"), "positional_embedding_type"),
+    (dict(positional_embedding_type="sinusoidal"), "positional_embedding_type"),
     (dict(positional_embedding_type="rotary", d_head=3), "rotary_dim must be even"),
     (dict(norm_position="post", normalization_type=None), "post"),
     (dict(act_fn="swish"), "act_fn"),
