@@ -71,7 +71,7 @@ FAMILIES = {
     "checkers": ("circuitmath/testing.py", ["tests/test_checkers.py", "tests/test_mutants.py"]),
     "diagnosis and certificates": ("circuitmath/_diagnosis/*.py",
                                    ["tests/test_diagnosis.py", "tests/test_certificate.py", "tests/test_mutants.py"]),
-    "reference pass": ("circuitmath/_reference.py", ["tests/test_processing_pins.py"]),
+    "reference pass": ("circuitmath/_reference.py circuitmath/_moe.py", ["tests/test_processing_pins.py", "tests/test_moe.py"]),
     "state validation": ("circuitmath/_state.py", ["tests/test_state_validation.py", "tests/test_io.py"]),
     "streaming": ("circuitmath/_streaming*.py", ["tests/test_streaming.py"]),
     "stored layout": ("circuitmath/_stored.py", ["tests/test_streaming.py"]),
