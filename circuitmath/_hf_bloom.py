@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ._config import Config
-from ._hf_source import Layout, _int, _number, _option, _require, _Source
+from ._hf_source import _unembed, Layout, _int, _number, _option, _require, _Source
 from ._state import StateDict
 
 # No __all__: circuitmath.io lists the public names (one list), and the package imports the rest by name.
@@ -69,12 +69,9 @@ def _bloom_layout(config) -> Layout:
         return out
 
     def final(src: _Source) -> dict:
-        tied = "lm_head.weight" not in src
-        _require(not tied or _option(config, "tie_word_embeddings", True), arch, "no lm_head.weight and untied embeddings")
         return {
             "ln_final.w": src.take("ln_f.weight", d), "ln_final.b": src.take("ln_f.bias", d),
-            "unembed.W_U": src.take("word_embeddings.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
-            "unembed.b_U": src.zeros(cfg.d_vocab),
+            **_unembed(src, config, arch, cfg, "word_embeddings.weight", tied_by_default=True),
         }
 
     return Layout(cfg, ("transformer.",), None, embed, block, final)

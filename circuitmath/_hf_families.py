@@ -13,6 +13,7 @@ import torch
 from ._config import Config
 from ._errors import ConfigError
 from ._hf_source import (
+    _unembed,
     Layout,
     _activation,
     _dimensions,
@@ -253,12 +254,9 @@ def _llama_layout(config, arch: str = "LLaMA") -> Layout:
         return out | _llama_mlp(src, cfg, h, p, variant)
 
     def final(src: _Source) -> dict:
-        tied = "lm_head.weight" not in src
-        _require(not tied or _option(config, "tie_word_embeddings", False), arch, "no lm_head.weight and untied embeddings")
         return {
             "ln_final.w": src.take("norm.weight"),
-            "unembed.W_U": src.take("embed_tokens.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
-            "unembed.b_U": src.zeros(cfg.d_vocab),
+            **_unembed(src, config, arch, cfg, "embed_tokens.weight", tied_by_default=False),
         }
 
     return Layout(cfg, ("model.",), r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", embed, block, final)
@@ -310,12 +308,9 @@ def _gptj_layout(config) -> Layout:
         return out
 
     def final(src: _Source) -> dict:
-        tied = "lm_head.weight" not in src
-        _require(not tied or _option(config, "tie_word_embeddings", False), arch, "no lm_head.weight and untied embeddings")
         return {
             "ln_final.w": src.take("ln_f.weight", d), "ln_final.b": src.take("ln_f.bias", d),
-            "unembed.W_U": src.take("wte.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
-            "unembed.b_U": src.take("lm_head.bias", cfg.d_vocab) if "lm_head.bias" in src else src.zeros(cfg.d_vocab),
+            **_unembed(src, config, arch, cfg, "wte.weight", tied_by_default=False),
         }
 
     return Layout(cfg, ("transformer.",), r"h\.\d+\.attn\.(masked_)?bias", embed, block, final)
@@ -409,12 +404,9 @@ def _cohere_layout(config) -> Layout:
         return out | _llama_mlp(src, cfg, h, p, _Variant())
 
     def final(src: _Source) -> dict:
-        tied = "lm_head.weight" not in src
-        _require(not tied or _option(config, "tie_word_embeddings", True), arch, "no lm_head.weight and untied embeddings")
         return {
             "ln_final.w": src.take("norm.weight", d), "ln_final.b": src.zeros(d),
-            "unembed.W_U": src.take("embed_tokens.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
-            "unembed.b_U": src.zeros(cfg.d_vocab),
+            **_unembed(src, config, arch, cfg, "embed_tokens.weight", tied_by_default=True),
         }
 
     return Layout(cfg, ("model.",), r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", embed, block, final)
@@ -492,12 +484,9 @@ def _falcon_layout(config) -> Layout:
                                      (heads, d_head, d, m), bias)
 
     def final(src: _Source) -> dict:
-        tied = "lm_head.weight" not in src
-        _require(not tied or _option(config, "tie_word_embeddings", True), arch, "no lm_head.weight and untied embeddings")
         return {
             "ln_final.w": src.take("ln_f.weight", d), "ln_final.b": src.take("ln_f.bias", d),
-            "unembed.W_U": src.take("word_embeddings.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
-            "unembed.b_U": src.zeros(cfg.d_vocab),
+            **_unembed(src, config, arch, cfg, "word_embeddings.weight", tied_by_default=True),
         }
 
     return Layout(cfg, ("transformer.",), r"(h\.\d+\.self_attention\.)?rotary_emb\.inv_freq", embed, block, final)

@@ -19,7 +19,7 @@ import torch
 
 from ._config import Config
 from ._hf_families import _llama_attention, _llama_config, _Variant
-from ._hf_source import Layout, _int, _number, _option, _require, _Source
+from ._hf_source import _unembed, Layout, _int, _number, _option, _require, _Source
 from ._moe import expert_names
 from ._state import StateDict
 
@@ -171,12 +171,9 @@ def _moe_layout(config, arch: str) -> Layout:
         return out | _mixture(src, cfg, h, p, (module, linears))
 
     def final(src: _Source) -> dict:
-        tied = "lm_head.weight" not in src
-        _require(not tied or _option(config, "tie_word_embeddings", False), arch, "no lm_head.weight and untied embeddings")
         return {
             "ln_final.w": src.take("norm.weight", d),
-            "unembed.W_U": src.take("embed_tokens.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
-            "unembed.b_U": src.zeros(cfg.d_vocab),
+            **_unembed(src, config, arch, cfg, "embed_tokens.weight", tied_by_default=False),
         }
 
     return Layout(cfg, ("model.",), r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", embed, block, final)

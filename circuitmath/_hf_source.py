@@ -174,6 +174,19 @@ def _require(holds: bool, architecture: str, detail: str) -> None:
         raise UnsupportedArchitectureError(f"{architecture}: {detail}")
 
 
+def _unembed(src: "_Source", config, architecture: str, cfg, embedding: str, *, tied_by_default: bool) -> dict:
+    """``unembed.W_U`` (``[d_model, d_vocab]``) from ``lm_head.weight``, else the transposed token
+    embedding ``embedding`` where the config ties the two (``tie_word_embeddings``, whose default
+    the architecture sets: ``tied_by_default``); ``unembed.b_U`` from ``lm_head.bias`` where the
+    checkpoint has one, else zeros."""
+    tied = "lm_head.weight" not in src
+    _require(not tied or _option(config, "tie_word_embeddings", tied_by_default), architecture,
+             "no lm_head.weight and untied embeddings")
+    d, vocab = cfg.d_model, cfg.d_vocab
+    return {"unembed.W_U": src.take(embedding, vocab, d).T if tied else src.linear("lm_head.weight", vocab, d),
+            "unembed.b_U": src.take("lm_head.bias", vocab) if "lm_head.bias" in src else src.zeros(vocab)}
+
+
 def _heads_from_columns(weight: torch.Tensor, heads: int, d_head: int) -> torch.Tensor:
     """``[d_model, heads * d_head]`` (columns grouped by head) to ``[heads, d_model, d_head]``."""
     return weight.reshape(weight.shape[0], heads, d_head).permute(1, 0, 2)
