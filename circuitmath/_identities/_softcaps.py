@@ -92,7 +92,7 @@ def capped_rows_sum_to_one() -> Proof:
 d, V = Symbol("d", positive=True, integer=True), Symbol("V", positive=True, integer=True)
 y_hat, w, beta = MatrixSymbol(r"\hat{y}", 1, d), MatrixSymbol("w", d, 1), MatrixSymbol(r"\beta", 1, d)
 W_U, b_U = MatrixSymbol("W_U", d, V), MatrixSymbol("b_U", 1, V)
-W_U_f, b_U_f = MatrixSymbol(r"W_U^{f}", d, V), MatrixSymbol(r"b_U^{f}", 1, V)
+W_U_f, b_U_f = MatrixSymbol(r"{W_U^{f}}", d, V), MatrixSymbol(r"{b_U^{f}}", 1, V)
 
 
 def fold_before_the_logit_softcap() -> Proof:

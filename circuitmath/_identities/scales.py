@@ -31,7 +31,7 @@ EXPLICIT_DIMS = {d: 3, V: 4}
 # -- the embedding scale ---------------------------------------------------------------------
 
 t, p, y = MatrixSymbol("t", 1, V), MatrixSymbol("p", 1, d), MatrixSymbol("y", 1, d)
-W_E, W_E_s = MatrixSymbol("W_E", V, d), MatrixSymbol(r"W_E^{s}", V, d)
+W_E, W_E_s = MatrixSymbol("W_E", V, d), MatrixSymbol(r"{W_E^{s}}", V, d)
 
 
 def _embedding_proof() -> Proof:
@@ -129,7 +129,7 @@ EMBEDDING_UNROUNDED = _embedding_unrounded
 # -- the logit scale -------------------------------------------------------------------------
 
 W_U, b_U = MatrixSymbol("W_U", d, V), MatrixSymbol("b_U", 1, V)
-W_U_s, b_U_s = MatrixSymbol(r"W_U^{s}", d, V), MatrixSymbol(r"b_U^{s}", 1, V)
+W_U_s, b_U_s = MatrixSymbol(r"{W_U^{s}}", d, V), MatrixSymbol(r"{b_U^{s}}", 1, V)
 
 
 def _logit_proof() -> Proof:
