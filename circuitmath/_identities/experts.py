@@ -117,7 +117,7 @@ PERMUTE_EXPERTS = register(
                 forgetting(_permute, _experts), "move the router's columns, leave the experts in place"),
             "router_by_inverse": WrongRewrite(
                 _router_by_inverse,
-                "move the router's columns by P^T (a 3-cycle is not its own inverse)",
+                "move the router's columns by P^T (a cycle of three is not its own inverse)",
                 differs_on=lambda cfg: (cfg.n_experts or 0) >= 3,
             ),
         },

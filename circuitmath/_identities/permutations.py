@@ -149,7 +149,7 @@ def _neurons_proof() -> Proof:
             Twin("gate_not_permuted", "gated MLP: permute W_in but not W_gate", _neurons_claim(gate=False), rhs),
             Twin("out_not_permuted", PERMUTE_NEURONS.describe("out_not_permuted"),
                  _neurons_claim(out=None), rhs),
-            Twin("out_by_P", "permute W_out's rows by P instead of P^T (a 3-cycle is not its own inverse)",
+            Twin("out_by_P", "permute W_out's rows by P instead of P^T (a cycle of three is not its own inverse)",
                  _neurons_claim(out=Pm), rhs),
         ),
     )
