@@ -363,7 +363,9 @@ class _Replay:
             if self.same(name, merged.get(name), state.get(name)):
                 continue
             for other in candidates:
-                if other is not primary and set(other.state) == set(merged) and self.same(name, other.state.get(name), state.get(name)):
+                if other is not primary and set(other.state) == set(merged) and self.same(
+                        name, other.state.get(name), state.get(name)) and self._may_name(
+                        other, state, [name], lambda: self._refuted(other, state, primary.state)):
                     merged[name], origin[name] = other.state[name], other
                     break
         stage = _Stage(identity.name, marked_as(primary.state, merged), primary.cfg, touched,
@@ -393,6 +395,23 @@ class _Replay:
             candidate = origin.get(name, primary)
             if candidate.rewrite != "exact":
                 self._name(stage, candidate, [name])
+
+    @staticmethod
+    def _may_name(candidate: _Candidate, state: Mapping, names: Iterable[str], refuted) -> bool:
+        """Whether the wrong rewrite ``candidate`` may be named for ``after``'s tensors ``names``:
+        where it changes one of them (from ``state``), or where none of the tensors it changes is
+        among ``refuted()`` (those ``after`` does not bear out). A tensor it leaves as it was shows
+        no mistake: when its mistake is refuted, such tensors explain nothing (``W_U`` centered over
+        the vocabulary with ``b_U`` kept, an exact processing, is no ``W_U`` centered over
+        ``d_model``, which keeps ``b_U`` too); a forgotten fold is named by the tensors it forgot."""
+        changes = [n for n in names if not _equal(candidate.state.get(n), state.get(n))]
+        return bool(changes) or all(_equal(candidate.state.get(n), state.get(n)) for n in refuted())
+
+    def _refuted(self, candidate: _Candidate, state: Mapping, agreed: Mapping) -> list[str]:
+        """The tensors ``candidate`` rewrites from ``state`` that neither are ``agreed``'s nor
+        reproduce ``after``."""
+        return [n for n in self.touched(state, candidate.state)
+                if not _equal(candidate.state.get(n), agreed.get(n)) and not self.same(n, candidate.state.get(n), state.get(n))]
 
     @staticmethod
     def _name(stage: _Stage, candidate: _Candidate, names: list[str]) -> None:
@@ -526,7 +545,8 @@ class _Replay:
                                dict(stage.rewrites), dict(stage.descriptions), stage.recognised)
                 later, final, final_cfg = self.run(trial.state, trial.cfg, rest, search=False)
                 trial_residual = self.residual(final, before)
-                if len(trial_residual) < len(residual):
+                dropped = [n for n in candidate.state if n not in changed and not _equal(candidate.state[n], base[n])]
+                if len(trial_residual) < len(residual) and self._may_name(candidate, state, changed, lambda: dropped):
                     self._record(trial, dict.fromkeys(changed, candidate), candidate, state, changed)
                     return stages[:i] + [trial] + later, final, final_cfg, trial_residual
                 # the wrong rewrite may be right for only some tensors: keep it only where it does not hurt
@@ -557,6 +577,11 @@ def _small_model(state: Mapping[str, torch.Tensor], cfg: Config, tokens: int = 1
            "unembed.b_U": lambda t: t[:tokens]}
     return marked_as(state, {name: cut.get(name, lambda t: t)(tensor) for name, tensor in state.items()
                              if not name.startswith("blocks.") or name.startswith("blocks.0.")}, small_cfg), small_cfg
+
+
+def _equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether two tensors (``None``: absent) hold the same values."""
+    return a is b or a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
 
 
 def _given(function, parameter):
