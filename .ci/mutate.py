@@ -25,18 +25,20 @@ module at a time in turn, so a run stopped early has seen every module.
 
 Its tests are those that can see it: first the suite (the book's build aside) runs once under
 coverage, each test file in a process of its own (so no other file's caches or fixtures hide the
-lines it needs) with the processes its tests start, and records which file runs which line
-(:func:`coverage_map`, cached by the hash of the code). A mutant is then run against every test
-file that runs one of its lines, the files listed for its module first; against all the listed
-files where a line of it runs while modules are imported; and it survives unrun where no test
-runs it. ``--listed-tests`` runs every mutant against the listed files instead, and
-``--confirm`` runs each survivor again against them.
+lines it needs) with the processes its tests start, and records which test (node id) runs which
+line, a shared fixture's lines counting for every test that uses it (:func:`coverage_map`,
+cached per test file by the hash of the code). A mutant is then run against the tests that run
+one of its lines, by node id in collection order, those of the files listed for its module first,
+with ``-x``; against all the listed files where a line of it runs while modules are imported; and
+it survives unrun where no test runs it. ``--by-file`` runs the whole files of those tests
+instead, ``--listed-tests`` every mutant against the listed files, and ``--confirm`` each survivor
+again against the listed files.
 
 Mutants that cannot change behaviour are listed, with the reason, in ``.ci/equivalent_mutants.txt``
 and left out of the rate; a mutant is named by its function, not its line (``path::function::kind::k``,
-the k-th change of that kind in the function), so edits elsewhere keep the list valid. No tool from PyPI fits offline here (mutmut and cosmic-ray are not in
-the local package lists), hence this small one: it needs only the standard library and the
-project's own test environment.
+the k-th change of that kind in the function), so edits elsewhere keep the list valid. The tool
+needs only the standard library and the project's own test environment (``coverage`` is in its
+``test`` extra).
 """
 
 from __future__ import annotations
@@ -346,14 +348,27 @@ def _pytest(where: Path, tests: list[str], timeout: float) -> tuple[str, float]:
     return ("passed" if done.returncode == 0 else "failed"), time.perf_counter() - start
 
 
-#: ``path -> line -> the test files that ran it`` ("" for a line run while modules are imported).
+#: ``path -> line -> the tests that ran it``: node ids, or ``""`` for a line run while modules are imported.
 LineMap = dict[str, dict[int, set[str]]]
+#: ``test file -> its node ids, in the order pytest collects them``.
+TestOrder = dict[str, list[str]]
 
 
-def _lines_of(test: str, where: Path, paths: list[str]) -> LineMap:
+def _tests_of_context(context: str, collected: list[list]) -> set[str]:
+    """The node ids a coverage context of :mod:`covermap_plugin` stands for: the test it names,
+    every test that uses the shared fixture it names (``fixture:NAME``: its lines ran once, for the
+    first of them, and serve all), or ``""`` (module import)."""
+    if not context or not context.startswith("fixture:"):
+        return {context}
+    name = context.removeprefix("fixture:")
+    users = {node for node, fixtures in collected if name in fixtures}
+    return users or {node for node, _ in collected}
+
+
+def _lines_of(test: str, where: Path, paths: list[str]) -> tuple[LineMap, list[str]]:
     """Runs one test file in its own process under coverage of ``paths`` (:mod:`covermap_plugin`),
-    the processes its tests start included: the lines each test file runs, with the caches and
-    fixtures of no other file warm."""
+    the processes its tests start included: the lines each of its tests runs, with the caches and
+    fixtures of no other file warm, and its node ids in collection order."""
     import coverage
 
     data = where / f".covermap-{Path(test).stem}"
@@ -361,6 +376,9 @@ def _lines_of(test: str, where: Path, paths: list[str]) -> LineMap:
                CM_COVERMAP_INCLUDE=",".join(str(where / p) for p in paths))
     subprocess.run([sys.executable, "-m", "pytest", "-p", "covermap_plugin", *PYTEST, test],
                    cwd=where, env=env, capture_output=True)
+    listing = Path(f"{data}.tests.json")
+    collected = json.loads(listing.read_text()) if listing.exists() else []
+    listing.unlink(missing_ok=True)
     out: LineMap = {}
     for data_file in [data, *where.glob(f"{data.name}.process*")]:
         stored = coverage.CoverageData(basename=str(data_file))
@@ -368,53 +386,80 @@ def _lines_of(test: str, where: Path, paths: list[str]) -> LineMap:
         for measured in stored.measured_files():
             by_line = out.setdefault(str(Path(measured).relative_to(where)), {})
             for line, contexts in stored.contexts_by_lineno(measured).items():
-                by_line.setdefault(line, set()).update("" if not c else test for c in contexts)
+                for context in contexts:
+                    by_line.setdefault(line, set()).update(_tests_of_context(context, collected))
         data_file.unlink(missing_ok=True)
-    return out
+    return out, [node for node, _ in collected]
 
 
-def coverage_map(tests: list[str], paths: list[str], dirs: list[Path]) -> LineMap:
-    """Which test file runs which line of ``paths``: each of ``tests`` run once under coverage,
-    spread over ``dirs`` (private copies of the repository); cached in ``.cache/`` by the hash of
-    the code, the tests and the lists."""
-    digest = hashlib.sha256("\n".join(sorted(tests) + sorted(paths)).encode())
-    for file in sorted(ROOT.glob("circuitmath/**/*.py")) + sorted(ROOT.glob("tests/**/*.py")):
-        digest.update(file.read_bytes())
-    cache = ROOT / ".cache" / f"mutate-lines-{digest.hexdigest()[:16]}.json"
-    if cache.exists():
-        return {p: {int(k): set(v) for k, v in lines.items()} for p, lines in json.loads(cache.read_text()).items()}
-    start, out, free = time.perf_counter(), {}, list(dirs)
+def _map_cache(paths: list[str]) -> Path:
+    """The folder of the coverage map's cache: named by the hash of the code, the test helpers
+    (every file under ``tests/`` but the test files), the plugin and ``paths``; each test file's
+    part is stored in it under the hash of that file."""
+    digest = hashlib.sha256("\n".join(sorted(paths)).encode())
+    helpers = [f for f in sorted(ROOT.glob("tests/**/*.py")) if not f.name.startswith("test_")]
+    for file in sorted(ROOT.glob("circuitmath/**/*.py")) + helpers + sorted(COVERMAP.glob("*.py")):
+        digest.update(str(file.relative_to(ROOT)).encode() + file.read_bytes())
+    return ROOT / ".cache" / f"mutate-lines-{digest.hexdigest()[:16]}"
 
-    def run(test: str) -> LineMap:
+
+def coverage_map(tests: list[str], paths: list[str], dirs: list[Path]) -> tuple[LineMap, TestOrder]:
+    """Which test runs which line of ``paths``, and each test file's node ids in order: each of
+    ``tests`` run once under coverage, spread over ``dirs`` (private copies of the repository);
+    cached in ``.cache/`` by the hash of the code, per test file (:func:`_map_cache`)."""
+    cache = _map_cache(paths)
+    start, out, order, free = time.perf_counter(), {}, {}, list(dirs)
+
+    def run(test: str) -> tuple[dict, list[str]]:
+        stored = cache / f"{Path(test).stem}-{hashlib.sha256((ROOT / test).read_bytes()).hexdigest()[:16]}.json"
+        if stored.exists():
+            part = json.loads(stored.read_text())
+            return {p: {int(k): set(v) for k, v in lines.items()} for p, lines in part["lines"].items()}, part["tests"]
         where = free.pop()
         try:
-            return _lines_of(test, where, paths)
+            lines, nodes = _lines_of(test, where, paths)
         finally:
             free.append(where)
+        cache.mkdir(parents=True, exist_ok=True)
+        stored.write_text(json.dumps({"lines": {p: {k: sorted(v) for k, v in by.items()} for p, by in lines.items()},
+                                      "tests": nodes}))
+        return lines, nodes
 
     with concurrent.futures.ThreadPoolExecutor(len(dirs)) as pool:
-        for lines in pool.map(run, tests):
+        for test, (lines, nodes) in zip(tests, pool.map(run, tests)):
+            order[test] = nodes
             for path, by_line in lines.items():
-                for line, files in by_line.items():
-                    out.setdefault(path, {}).setdefault(line, set()).update(files)
+                for line, ran in by_line.items():
+                    out.setdefault(path, {}).setdefault(line, set()).update(ran)
     print(f"coverage of {len(tests)} test files: {time.perf_counter() - start:.0f} s", flush=True)
-    cache.parent.mkdir(exist_ok=True)
-    cache.write_text(json.dumps({p: {k: sorted(v) for k, v in lines.items()} for p, lines in out.items()}))
-    return out
+    return out, order
 
 
-def selected(mutant: Mutant, listed: list[str], lines: LineMap) -> list[str] | None:
-    """The test files run against ``mutant``: every file whose tests ran one of its lines, those
-    ``listed`` for its module first; all of ``listed`` where a line of it runs while modules are
-    imported (its effect reaches any test); ``None`` where no test runs it (it survives)."""
+def selected(mutant: Mutant, listed: list[str], lines: LineMap, order: TestOrder, *, by_file: bool = False) -> list[str] | None:
+    """The tests run against ``mutant`` (pytest arguments): every test that ran one of its lines,
+    by node id, in collection order, those of the files ``listed`` for its module first (a file
+    whose every test ran one is named whole; ``by_file``: every such file whole); all of
+    ``listed`` where a line of it runs while modules are imported (its effect reaches any test);
+    ``None`` where no test runs it (it survives)."""
     by_line = lines.get(mutant.path, {})
     hits = set().union(*(by_line.get(n, set()) for n in range(mutant.line, max(mutant.end_line, mutant.line) + 1)))
     if "" in hits:
         return listed
     if not hits:
         return None
-    order = {test: i for i, test in enumerate(listed)}
-    return sorted(hits, key=lambda test: (order.get(test, len(order)), test))
+    files: dict[str, set[str]] = {}
+    for node in hits:
+        files.setdefault(node.split("::")[0], set()).add(node)
+    rank = {test: i for i, test in enumerate(listed)}
+    out = []
+    for file in sorted(files, key=lambda test: (rank.get(test, len(rank)), test)):
+        nodes = order.get(file, [])
+        if by_file or file in files[file] or set(nodes) <= files[file]:
+            out.append(file)
+        else:
+            position = {node: i for i, node in enumerate(nodes)}
+            out += sorted(files[file], key=lambda node: (position.get(node, len(position)), node))
+    return out
 
 
 def _worker_dirs(jobs: int, base: Path) -> list[Path]:
@@ -438,6 +483,8 @@ def _arguments(argv) -> argparse.Namespace:
     parser.add_argument("--rerun", default=None, help="run only the survivors listed in this earlier output")
     parser.add_argument("--listed-tests", action="store_true",
                         help="run every mutant against all the tests listed for its module, not only those that run its lines")
+    parser.add_argument("--by-file", action="store_true",
+                        help="run every test of each file whose tests run a mutant's lines, not only those tests")
     parser.add_argument("--confirm", action="store_true",
                         help="run each survivor again against all the tests listed for its module")
     return parser.parse_args(argv)
@@ -480,13 +527,14 @@ def _run(todo: list[Mutant], tests_of, dirs: list[Path], timeout: float) -> dict
         finally:
             shutil.copy(ROOT / mutant.path, where / mutant.path)
             free.append(where)
-        return mutant, outcome, f"{len(tests)} test files", seconds
+        whole = sum("::" not in test for test in tests)
+        return mutant, outcome, f"{len(tests) - whole:3d} tests {whole:2d} files", seconds
 
     with concurrent.futures.ThreadPoolExecutor(len(dirs)) as pool:
         for mutant, outcome, ran, seconds in pool.map(run, todo):
             results[mutant.id] = outcome
             mark = {"passed": "survived", "failed": "killed", "timeout": "undecided"}[outcome]
-            print(f"{mark:18s} {seconds:6.1f} s  {ran:16s} line {mutant.line:4d}  {mutant.id}", flush=True)
+            print(f"{mark:18s} {seconds:6.1f} s  {ran:18s} line {mutant.line:4d}  {mutant.id}", flush=True)
     return results
 
 
@@ -529,8 +577,8 @@ def main(argv=None) -> int:
             tests_of = lambda m: covered[m.path]  # noqa: E731
         else:
             suite = sorted(str(t.relative_to(ROOT)) for t in (ROOT / "tests").glob("test_*.py"))
-            lines = coverage_map([t for t in suite if t not in SLOW_TESTS], sorted(covered), dirs)
-            tests_of = lambda m: selected(m, covered[m.path], lines)  # noqa: E731
+            lines, order = coverage_map([t for t in suite if t not in SLOW_TESTS], sorted(covered), dirs)
+            tests_of = lambda m: selected(m, covered[m.path], lines, order, by_file=args.by_file)  # noqa: E731
         results = _run(todo, tests_of, dirs, args.timeout)
         if args.confirm:
             again = [m for m in todo if results[m.id] == "passed"]

@@ -1,6 +1,6 @@
 """Started by every Python process of a ``.ci/mutate.py`` coverage run (this folder is on
-``PYTHONPATH`` there): a process a test starts records the lines it runs under that test's node
-id (``CM_COVERMAP_CONTEXT``), in a data file of its own beside the run's."""
+``PYTHONPATH`` there): a process a test (or a shared fixture) starts records the lines it runs
+under the context that started it (``CM_COVERMAP_CONTEXT``), in a data file of its own beside the run's."""
 
 import os
 
