@@ -260,7 +260,7 @@ def in_dtype(state_dict: StateDict, dtype: torch.dtype) -> StateDict:
     if not isinstance(state_dict, Validated):
         return copy
     if torch.finfo(dtype).max >= torch.finfo(state_dict.dtype).max:
-        return vouched(copy, state_dict.cfg, dtype, entries=state_dict.entries)
+        return vouched(copy, state_dict.cfg, dtype, entries=state_dict.entries, writers=state_dict.writers)
     return validated(copy, state_dict.cfg)
 
 

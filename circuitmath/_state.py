@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -61,13 +61,21 @@ class Validated(dict):
     functions return plain dicts (a copy or a pickle of it is one).
 
     ``entries=False``: the caller checks the entries itself (the processing pipeline checks what
-    goes in and what comes out, not every step's input)."""
+    goes in and what comes out, not every step's input).
 
-    __slots__ = ("cfg", "dtype", "entries", "_intact")
+    ``writers``: for a part of a model cut into parts, what the whole model's writers are, given
+    by the caller that cut it (``circuitmath._streaming_check_model``): a function from the
+    part's :func:`~circuitmath._processing.norms.writer_means` and
+    :func:`~circuitmath._processing.norms.writer_scale` to those that
+    :func:`~circuitmath._processing.norms.uncentered_writers` decides on (``None``: the state
+    dict's own). A transform's output, and a copy in another dtype, carry their input's."""
 
-    def __init__(self, tensors: Mapping, cfg: Config, dtype: torch.dtype, *, entries: bool = True):
+    __slots__ = ("cfg", "dtype", "entries", "writers", "_intact")
+
+    def __init__(self, tensors: Mapping, cfg: Config, dtype: torch.dtype, *, entries: bool = True,
+                 writers: Callable[[dict, float], tuple[dict, float]] | None = None):
         super().__init__(tensors)
-        self.cfg, self.dtype, self.entries, self._intact = cfg, dtype, entries, True
+        self.cfg, self.dtype, self.entries, self.writers, self._intact = cfg, dtype, entries, writers, True
 
     def holds_for(self, cfg: Config) -> bool:
         """Whether this has not been changed since it was validated against a config that implies
@@ -131,14 +139,16 @@ def validated(state_dict: StateDict, cfg: Config, *, entries: bool = True) -> Va
     return Validated(state_dict, cfg, _validate(state_dict, cfg, entries=entries), entries=entries)
 
 
-def vouched(tensors: Mapping, cfg: Config, dtype: torch.dtype | None = None, *, entries: bool = True) -> Validated:
+def vouched(tensors: Mapping, cfg: Config, dtype: torch.dtype | None = None, *, entries: bool = True,
+            writers: Callable[[dict, float], tuple[dict, float]] | None = None) -> Validated:
     """``tensors`` as a :class:`Validated` for ``cfg``, unread: for internal code that made them
     from validated tensors in a way that keeps names, shapes, dtype and device right for ``cfg``
     (a transform's output, the dict of another validated one's tensors). ``dtype`` defaults to
-    the first tensor's; ``entries``: whether the entries are known finite."""
+    the first tensor's; ``entries``: whether the entries are known finite; ``writers``: as
+    :class:`Validated`'s."""
     if dtype is None:
         dtype = next(iter(tensors.values())).dtype if tensors else torch.get_default_dtype()
-    return Validated(tensors, cfg, dtype, entries=entries)
+    return Validated(tensors, cfg, dtype, entries=entries, writers=writers)
 
 
 def marked_as(source: Mapping, tensors: Mapping, cfg: Config | None = None) -> dict:
@@ -146,7 +156,8 @@ def marked_as(source: Mapping, tensors: Mapping, cfg: Config | None = None) -> d
     of the same dtype, with the names and shapes ``cfg`` (default: ``source``'s) implies: a
     :class:`Validated` (of ``source``'s dtype) when ``source`` is one that holds, else a plain dict."""
     if isinstance(source, Validated) and source._intact:
-        return Validated(tensors, source.cfg if cfg is None else cfg, source.dtype, entries=source.entries)
+        return Validated(tensors, source.cfg if cfg is None else cfg, source.dtype, entries=source.entries,
+                         writers=source.writers)
     return dict(tensors)
 
 

@@ -29,7 +29,7 @@ mean against the largest entry of any writer of the whole model
 (:func:`~circuitmath._processing.norms.writer_scale`), and its refusal counts the uncentered
 writers of the whole model and names the worst: for the identities that reach it, a first pass
 over the parts records every writer's mean and that largest entry, and the main pass gives them
-to every part (:func:`~circuitmath._processing.norms.writers_given`), so each part decides, and
+to every part (the part's :attr:`~circuitmath._state.Validated.writers`), so each part decides, and
 the first refuses, as the whole model does in memory. And a step that ``process_weights`` is
 asked to apply where it can applies to the whole model only where it applies to every part:
 when a block applies other steps than the ends, the steps one of them leaves out are left out of
@@ -53,10 +53,9 @@ from ._diagnosis._logprobs import compared, sensitivity_window
 from ._diagnosis._tensors import _Thresholds
 from ._errors import PreconditionError
 from ._processing._parts import Parts
-from ._processing.norms import writers_given
 from ._processing.steps import steps_between
 from ._reference import check_tokens
-from ._state import validate_state_dict
+from ._state import validate_state_dict, vouched
 from ._processing._memory import in_memory
 from ._streaming_parts import opened
 from ._streaming_forward import ForwardPass
@@ -159,8 +158,11 @@ class _Run:
         got = []
 
         def transform(state_dict, cfg):
+            # the part (validated before its first use) decides on the whole model's writers
             self.writers.start(layer)
-            state64 = in_float64(state_dict) if self.exact is not None else None
+            state64 = None if self.exact is None else vouched(
+                in_float64(state_dict), cfg, torch.float64, writers=self.writers64)
+            state_dict = vouched(state_dict, cfg, writers=self.writers)
             prepared, prepared_cfg = self.identity.prepared(state_dict, cfg)
             after_prepare = self.writers.calls
             processed, processed_cfg = self.applied_as_whole().transform(prepared, prepared_cfg)
@@ -168,8 +170,7 @@ class _Run:
             if state64 is not None:
                 # float64 decides on the whole model's writers in float64 (recorded as the model's are)
                 self.writers64.start(layer)
-                with writers_given(self.writers64):
-                    chain = float64_chain(self.applied_as_whole(), state64, cfg)
+                chain = float64_chain(self.applied_as_whole(), state64, cfg)
                 if not self.writers.recording or not self.writers.largest:  # not the recording pass
                     if chain is None:
                         self.exact = None  # refused in float64: the identity is checked in the model's dtype alone
@@ -180,8 +181,7 @@ class _Run:
                         self.identity, prepared, prepared_cfg, processed, chain, self.thresholds, _own(layer))
             return {}, processed_cfg
 
-        with writers_given(self.writers):
-            parts.run(layer, transform)
+        parts.run(layer, transform)
         return tuple(got)
 
     def applied_as_whole(self):

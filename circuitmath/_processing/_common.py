@@ -162,7 +162,7 @@ def rewrite(transform: Callable | None = None, *, composes: bool = False, record
             if check_output and entries_known_finite(state_dict):
                 _refuse_overflow(identity, state_dict, out)
             if isinstance(state_dict, Validated) and state_dict.holds_for(cfg):
-                out = vouched(out, out_cfg, state_dict.dtype, entries=state_dict.entries)
+                out = vouched(out, out_cfg, state_dict.dtype, entries=state_dict.entries, writers=state_dict.writers)
             out, out_cfg = _reestablished(identity, cfg, out, out_cfg)
         return out, out_cfg
 

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 
 from .._config import Config
 from .._errors import InputError, Precondition
-from .._state import StateDict, validate_state_dict
+from .._state import StateDict, Validated, validate_state_dict
 from ._common import NO_POST_NORMS, readers, require, rewrite
 from .centering import center_writing_weights, require_pre_norm, writers
 from .layer_norm import fold_layer_norm, reader_preconditions
 
 __all__ = ["fold_rms_norm", "layer_norm_to_rms_norm", "rescale_residual_stream", "uncentered_writers", "writer_means",
-           "writer_scale", "writers_given", "IS_RMS",
+           "writer_scale", "IS_RMS",
            "IS_LNPRE", "WRITES_CENTERED", "SCALE_POSITIVE", "BEHIND_A_NORM", "EPS_ZERO"]
 
 IS_RMS = Precondition("normalization_type is RMS")
@@ -88,9 +85,13 @@ def uncentered_writers(state_dict: StateDict, cfg: Config) -> dict[str, float]:
     writer: what centering leaves from rounding, measured against the scale of the residual
     stream (a small bias with a large common offset keeps a rounding error of the offset's size,
     so its own size is no yardstick).
+
+    A part of a model cut into parts (a :class:`~circuitmath._state.Validated` with ``writers``,
+    made by ``circuitmath._streaming_check_model``) is decided on ``writers(means, M)``: the whole
+    model's writers, named as in the whole model, as the whole model is decided in memory.
     """
     means, scale = writer_means(state_dict, cfg), writer_scale(state_dict, cfg)
-    given = _GIVEN.get()
+    given = state_dict.writers if isinstance(state_dict, Validated) else None
     means, scale = (means, scale) if given is None else given(means, scale)
     return {name: mean for name, (mean, eps) in means.items() if mean > cfg.d_model * eps * scale}
 
@@ -106,26 +107,6 @@ def writer_scale(state_dict: StateDict, cfg: Config) -> float:
     """``M`` of :func:`uncentered_writers`: the largest ``|entry|`` of any writer of ``state_dict``.
     A model cut into parts has as ``M`` the largest of its parts' (a part's stand-ins are zeros)."""
     return max(float(state_dict[name].double().abs().max()) for name in writers(cfg))
-
-
-#: Within :func:`writers_given`: maps the :func:`writer_means` and :func:`writer_scale` of the
-#: state at hand to those that :func:`uncentered_writers` decides on.
-_GIVEN: ContextVar[Callable[[dict, float], tuple[dict, float]] | None] = ContextVar("circuitmath_writers",
-                                                                                    default=None)
-
-
-@contextmanager
-def writers_given(given: Callable[[dict, float], tuple[dict, float]]):
-    """Within this block :func:`uncentered_writers` (so :func:`layer_norm_to_rms_norm`) decides on
-    ``given(means, M)`` instead of the state's own :func:`writer_means` and ``M``
-    (:func:`writer_scale`). For a caller that transforms a model a part at a time
-    (``circuitmath._streaming_check_model``): each part is then judged on the whole model's writers,
-    named as in the whole model, as the whole model is in memory."""
-    token = _GIVEN.set(given)
-    try:
-        yield
-    finally:
-        _GIVEN.reset(token)
 
 
 @rewrite
