@@ -33,7 +33,7 @@ import torch
 from ._config import Config
 from ._errors import ConfigError, InputError, StateDictError
 from ._state import check_config_fits, expected_shapes, validated
-from ._files import CONFIG_KEY, PICKLE_SUFFIXES, UnsafeFormatError, _about, read_config, read_header, read_json
+from ._files import CONFIG_KEY, PICKLE_SUFFIXES, UnsafeFormatError, naming_file, read_config, read_header, read_json
 from ._hf import Layout, _Source, hf_layout
 from ._processing._memory import in_memory, new_tensor
 from ._stored import LAYOUT_KEY, processed_layout, viewers
@@ -198,7 +198,7 @@ class Checkpoint:
     hf_config: dict | None = None
 
     def __post_init__(self):
-        with _about(self.path):
+        with naming_file(self.path):
             self.source = self.layout.source(self.tensors)
             placeheld = self.layout.source(self.tensors.fetched_by(_placeholder))
             whole = self.layout.embed(placeheld) | self.layout.final(placeheld)
@@ -209,11 +209,11 @@ class Checkpoint:
             self.dtype = validated(whole, self.cfg, entries=False).dtype
 
     def ends(self) -> dict[str, torch.Tensor]:
-        with _about(self.path):
+        with naming_file(self.path):
             return self.layout.embed(self.source) | self.layout.final(self.source)
 
     def block(self, layer: int) -> dict[str, torch.Tensor]:
-        with _about(self.path):
+        with naming_file(self.path):
             return self.layout.block(self.source, layer)
 
     def stored(self, layer: int | None) -> dict[str, list[str]]:
@@ -224,7 +224,7 @@ class Checkpoint:
 
     def load(self) -> tuple[dict[str, torch.Tensor], Config]:
         """The whole state dict in memory, validated (what :func:`circuitmath.io.load_hf_directory` returns)."""
-        with _about(self.path):
+        with naming_file(self.path):
             return self.layout.convert(self.tensors.fetched_by(_read))
 
 
@@ -265,10 +265,10 @@ def open_checkpoint(path: str | os.PathLike, config=None) -> Checkpoint:
             raise StateDictError(f"{path} carries no circuitmath config in its metadata: pass its config")
         if not isinstance(metadata[CONFIG_KEY], str):
             raise ConfigError(f"{path}: metadata {CONFIG_KEY!r} is not a string")
-        with _about(path, CONFIG_KEY):
+        with naming_file(path, CONFIG_KEY):
             config = Config.from_json(metadata[CONFIG_KEY])
     hf_config = None
-    with _about(path):
+    with naming_file(path):
         if isinstance(config, Config) and path.is_dir() and metadata.get(LAYOUT_KEY) is not None:
             if metadata[LAYOUT_KEY] != "config.json":
                 raise ConfigError(f"metadata {LAYOUT_KEY!r} is {metadata[LAYOUT_KEY]!r}; circuitmath writes 'config.json'")

@@ -49,14 +49,14 @@ SAFETY = 32.0
 SENSITIVITY_SAFETY = 4.0
 
 
-def _unit_roundoff(dtype: torch.dtype) -> float:
+def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
 def _computation_roundoff(weights: float) -> float:
     """The unit roundoff of :func:`compute_dtype` of the dtype whose unit roundoff is ``weights``
     (float32's for half precisions): the forward pass's, where the weights' is ``weights``."""
-    return min(weights, _unit_roundoff(torch.float32))
+    return min(weights, unit_roundoff(torch.float32))
 
 
 def named_generator(name: str, seed: int = 0) -> torch.Generator:
@@ -141,7 +141,7 @@ def rounding_sensitivity(
     """
     state_dict = validated(state_dict, cfg)
     tokens = check_tokens(cfg, tokens, state_dict["embed.W_E"].device)
-    reference, nudged = _float64_passes(state_dict, cfg, tokens, _unit_roundoff(dtype), seed)
+    reference, nudged = _float64_passes(state_dict, cfg, tokens, unit_roundoff(dtype), seed)
     weights = float((reference - nudged).abs().max())
     run_in = compute_dtype(dtype)
     if run_in == torch.float64:
@@ -231,7 +231,7 @@ def logprob_tolerance(cfg: Config, dtype: torch.dtype, scale: float, sensitivity
       by which log-softmax can amplify a logit error and, for the a-priori term, what it does
       not model; their values are measured (see :data:`SAFETY`).
     """
-    u = _unit_roundoff(compute_dtype(dtype))
+    u = unit_roundoff(compute_dtype(dtype))
     k = max(cfg.d_model, cfg.d_mlp or 0, cfg.d_vocab)
     return SAFETY * u * (cfg.n_layers + 1) * math.sqrt(k) * max(1.0, float(scale)) + SENSITIVITY_SAFETY * sensitivity
 

@@ -108,12 +108,12 @@ def read_config(path: str | os.PathLike):
         raise ConfigError(f"{path}: the config is a JSON {type(data).__name__}, not an object")
     if "model_type" in data:
         return data
-    with _about(path):
+    with naming_file(path):
         return Config.from_dict(data)
 
 
 @contextlib.contextmanager
-def _about(path: Path, key: str | None = None) -> Iterator[None]:
+def naming_file(path: Path, key: str | None = None) -> Iterator[None]:
     """Name ``path`` (and the metadata ``key``) in any input error raised within."""
     try:
         yield
@@ -279,7 +279,7 @@ def stored_config(path: str | os.PathLike, metadata: Mapping[str, str]) -> Confi
     """The config :func:`save` stored in a file's ``metadata`` (``None`` if it has none)."""
     if CONFIG_KEY not in metadata:
         return None
-    with _about(Path(path), CONFIG_KEY):
+    with naming_file(Path(path), CONFIG_KEY):
         return Config.from_json(metadata[CONFIG_KEY])
 
 
@@ -345,6 +345,6 @@ def load(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Config]:
             " load_tensors and convert it (e.g. from_hf), or pass its config (--config on the command line)"
         )
     tensors, _ = load_tensors(path)
-    with _about(path):
+    with naming_file(path):
         validate_state_dict(tensors, cfg)
     return tensors, cfg

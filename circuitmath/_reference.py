@@ -65,7 +65,7 @@ def _activation(name: str, x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(x, approximate="tanh")  # gelu_new (GPT-2)
 
 
-def _rotate(x: torch.Tensor, cfg: Config, layer: int | None = None) -> torch.Tensor:
+def rotate(x: torch.Tensor, cfg: Config, layer: int | None = None) -> torch.Tensor:
     """Rotary embedding of ``x: [batch, pos, head, d_head]``: the first ``rotary_dim`` entries
     rotate in pairs ``(i, i + rotary_dim / 2)`` (GPT-NeoX layout), or ``(2i, 2i + 1)`` with
     ``cfg.rotary_interleaved`` (GPT-J), pair ``i`` by the angle ``pos * base^(-i / (rotary_dim / 2))``
@@ -85,7 +85,7 @@ def _rotate(x: torch.Tensor, cfg: Config, layer: int | None = None) -> torch.Ten
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
-def _project(params: StateDict, p: str, cfg: Config, name: str, x: torch.Tensor) -> torch.Tensor:
+def project(params: StateDict, p: str, cfg: Config, name: str, x: torch.Tensor) -> torch.Tensor:
     """``x @ W_name + b_name`` per head: ``[batch, pos, d_model]`` to ``[batch, pos, n_heads, d_head]``.
 
     Grouped-query keys and values are computed once per key/value head and shared by the
@@ -158,11 +158,11 @@ def _head_norm(params: StateDict, name: str, cfg: Config, x: torch.Tensor) -> to
 
 def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in, record: dict | None = None,
                layer: int | None = None) -> torch.Tensor:
-    q, k, v = (_project(params, p, cfg, n, x) for n, x in (("Q", q_in), ("K", k_in), ("V", v_in)))
+    q, k, v = (project(params, p, cfg, n, x) for n, x in (("Q", q_in), ("K", k_in), ("V", v_in)))
     if cfg.qk_norm:
         q, k = _head_norm(params, f"{p}.q_norm", cfg, q), _head_norm(params, f"{p}.k_norm", cfg, k)
     if cfg.positional_embedding_type == "rotary":
-        q, k = _rotate(q, cfg, layer), _rotate(k, cfg, layer)
+        q, k = rotate(q, cfg, layer), rotate(k, cfg, layer)
     pattern = pattern_from_scores(torch.einsum("bqhe,bkhe->bhqk", q, k), cfg, layer, params.get(f"{p}.sinks"))
     z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
     if record is None:  # one [n_heads d_head, d_model] product

@@ -113,7 +113,7 @@ def _base(view: torch.Tensor, spans: dict[str, tuple[int, int]]) -> str | None:
     return next((name for name, (start, stop) in spans.items() if start <= where < stop), None)
 
 
-def _grouped(layout: Layout, stored: Mapping[str, torch.Tensor], layer: int | None):
+def grouped(layout: Layout, stored: Mapping[str, torch.Tensor], layer: int | None):
     """Part ``layer`` converted from ``stored`` (tensors by their names in the checkpoint):
     the converter's tensors, the circuitmath names it takes as views of each stored tensor it
     takes (in ``stored``'s order), and the names it makes up (views of no stored tensor)."""
@@ -137,7 +137,7 @@ def viewers(layout: Layout, stored: Mapping[str, torch.Tensor], layer: int | Non
     """The stored tensors part ``layer`` is converted from (``stored``: a checkpoint's tensors by
     their names, placeholders will do, each the same tensor whenever it is looked up), in its
     order, each with the circuitmath names the converter takes as views of it."""
-    return _grouped(layout, stored, layer)[1]
+    return grouped(layout, stored, layer)[1]
 
 
 def _as_stored(view: torch.Tensor, buffer: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -168,7 +168,7 @@ def place(layout: Layout, layer: int | None, processed: Mapping[str, torch.Tenso
     twice (tied tensors: each view must read back what was written through it), or a processed
     tensor the layout has no place for.
     """
-    views, through, made_up = _grouped(layout, buffers, layer)
+    views, through, made_up = grouped(layout, buffers, layer)
     extra = sorted(set(processed) - set(views))
     if extra:
         raise NotStored(f"the processed {extra[:3]} have no place in the checkpoint's layout")

@@ -45,12 +45,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ._checkpoint import Checkpoint
-from ._compare import _unit_roundoff, compute_dtype
+from ._compare import unit_roundoff, compute_dtype
 from ._config import Config
 from ._diagnosis import Diagnosis, Finding, weight_identities
 from ._diagnosis._exact import float64_chain, identity_row, in_float64, rewrite_mismatches
 from ._diagnosis._logprobs import compared, sensitivity_window
-from ._diagnosis._tensors import _Thresholds
+from ._diagnosis._tensors import Thresholds
 from ._errors import PreconditionError
 from ._processing._parts import Parts
 from ._processing.steps import steps_between
@@ -147,7 +147,7 @@ class _Run:
     #: prepared model and its transform on the sensitivity tokens, the certificate's thresholds,
     #: and each part's tensors that fail it (by part: ``None``, the ends, then each layer)
     exact: tuple[ForwardPass, ForwardPass] | None = None
-    thresholds: _Thresholds | None = None
+    thresholds: Thresholds | None = None
     mismatches: dict = field(default_factory=dict)
 
     def transformed(self, parts: Parts, layer: int | None) -> tuple[dict, Config, dict, Config]:
@@ -243,7 +243,7 @@ class _IdentityChecks:
         if self.exact:  # each identity in float64 too, and its rewrite certified (see _diagnosis._exact)
             for run in self.runs:
                 run.exact = (self._pass(torch.float64), self._pass(torch.float64))
-                run.thresholds = _Thresholds.of(self.dtype, self.cfg)
+                run.thresholds = Thresholds.of(self.dtype, self.cfg)
         self.report = progress or (lambda done, total, what: None)
         self.validated: set = set()
         self.done, self.total = 0, self.cfg.n_layers + 2
@@ -334,11 +334,11 @@ class _IdentityChecks:
         """Each identity's passes advanced a part at a time, with the reference passes of the
         original on the sensitivity tokens (float64, float64 nudged, the compute dtype, and
         float64's own sensitivity for the identities checked in float64), which it returns."""
-        reference = [self._pass(torch.float64), self._pass(torch.float64, _unit_roundoff(self.dtype))]
+        reference = [self._pass(torch.float64), self._pass(torch.float64, unit_roundoff(self.dtype))]
         if self.run_in != torch.float64:
             reference.append(self._pass(self.run_in))
         if self.exact:
-            reference.append(self._pass(torch.float64, _unit_roundoff(torch.float64)))
+            reference.append(self._pass(torch.float64, unit_roundoff(torch.float64)))
         for p in reference:
             p.start(self.source.ends(), self.cfg, self.sensitivity_tokens)
         for layer in range(self.cfg.n_layers):

@@ -26,7 +26,7 @@ from ._diagnosis._replay import weight_identities
 from ._config import Config
 from ._compare import Comparison
 from ._diagnosis._logprobs import sensitivity_window
-from ._diagnosis._tensors import CERTIFICATE_ULPS, _certificate, _Thresholds
+from ._diagnosis._tensors import CERTIFICATE_ULPS, certificate, Thresholds
 from ._diagnosis._unexplained import NEAR_ULPS, Change, ChangePasses, changes_of
 from ._errors import InputError, StateDictError
 from ._processing.pipeline import process_weights
@@ -36,7 +36,7 @@ from ._processing._parts import Parts
 from ._processing.steps import KEYWORD_OF, STEPS
 from ._streaming_forward import ForwardPass
 from ._streaming_parts import PartReader, find_untouched, opened, replayed
-from ._compare import _unit_roundoff, compute_dtype, logprob_tolerance
+from ._compare import unit_roundoff, compute_dtype, logprob_tolerance
 
 __all__ = ["check_processed", "StreamingReport"]
 
@@ -105,11 +105,11 @@ class _Tensors:
 
     A processed tensor equal, bit for bit, to the rewrite rounded to its dtype is within half a
     unit in the last place of it by that rounding; any other is certified entry by entry
-    (:func:`~circuitmath._diagnosis._tensors._certificate`, in float64)."""
+    (:func:`~circuitmath._diagnosis._tensors.certificate`, in float64)."""
 
     def __init__(self, before: Checkpoint, after: Checkpoint, keywords):
         self.after_cfg, self.keywords = after.cfg, keywords
-        self.thresholds = _Thresholds.of(after.dtype, before.cfg)
+        self.thresholds = Thresholds.of(after.dtype, before.cfg)
         self.compute = compute_dtype(after.dtype)
         self.wrong: list[tuple[str, float]] = []
         self.count = self.equal = self.certified = 0
@@ -133,7 +133,7 @@ class _Tensors:
                 self.rounded = self.rounded or ours.dtype != processed.dtype  # then bounded by half a unit
                 continue
             scale = max(float(ours.abs().max()), float(processed.abs().max())) if ours.numel() else 0.0
-            ratio = _certificate(processed, ours.to(self.compute), scale, self.thresholds)
+            ratio = certificate(processed, ours.to(self.compute), scale, self.thresholds)
             self.certified += 1
             if ratio <= 1:
                 self.worst = max(self.worst, ratio)
@@ -271,7 +271,7 @@ def _walked(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progres
     coarse = max((before.dtype, after.dtype), key=lambda d: torch.finfo(d).eps)
     run_in = compute_dtype(coarse)
     walk = _Walk(run_in, coarse, (ForwardPass(run_in, device=device), ForwardPass(torch.float64, device=device),
-                                  ForwardPass(torch.float64, nudge=_unit_roundoff(coarse), device=device)),
+                                  ForwardPass(torch.float64, nudge=unit_roundoff(coarse), device=device)),
                  ForwardPass(run_in, device=device))
     total = before.cfg.n_layers + 1
     for layer in [None, *range(before.cfg.n_layers)]:

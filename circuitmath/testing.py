@@ -61,7 +61,7 @@ from ._compare import (
 )
 from . import _processing as _transforms
 from . import _diagnosis  # after _compare: an identity family may import testing's comparison names
-from ._diagnosis._logprobs import _coarser
+from ._diagnosis._logprobs import coarser
 from ._diagnosis._tensors import CERTIFICATE_ULPS
 from ._diagnosis._unexplained import NEAR_ULPS
 from ._errors import ArgumentTypeError
@@ -205,7 +205,7 @@ def assert_equivalent(
                    f" (batch {b}, position {p}, token {t})")
     else:
         message = (f"the log-probs agree (max |Δ log-prob| = {result.max_abs_error:.3g} <= tolerance"
-                   f" {tolerance:.3g}), but " + _tensor_failure(verdict, _coarser(first.dtype, second.dtype)))
+                   f" {tolerance:.3g}), but " + _tensor_failure(verdict, coarser(first.dtype, second.dtype)))
     found = None
     if diagnose and not _shrinking():
         # the two forward passes just made are handed to the diagnosis, not made again

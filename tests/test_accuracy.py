@@ -367,7 +367,7 @@ def test_a_nan_or_inf_anywhere_in_the_input_is_named_when_the_rms_steps_run_fuse
         process_weights(broken, cfg)
 
 
-def _grouped(groups):
+def grouped(groups):
     """The fused passes run with ``groups(n_layers)`` as their groups of layers."""
     from unittest import mock
 
@@ -400,7 +400,7 @@ def test_the_fused_passes_give_the_same_bits_a_group_of_layers_at_a_time(model, 
     except CircuitMathError as error:
         event(f"refused: {type(error).__name__}")
         return
-    with _grouped(groups):
+    with grouped(groups):
         got, got_cfg = process_weights(sd, cfg)
     assert got_cfg == expected_cfg and list(got) == list(expected)
     on_cpu = next(iter(sd.values())).device.type == "cpu"
@@ -437,7 +437,7 @@ def test_grouped_layers_that_read_the_first_layers_tensors_are_told_apart(normal
     sd = random_state_dict(cfg, seed=3)
     expected, _ = process_weights(sd, cfg)
     monkeypatch.setattr(fused, *slip(fused))
-    with _grouped(_ALL_AT_ONCE):
+    with grouped(_ALL_AT_ONCE):
         got, _ = process_weights(sd, cfg)
     differ = {name for name in expected if not torch.equal(got[name], expected[name])}
     assert slipped <= differ and not any(name.startswith("blocks.0.") for name in differ), sorted(differ)
@@ -454,7 +454,7 @@ def test_a_step_after_the_fused_ones_gets_each_layers_outputs_in_tensors_of_thei
     def storages(out):
         return {name: t.untyped_storage().data_ptr() for name, t in out.items() if name.startswith("blocks.")}
 
-    with _grouped(_ALL_AT_ONCE):
+    with grouped(_ALL_AT_ONCE):
         stacked, _ = process_weights(sd, cfg)
         refactored, _ = process_weights(sd, cfg, refactor_factored_attn_matrices=True)
     assert len(set(storages(stacked).values())) < len(storages(stacked))

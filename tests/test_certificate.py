@@ -1,6 +1,6 @@
 """The tensor certificate's float32 screen gives the float64 computation's number, bit for bit.
 
-``_certificate`` screens each chunk in float32 and computes in float64 only the entries near the
+``certificate`` screens each chunk in float32 and computes in float64 only the entries near the
 chunk's largest ratio; :func:`float64_certificate` below is the computation it replaces (every
 entry in float64, the unit in the last place from ``frexp``/``ldexp``), kept here as the
 reference. Drawn: every pairing of float32/bfloat16/float16 tensors, values over the whole range
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from circuitmath import Config
 from circuitmath._diagnosis import _tensors
 from circuitmath._diagnosis._tensors import (
-    _MANTISSA_BITS, CERTIFICATE_ULPS, _certificate, _Thresholds,
+    _MANTISSA_BITS, CERTIFICATE_ULPS, certificate, Thresholds,
 )
 
 CFG = Config(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=50, n_ctx=4, d_mlp=32)
@@ -97,7 +97,7 @@ def test_screen_gives_the_float64_number(seed, got_dtype, expected_dtype, target
         expected = (torch.randn(n, generator=g, dtype=torch.float64) * 2.0**float(torch.randint(low, high, (), generator=g))).to(expected_dtype)
     got = nearby(g, expected, got_dtype, finite)
     largest = max((float(t.float().abs().max()) if t.numel() else 0.0) for t in (got, expected))
-    thresholds = _Thresholds.of(target, CFG)
+    thresholds = Thresholds.of(target, CFG)
     scale = {"largest": largest, "zero": 0.0, "tiny": 1e-35, "huge": 1e38,
              "random": 10.0 ** float(torch.empty(()).uniform_(-40, 40, generator=g)),
              # a bound (floor) among float32's subnormals and smallest normals
@@ -105,9 +105,9 @@ def test_screen_gives_the_float64_number(seed, got_dtype, expected_dtype, target
              # a floor among float64's subnormals and smallest normals, where the unit is taken from frexp
              "float64 subnormal floor": 2.0 ** float(torch.empty(()).uniform_(-1074, -960, generator=g)) / thresholds.floor,
              }[scale_kind]
-    for thresholds in (thresholds, _Thresholds(1e-3, 1e-4, 1e-4, target)):  # the second: floor 0
+    for thresholds in (thresholds, Thresholds(1e-3, 1e-4, 1e-4, target)):  # the second: floor 0
         with mock.patch.object(_tensors, "_SCREEN_PIECE", piece):  # a chunk screened in pieces, or whole
-            new = _certificate(got, expected, scale, thresholds, chunk)
+            new = certificate(got, expected, scale, thresholds, chunk)
         old = float64_certificate(got, expected, scale, thresholds, chunk)
         assert new == old or math.isnan(new) and math.isnan(old), (new.hex(), old.hex())
 
@@ -130,8 +130,8 @@ def test_screen_on_a_rounded_rewrite(dtype, monkeypatch):
     got[off] = torch.nextafter(got[off], torch.full_like(got[off], math.inf))
     got[off[:3]] = got[off[:3]] * 1.01
     scale = float(expected.abs().max())
-    thresholds = _Thresholds.of(dtype, CFG)
-    new = _certificate(got, expected, scale, thresholds, chunk=1 << 14)
+    thresholds = Thresholds.of(dtype, CFG)
+    new = certificate(got, expected, scale, thresholds, chunk=1 << 14)
     chunks = -(-got.numel() // (1 << 14))
     assert len(decided) == chunks and None not in decided  # the screen decided every chunk
     assert sum(in_float64) < chunks * 100  # a few entries per chunk in float64, not 16384
@@ -149,7 +149,7 @@ def test_screen_declines_a_floor_below_which_float32_loses_a_unit(floor):
     certify a tensor that fails it. ``_SCREEN_FLOOR`` sends such floors to float64. The random
     draws above reach this only by chance (tiny entries, a floor among float32's subnormals
     and the two entries in one chunk); here every ingredient is placed."""
-    thresholds = _Thresholds(1e-3, 1e-4, 1e-4, torch.float32, floor=1.0)  # floor * scale = floor
+    thresholds = Thresholds(1e-3, 1e-4, 1e-4, torch.float32, floor=1.0)  # floor * scale = floor
     # 2**-110: unit 2**-133; the entries equal to the rewrite keep the chunk from being declined
     # for having too many near ties (two entries alone go to float64 whatever the floor)
     expected = torch.tensor([2.0**-110, 1.0] + [0.5] * 20, dtype=torch.float32)
@@ -158,7 +158,7 @@ def test_screen_declines_a_floor_below_which_float32_loses_a_unit(floor):
     got[1] += 2.0**-22  # two units off: a ratio of 2
     old = float64_certificate(got, expected, floor, thresholds)
     assert 1.99 < old <= 2.0
-    assert _certificate(got, expected, floor, thresholds) == old
+    assert certificate(got, expected, floor, thresholds) == old
 
 
 def test_screen_where_float32_misorders_the_ratios():
@@ -166,7 +166,7 @@ def test_screen_where_float32_misorders_the_ratios():
     binades: a bfloat16 unit in the last place plus a float32 floor, each rounded): the
     certificate still gives the float64 number (the screen's margin keeps both)."""
     g = torch.Generator().manual_seed(0)
-    thresholds = _Thresholds.of(torch.bfloat16, CFG)
+    thresholds = Thresholds.of(torch.bfloat16, CFG)
     n = 200_000
     expected = torch.exp2(torch.randint(-20, 20, (n,), generator=g).float()) * (1 + torch.rand(n, generator=g))
     unit = torch.exp2(torch.floor(torch.log2(expected.double())) - 7)
@@ -180,7 +180,7 @@ def test_screen_where_float32_misorders_the_ratios():
     pair = order[reversed_[:1] + torch.tensor([0, 1])]  # exact ratios ascending, estimates descending
     # among entries equal to the rewrite (a chunk the screen is taken on)
     got, expected = torch.cat([got[pair], expected[:1000]]), torch.cat([expected[pair], expected[:1000]])
-    assert _certificate(got, expected, 1.0, thresholds) == float64_certificate(got, expected, 1.0, thresholds)
+    assert certificate(got, expected, 1.0, thresholds) == float64_certificate(got, expected, 1.0, thresholds)
 
 
 @pytest.mark.parametrize("bits", [7, 10, 23, 52])

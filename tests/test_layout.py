@@ -29,18 +29,22 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.split(".")[0] == PACKAGE}
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".") if is_package else name.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _imported_from(name, is_package, node)
             if target.split(".")[0] != PACKAGE:
                 continue
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
                 out.add(sub if sub in known else target)
     return (out & known) - {name}
+
+
+def _imported_from(name: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute name of the module that ``from ... import`` in module ``name`` imports from."""
+    if not node.level:
+        return node.module or ""
+    base = name.split(".") if is_package else name.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -87,6 +91,53 @@ def test_no_import_cycle_in_circuitmath():
     cycle = _cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
+
+# -- private names stay in their sub-package --------------------------------------------------
+
+
+def _package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def private_names_imported_across(modules: dict[str, Path]) -> list[str]:
+    """Each ``from X import _name`` (a function, class or constant, not a module) in a module of
+    another sub-package than ``X``'s: a private module is private to the package that holds it,
+    so what other sub-packages use from it has a name without an underscore. Importing a private
+    *module* (``from .. import _identities``) is no such import."""
+    found = []
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            target = _imported_from(name, is_package, node)
+            if target not in modules or _package_of(target, modules[target]) == _package_of(name, path):
+                continue
+            found += [f"{name}: from {target} import {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__") and f"{target}.{a.name}" not in modules]
+    return found
+
+
+def test_no_private_name_is_imported_across_sub_packages():
+    found = private_names_imported_across(_modules())
+    assert not found, "private names imported from another sub-package:\n" + "\n".join(found)
+
+
+def test_negative_control_a_private_name_imported_across_is_found(tmp_path):
+    """A copy of two modules of different sub-packages: a private function imported across is
+    found; the same function imported within its sub-package, and a private module imported
+    across, are not."""
+    package = tmp_path / PACKAGE
+    (package / "_inner").mkdir(parents=True)
+    for init in (package / "__init__.py", package / "_inner" / "__init__.py"):
+        init.write_text("")
+    (package / "_inner" / "_tools.py").write_text("def _helper():\n    return 1\n")
+    (package / "_inner" / "_near.py").write_text("from ._tools import _helper\n")
+    (package / "_far.py").write_text("from . import _inner\n\n\ndef f():\n    from ._inner._tools import _helper\n")
+    modules = {".".join(p.relative_to(tmp_path).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in sorted(package.rglob("*.py"))}
+    assert private_names_imported_across(modules) == [
+        "circuitmath._far: from circuitmath._inner._tools import _helper"]
 
 
 #: Modules allowed over :data:`MAX_LINES`, each one cohesive thing.

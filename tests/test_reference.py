@@ -94,11 +94,11 @@ def test_rotary_scores_depend_on_relative_position_only():
     sd = cm.random_state_dict(cfg, seed=5, dtype=torch.float64)
     # One repeated token: with a zeroed b_O the attention output at position i depends on the
     # pattern over i + 1 equal values, so compare scores directly through the rotation.
-    from circuitmath._reference import _rotate
+    from circuitmath._reference import rotate
 
     q = torch.randn(1, 8, 1, 4, dtype=torch.float64)
     same = q[:, :1].expand(1, 8, 1, 4)
-    rq = _rotate(same, cfg)
+    rq = rotate(same, cfg)
     scores = torch.einsum("bqhe,bkhe->bqk", rq, rq)[0]
     for shift in range(1, 4):
         diagonal = torch.diagonal(scores, offset=shift)

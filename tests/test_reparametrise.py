@@ -8,7 +8,7 @@ from sympy import Inverse, MatMul, MatrixSymbol, Symbol, Transpose
 import circuitmath as cm
 from circuitmath._algebra import IllTyped, is_zero, normal_form
 from circuitmath.circuits import change_head_bases
-from circuitmath.circuits._bases import _change_bases
+from circuitmath.circuits._bases import change_bases
 from circuitmath.strategies import models, tokens
 from circuitmath.testing import compare_log_probs, default_tokens
 from support import DISCRIMINATING_WEIGHTS, VISIBLE, assert_caught, same, snapshot, wide
@@ -149,7 +149,7 @@ def test_rotary_refusal_is_not_a_formality():
     N = N.expand(cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_head)
     with pytest.raises(cm.PreconditionError, match="keys and queries are not rotated by position"):
         change_head_bases(sd, cfg, query_key=N)  # the public change refuses; the private one shows why
-    changed = _change_bases(sd, cfg, query=N, key=torch.linalg.inv(N).transpose(-1, -2))
+    changed = change_bases(sd, cfg, query=N, key=torch.linalg.inv(N).transpose(-1, -2))
     result = compare_log_probs(sd, cfg, changed, cfg)
     assert result.max_abs_error > 1e3 * result.tolerance, result
     unrotated = cfg.replace(positional_embedding_type="standard")

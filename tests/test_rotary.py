@@ -8,7 +8,7 @@ import torch
 import circuitmath as cm
 from circuitmath import testing
 from circuitmath._identities.rotary import _commuting_proof, _mixing_the_rest, _other_layout, _query_key_rotation, _reflected_pair
-from circuitmath.circuits._bases import _change_bases
+from circuitmath.circuits._bases import change_bases
 
 TOKENS = torch.tensor([[1, 4, 2, 7, 0, 3, 5, 6]])
 ROTARY = cm.Config(n_layers=2, d_model=12, n_heads=4, d_head=6, d_vocab=11, n_ctx=8, d_mlp=16, n_key_value_heads=2,
@@ -58,7 +58,7 @@ def test_rotate_heads_accepts_exactly_the_rotations_that_keep_the_model(model):
         with pytest.raises(cm.PreconditionError, match="rotate_heads: precondition 'the query/key rotation commutes"
                                                        " with the rotary embedding'"):
             cm.rotate_heads(sd, cfg, query_key=wrong)
-        assert _gap(sd, cfg, _change_bases(sd, cfg, query=wrong, key=wrong), cfg) > 1e-2, name
+        assert _gap(sd, cfg, change_bases(sd, cfg, query=wrong, key=wrong), cfg) > 1e-2, name
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -86,7 +86,7 @@ def test_the_checker_recovers_a_commuting_rotation_and_refuses_a_planted_wrong_o
     assert testing.check_rotate_heads(sd, out, cfg, after_cfg=out_cfg).ok
     for name, change in WRONG.items():
         wrong = change(R, cfg)
-        planted = _change_bases(sd, cfg, query=wrong, key=wrong)
+        planted = change_bases(sd, cfg, query=wrong, key=wrong)
         report = testing.check_rotate_heads(sd, planted, cfg, after_cfg=out_cfg)
         assert not report.ok, name
         assert {c.name for c in report.culprits()} & {"blocks.0.attn.W_Q", "blocks.0.attn.W_K", "blocks.0.attn._W_K"}, \
@@ -122,7 +122,7 @@ def test_change_head_bases_takes_an_invertible_basis_that_commutes_with_the_rota
     with pytest.raises(cm.PreconditionError, match="does not commute"):
         change_head_bases(sd, cfg, query_key=wrong)
     inverse = torch.linalg.inv(wrong).transpose(-1, -2)
-    assert _gap(sd, cfg, _change_bases(sd, cfg, query=wrong, key=inverse), cfg) > 1e-2
+    assert _gap(sd, cfg, change_bases(sd, cfg, query=wrong, key=inverse), cfg) > 1e-2
 
 
 def test_the_pairs_of_each_layout():

@@ -36,10 +36,10 @@ from .._state import marked_as, vouched
 from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
 from ._names import speak
 from ._exact import SharedProducts, float64_chain, float64_rewrite, identity_row, in_float64, rewrite_mismatches
-from ._logprobs import _coarser, _LogProbs, sensitivity_window
+from ._logprobs import coarser, _LogProbs, sensitivity_window
 from ._replay import _Replay, weight_identities
 from ._report import Diagnosis, Finding, _config_differences, _identity_finding, _residual_finding
-from ._tensors import ParameterMismatch, _mismatch, _Thresholds
+from ._tensors import ParameterMismatch, _mismatch, Thresholds
 from ._unexplained import changes_of, judge_changes
 
 __all__ = [
@@ -63,8 +63,8 @@ Progress = Callable[[int, int, str], None]
 def _replayed(first: Model, second: Model, plan):
     """``(replay, replay.explain(...))``: the registered identities replayed on ``first`` (in the
     compute dtype) against ``second``, ``plan`` as for :func:`replay_and_explain`."""
-    dtype = _coarser(first.dtype, second.dtype)
-    replay = _Replay(second.state_dict, _Thresholds.of(dtype, first.cfg))
+    dtype = coarser(first.dtype, second.dtype)
+    replay = _Replay(second.state_dict, Thresholds.of(dtype, first.cfg))
     return replay, replay.explain(_in_compute_dtype(first.state_dict, dtype), first.cfg, plan)
 
 
@@ -76,7 +76,7 @@ def replay_and_explain(first: Model, second: Model, tokens, plan, notes, progres
     already made (a failed :func:`~circuitmath.testing.assert_equivalent` hands over its two
     forward passes and, from :func:`tensor_verdict`, its replay)."""
     before, before_cfg, after, after_cfg = first.state_dict, first.cfg, second.state_dict, second.cfg
-    dtype = _coarser(first.dtype, second.dtype)
+    dtype = coarser(first.dtype, second.dtype)
     report = progress or (lambda done, total, what: None)
     total = 5
     report(0, total, "replaying identities")
@@ -326,7 +326,7 @@ def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagn
         rows, positions = sensitivity_window(tokens)
         exact, state64 = _LogProbs(tokens[:rows, :positions], torch.float64), in_float64(state)
         exact.set_reference(state64, model_cfg)
-        thresholds = _Thresholds.of(resolved.dtype, model_cfg)
+        thresholds = Thresholds.of(resolved.dtype, model_cfg)
     findings = []
     for i, identity in enumerate(chosen, 1):
         report(i, total, identity.name)

@@ -11,7 +11,7 @@ log-probs by a hundredth pass it. Two sharper checks go with it, for every dtype
   whether the identity holds for these weights, up to float64's rounding, not the model's;
 - **the certificate of the rewrite**: each tensor the transform wrote in the model's dtype
   against the same transform of the same prepared weights in float64, entry by entry
-  (:func:`~circuitmath._diagnosis._tensors._certificate`): whether the model's dtype got the
+  (:func:`~circuitmath._diagnosis._tensors.certificate`): whether the model's dtype got the
   exact rewrite, rounded once.
 
 A row holds when all three pass (:func:`identity_row`). The in-memory and the streamed checks
@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from .._compare import Comparison, in_dtype
 from .._errors import PreconditionError
 from ._report import Finding
-from ._tensors import ParameterMismatch, _certificate, _largest_entry, _mismatch, _Thresholds
+from ._tensors import ParameterMismatch, certificate, _largest_entry, _mismatch, Thresholds
 
 __all__ = ["in_float64", "float64_chain", "rewrite_mismatches", "identity_row", "float64_rewrite", "SharedProducts"]
 
@@ -48,7 +48,7 @@ def in_float64(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def rewrite_mismatches(
-    identity, prepared: Mapping, prepared_cfg, processed: Mapping, chain: tuple | None, thresholds: _Thresholds,
+    identity, prepared: Mapping, prepared_cfg, processed: Mapping, chain: tuple | None, thresholds: Thresholds,
     keep: Callable[[str], str | None] = lambda name: name, *, reference=...,
 ) -> tuple[ParameterMismatch, ...]:
     """The tensors ``identity``'s transform wrote into ``processed`` from ``prepared`` (in a
@@ -76,7 +76,7 @@ def rewrite_mismatches(
         if tensor is prepared.get(name) or keep(name) is None:
             continue
         expected = exact.get(name)
-        if expected is None or expected.shape != tensor.shape or _certificate(
+        if expected is None or expected.shape != tensor.shape or certificate(
                 tensor, expected, max(_largest_entry(expected), _largest_entry(tensor)), thresholds) > 1:
             found.append(_mismatch(keep(name), tensor, expected, None, thresholds.exact, None, "the float64 rewrite"))
     return tuple(found)

@@ -20,7 +20,7 @@ from .. import io
 from .._compare import compare_log_probs, default_tokens
 from .._config import Config
 from .._errors import ArgumentTypeError, StateDictError
-from .._files import _about
+from .._files import naming_file
 from .._hf import hf_layout
 from .._models import as_state_dict, is_model_object, own_config
 from .._processing.norms import uncentered_writers
@@ -87,7 +87,7 @@ def resolve(source, cfg=None, *, loaded: tuple[dict, dict] | None = None) -> Mod
             state_dict, hf_cfg = checkpoint.load()  # validated as it is read
             names = None if checkpoint.native is None else InputNames.of(checkpoint.native, dict(checkpoint.tensors))
             return _model(vouched(state_dict, hf_cfg), names)
-        with _about(path):  # every error names the file
+        with naming_file(path):  # every error names the file
             tensors, metadata = loaded if loaded is not None else io.load_tensors(path)
             if cfg is None:
                 cfg = io.stored_config(path, metadata)

@@ -110,5 +110,5 @@ def compared(first: torch.Tensor, second: torch.Tensor, cfg: Config, dtype: torc
     return Comparison(max_abs_error=error, tolerance=tolerance, where=where)
 
 
-def _coarser(*dtypes: torch.dtype) -> torch.dtype:
+def coarser(*dtypes: torch.dtype) -> torch.dtype:
     return max(dtypes, key=lambda d: torch.finfo(d).eps)

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from .._hf import Layout
-from .._stored import _grouped
+from .._stored import grouped
 from ._tensors import SHOWN_RANGES
 
 __all__ = ["InputNames", "checkpoint_names", "speak"]
@@ -36,7 +36,7 @@ class InputNames:
         """The names ``layout`` (a converter) takes from ``stored`` (the input's tensors by their names)."""
         views = {}
         for part in [None, *range(layout.cfg.n_layers)]:
-            converted, through, _made_up = _grouped(layout, stored, part)
+            converted, through, _made_up = grouped(layout, stored, part)
             for name, taken in through.items():
                 base = stored[name]
                 for view_name in taken:

@@ -35,7 +35,7 @@ from .._processing.rotation import (
     rotated_tensors,
 )
 from ._recover import anchor_sets, fixes_ones, fixing_ones_exactly, slice_permutation, tensors_layer, unit_axis
-from ._tensors import _certificate, _largest_entry, _natural_order, _relative_difference, _Thresholds
+from ._tensors import certificate, _largest_entry, _natural_order, _relative_difference, Thresholds
 from ._uncertain import Widenings, widened_certificate
 
 __all__ = ["weight_identities", "SYMMETRIES"]
@@ -89,7 +89,7 @@ class _Stage:
 class _Replay:
     """Replays identities on ``before`` and tells which rewrite reproduces ``after``."""
 
-    def __init__(self, after: Mapping[str, torch.Tensor], thresholds: _Thresholds):
+    def __init__(self, after: Mapping[str, torch.Tensor], thresholds: Thresholds):
         self.after = after
         self.thresholds = thresholds
         self._wrong_cache: dict = {}  # (id(state), cfg) -> (state, {rewrite: candidates}), the last state's only
@@ -123,7 +123,7 @@ class _Replay:
                 scale = max(self.largest(t) for t in (theirs, tensor) + ((reference,) if reference is not None else ()))
                 verdict = relative == 0 or (
                     widened_certificate(theirs, tensor, scale, self.thresholds, widening) if widening
-                    else _certificate(theirs, tensor, scale, self.thresholds)) <= 1
+                    else certificate(theirs, tensor, scale, self.thresholds)) <= 1
             hit = (tensor, reference, verdict)
             self._verdicts[key] = hit
         return hit[2]

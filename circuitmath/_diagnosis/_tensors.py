@@ -1,7 +1,7 @@
 """Comparing the processed model's tensors with a rewrite's: thresholds, differences, and where.
 
 A :class:`ParameterMismatch` names a tensor (layer, heads) and how far it is from what it
-should be; :class:`_Thresholds` says when two tensors count as the same rewrite.
+should be; :class:`Thresholds` says when two tensors count as the same rewrite.
 """
 
 from __future__ import annotations
@@ -100,12 +100,12 @@ SHOWN_RANGES = 6
 #: ``2**(floor(log2|x|) - bits)``).
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
 
-#: The certificate's bound, in units in the last place of the model's dtype (see :class:`_Thresholds`).
+#: The certificate's bound, in units in the last place of the model's dtype (see :class:`Thresholds`).
 CERTIFICATE_ULPS = 1
 
 
 @dataclass(frozen=True)
-class _Thresholds:
+class Thresholds:
     """When two tensors count as the same.
 
     ``recognise``: the same rewrite (used to tell which rewrite was applied; wrong rewrites miss
@@ -114,7 +114,7 @@ class _Thresholds:
     fraction of a tensor's largest entry (a coarse summary, used to say which heads differ).
 
     The **certificate** decides whether a processed tensor is the exact rewrite, entry by entry
-    (:func:`_certificate`): each entry of the processed tensor must lie within
+    (:func:`certificate`): each entry of the processed tensor must lie within
     :data:`CERTIFICATE_ULPS` units in the last place of ``dtype`` of the rewrite computed in
     :func:`~circuitmath.testing.compute_dtype` of ``dtype`` (float32 for half precision), plus ``floor`` times the tensor's
     largest entry: the error of computing the rewrite in the compute dtype (its entries made by
@@ -131,7 +131,7 @@ class _Thresholds:
     floor: float = 0.0
 
     @classmethod
-    def of(cls, dtype: torch.dtype, cfg: Config) -> "_Thresholds":
+    def of(cls, dtype: torch.dtype, cfg: Config) -> "Thresholds":
         root_k = math.sqrt(max(cfg.d_model, cfg.d_mlp or 0, cfg.d_vocab))
         recognise = max(1e-3, 4 * torch.finfo(dtype).eps)
         return cls(
@@ -143,9 +143,9 @@ class _Thresholds:
         )
 
 
-def _certificate(got: torch.Tensor, expected: torch.Tensor, scale: float, thresholds: _Thresholds,
+def certificate(got: torch.Tensor, expected: torch.Tensor, scale: float, thresholds: Thresholds,
                  chunk: int = 1 << 20) -> float:
-    """The largest ``|got - expected|`` over its bound (see :class:`_Thresholds`): at most 1 when
+    """The largest ``|got - expected|`` over its bound (see :class:`Thresholds`): at most 1 when
     ``got`` is certified as ``expected`` rounded to ``thresholds.dtype``. ``scale``: the largest
     |entry| of the tensors compared. ``chunk`` entries at a time, each chunk's largest ratio
     that of :func:`_ratios_float64` (NaN, from non-finite entries, counts as no ratio).
@@ -173,7 +173,7 @@ def _certificate(got: torch.Tensor, expected: torch.Tensor, scale: float, thresh
     return worst
 
 
-#: Dtypes whose values float32 holds exactly (the screen of :func:`_certificate` runs in float32).
+#: Dtypes whose values float32 holds exactly (the screen of :func:`certificate` runs in float32).
 _SCREENED = (torch.float32, torch.bfloat16, torch.float16)
 
 #: Smallest ``floor`` (absolute) the float32 screen takes: every bound is at least this, so a

@@ -27,7 +27,7 @@ import torch
 from .._config import Config
 from .._processing.rotation import residual_readers, residual_writers, rotated_tensors
 from ._recover import best_rotation
-from ._tensors import _MANTISSA_BITS, CERTIFICATE_ULPS, _Thresholds
+from ._tensors import _MANTISSA_BITS, CERTIFICATE_ULPS, Thresholds
 
 __all__ = ["SPREAD", "Widenings", "rounded", "spread", "widened_certificate", "widened_ratios"]
 
@@ -46,14 +46,14 @@ def rounded(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, 
     return {name: tensor.to(dtype) for name, tensor in state.items()}
 
 
-def widened_certificate(got: torch.Tensor, expected: torch.Tensor, scale: float, thresholds: _Thresholds,
+def widened_certificate(got: torch.Tensor, expected: torch.Tensor, scale: float, thresholds: Thresholds,
                         widening: list[tuple[int, float]]) -> float:
     """The largest of :func:`widened_ratios`: at most 1 when ``got`` is certified."""
     ratio = widened_ratios(got, expected, scale, thresholds, widening)
     return float(ratio.max()) if ratio.numel() else 0.0
 
 
-def widened_ratios(got: torch.Tensor, expected: torch.Tensor, scale: float, thresholds: _Thresholds,
+def widened_ratios(got: torch.Tensor, expected: torch.Tensor, scale: float, thresholds: Thresholds,
                    widening: list[tuple[int, float]]) -> torch.Tensor:
     """``|got - expected|`` over the certificate's bound (``CERTIFICATE_ULPS ulp(e) + floor *
     scale``) plus, for each ``(axis, c)`` of ``widening``, ``c |expected_i|_2`` with

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .._compare import Comparison, _unit_roundoff, logprob_tolerance, named_generator
+from .._compare import Comparison, unit_roundoff, logprob_tolerance, named_generator
 from .._config import Config
 from .._reference import block, embed, unembed
-from ._tensors import CERTIFICATE_ULPS, _MANTISSA_BITS, _largest_entry, _ratios_float64, _Thresholds
+from ._tensors import CERTIFICATE_ULPS, _MANTISSA_BITS, _largest_entry, _ratios_float64, Thresholds
 from ._uncertain import widened_ratios
 
 __all__ = ["NEAR_ULPS", "Change", "changes_of", "ChangePasses", "judge_changes"]
@@ -65,7 +65,7 @@ class Change:
     mask: torch.Tensor | None = None
 
 
-def changes_of(names: Iterable[str], after: Mapping, rewrite: Mapping, thresholds: _Thresholds,
+def changes_of(names: Iterable[str], after: Mapping, rewrite: Mapping, thresholds: Thresholds,
                allowance: Mapping[str, list] | None = None) -> list[Change]:
     """The :class:`Change` of each tensor named (``after``'s against ``rewrite``'s, same shapes),
     measured entry by entry in float64 as the certificate measures it (widened where
@@ -118,7 +118,7 @@ class ChangePasses:
             xi = torch.randn(change.tensor.shape, generator=g, dtype=torch.float64, device="cpu")
             if name in rows:
                 xi = xi[rows[name].cpu()]
-            noise = xi.to(tensor.device).mul_(changed[name].abs().add_(rms)).mul_(_unit_roundoff(change.tensor.dtype))
+            noise = xi.to(tensor.device).mul_(changed[name].abs().add_(rms)).mul_(unit_roundoff(change.tensor.dtype))
             nudged[name] = changed[name] + noise * mask
         return base, changed, nudged
 

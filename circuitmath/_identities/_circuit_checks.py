@@ -27,8 +27,8 @@ from .._proof import Proof
 from .._reference import log_probs
 from .._state import StateDict, validate_state_dict
 from ..circuits import TensorProduct
-from ..circuits._heads import _layer_bias, _layer_weight
-from ..circuits._paths import _Norm, _run
+from ..circuits._heads import layer_bias, layer_weight
+from ..circuits._paths import FrozenNorm, recorded_run
 from .._compare import SAFETY, Comparison, default_tokens, logprob_tolerance
 
 # -- exact instances -------------------------------------------------------------------------
@@ -219,12 +219,12 @@ def logits_with_heads(state_dict: StateDict, cfg: Config, tokens, heads: Callabl
     sum of the layer's heads ``[batch, pos, d_model]`` (without ``b_O``). The patterns are
     frozen from a forward pass; everything else is recomputed.
     """
-    run = _run(state_dict, cfg, tokens, identity)
+    run = recorded_run(state_dict, cfg, tokens, identity)
     x = run.inputs[0]
     for layer in range(cfg.n_layers):
-        normed = _Norm.freeze(state_dict, cfg, f"blocks.{layer}.ln1", x)(x)
+        normed = FrozenNorm.freeze(state_dict, cfg, f"blocks.{layer}.ln1", x)(x)
         x = x + heads(layer, run.patterns[layer], normed) + state_dict[f"blocks.{layer}.attn.b_O"]
-    final = _Norm.freeze(state_dict, cfg, "ln_final", x)(x)
+    final = FrozenNorm.freeze(state_dict, cfg, "ln_final", x)(x)
     return final @ state_dict["unembed.W_U"] + state_dict["unembed.b_U"]
 
 
@@ -238,7 +238,7 @@ def heads_route(compute: Callable, identity: str) -> Callable:
     """
 
     def heads(state_dict, cfg, layer, pattern, normed):
-        W_V, b_V = _layer_weight(state_dict, cfg, layer, "V"), _layer_bias(state_dict, cfg, layer, "V")
+        W_V, b_V = layer_weight(state_dict, cfg, layer, "V"), layer_bias(state_dict, cfg, layer, "V")
         W_O = state_dict[f"blocks.{layer}.attn.W_O"]
         return sum(compute(pattern[:, h], normed, W_V[h], W_O[h]) + b_V[h] @ W_O[h] for h in range(cfg.n_heads))
 
@@ -251,7 +251,7 @@ def heads_route(compute: Callable, identity: str) -> Callable:
 
 
 def frozen_norm_operator(
-    cfg: Config, norm: _Norm, positions: int, dtype: torch.dtype, device: torch.device
+    cfg: Config, norm: FrozenNorm, positions: int, dtype: torch.dtype, device: torch.device
 ) -> TensorProduct:
     """A frozen norm's linear part ``x -> s * (x P) * w`` as ``diag(s) ⊗ (P diag(w))^T``.
 

@@ -21,9 +21,9 @@ from .._proof import Definition, Fact, Step, Twin
 from .._registry import Identity, WrongRewrite, register
 from .._reference import normalize
 from ..circuits import TensorProduct, ov_circuits
-from ..circuits._heads import _layer_bias, _layer_weight
+from ..circuits._heads import layer_bias, layer_weight
 from ..circuits._heads import HAS_ATTENTION
-from ..circuits._paths import PATH_MODEL, _run
+from ..circuits._paths import PATH_MODEL, recorded_run
 from ._circuit_checks import Joint, compare_logits, dim, logits_with_heads, notation_proof, selector
 
 #: The book chapter whose sections state, prove and check this family's identities.
@@ -81,7 +81,7 @@ def _ov_tensor_route(transpose_pattern: bool):
 
         def heads(layer, pattern, normed):
             A = pattern.transpose(-1, -2) if transpose_pattern else pattern
-            b = torch.einsum("he,hed->hd", _layer_bias(state_dict, cfg, layer, "V"), state_dict[f"blocks.{layer}.attn.W_O"])
+            b = torch.einsum("he,hed->hd", layer_bias(state_dict, cfg, layer, "V"), state_dict[f"blocks.{layer}.attn.W_O"])
             out = TensorProduct(A, ov[layer].transpose(-1, -2)).apply(normed[:, None])  # [b, heads, p, d]
             return (out + b[:, None, :]).sum(dim=1)
 
@@ -166,8 +166,8 @@ def _multi_head_proof():
 def _concatenated_route(head_major: bool):
     def route(state_dict, cfg, tokens):
         def heads(layer, pattern, normed):
-            v = torch.einsum("bpd,hde->bphe", normed, _layer_weight(state_dict, cfg, layer, "V"))
-            z = torch.einsum("bhqk,bkhe->bqhe", pattern, v + _layer_bias(state_dict, cfg, layer, "V"))
+            v = torch.einsum("bpd,hde->bphe", normed, layer_weight(state_dict, cfg, layer, "V"))
+            z = torch.einsum("bhqk,bkhe->bqhe", pattern, v + layer_bias(state_dict, cfg, layer, "V"))
             W_O = state_dict[f"blocks.{layer}.attn.W_O"]  # [heads, d_head, d_model]
             stacked = W_O.reshape(-1, cfg.d_model) if head_major else W_O.transpose(0, 1).reshape(-1, cfg.d_model)
             return z.reshape(*z.shape[:2], -1) @ stacked  # [b, p, heads d_head] @ [heads d_head, d]
@@ -246,15 +246,15 @@ def _row_by_row_route(mix_positions: bool):
         return scaled + b if kind == "LN" else scaled
 
     def route(state_dict, cfg, tokens):
-        run = _run(state_dict, cfg, tokens, "only_attention_mixes_positions")
+        run = recorded_run(state_dict, cfg, tokens, "only_attention_mixes_positions")
         W_E, W_U = state_dict["embed.W_E"], state_dict["unembed.W_U"]
         x = torch.stack([W_E[tokens[:, p]] for p in range(tokens.shape[1])], dim=1)
         if cfg.positional_embedding_type == "standard":
             x = x + state_dict["pos_embed.W_pos"][: tokens.shape[1]]
         for layer in range(cfg.n_layers):
             normed = norm(state_dict, cfg, f"blocks.{layer}.ln1", x)
-            v = torch.einsum("bpd,hde->bphe", normed, _layer_weight(state_dict, cfg, layer, "V"))
-            v = v + _layer_bias(state_dict, cfg, layer, "V")
+            v = torch.einsum("bpd,hde->bphe", normed, layer_weight(state_dict, cfg, layer, "V"))
+            v = v + layer_bias(state_dict, cfg, layer, "V")
             z = torch.einsum("bhqk,bkhe->bqhe", run.patterns[layer], v)  # the only mixing of positions
             x = x + torch.einsum("bqhe,hed->bqd", z, state_dict[f"blocks.{layer}.attn.W_O"]) + state_dict[f"blocks.{layer}.attn.b_O"]
         final = norm(state_dict, cfg, "ln_final", x)

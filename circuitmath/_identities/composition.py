@@ -30,7 +30,7 @@ from .._proof import Definition, Fact, Nonzero, Proof, Step, Twin
 from .._registry import Identity, register
 from .._state import attention_names, validate_state_dict
 from ..circuits import FactoredMatrix, composition_scores, copying_circuits, copying_scores, full_ov_circuits, ov_circuits
-from ..circuits._bases import _change_bases
+from ..circuits._bases import change_bases
 from ..circuits._heads import HAS_ATTENTION, ONE_QK_PER_HEAD
 from .._compare import Comparison
 from .._compare import SAFETY, SENSITIVITY_SAFETY
@@ -95,7 +95,7 @@ def _reparametrise_ov(state_dict, cfg, *, seed: int = 0, wrong: str | None = Non
     ``W_O`` by ``G`` instead: a wrong rewrite."""
     validate_state_dict(state_dict, cfg)
     G, G_inv = _random_bases(cfg, seed, state_dict["embed.W_E"].device)
-    return _change_bases(state_dict, cfg, value=G, output=G if wrong == "output_times_G" else G_inv), cfg
+    return change_bases(state_dict, cfg, value=G, output=G if wrong == "output_times_G" else G_inv), cfg
 
 
 def _reparametrise_qk(state_dict, cfg, *, seed: int = 0, wrong: str | None = None):
@@ -105,7 +105,7 @@ def _reparametrise_qk(state_dict, cfg, *, seed: int = 0, wrong: str | None = Non
     ``M`` instead: a wrong rewrite."""
     validate_state_dict(state_dict, cfg)
     M, M_inv = _random_bases(cfg, seed, state_dict["embed.W_E"].device)
-    return _change_bases(state_dict, cfg, query=M, key=M if wrong == "key_times_M" else M_inv.transpose(-1, -2)), cfg
+    return change_bases(state_dict, cfg, query=M, key=M if wrong == "key_times_M" else M_inv.transpose(-1, -2)), cfg
 
 
 def _float64(state_dict) -> dict:

@@ -26,8 +26,8 @@ from .._kronecker import Apply, tensor
 from .._proof import Definition, Fact, Step, Twin
 from .._registry import Identity, WrongRewrite, register
 from ..circuits import Path, TensorProduct, vec
-from ..circuits._heads import _layer_weight
-from ..circuits._paths import PATH_MODEL, _embed, _run, _through_layer
+from ..circuits._heads import layer_weight
+from ..circuits._paths import PATH_MODEL, embedding_terms, recorded_run, through_layer
 from ._circuit_checks import Joint, compare_logits, dim, frozen_norm_operator, heads_route, notation_proof, selector
 
 #: The book chapter whose sections state, prove and check this family's identities.
@@ -138,7 +138,7 @@ def _path_operators(state_dict, cfg, tokens, combine):
     ``diag(s) ⊗ (P diag(w))^T``, a head ``A ⊗ W_OV^T``, the unembed ``I ⊗ W_U^T``. ``combine(S, T)``
     returns the single tensor product for "``T`` then ``S``".
     """
-    run = _run(state_dict, cfg, tokens, "tensor_mixed_product")
+    run = recorded_run(state_dict, cfg, tokens, "tensor_mixed_product")
     positions = tokens.shape[1]
     dtype = run.inputs[0].dtype
     W_U = state_dict["unembed.W_U"]
@@ -149,7 +149,7 @@ def _path_operators(state_dict, cfg, tokens, combine):
         op = TensorProduct(torch.eye(positions, **on), torch.eye(cfg.d_model, **on))
         for layer, head in heads:
             norm = frozen_norm_operator(cfg, run.norms[layer], positions, dtype, W_U.device)
-            W_OV = _layer_weight(state_dict, cfg, layer, "V")[head] @ state_dict[f"blocks.{layer}.attn.W_O"][head]
+            W_OV = layer_weight(state_dict, cfg, layer, "V")[head] @ state_dict[f"blocks.{layer}.attn.W_O"][head]
             op = combine(TensorProduct(run.patterns[layer][:, head], W_OV.T), combine(norm, op))
         op = combine(unembed, combine(frozen_norm_operator(cfg, run.norms[-1], positions, dtype, W_U.device), op))
         total = total + op.apply(source)
@@ -159,10 +159,10 @@ def _path_operators(state_dict, cfg, tokens, combine):
 def _path_sources(state_dict, cfg, tokens, run):
     """``(source term [b, p, d_model], heads)`` for every path: where it starts and the heads it
     passes through. Sources are the embeddings and the constants each layer writes."""
-    sources = dict(_embed(state_dict, cfg, tokens))
+    sources = dict(embedding_terms(state_dict, cfg, tokens))
     terms = dict(sources)
     for layer in range(cfg.n_layers):
-        terms = _through_layer(state_dict, cfg, layer, run, terms)
+        terms = through_layer(state_dict, cfg, layer, run, terms)
         sources[Path(f"bias {layer}")] = terms[Path(f"bias {layer}")]
     return [(sources[Path(path.source)], path.heads) for path in terms]
 

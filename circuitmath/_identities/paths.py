@@ -34,8 +34,8 @@ from .._kronecker import Apply, expand_operator, tensor
 from .._proof import Fact, Step, Twin
 from .._registry import Identity, WrongRewrite, register
 from ..circuits import Path, bigram_table, path_terms, pattern_from_scores as _softmax_scores, score_terms, virtual_weights
-from ..circuits._heads import _layer_bias, _layer_weight
-from ..circuits._paths import PATH_MODEL, _embed, _run
+from ..circuits._heads import layer_bias, layer_weight
+from ..circuits._paths import PATH_MODEL, embedding_terms, recorded_run
 from ._circuit_checks import compare_logits, dim, frozen_norm_operator, logits_with_heads, notation_proof
 
 #: The book chapter whose sections state, prove and check this family's identities.
@@ -148,7 +148,7 @@ def _bigram_route(transposed: bool):
 
     def route(state_dict, cfg, tokens):
         require("zero_layer_bigram", ZERO_LAYERS, cfg.n_layers == 0, f"the model has {cfg.n_layers} layers")
-        run = _run(state_dict, cfg, tokens, "zero_layer_bigram")
+        run = recorded_run(state_dict, cfg, tokens, "zero_layer_bigram")
         norm = run.norms[-1]
         W_E = state_dict["embed.W_E"]
         operator = frozen_norm_operator(cfg, norm, tokens.shape[1], W_E.dtype, W_E.device)
@@ -338,8 +338,8 @@ def _split_scores_route(dropped: tuple[str, ...]):
 
         def heads(layer, pattern, normed):
             A = rebuilt if layer == 1 else pattern
-            v = torch.einsum("bpd,hde->bphe", normed, _layer_weight(state_dict, cfg, layer, "V"))
-            z = torch.einsum("bhqk,bkhe->bqhe", A, v + _layer_bias(state_dict, cfg, layer, "V"))
+            v = torch.einsum("bpd,hde->bphe", normed, layer_weight(state_dict, cfg, layer, "V"))
+            z = torch.einsum("bhqk,bkhe->bqhe", A, v + layer_bias(state_dict, cfg, layer, "V"))
             return torch.einsum("bqhe,hed->bqd", z, state_dict[f"blocks.{layer}.attn.W_O"])
 
         return logits_with_heads(state_dict, cfg, tokens, heads, "qk_composition_terms")
@@ -406,11 +406,11 @@ def _virtual_weights_route(previous_only: bool):
     """
 
     def route(state_dict, cfg, tokens):
-        run = _run(state_dict, cfg, tokens, "virtual_weights")
+        run = recorded_run(state_dict, cfg, tokens, "virtual_weights")
         dtype, device = state_dict["embed.W_E"].dtype, state_dict["embed.W_E"].device
         positions = tokens.shape[1]
         identity = torch.eye(cfg.d_model, dtype=dtype, device=device)
-        embedding = sum(_embed(state_dict, cfg, tokens).values())
+        embedding = sum(embedding_terms(state_dict, cfg, tokens).values())
         ones = torch.ones(*embedding.shape[:2], 1, dtype=dtype, device=device)
         writes = [(-1, embedding, identity)]  # (layer, r [b, p, *w, a], writer [*w, a, d_model])
 
@@ -434,8 +434,8 @@ def _virtual_weights_route(previous_only: bool):
             return total + torch.einsum("bpd,...dc->bp...c", norm.constant(embedding), reader)
 
         for layer in range(cfg.n_layers):
-            W_V = _layer_weight(state_dict, cfg, layer, "V")
-            values = read(layer, W_V) + _layer_bias(state_dict, cfg, layer, "V")  # [b, p, heads, e]
+            W_V = layer_weight(state_dict, cfg, layer, "V")
+            values = read(layer, W_V) + layer_bias(state_dict, cfg, layer, "V")  # [b, p, heads, e]
             z = torch.einsum("bhqk,bkhe->bqhe", run.patterns[layer], values)
             writes.append((layer, z, state_dict[f"blocks.{layer}.attn.W_O"]))
             writes.append((layer, ones, state_dict[f"blocks.{layer}.attn.b_O"][None]))

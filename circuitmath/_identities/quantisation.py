@@ -367,14 +367,14 @@ def _put_back(sides):
 
 def _query_key_generic(state_dict, cfg, rotations=None):
     """Rotate queries and keys by a rotation that mixes rotary pairs (the values as the identity does)."""
-    from ..circuits._bases import _change_bases
+    from ..circuits._bases import change_bases
 
     rotations = check_head_rotations(cfg) if rotations is None else rotations
     out, out_cfg = rotate_heads(state_dict, cfg, value=rotations["value"])
     generic = torch.linalg.qr(torch.randn(rotations["value"].shape, dtype=torch.float64, device="cpu",
                                           generator=torch.Generator(device="cpu").manual_seed(CHECK_SEED + 1)))[0]
     generic = generic.to(state_dict["embed.W_E"].device)  # the products run where the weights are
-    return _change_bases(out, cfg, query=generic, key=generic), out_cfg
+    return change_bases(out, cfg, query=generic, key=generic), out_cfg
 
 
 ROTATE_HEADS = register(

@@ -26,7 +26,7 @@ from .._processing._common import NOT_APPLIED, NOT_ROTARY, NO_QK_NORM
 from .._proof import Fact, Proof, Step, Twin
 from .._registry import COMPUTES, Identity, WrongRewrite, register
 from .._state import attention_names, marked_as
-from ..circuits._bases import _change_bases
+from ..circuits._bases import change_bases
 
 #: The book chapter whose sections state, prove and check this family's identities.
 CHAPTER = "attention_weights"
@@ -165,7 +165,7 @@ def _key_inverse_not_transposed(state_dict, cfg):
     _unused, new_cfg = refactor_factored_attn_matrices(state_dict, cfg)
     basis = _skewed_basis(cfg.d_head, state_dict["embed.W_E"].device).expand(cfg.n_layers, attention_names(cfg, "K")[2], cfg.d_head, cfg.d_head)
     inverse = torch.linalg.inv(basis)
-    return _change_bases(state_dict, cfg, query=basis, key=inverse, value=basis, output=inverse), new_cfg
+    return change_bases(state_dict, cfg, query=basis, key=inverse, value=basis, output=inverse), new_cfg
 
 
 def _biases_left_behind(state_dict, cfg):

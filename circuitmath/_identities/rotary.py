@@ -173,11 +173,11 @@ def _rotated_pairs(state_dict, cfg):
 def _rotated_regardless(change):
     """A wrong query/key rotation ``change(R, cfg)``, applied as ``rotate_heads`` would apply it."""
     def wrong(state_dict, cfg):
-        from ..circuits._bases import _change_bases
+        from ..circuits._bases import change_bases
 
         out, out_cfg = _rotated_pairs(state_dict, cfg)
         R = change(_query_key_rotation(cfg), cfg).to(state_dict["embed.W_E"].device)
-        return _change_bases(state_dict, cfg, query=R, key=R), out_cfg
+        return change_bases(state_dict, cfg, query=R, key=R), out_cfg
     return wrong
 
 

@@ -269,7 +269,7 @@ def rotate_heads(
     and devices kept. Two rotations compose into one, so a second application is not refused;
     each records ``"rotate_heads"``.
     """
-    from ..circuits._bases import _change_bases  # the one copy of the per-head products; circuits imports _processing
+    from ..circuits._bases import change_bases  # the one copy of the per-head products; circuits imports _processing
 
     dtype = validate_state_dict(state_dict, cfg)
     R_v = _head_rotations(identity, value, cfg, dtype, "value")
@@ -286,7 +286,7 @@ def rotate_heads(
                 "the model normalises each head's queries and keys (QK-norm): its gain diag(w) sits between W_Q R and"
                 " the scores and does not commute with R; rotate the values only")
         changes |= {"query": R_qk, "key": R_qk}
-    return _change_bases(state_dict, cfg, **changes), cfg
+    return change_bases(state_dict, cfg, **changes), cfg
 
 
 def _fit(pairs: list[tuple[torch.Tensor, torch.Tensor]], project=None) -> torch.Tensor:

@@ -3,7 +3,7 @@
 ``W_Q N, W_K N^{-T}, W_V M, M^{-1} W_O`` (biases alike) leaves every head's scores and output
 unchanged (identity ``refactor_factored_attn_matrices``). The identities' numeric checks and
 wrong rewrites, the tests and the book all change bases through :func:`change_head_bases` or the
-private :func:`_change_bases` under it.
+private :func:`change_bases` under it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _commutes_with_rotary(N: torch.Tensor, cfg: Config) -> bool:
     return float((N @ J - J @ N).abs().max()) <= 64 * cfg.d_head * torch.finfo(torch.float64).eps * scale
 
 
-def _change_bases(
+def change_bases(
     state_dict: StateDict, cfg: Config, *, query=None, key=None, value=None, output=None
 ) -> dict[str, torch.Tensor]:
     """Multiply each head's factors by per-head matrices, computed in float64, returned in the
@@ -126,4 +126,4 @@ def change_head_bases(
     if value is not None:
         M = value.double()
         changes |= {"value": M, "output": torch.linalg.inv(M)}
-    return _change_bases(state_dict, cfg, **changes)
+    return change_bases(state_dict, cfg, **changes)

@@ -34,13 +34,13 @@ def _per_head(state_dict: StateDict, cfg: Config, name: str) -> torch.Tensor:
     return per_query_head(stacked, cfg, heads, dim=1)
 
 
-def _layer_weight(state_dict: StateDict, cfg: Config, layer: int, name: str) -> torch.Tensor:
+def layer_weight(state_dict: StateDict, cfg: Config, layer: int, name: str) -> torch.Tensor:
     """``W_name`` of one layer, one per query head: ``[n_heads, d_model, d_head]``."""
     weight, _bias, heads = attention_names(cfg, name)
     return per_query_head(state_dict[f"blocks.{layer}.attn.{weight}"], cfg, heads, dim=0)
 
 
-def _layer_bias(state_dict: StateDict, cfg: Config, layer: int, name: str) -> torch.Tensor:
+def layer_bias(state_dict: StateDict, cfg: Config, layer: int, name: str) -> torch.Tensor:
     """``b_name`` of one layer, one per query head: ``[n_heads, d_head]``."""
     _weight, bias, heads = attention_names(cfg, name)
     return per_query_head(state_dict[f"blocks.{layer}.attn.{bias}"], cfg, heads, dim=0)

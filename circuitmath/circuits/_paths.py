@@ -15,9 +15,9 @@ import torch
 from .._config import Config
 from .._errors import InputError, Precondition
 from .._processing._common import NO_LOGIT_SOFTCAP, NO_POST_NORMS, NO_QK_NORM, require
-from .._reference import _project, _rotate, forward, pattern_from_scores
+from .._reference import project, rotate, forward, pattern_from_scores
 from .._state import StateDict, validated
-from ._heads import _layer_bias, _layer_weight
+from ._heads import layer_bias, layer_weight
 
 __all__ = ["POSITIONS", "attention_patterns", "Path", "path_terms", "SCORE_TERMS", "score_terms", "PATH_MODEL"]
 
@@ -55,7 +55,7 @@ def _require_path_model(cfg: Config, identity: str) -> None:
 
 
 @dataclass(frozen=True)
-class _Norm:
+class FrozenNorm:
     """A norm with its scale frozen: ``N(x) = s * (x P) * w + b`` with ``P`` centering or not."""
 
     kind: str | None
@@ -64,7 +64,7 @@ class _Norm:
     b: torch.Tensor | None
 
     @classmethod
-    def freeze(cls, state_dict: StateDict, cfg: Config, prefix: str, x: torch.Tensor) -> "_Norm":
+    def freeze(cls, state_dict: StateDict, cfg: Config, prefix: str, x: torch.Tensor) -> "FrozenNorm":
         kind = cfg.normalization_type
         if kind is None:
             return cls(None, None, None, None)
@@ -98,7 +98,7 @@ class _Norm:
 _softmax_scores = pattern_from_scores
 
 
-def _embed(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> dict["Path", torch.Tensor]:
+def embedding_terms(state_dict: StateDict, cfg: Config, tokens: torch.Tensor) -> dict["Path", torch.Tensor]:
     terms = {Path("embed"): state_dict["embed.W_E"][tokens]}
     if cfg.positional_embedding_type == "standard":
         pos = state_dict["pos_embed.W_pos"][: tokens.shape[1]]
@@ -111,11 +111,11 @@ class _Run:
     """A forward pass of an attention-only model, with what the path expansion freezes."""
 
     patterns: tuple[torch.Tensor, ...]  # per layer [batch, n_heads, pos, pos]
-    norms: tuple[_Norm, ...]  # ln1 of every layer, then ln_final
+    norms: tuple[FrozenNorm, ...]  # ln1 of every layer, then ln_final
     inputs: tuple[torch.Tensor, ...]  # residual stream entering every layer, then ln_final
 
 
-def _run(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, identity: str) -> _Run:
+def recorded_run(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, identity: str) -> _Run:
     """The reference forward pass (:func:`circuitmath.forward`), with the patterns and the
     residual streams it records, and each norm's scale frozen at the stream it read."""
     state_dict = validated(state_dict, cfg)
@@ -123,16 +123,16 @@ def _run(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, identity: str
     record: dict = {}
     forward(state_dict, cfg, tokens, record=record)
     inputs = (*record["residuals"], record["final_residual"])
-    norms = [_Norm.freeze(state_dict, cfg, f"blocks.{layer}.ln1", x) for layer, x in enumerate(inputs[:-1])]
-    norms.append(_Norm.freeze(state_dict, cfg, "ln_final", inputs[-1]))
+    norms = [FrozenNorm.freeze(state_dict, cfg, f"blocks.{layer}.ln1", x) for layer, x in enumerate(inputs[:-1])]
+    norms.append(FrozenNorm.freeze(state_dict, cfg, "ln_final", inputs[-1]))
     return _Run(tuple(record["patterns"]), tuple(norms), inputs)
 
 
 def _head_outputs(state_dict, cfg, layer, pattern, normed, with_bias: bool = True) -> torch.Tensor:
     """``A^h (normed W_V^h + b_V^h) W_O^h`` for every head: ``[batch, pos, n_heads, d_model]``."""
-    v = torch.einsum("bpd,hde->bphe", normed, _layer_weight(state_dict, cfg, layer, "V"))
+    v = torch.einsum("bpd,hde->bphe", normed, layer_weight(state_dict, cfg, layer, "V"))
     if with_bias:
-        v = v + _layer_bias(state_dict, cfg, layer, "V")
+        v = v + layer_bias(state_dict, cfg, layer, "V")
     z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)
     return torch.einsum("bqhe,hed->bqhd", z, state_dict[f"blocks.{layer}.attn.W_O"])
 
@@ -192,14 +192,14 @@ def path_terms(
     attention). There are about ``(n_heads + 1) ** n_layers`` paths per source;
     more than ``max_paths`` is an error.
     """
-    run = _run(state_dict, cfg, tokens, "two_layer_path_expansion")
+    run = recorded_run(state_dict, cfg, tokens, "two_layer_path_expansion")
     sources = 2 + cfg.n_layers
     count = sources * (cfg.n_heads + 1) ** cfg.n_layers
     if count > max_paths:
         raise InputError(f"about {count} paths (more than max_paths={max_paths}); raise max_paths to expand anyway")
-    terms = _embed(state_dict, cfg, tokens)
+    terms = embedding_terms(state_dict, cfg, tokens)
     for layer in range(cfg.n_layers):
-        terms = _through_layer(state_dict, cfg, layer, run, terms)
+        terms = through_layer(state_dict, cfg, layer, run, terms)
     final = run.norms[-1]
     W_U = state_dict["unembed.W_U"]
     logits = {path: final.linear(x) @ W_U for path, x in terms.items()}
@@ -208,7 +208,7 @@ def path_terms(
     return logits
 
 
-def _through_layer(state_dict, cfg, layer, run: _Run, terms: dict) -> dict:
+def through_layer(state_dict, cfg, layer, run: _Run, terms: dict) -> dict:
     """Every term of the residual stream, plus each term passed through each head of ``layer``."""
     norm, pattern = run.norms[layer], run.patterns[layer]
     out = dict(terms)
@@ -245,15 +245,15 @@ def score_terms(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, layer:
     (identity ``qk_composition_terms``). V-composition is in the values, not the scores: it is
     the virtual heads of :func:`path_terms`. Rotary embeddings rotate each part (a linear map).
     """
-    run = _run(state_dict, cfg, tokens, "qk_composition_terms")
+    run = recorded_run(state_dict, cfg, tokens, "qk_composition_terms")
     require("qk_composition_terms", NO_QK_NORM, not cfg.qk_norm,
             "the model normalises each head's queries and keys (QK-norm), so the scores are not bilinear in the stream"
             " and do not split into direct and composed terms")
     if not 0 <= layer < cfg.n_layers:
         raise InputError(f"layer must lie in [0, n_layers={cfg.n_layers}), got {layer}")
-    terms = _embed(state_dict, cfg, tokens)
+    terms = embedding_terms(state_dict, cfg, tokens)
     for earlier in range(layer):
-        terms = _through_layer(state_dict, cfg, earlier, run, terms)
+        terms = through_layer(state_dict, cfg, earlier, run, terms)
     norm = run.norms[layer]
     some = next(iter(terms.values()))
     direct = sum(x for p, x in terms.items() if p.order == 0 and not p.source.startswith("bias"))
@@ -268,10 +268,10 @@ def score_terms(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, layer:
     q = {name: _project_linear(state_dict, cfg, layer, "Q", x) for name, x in parts.items()}
     k = {name: _project_linear(state_dict, cfg, layer, "K", x) for name, x in parts.items()}
     p = f"blocks.{layer}.attn"
-    q["constant"], k["constant"] = _project(state_dict, p, cfg, "Q", constant), _project(state_dict, p, cfg, "K", constant)
+    q["constant"], k["constant"] = project(state_dict, p, cfg, "Q", constant), project(state_dict, p, cfg, "K", constant)
     if cfg.positional_embedding_type == "rotary":
-        q = {name: _rotate(x, cfg, layer) for name, x in q.items()}
-        k = {name: _rotate(x, cfg, layer) for name, x in k.items()}
+        q = {name: rotate(x, cfg, layer) for name, x in q.items()}
+        k = {name: rotate(x, cfg, layer) for name, x in k.items()}
 
     def scores(a, b):
         return torch.einsum("bqhe,bkhe->bhqk", q[a], k[b])
@@ -288,4 +288,4 @@ def score_terms(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, layer:
 
 def _project_linear(state_dict: StateDict, cfg: Config, layer: int, name: str, x: torch.Tensor) -> torch.Tensor:
     """``x @ W_name`` per query head, no bias: ``[batch, pos, d_model]`` to ``[batch, pos, n_heads, d_head]``."""
-    return torch.einsum("bpd,hde->bphe", x, _layer_weight(state_dict, cfg, layer, name))
+    return torch.einsum("bpd,hde->bphe", x, layer_weight(state_dict, cfg, layer, name))
