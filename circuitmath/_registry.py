@@ -48,7 +48,7 @@ from ._state import StateDict
 from ._compare import Comparison, compare_log_probs
 
 __all__ = ["Identity", "WrongRewrite", "register", "registered", "COMPUTES", "MOVES_ENTRIES", "COMPOSES",
-           "AS_THE_FORWARD_PASS"]
+           "AS_THE_FORWARD_PASS", "NOTHING_SHOWN"]
 
 Transform = Callable[[StateDict, Config], tuple[dict, Config]]
 #: ``compare(state_dict, cfg, tokens, computation) -> Comparison``: the numeric check of an identity
@@ -66,6 +66,14 @@ COMPOSES = "composes"
 #: ... or it rounds as the model's forward pass does (a multiplier rounded to the weights' dtype
 #: first), which its own tests check bit for bit against the forward pass.
 AS_THE_FORWARD_PASS = "as the forward pass"
+
+#: ``Identity.postcondition`` of an identity whose record the weights cannot show: a free
+#: parameter (a scale, a basis, an order) leaves no mark a function of the output alone could read.
+NOTHING_SHOWN = "nothing the weights show"
+
+#: ``postcondition(state_dict, cfg) -> None`` when what the identity makes true of the weights it
+#: returns holds of ``state_dict`` (of config ``cfg``), else a message saying what is not true.
+Postcondition = Callable[[StateDict, Config], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,14 @@ class Identity:
     cfg, parameter)`` applies the identity with it (its public transform), and each wrong rewrite
     takes it as an optional third argument. The diagnosis recovers the parameter instead of
     replaying ``transform``, whose parameter is fixed for the numeric checks.
+
+    ``postcondition``: what a weight identity's rewrite makes true of the weights it returns
+    (:data:`Postcondition`), which holds of any model whose ``cfg.applied`` records the identity
+    (``tests/test_applied.py`` applies every pair of identities and every pipeline, and reads it),
+    or :data:`NOTHING_SHOWN`; ``None`` only for an identity that composes others' rewrites or
+    licenses a computation. ``moves_off``: the public transforms whose records this identity's
+    rewrite makes untrue by design (a rotation of the residual basis moves it off the centered
+    form): their postconditions describe the model before it.
     """
 
     name: str = None  # type: ignore[assignment]  # derived from the transform when not given
@@ -159,6 +175,8 @@ class Identity:
     half_precision: str | None = None
     chapter: str | None = None
     free_parameter: bool = False
+    postcondition: Postcondition | str | None = field(default=None, repr=False)
+    moves_off: tuple[Callable, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         public = self.public
@@ -176,6 +194,8 @@ class Identity:
         if self.half_precision not in (COMPUTES, MOVES_ENTRIES, COMPOSES, AS_THE_FORWARD_PASS, None):
             raise ValueError(f"{self.name}: half_precision is {self.half_precision!r}, not one of COMPUTES, MOVES_ENTRIES,"
                              " COMPOSES, AS_THE_FORWARD_PASS")
+        if not (self.postcondition in (None, NOTHING_SHOWN) or callable(self.postcondition)):
+            raise ValueError(f"{self.name}: postcondition is {self.postcondition!r}, not a function or NOTHING_SHOWN")
         object.__setattr__(self, "wrong_rewrites", MappingProxyType({
             name: wrong if isinstance(wrong, WrongRewrite) else WrongRewrite(wrong)
             for name, wrong in self.wrong_rewrites.items()

@@ -26,6 +26,7 @@ from sympy import DiagMatrix, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, 
 from .._processing import fold_value_biases, remove_key_biases
 from .._processing.attention import value_bias_through_output
 from .._processing._common import NO_ATTN_SINKS, NO_ATTN_SOFTCAP, NOT_APPLIED, NOT_ROTARY, NO_QK_NORM
+from ._postconditions import biases_zero
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import COMPUTES, MOVES_ENTRIES, Identity, WrongRewrite, register
 from .._state import attention_names
@@ -369,6 +370,7 @@ FOLD_VALUE_BIASES = register(
         ),
         build_proof=_value_bias_proof,
         transform=fold_value_biases,
+        postcondition=biases_zero("V"),
         wrong_rewrites={
             "no_sum_over_heads": WrongRewrite(
                 _fold_through(lambda heads: heads[:1] if heads.start == 0 else []),
@@ -392,6 +394,7 @@ REMOVE_KEY_BIASES = register(
         preconditions=(NOT_ROTARY, NO_QK_NORM, NO_ATTN_SOFTCAP, NO_ATTN_SINKS, NOT_APPLIED),
         build_proof=_key_bias_proof,
         transform=remove_key_biases,
+        postcondition=biases_zero("K"),
         wrong_rewrites={
             "drop_query_biases": _drop_query_biases,
             "regardless": WrongRewrite(_remove_key_biases_regardless, REGARDLESS, regardless=True),

@@ -25,6 +25,7 @@ from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, OneMatrix, Rati
 from .._processing import center_unembed, center_writing_weights, writers
 from .._processing._common import NO_LOGIT_SOFTCAP, NOT_APPLIED, PRE_NORM
 from .._processing.centering import CENTERING_NORM
+from ._postconditions import means_zero, writers_centered
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import COMPUTES, Identity, WrongRewrite, register
 from ._softcaps import fold_before_the_logit_softcap, logit_softcap_twin
@@ -245,6 +246,11 @@ def _center_writers_regardless(state_dict, cfg):
     return out, cfg.replace(applied=cfg.applied + (CENTER_WRITING_WEIGHTS.name,))
 
 
+def _unembed_centered(state_dict, cfg):
+    """``W_U`` and ``b_U`` have mean zero over the vocabulary."""
+    return means_zero(state_dict, [n for n in ("unembed.W_U", "unembed.b_U") if n in state_dict], -1)
+
+
 CENTER_WRITING_WEIGHTS = register(
     Identity(
         title="Centering the weights that write to the residual stream",
@@ -258,6 +264,7 @@ CENTER_WRITING_WEIGHTS = register(
         ),
         build_proof=_writing_proof,
         transform=center_writing_weights,
+        postcondition=writers_centered,
         wrong_rewrites={
             "W_O_over_d_head": WrongRewrite(
                 _center_W_O_over_d_head,
@@ -287,6 +294,7 @@ CENTER_UNEMBED = register(
         ),
         build_proof=_unembed_proof,
         transform=center_unembed,
+        postcondition=_unembed_centered,
         wrong_rewrites={
             "over_d_model": WrongRewrite(
                 _center_unembed_over_d_model,

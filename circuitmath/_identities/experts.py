@@ -25,7 +25,7 @@ from sympy import Identity as Eye, MatMul, MatrixSymbol
 
 from .._processing.experts import AN_EXPERT_PERMUTATION, HAS_EXPERTS, permute_experts, recover_expert_permutation
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import MOVES_ENTRIES, Identity, WrongRewrite, register
+from .._registry import MOVES_ENTRIES, NOTHING_SHOWN, Identity, WrongRewrite, register
 from .._moe import EXPERT_LEAVES, expert_names, routers
 from ._circuit_checks import dim
 from .permutations import _permutation
@@ -110,6 +110,7 @@ PERMUTE_EXPERTS = register(
         check_note="the permutation is recovered from the experts' output maps and verified on every tensor",
         build_proof=_experts_proof,
         transform=_permute,
+        postcondition=NOTHING_SHOWN,
         wrong_rewrites={
             "router_not_permuted": WrongRewrite(
                 forgetting(_permute, routers), "move the experts, leave the router's columns in place"),

@@ -19,6 +19,7 @@ from sympy import DiagMatrix, Identity as Eye, MatAdd, MatMul, MatrixSymbol, One
 from .._processing import center_reading_weights, fold_layer_norm, readers
 from .._processing._common import NORM_READ_LINEARLY, NOT_APPLIED, PRE_NORM
 from .._processing.layer_norm import IS_LN, READER_HAS_BIAS, READS_LNPRE
+from ._postconditions import no_norm_parameters, readers_centered
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._registry import COMPUTES, Identity, WrongRewrite, register
 
@@ -222,6 +223,7 @@ LAYER_NORM_FOLD = register(
         preconditions=(PRE_NORM, IS_LN, NORM_READ_LINEARLY, READER_HAS_BIAS, NOT_APPLIED),
         build_proof=_layer_norm_fold_proof_with_eps,
         transform=fold_layer_norm,
+        postcondition=no_norm_parameters,
         wrong_rewrites={
             "drop_bias": WrongRewrite(
                 lambda sd, cfg: _fold_with_bias_term(sd, cfg, lambda b, W_eff: 0),
@@ -254,6 +256,7 @@ CENTER_READING_WEIGHTS = register(
         preconditions=(READS_LNPRE, PRE_NORM, NORM_READ_LINEARLY, NOT_APPLIED),
         build_proof=_center_reading_proof,
         transform=center_reading_weights,
+        postcondition=readers_centered,
         wrong_rewrites={
             "wrong_axis": WrongRewrite(
                 _center_wrong_axis, "center over the reader's output axis (mean over m), not over d_model"),

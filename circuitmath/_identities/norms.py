@@ -29,8 +29,9 @@ from .._processing import (
 )
 from .._processing._common import NO_POST_NORMS, NORM_READ_LINEARLY, NOT_APPLIED, PRE_NORM
 from .._processing.norms import BEHIND_A_NORM, EPS_ZERO, IS_LNPRE, IS_RMS, SCALE_POSITIVE, WRITES_CENTERED
+from ._postconditions import no_norm_parameters, writers_centered
 from .._proof import Definition, Fact, Proof, Step, Twin
-from .._registry import COMPUTES, MOVES_ENTRIES, Identity, WrongRewrite, register
+from .._registry import COMPUTES, MOVES_ENTRIES, NOTHING_SHOWN, Identity, WrongRewrite, register
 
 #: The book chapter whose sections state, prove and check this family's identities.
 CHAPTER = "norms"
@@ -321,6 +322,12 @@ def _rescale_by_negative_scale(state_dict, cfg):
 #: The scale the numeric check of scale invariance rescales the residual stream by.
 CHECK_SCALE = 3.7
 
+def _normalised_by_rms(state_dict, cfg):
+    """Every norm is an RMSNorm."""
+    rms = cfg.normalization_type in ("RMSPre", "RMS")
+    return None if rms else f"normalization_type is {cfg.normalization_type!r}, not RMSPre or RMS"
+
+
 CENTERING_PROJECTION = register(
     Identity(
         name="centering_projection",
@@ -333,6 +340,7 @@ CENTERING_PROJECTION = register(
         ),
         build_proof=_projection_proof,
         transform=center_writing_weights,
+        postcondition=writers_centered,
         wrong_rewrites={"keep_only_the_mean": _keep_only_the_mean},
         half_precision=COMPUTES,
     )
@@ -346,6 +354,7 @@ SCALE_INVARIANCE = register(
         preconditions=(EPS_ZERO, PRE_NORM, BEHIND_A_NORM, NO_POST_NORMS, SCALE_POSITIVE, NOT_APPLIED),
         build_proof=_scale_invariance_proof,
         transform=functools.partial(rescale_residual_stream, scale=CHECK_SCALE),
+        postcondition=NOTHING_SHOWN,
         wrong_rewrites={
             "negative_scale": WrongRewrite(
                 _rescale_by_negative_scale, "scale by t < 0: sqrt(t^2) = |t|, so LNPre(t x) = -LNPre(x)"),
@@ -361,6 +370,7 @@ LAYER_NORM_TO_RMS_NORM = register(
         preconditions=(WRITES_CENTERED, PRE_NORM, IS_LNPRE, NOT_APPLIED),
         build_proof=_layer_norm_to_rms_proof,
         transform=layer_norm_to_rms_norm,
+        postcondition=_normalised_by_rms,
         wrong_rewrites={"other_eps": _switch_with_other_eps},
         prepare=centered_layer_norm_model,
         check_note="folded and with its writing weights centered first, as the identity needs",
@@ -376,6 +386,7 @@ RMS_NORM_FOLD = register(
         preconditions=(PRE_NORM, IS_RMS, NORM_READ_LINEARLY, NOT_APPLIED),
         build_proof=lambda: with_eps_lemma(_rms_fold_proof()),
         transform=fold_rms_norm,
+        postcondition=no_norm_parameters,
         wrong_rewrites={
             "forget_W_gate": WrongRewrite(
                 _fold_forgetting("W_gate"), "fold the gain into W_in but not into W_gate of a gated MLP"),

@@ -20,7 +20,7 @@ from .._processing.rotation import (
     A_HEAD_PERMUTATION, A_NEURON_PERMUTATION, GROUPS_MOVE_TOGETHER, HAS_MLPS, HEADS_SEE_POSITIONS_ALIKE,
 )
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import MOVES_ENTRIES, Identity, WrongRewrite, register
+from .._registry import MOVES_ENTRIES, NOTHING_SHOWN, Identity, WrongRewrite, register
 from .._state import attention_names
 from .rotation import F, W_gate, W_in, W_out, b_in, d, e, forgetting, free_matrix, k, m, n, ones_n
 
@@ -191,6 +191,7 @@ PERMUTE_HEADS = register(
         check_note="the permutation is recovered from the tensors and verified on every tensor",
         build_proof=_heads_proof,
         transform=_permute_heads,
+        postcondition=NOTHING_SHOWN,
         wrong_rewrites={
             "keys_not_permuted": WrongRewrite(
                 _heads_but(
@@ -217,6 +218,7 @@ PERMUTE_NEURONS = register(
         check_note="the permutation is recovered from the tensors and verified on every tensor",
         build_proof=_neurons_proof,
         transform=_permute_neurons,
+        postcondition=NOTHING_SHOWN,
         wrong_rewrites={
             "bias_not_permuted": WrongRewrite(_neurons_but("b_in"), "permute W_in's columns but not b_in"),
             "out_not_permuted": WrongRewrite(_neurons_but("W_out"), "permute W_in but not W_out's rows"),

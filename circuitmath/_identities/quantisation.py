@@ -23,6 +23,7 @@ from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSy
 
 from .._compare import named_generator
 from .._errors import NOT_APPLIED
+from .._processing import center_reading_weights, fold_layer_norm, fold_rms_norm, refactor_factored_attn_matrices
 from .._processing._common import DENSE_MLP, NO_QK_NORM, NORM_READ_LINEARLY, PRE_NORM, readers
 from .._processing.quantisation import (
     COMMUTES_WITH_ROTARY,
@@ -44,7 +45,7 @@ from .._processing.quantisation import (
 from .._processing.rotation import HAS_MLPS
 from .._state import attention_names, key_value_groups, per_query_head
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import COMPUTES, Identity, WrongRewrite, register
+from .._registry import COMPUTES, NOTHING_SHOWN, Identity, WrongRewrite, register
 from ._circuit_checks import dim, rational_orthogonal
 from .rotation import free_matrix
 
@@ -174,6 +175,8 @@ MIGRATE_NORM_SCALES = register(
         " and every tensor is certified against the migration by them",
         build_proof=_norm_scales_proof,
         transform=_migrate,
+        postcondition=NOTHING_SHOWN,
+        moves_off=(fold_layer_norm, fold_rms_norm, center_reading_weights),  # a folded gain comes back as 1 / s
         wrong_rewrites={  # the narrowest first: where several explain a tensor, the diagnosis names the first
             "gate_unscaled": WrongRewrite(
                 _migrate_but(_unscale(lambda pairs: [w_ for w_, _b in pairs if w_.endswith("W_gate")])),
@@ -388,6 +391,8 @@ ROTATE_HEADS = register(
         " nearest rotation that commutes with it) and every tensor is certified against the rotation by them",
         build_proof=_head_rotation_proof,
         transform=_rotate_heads,
+        postcondition=NOTHING_SHOWN,
+        moves_off=(refactor_factored_attn_matrices,),  # a balanced head's basis rotated: no longer diagonal
         wrong_rewrites={
             "per_query_head": WrongRewrite(
                 _heads_but(_per_query_head),
@@ -525,6 +530,7 @@ SCALE_NEURONS = register(
         " certified against the scaling by them",
         build_proof=_neuron_scales_proof,
         transform=_scale_neurons,
+        postcondition=NOTHING_SHOWN,
         wrong_rewrites={
             "through_gate": WrongRewrite(
                 _neurons_but(leaf="W_in", into="W_gate"),

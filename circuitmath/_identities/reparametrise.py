@@ -196,6 +196,39 @@ def _one_svd_per_query_head(state_dict, cfg):
     return out, new_cfg
 
 
+def _rows(state_dict, p, name):
+    """``[W; b]`` (and the positional table of a shortformer_tables model) per head: ``[heads, rows, d_head]``."""
+    parts = [state_dict[f"{p}.W_{name}"], state_dict[f"{p}.b_{name}"][:, None]]
+    if f"{p}.pos_{name}" in state_dict:
+        parts.append(state_dict[f"{p}.pos_{name}"].transpose(0, 1))
+    return torch.cat(parts, 1)
+
+
+def _off_diagonal(gram):
+    return float((gram - torch.diag_embed(gram.diagonal(dim1=-2, dim2=-1))).abs().max())
+
+
+def _balanced(state_dict, cfg):
+    """The refactor's factors, per head: ``[W_Q; b_Q]`` and ``[W_K; b_K]`` ``[heads, rows, d_head]``
+    with the same diagonal Gram matrix, ``[W_V; b_V]`` with orthogonal columns, ``W_O`` with
+    orthonormal rows; each up to ``1e-9`` of its Gram matrix's largest entry."""
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}.attn"
+        left, right = _rows(state_dict, p, "Q"), _rows(state_dict, p, "K")
+        gram_q, gram_k = left.mT @ left, right.mT @ right
+        tolerance = 1e-9 * float(gram_q.abs().max())
+        values = state_dict[f"{p}.W_V"] if not state_dict[f"{p}.b_V"].any() else _rows(state_dict, p, "V")
+        gram_v = values.mT @ values
+        W_O = state_dict[f"{p}.W_O"]
+        if float((gram_q - gram_k).abs().max()) > tolerance or _off_diagonal(gram_q) > tolerance:
+            return f"block {layer}: the query and key factors do not share one diagonal Gram matrix"
+        if _off_diagonal(gram_v) > 1e-9 * float(gram_v.abs().max()):
+            return f"block {layer}: the value factor's columns are not orthogonal"
+        if float((W_O @ W_O.mT - torch.eye(cfg.d_head, dtype=W_O.dtype)).abs().max()) > 1e-9:
+            return f"block {layer}: W_O's rows are not orthonormal"
+    return None
+
+
 REFACTOR_FACTORED_ATTN_MATRICES = register(
     Identity(
         title="Reparametrising the query/key and value/output factors",
@@ -209,6 +242,7 @@ REFACTOR_FACTORED_ATTN_MATRICES = register(
         ),
         build_proof=_reparametrise_proof,
         transform=refactor_factored_attn_matrices,
+        postcondition=_balanced,
         check_note="Another balanced factorisation (other signs of the singular vectors) computes the same"
         ' function but is not recognised tensor by tensor: its row is ``"not recognised"`` while the'
         " log-probs agree.",

@@ -32,7 +32,7 @@ from .._errors import NOT_APPLIED, Precondition
 from .._processing._common import NO_QK_NORM, require
 from .._processing.quantisation import COMMUTES_WITH_ROTARY, nearest_commuting, rotate_heads
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import COMPUTES, Identity, WrongRewrite, register
+from .._registry import COMPUTES, NOTHING_SHOWN, Identity, WrongRewrite, register
 from ._circuit_checks import dim
 
 #: The book chapter whose sections state, prove and check this family's identities.
@@ -212,6 +212,7 @@ ROTATE_ROTARY_PAIRS = register(
         preconditions=(IS_ROTARY, COMMUTES_WITH_ROTARY, NO_QK_NORM, NOT_APPLIED),
         build_proof=_proof,
         transform=_rotated_pairs,
+        postcondition=NOTHING_SHOWN,
         wrong_rewrites={
             "reflection_in_a_pair": WrongRewrite(
                 _rotated_regardless(_reflected_pair),

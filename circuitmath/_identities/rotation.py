@@ -23,7 +23,8 @@ import sympy
 import torch
 from sympy import DiagMatrix, Identity as Eye, Inverse, MatAdd, MatMul, MatrixSymbol, OneMatrix, Transpose
 
-from .._processing import fold_layer_norm, fold_rms_norm, layer_norm_to_rms_norm
+from .._processing import center_reading_weights, center_writing_weights, fold_layer_norm, fold_rms_norm
+from .._processing import layer_norm_to_rms_norm
 from .._errors import Precondition
 from .._processing._common import POST_NORM_GAINS_EQUAL, PRE_NORM, require
 from .._processing.layer_norm import IS_LN
@@ -43,7 +44,7 @@ from .._processing.rotation import (
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._moe import routers
 from .._reference import forward, normalize
-from .._registry import COMPOSES, COMPUTES, Identity, WrongRewrite, register
+from .._registry import COMPOSES, COMPUTES, NOTHING_SHOWN, Identity, WrongRewrite, register
 from .._state import marked_as, validate_state_dict
 from .._compare import compute_dtype, default_tokens
 from ._circuit_checks import compare_values, dim, rational_orthogonal
@@ -536,7 +537,7 @@ LAYER_NORM_ROTATION = register(
         " with Q exactly then; any other rotation of an LNPre model changes it",
         preconditions=(IS_LNPRE, Q_ORTHOGONAL, Q_FIXES_ONES, PRE_NORM, NO_NORM_GAIN, Q_SQUARE),
         build_proof=_layer_norm_rotation_proof,
-        transform=_layer_norm_rotation,
+        transform=_layer_norm_rotation, postcondition=NOTHING_SHOWN,
         wrong_rewrites={
             "generic_rotation": WrongRewrite(_layer_norm_generic_rotation, "rotate an LNPre model by an orthogonal"
                                              " R that moves 1: centering does not commute with R"),
@@ -556,6 +557,7 @@ ROTATION_INVARIANCE = register(
         check_note="the rotation Q is recovered from the tensors (orthogonal Procrustes) and verified on every tensor",
         build_proof=_model_rotation_proof,
         transform=_rotate,
+        postcondition=NOTHING_SHOWN, moves_off=(center_writing_weights, center_reading_weights),  # Q^T 1 != 1
         wrong_rewrites={
             "non_orthogonal": WrongRewrite(
                 _rotate_non_orthogonal,

@@ -19,7 +19,7 @@ from .._processing.scales import (
     EMBEDDING_SCALED, LOGIT_SCALED, embedding_multiplier, fold_embedding_scale, fold_logit_scale, scaled,
 )
 from .._proof import Fact, Proof, Step, Twin
-from .._registry import AS_THE_FORWARD_PASS, COMPUTES, Identity, WrongRewrite, register
+from .._registry import AS_THE_FORWARD_PASS, COMPUTES, NOTHING_SHOWN, Identity, WrongRewrite, register
 
 #: The book chapter whose sections state, prove and check this family's identities.
 CHAPTER = "norms"
@@ -103,6 +103,7 @@ FOLD_EMBEDDING_SCALE = register(
         preconditions=(EMBEDDING_SCALED, NOT_APPLIED),
         build_proof=_embedding_proof,
         transform=fold_embedding_scale,
+        postcondition=NOTHING_SHOWN,
         wrong_rewrites={
             "applied_twice": WrongRewrite(
                 _embedding_applied_twice,
@@ -193,6 +194,7 @@ FOLD_LOGIT_SCALE = register(
         preconditions=(LOGIT_SCALED, NOT_APPLIED),
         build_proof=_logit_proof,
         transform=fold_logit_scale,
+        postcondition=NOTHING_SHOWN,
         wrong_rewrites={
             "applied_twice": WrongRewrite(
                 _logit_applied_twice,

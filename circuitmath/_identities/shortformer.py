@@ -92,6 +92,13 @@ def _older_reading(state_dict, cfg):
     return dict(state_dict), cfg.replace(positional_embedding_type="standard")
 
 
+def _positions_in_tables(state_dict, cfg):
+    """No ``W_pos`` is left: the positions are read from each layer's tables."""
+    if "pos_embed.W_pos" in state_dict or cfg.positional_embedding_type != "shortformer_tables":
+        return f"positional_embedding_type is {cfg.positional_embedding_type!r}, W_pos given: {'pos_embed.W_pos' in state_dict}"
+    return None
+
+
 SHORTFORMER_TABLES = register(
     Identity(
         title="Shortformer: positions only in queries and keys, folded into per-layer tables",
@@ -100,6 +107,7 @@ SHORTFORMER_TABLES = register(
         preconditions=(IS_SHORTFORMER, "pre-norm", NOT_APPLIED),
         build_proof=_tables_proof,
         transform=shortformer_to_tables,
+        postcondition=_positions_in_tables,
         wrong_rewrites={
             "naive_fold": WrongRewrite(
                 _naive_fold,
