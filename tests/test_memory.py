@@ -100,3 +100,35 @@ def test_recycling_reuses_a_map_only_once_no_tensor_uses_it():
         del view
         again = new_tensor((2, shape[0] // 4), torch.float64, cpu)  # the same bytes, any shape and dtype
         assert again.data_ptr() == address and float(again.view(torch.float32)[-1, -1]) == 3.0
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="no huge-page advice here")
+def test_checks_map_their_tensors_without_the_huge_page_advice(monkeypatch):
+    """The tensors a check replays live as long as the check: they are mapped without the advice,
+    in diagnose and check_model; process_weights' own outputs are advised (the control)."""
+    import mmap
+
+    import circuitmath as cm
+    from circuitmath import _diagnosis
+    from circuitmath._processing import _memory
+
+    advised = []
+
+    class Spied(mmap.mmap):
+        def madvise(self, option, *args):
+            advised.append(option)
+            return super().madvise(option, *args)
+
+    monkeypatch.setattr(_memory.mmap, "mmap", Spied)
+    monkeypatch.setattr(_memory, "HUGE_PAGE_MIN_BYTES", 256)  # the small model's tensors mapped
+    cfg = cm.Config(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=40, n_ctx=8, d_mlp=64)
+    model = cm.random_state_dict(cfg, seed=0, dtype=torch.float32)
+    processed, processed_cfg = cm.process_weights(model, cfg)
+    assert mmap.MADV_HUGEPAGE in advised
+    advised.clear()
+    assert _diagnosis.diagnose(model, processed, cfg, after_cfg=processed_cfg).ok
+    assert _diagnosis.check_model(model, cfg).ok
+    assert not advised
+    with _memory.recycling():
+        new_tensor((1024,), torch.float32, "cpu")
+    assert advised == [mmap.MADV_HUGEPAGE]

@@ -32,6 +32,7 @@ from .. import _identities
 from .._compare import Comparison, compute_dtype, in_dtype
 from .._config import Config
 from .._errors import InputError, PreconditionError
+from .._processing._memory import recycling
 from .._state import marked_as, vouched
 from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
 from ._names import speak
@@ -65,7 +66,8 @@ def _replayed(first: Model, second: Model, plan):
     compute dtype) against ``second``, ``plan`` as for :func:`replay_and_explain`."""
     dtype = coarser(first.dtype, second.dtype)
     replay = _Replay(second.state_dict, Thresholds.of(dtype, first.cfg))
-    return replay, replay.explain(_in_compute_dtype(first.state_dict, dtype), first.cfg, plan)
+    with recycling(huge_pages=False):  # the replayed tensors live as long as the check
+        return replay, replay.explain(_in_compute_dtype(first.state_dict, dtype), first.cfg, plan)
 
 
 def replay_and_explain(first: Model, second: Model, tokens, plan, notes, progress=None, computed=(),
@@ -324,38 +326,45 @@ def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagn
     exact = None  # below float64: each identity in float64 too, and its rewrite certified (see _exact)
     if resolved.dtype != torch.float64:
         rows, positions = sensitivity_window(tokens)
-        exact, state64 = _LogProbs(tokens[:rows, :positions], torch.float64), in_float64(state)
-        exact.set_reference(state64, model_cfg)
-        thresholds = Thresholds.of(resolved.dtype, model_cfg)
+        exact = _LogProbs(tokens[:rows, :positions], torch.float64), in_float64(state)
+        exact[0].set_reference(exact[1], model_cfg)
     findings = []
-    for i, identity in enumerate(chosen, 1):
-        report(i, total, identity.name)
-        products = SharedProducts()  # the transform's float64 products, taken again by its float64 reference
-        try:
-            with products:
-                prepared, prepared_cfg = identity.prepared(state, model_cfg)
-                processed, processed_cfg = identity.transform(prepared, prepared_cfg)
-        except PreconditionError as error:
-            findings.append(Finding(identity.name, "identity", False, "not applicable", reason=str(error),
-                                    precondition=error.precondition))
-            continue
-        comparison = lp.compare(prepared, prepared_cfg, processed, processed_cfg)
-        lp.forget_all_but(state)  # each identity's models go once it is checked
-        if exact is None:
-            findings.append(identity_row(identity.name, comparison, None))
-            continue
-        with products:
-            chain, reference = _float64_of(identity, state64, model_cfg, prepared, prepared_cfg)
-        products = None
-        mismatches = rewrite_mismatches(identity, prepared, prepared_cfg, processed, chain, thresholds,
-                                        reference=reference)
-        prepared = processed = reference = None
-        float64 = exact.compare(*chain) if chain else None
-        exact.forget_all_but(state64)
-        findings.append(identity_row(identity.name, comparison, float64, mismatches, refused_in_float64=chain is None))
-        chain = None
+    # each identity's models are freed before the next runs: its new tensors take their maps
+    with recycling(huge_pages=False):
+        for i, identity in enumerate(chosen, 1):
+            report(i, total, identity.name)
+            findings.append(_identity_row(identity, resolved, lp, exact))
     report(total, total, "done")
     return Diagnosis(tuple(findings))
+
+
+def _identity_row(identity, resolved: Model, lp: _LogProbs, exact: tuple[_LogProbs, dict] | None) -> Finding:
+    """The row of ``identity`` in :func:`check_model` of ``resolved``: compared by ``lp`` in the
+    model's dtype and, below float64, by ``exact`` (float64 log-probs and the model in float64,
+    their reference) too, its rewrite certified. Nothing of the identity's models is kept."""
+    state, model_cfg = resolved.state_dict, resolved.cfg
+    products = SharedProducts()  # the transform's float64 products, taken again by its float64 reference
+    try:
+        with products:
+            prepared, prepared_cfg = identity.prepared(state, model_cfg)
+            processed, processed_cfg = identity.transform(prepared, prepared_cfg)
+    except PreconditionError as error:
+        return Finding(identity.name, "identity", False, "not applicable", reason=str(error),
+                       precondition=error.precondition)
+    comparison = lp.compare(prepared, prepared_cfg, processed, processed_cfg)
+    lp.forget_all_but(state)  # each identity's models go once it is checked
+    if exact is None:
+        return identity_row(identity.name, comparison, None)
+    exact, state64 = exact
+    with products:
+        chain, reference = _float64_of(identity, state64, model_cfg, prepared, prepared_cfg)
+    products = None
+    mismatches = rewrite_mismatches(identity, prepared, prepared_cfg, processed, chain,
+                                    Thresholds.of(resolved.dtype, model_cfg), reference=reference)
+    prepared = processed = reference = None
+    float64 = exact.compare(*chain) if chain else None
+    exact.forget_all_but(state64)
+    return identity_row(identity.name, comparison, float64, mismatches, refused_in_float64=chain is None)
 
 
 def _float64_of(identity, state64, cfg, prepared, prepared_cfg):

@@ -34,12 +34,22 @@ HUGE_PAGE_MIN_BYTES = 4 << 20
 #: Temporaries of at least this size are mapped by :func:`scratch` (see there).
 SCRATCH_MIN_BYTES = 64 << 10
 
+
+class _Maps(list):
+    """The maps :func:`new_tensor` made within one :func:`recycling`, and whether it advises new
+    ones huge pages."""
+
+    def __init__(self, huge_pages: bool):
+        super().__init__()
+        self.huge_pages = huge_pages
+
+
 #: The maps :func:`new_tensor` made within :func:`recycling` (``None`` outside it).
-_RECYCLED: contextvars.ContextVar[list | None] = contextvars.ContextVar("recycled", default=None)
+_RECYCLED: contextvars.ContextVar[_Maps | None] = contextvars.ContextVar("recycled", default=None)
 
 
 @contextlib.contextmanager
-def recycling():
+def recycling(*, huge_pages: bool = True):
     """Within it, a tensor that :func:`new_tensor` maps reuses a map made earlier within it, of
     the same size in bytes, that no tensor uses any more (its contents are left as they were),
     instead of a fresh one: for a loop that makes tensors of the same sizes over and over (a
@@ -47,6 +57,12 @@ def recycling():
     kernel a page fault and the zeroing of every page on first write, a large share of the
     time of streamed processing. A map no tensor uses stays mapped until the ``with`` statement ends, so memory holds
     what the loop held at most.
+
+    ``huge_pages=False``: new maps are not advised huge pages, for tensors that live only as long
+    as a check and are read once or twice (a replayed rewrite, certified and dropped): they save
+    no TLB misses worth it, and where the kernel must compact memory to find huge pages, or a
+    hypervisor back them, their first touch costs several times that of 4 KiB pages
+    (``benchmarks/check_speed.py``).
 
     >>> with recycling():
     ...     first = new_tensor((1 << 20,), torch.float32, torch.device("cpu")).fill_(7)
@@ -56,7 +72,7 @@ def recycling():
     >>> again.data_ptr() == address and bool((again == 7).all())
     True
     """
-    token = _RECYCLED.set([])
+    token = _RECYCLED.set(_Maps(huge_pages))
     try:
         yield
     finally:
@@ -117,7 +133,7 @@ def new_tensor(
     one of at least ``mapped_from`` bytes is mapped (advised huge pages from
     :data:`HUGE_PAGE_MIN_BYTES`); a smaller one, or one on any other device, from :func:`torch.empty`.
     ``mapped_from`` defaults to :data:`HUGE_PAGE_MIN_BYTES`. Within :func:`recycling`, a map no
-    tensor uses any more is mapped again.
+    tensor uses any more is mapped again (and a new one advised huge pages only where it says so).
     """
     if mapped_from is None:
         mapped_from = HUGE_PAGE_MIN_BYTES
@@ -127,13 +143,13 @@ def new_tensor(
         return torch.empty(shape, dtype=dtype, device=device)
     buffer = _reused(size)
     if buffer is None:
+        maps = _RECYCLED.get()
         try:
             buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            if size >= HUGE_PAGE_MIN_BYTES:
+            if size >= HUGE_PAGE_MIN_BYTES and (maps is None or maps.huge_pages):
                 buffer.madvise(mmap.MADV_HUGEPAGE)
         except (OSError, ValueError):
             return torch.empty(shape, dtype=dtype, device=device)
-        maps = _RECYCLED.get()
         if maps is not None:
             maps.append(buffer)
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
