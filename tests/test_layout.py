@@ -251,7 +251,7 @@ from sympy import MatAdd, MatMul, MatrixSymbol, OneMatrix, Symbol
 
 from .._processing._common import NOT_APPLIED, rewrite
 from .._proof import Proof, Step, Twin
-from .._registry import {half_precision_import}Identity, register
+from .._registry import {half_precision_import}NOTHING_SHOWN, Identity, register
 from .._state import attention_names, validate_state_dict
 
 CHAPTER = "attention_weights"
@@ -304,7 +304,8 @@ NEGATE_VALUES = register(
         preconditions=(NOT_APPLIED,),
         build_proof=_proof,
         transform=negate_values,
-        wrong_rewrites={{"bias_kept": _bias_kept}},{half_precision}
+        wrong_rewrites={{"bias_kept": _bias_kept}},
+        postcondition=NOTHING_SHOWN,{half_precision}
     )
 )
 '''
@@ -334,15 +335,32 @@ THROWAWAY_SECTION = '''
 `negate_values` negates every head's value map and output map together.
 '''
 
+#: Its public names: a line in each of the two static lists of public names
+#: (``circuitmath/__init__.py``, ``circuitmath/testing.py``), with their entries in ``__all__``.
+THROWAWAY_EXPORT = "from ._identities.signs import negate_values as negate_values"
+THROWAWAY_CHECKER = ("from ._identities.signs import negate_values as _negate_values\n"
+                     "check_negate_values, assert_negate_values = _pair(_negate_values)")
+
 #: The registry-driven tests run on the copy: its checker (recognises the exact rewrite through
-#: the diagnosis's replay, names each wrong rewrite), its half-precision behaviour, the book's list.
-REGISTRY_DRIVEN = ["tests/test_checkers.py", "tests/test_accuracy.py", "tests/test_registry.py"]
-SELECTED = "negate_values or declares_its_half_precision or book_lists_every_identity"
+#: the diagnosis's replay, names each wrong rewrite), its half-precision behaviour, the book's
+#: list, its postcondition stated, and the static public names held to the registry.
+REGISTRY_DRIVEN = ["tests/test_checkers.py", "tests/test_accuracy.py", "tests/test_registry.py", "tests/test_applied.py"]
+SELECTED = ("negate_values or declares_its_half_precision or book_lists_every_identity or states_its_postcondition"
+            " or checkers_come_from_the_registry or static_checker_names_are_the_registry_s")
 
 
-def _copy_with_throwaway(root: Path, *, half_precision: bool) -> list[Path]:
-    """A copy of the package, its tests and book under ``root``, with the throwaway identity added by
-    editing four files only; returns them."""
+def _export(path: Path, anchor: str, line: str, names: list[str]) -> None:
+    """``line`` added to the module ``path`` after its line ``anchor``, and ``names`` to its ``__all__``."""
+    text = path.read_text()
+    assert anchor in text and "__all__ = [\n" in text
+    text = text.replace(anchor, anchor + "\n" + line, 1)
+    path.write_text(text.replace("__all__ = [\n", "__all__ = [\n" + "".join(f'    "{n}",\n' for n in names), 1))
+
+
+def _copy_with_throwaway(root: Path, *, half_precision: bool, public_names: bool = True) -> list[Path]:
+    """A copy of the package, its tests and book under ``root``, with the throwaway identity added;
+    returns the files edited: its four (family module, the line listing families, its tests, its
+    book section) and, with ``public_names``, the two static lists of public names."""
     import shutil
 
     repository = ROOT.parent
@@ -364,7 +382,15 @@ def _copy_with_throwaway(root: Path, *, half_precision: bool) -> list[Path]:
     (root / "tests" / "test_signs.py").write_text(THROWAWAY_TEST)
     chapter = root / "book" / "attention_weights.md"
     chapter.write_text(chapter.read_text() + THROWAWAY_SECTION)
-    return [family, families, root / "tests" / "test_signs.py", chapter]
+    edited = [family, families, root / "tests" / "test_signs.py", chapter]
+    if public_names:
+        _export(root / PACKAGE / "__init__.py", "from ._weights import random_state_dict as random_state_dict",
+                THROWAWAY_EXPORT, ["negate_values"])
+        _export(root / PACKAGE / "testing.py",
+                "check_fold_logit_scale, assert_fold_logit_scale = _pair(_transforms.fold_logit_scale)",
+                THROWAWAY_CHECKER, ["check_negate_values", "assert_negate_values"])
+        edited += [root / PACKAGE / "__init__.py", root / PACKAGE / "testing.py"]
+    return edited
 
 
 def _run_registry_tests(root: Path):
@@ -379,20 +405,21 @@ def _run_registry_tests(root: Path):
     )
 
 
-def test_an_identity_added_in_four_files_passes_the_registry_driven_tests(tmp_path):
-    """Its family module, the line listing families, its test file and its book section: the
-    copy's registry-driven tests pass with the throwaway identity among them (and run it: each
-    test named after it ran)."""
+def test_an_identity_added_in_four_files_and_two_public_names_passes_the_registry_driven_tests(tmp_path):
+    """Its family module, the line listing families, its test file and its book section, and its
+    public transform and checker in the two static lists of public names (a line and ``__all__``
+    entries each): the files changed in the copy are exactly these six, and its registry-driven
+    tests pass with the throwaway identity among them (and run it: each test named after it ran)."""
     edited = _copy_with_throwaway(tmp_path, half_precision=True)
-    assert len(edited) == 4
+    assert len(edited) == 6
     changed = {p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file() and "__pycache__" not in p.parts
                and not _same_as_repository(tmp_path, p)}
     assert changed == {p.relative_to(tmp_path) for p in edited}
     result = _run_registry_tests(tmp_path)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     passed = int(re.search(r"(\d+) passed", result.stdout).group(1))
-    # its checker (exact rewrite, wrong rewrites), half precision (two dtypes), the two registry guards, its test
-    assert passed >= 7, result.stdout[-2000:]
+    # its checker (exact rewrite, wrong rewrites), half precision (two dtypes), the registry guards, its test
+    assert passed >= 10, result.stdout[-2000:]
 
 
 def test_negative_control_an_identity_missing_a_registry_hook_fails(tmp_path):
@@ -401,6 +428,17 @@ def test_negative_control_an_identity_missing_a_registry_hook_fails(tmp_path):
     result = _run_registry_tests(tmp_path)
     assert result.returncode != 0
     assert "test_every_weight_identity_declares_its_half_precision_behaviour" in result.stdout, result.stdout[-3000:]
+
+
+def test_negative_control_a_public_transform_missing_its_public_names_fails(tmp_path):
+    """The same identity in its four files only: its public transform is not ``circuitmath.negate_values``
+    and has no static ``check_negate_values``, and the tests holding the public names to the
+    registry fail: the two lists of public names are files an identity with a public transform needs."""
+    assert len(_copy_with_throwaway(tmp_path, half_precision=True, public_names=False)) == 4
+    result = _run_registry_tests(tmp_path)
+    assert result.returncode != 0
+    for test in ("test_the_checkers_come_from_the_registry", "test_the_static_checker_names_are_the_registry_s"):
+        assert test in result.stdout, result.stdout[-3000:]
 
 
 def _same_as_repository(root: Path, path: Path) -> bool:
