@@ -140,6 +140,52 @@ def test_negative_control_a_private_name_imported_across_is_found(tmp_path):
         "circuitmath._far: from circuitmath._inner._tools import _helper"]
 
 
+# -- no context variable steers control flow ---------------------------------------------------
+
+#: Modules allowed a ``ContextVar``, each with its reason. What a caller must know is an argument
+#: or a return value; the one left is the pool of memory maps that the allocator of processed
+#: tensors reuses within ``recycling()`` (streamed processing, the checks), which reaches every
+#: tensor a transform allocates: as an argument it would be one on every transform.
+CONTEXT_VARIABLES = {
+    "circuitmath._processing._memory": "the maps recycled within recycling(), read by new_tensor",
+}
+
+
+def context_variables(modules: dict[str, Path]) -> dict[str, list[int]]:
+    """The lines of each module that name ``ContextVar`` (imported, or as ``contextvars.ContextVar``)."""
+    found: dict[str, list[int]] = {}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            named = (isinstance(node, ast.Name) and node.id == "ContextVar"
+                     or isinstance(node, ast.Attribute) and node.attr == "ContextVar"
+                     or isinstance(node, ast.ImportFrom) and any(a.name == "ContextVar" for a in node.names))
+            if named:
+                found.setdefault(name, []).append(node.lineno)
+    return found
+
+
+def test_no_context_variable_steers_control_flow():
+    found = context_variables(_modules())
+    unexplained = {name: lines for name, lines in found.items() if name not in CONTEXT_VARIABLES}
+    assert not unexplained, f"ContextVar used (pass an argument or return a value instead): {unexplained}"
+    stale = set(CONTEXT_VARIABLES) - set(found)
+    assert not stale, f"no ContextVar left in {stale}: drop it from CONTEXT_VARIABLES"
+
+
+def test_negative_control_a_context_variable_is_found(tmp_path):
+    """Each way of naming one is found; a word in a string or a comment is not."""
+    snippets = {
+        "a": "from contextvars import ContextVar\nX: ContextVar[int] = ContextVar('x', default=0)\n",
+        "b": "import contextvars\n\n\ndef f():\n    return contextvars.ContextVar('y')\n",
+        "c": "import contextvars as cv\nY = cv.ContextVar('y')\n",
+        "d": "TEXT = 'a ContextVar steers nothing here'  # nor a ContextVar in a comment\n",
+    }
+    for stem, text in snippets.items():
+        (tmp_path / f"{stem}.py").write_text(text)
+    found = context_variables({stem: tmp_path / f"{stem}.py" for stem in snippets})
+    assert found == {"a": [1, 2, 2], "b": [5], "c": [2]}
+
+
 #: Modules allowed over :data:`MAX_LINES`, each one cohesive thing.
 COHESIVE = {
     "circuitmath._identities.composition": "one family of proofs: composition scores, SVDs and their invariances",
