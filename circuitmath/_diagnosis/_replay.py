@@ -34,6 +34,7 @@ from .._processing.rotation import (
     rotate_residual_stream,
     rotated_tensors,
 )
+from ._lessons import Lessons
 from ._recover import anchor_sets, fixes_ones, fixing_ones_exactly, slice_permutation, tensors_layer, unit_axis
 from ._tensors import certificate, _largest_entry, _natural_order, _relative_difference, Thresholds
 from ._uncertain import Widenings, widened_certificate
@@ -93,9 +94,11 @@ class _Replay:
         self.after = after
         self.thresholds = thresholds
         self._wrong_cache: dict = {}  # (id(state), cfg) -> (state, {rewrite: candidates}), the last state's only
-        self._records: dict = {}  # (rewrite, cfg) -> the identities it recorded (() where it did not apply)
+        self._lessons = Lessons()  # what each wrong rewrite records and touches, by (rewrite, cfg)
         #: The tensors a search is for (``None``: all): a stage whose exact rewrite touches none of them is not searched.
         self._focus: set[str] | None = None
+        #: Those of them no exact rewrite of the replay touched: a stage is searched where its own wrong rewrites touch one.
+        self._orphans: set[str] = set()
         self._verdicts: dict = {}  # (name, id(tensor), id(reference), level) -> (tensor, reference, verdict)
         self._largest: dict = {}  # id(tensor) -> (tensor, largest |entry|)
         self._relative: dict = {}  # (name, id(tensor), id(reference)) -> (tensor, reference, relative difference)
@@ -197,22 +200,27 @@ class _Replay:
             self._wrong_cache.clear()  # one state's candidates at a time: each holds rewritten copies of big tensors
             self._wrong_cache[key] = (state, {})
         computed = self._wrong_cache[key][1]
-        out, small = [], None
+        out = []
         for identity in weight_identities():
             for name, wrong in identity.wrong_rewrites.items():
-                rewrite, known = f"{identity.name}.{name}", self._records.get((f"{identity.name}.{name}", cfg))
+                rewrite, known = f"{identity.name}.{name}", self._lessons.known(f"{identity.name}.{name}", cfg)
                 if known is None and not wrong.regardless and not qualifies(identity.name, ()):
-                    small = small or _small_model(state, cfg)  # learn what it records where that is cheap
-                    known = next((c.cfg.applied[len(cfg.applied):] for c in self._run(
-                        rewrite, "", wrong.function, *small)), None) if small[0] is not None else None
-                if wrong.regardless or rewrite not in computed and known is not None and not qualifies(identity.name, known):
+                    known = self._lessons.learn(rewrite, wrong.function, state, cfg)  # where that is cheap
+                if wrong.regardless or rewrite not in computed and known is not None and not qualifies(
+                        identity.name, known.records):
                     continue
                 if rewrite not in computed:
                     computed[rewrite] = list(self._run(rewrite, identity.describe(name), wrong.function, state, cfg))
-                    self._records[(rewrite, cfg)] = next(
-                        (c.cfg.applied[len(cfg.applied):] for c in computed[rewrite]), ())
+                    self._lessons.note(rewrite, state, cfg, next(((c.state, c.cfg) for c in computed[rewrite]), None))
                 out += [(identity.name, candidate) for candidate in computed[rewrite]]
         return out
+
+    def _wrong_touches(self, identity, state, cfg, names) -> bool:
+        """Whether one of ``identity``'s own wrong rewrites of ``state`` touches one of ``names``
+        (in any layer), as learnt on the model cut to one layer."""
+        return bool(names) and any(not wrong.regardless and (found := self._lessons.learn(
+            f"{identity.name}.{name}", wrong.function, state, cfg)) is not None and found.touches_any(names)
+                   for name, wrong in identity.wrong_rewrites.items())
 
     @staticmethod
     def _run(rewrite, description, function, state, cfg) -> Iterable[_Candidate]:
@@ -332,8 +340,9 @@ class _Replay:
             exact, refusal = None, error
         if exact is not None and identity.name not in records:
             return None  # a pipeline of other identities: the replay applies those one by one
-        if search and exact is not None and self._focus is not None and not self.touched(state, exact.state) & self._focus:
-            search = False  # it rewrites none of the tensors left unexplained: no wrong rewrite of it is looked for
+        if search and exact is not None and self._focus is not None and not self.touched(state, exact.state) & self._focus \
+                and not self._wrong_touches(identity, state, cfg, self._orphans):
+            search = False  # no rewrite of it touches the tensors left unexplained: no wrong rewrite of it is looked for
         if exact is not None and not search:
             touched = self.touched(state, exact.state)
             if forced:  # recognition is judged by what is left at the end (and searched for if anything is)
@@ -463,6 +472,7 @@ class _Replay:
                 if not residual:
                     return stages, final, final_cfg, residual
         self._focus = set(residual)
+        self._orphans = self._focus - {name for stage in stages for name in stage.touched}
         searched = self.run(before, cfg, plan, search=True)
         searched_residual = self.residual(searched[1], before)
         if len(searched_residual) < len(residual):  # on a tie the exact replay explains as much
@@ -527,9 +537,10 @@ class _Replay:
         that leaves fewer tensors unexplained, as ``(stages, final, final_cfg, residual)``."""
         state, state_cfg = (before, cfg) if i == 0 else (stages[i - 1].state, stages[i - 1].cfg)
         stage = stages[i]
-        if stage.refusal is None and not stage.touched & set(residual):
-            return None  # it rewrites none of the tensors left unexplained
         identity = _identities.get_identity(stage.name)
+        if stage.refusal is None and not stage.touched & set(residual) \
+                and not self._wrong_touches(identity, state, state_cfg, residual):
+            return None  # no rewrite of it touches the tensors left unexplained
         rest = None if plan is None else [_identities.get_identity(s.name) for s in stages[i + 1:]]
         records = () if stage.exact is None else stage.cfg.applied[len(state_cfg.applied):]
         for candidate in self.wrong_rewrites(identity, state, state_cfg, refused=stage.refusal is not None,
@@ -560,23 +571,6 @@ class _Replay:
         """The tensors of ``after`` that ``state`` does not reproduce up to rounding."""
         names = set(state) | set(self.after)
         return sorted(n for n in names if not self.same(n, state.get(n), before.get(n), "exact"))
-
-
-def _small_model(state: Mapping[str, torch.Tensor], cfg: Config, tokens: int = 16) -> tuple[dict | None, Config]:
-    """``state`` cut to its first layer and its first ``tokens`` tokens (``W_E``'s rows, ``W_U``'s
-    columns, ``b_U``'s entries), its values kept: where a wrong rewrite is cheap to run, to learn
-    which identities it records (``(None, cfg)`` when there is nothing to cut or ``cfg`` does not
-    allow it; a rewrite that fails on the cut model is run on ``state`` itself)."""
-    if cfg.n_layers < 2 and cfg.d_vocab <= tokens:
-        return None, cfg
-    try:
-        small_cfg = cfg.replace(n_layers=1, d_vocab=min(tokens, cfg.d_vocab))
-    except Exception:  # noqa: BLE001 - a config that cannot be cut: nothing is learnt from it
-        return None, cfg
-    cut = {"embed.W_E": lambda t: t[:tokens], "unembed.W_U": lambda t: t[..., :tokens],
-           "unembed.b_U": lambda t: t[:tokens]}
-    return marked_as(state, {name: cut.get(name, lambda t: t)(tensor) for name, tensor in state.items()
-                             if not name.startswith("blocks.") or name.startswith("blocks.0.")}, small_cfg), small_cfg
 
 
 def _equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
