@@ -19,6 +19,7 @@ NORMALIZATIONS = ("LN", "LNPre", "RMS", "RMSPre", None)
 POSITIONAL = ("standard", "shortformer", "shortformer_tables", "rotary", "alibi")
 ACTIVATIONS = ("relu", "gelu", "gelu_new", "silu")
 NORM_POSITIONS = ("pre", "post")
+QK_NORM_SPANS = ("head", "projection")
 #: The one table of former names: an identity's former name -> its name now. ``Config.applied``
 #: reads a former name as the current one, so a file saved under a former name still says what
 #: was applied; :func:`circuitmath.get_identity` finds the identity by it, with a warning.
@@ -69,7 +70,10 @@ class Config:
       in the layers ``sliding_window_layers`` (``None``: every layer) (Mistral, Gemma 2).
     - ``qk_norm``: each head's query and key pass through an RMSNorm over ``d_head`` (gains
       ``attn.q_norm.w``, ``attn.k_norm.w`` ``[d_head]``, ``eps``) after their projection and
-      before the rotary embedding (Qwen3).
+      before the rotary embedding (Qwen3). ``qk_norm_over="projection"``: one RMSNorm over the
+      whole query projection (``n_heads * d_head`` entries) and one over the whole key projection
+      (``n_key_value_heads * d_head``), with a gain per entry (``attn.q_norm.w`` ``[n_heads,
+      d_head]``, ``attn.k_norm.w`` ``[n_key_value_heads, d_head]``) (OLMo-2).
     - ``norm_gain_offset``: every norm scales by ``norm_gain_offset + w`` (Gemma stores RMSNorm
       gains as ``w`` and scales by ``1 + w``).
     - ``embedding_scale``: the token embeddings are multiplied by this number, first rounded to
@@ -84,6 +88,9 @@ class Config:
     - ``post_norms``: each sub-layer's output passes through an RMSNorm of its own (gains
       ``ln1_post.w``, ``ln2_post.w``) before it is added to the residual stream (Gemma 2's
       sandwich norms); it needs a pre-RMSNorm model.
+    - ``pre_norms``: ``False``: each sub-layer reads the residual stream itself, through no norm
+      (no ``ln1``, ``ln2``; the final norm stays), and writes through its post-norm (OLMo-2's
+      blocks, ``x + RMS(attn(x))``, ``x + RMS(mlp(x))``); it needs ``post_norms``.
     - ``n_experts``: each MLP is a mixture of ``n_experts`` gated experts of width ``d_mlp``
       (``circuitmath._moe``): a router ``mlp.W_router`` ``[d_model, n_experts]`` (and bias) reads
       the normalised stream, the ``experts_per_token`` experts of largest softmax weight run and
@@ -126,12 +133,14 @@ class Config:
     sliding_window: int | None = None
     sliding_window_layers: tuple[int, ...] | None = None
     qk_norm: bool = False
+    qk_norm_over: str = "head"
     norm_gain_offset: float = 0.0
     embedding_scale: float | None = None
     attention_scale: float | None = None
     attn_softcap: float | None = None
     logit_softcap: float | None = None
     post_norms: bool = False
+    pre_norms: bool = True
     rotary_interleaved: bool = False
     logit_scale: float | None = None
     n_experts: int | None = None
@@ -285,11 +294,12 @@ def _type_problems(cfg: Config) -> list[str]:
         ("normalization_type", NORMALIZATIONS),
         ("norm_position", NORM_POSITIONS),
         ("positional_embedding_type", POSITIONAL),
+        ("qk_norm_over", QK_NORM_SPANS),
     ):
         value = getattr(cfg, name)
         if not (value is None or isinstance(value, str)) or value not in allowed:
             problems.append(f"{name} must be one of {allowed}, got {value!r}")
-    for name in ("causal", "gated_mlp", "parallel_attn_mlp", "embedding_norm", "qk_norm", "post_norms",
+    for name in ("causal", "gated_mlp", "parallel_attn_mlp", "embedding_norm", "qk_norm", "post_norms", "pre_norms",
                  "rotary_interleaved", "router_normalize_top_k", "attn_sinks"):
         if not isinstance(getattr(cfg, name), bool):
             problems.append(f"{name} must be True or False, got {getattr(cfg, name)!r}")
@@ -341,6 +351,10 @@ def _relation_problems(cfg: Config) -> list[str]:
         problems.append("norm_gain_offset is for RMSNorm gains stored as w and applied as offset + w (Gemma); no LayerNorm family has it")
     if cfg.post_norms and (cfg.norm_position != "pre" or cfg.parallel_attn_mlp or cfg.normalization_type in ("LN", "LNPre")):
         problems.append("post_norms (sandwich RMSNorms after each sub-layer) need a sequential pre-norm model without LayerNorm")
+    if not cfg.pre_norms and (not cfg.post_norms or cfg.normalization_type not in ("RMS", "RMSPre")):
+        problems.append("pre_norms=False (sub-layers reading the residual stream itself, OLMo-2) needs post_norms and an RMSNorm")
+    if cfg.qk_norm_over != "head" and not cfg.qk_norm:
+        problems.append(f"qk_norm_over={cfg.qk_norm_over!r} says what the QK-norm spans: it needs qk_norm")
     if cfg.rotary_base_local is not None and (cfg.positional_embedding_type != "rotary" or cfg.sliding_window is None):
         problems.append("rotary_base_local is the rotary base of the sliding-window layers: it needs rotary positions and a sliding_window")
     if cfg.sliding_window is not None and not cfg.causal:

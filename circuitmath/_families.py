@@ -99,6 +99,9 @@ FAMILIES: tuple[Family, ...] = (
                                     "ffn_hidden_size": 48, "rope_parameters": _ROPE, "bos_token_id": 0, "eos_token_id": 0},
            "Falcon's new decoder architecture: a LayerNorm for each parallel branch (ln_attn, ln_mlp) and grouped"
            " key/value heads, each stored after its group's query heads in query_key_value"),
+    Family("OLMo-2", "olmo2", _SMALL | {"rms_norm_eps": 1e-6},
+           "LLaMA's body with no norm before attention or the MLP, an RMSNorm after each (post-norms),"
+           " and QK-norm over the whole query and key projections (a gain per entry) rather than each head"),
     Family("Mixtral", "mixtral", _SMALL | {"intermediate_size": 24, "num_local_experts": 4, "num_experts_per_tok": 2},
            "LLaMA whose MLP is a mixture of gated experts: a router picks the top 2 of 4 per token"),
     Family("Qwen2-MoE", "qwen2_moe", _SMALL | {"moe_intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2,

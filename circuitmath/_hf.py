@@ -2,7 +2,7 @@
 shapes per architecture, used whole (``from_hf_*``) or a part at a time
 (:mod:`circuitmath._checkpoint`). GPT-2, GPT-NeoX and BERT are here, BLOOM in
 :mod:`circuitmath._hf_bloom`, the other families in :mod:`circuitmath._hf_families`;
-:func:`hf_layout` picks one by ``model_type`` (and refuses those of :data:`REFUSED` by name).
+:func:`hf_layout` picks one by ``model_type``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from ._hf_families import (
     _falcon_layout,
     _gptj_layout,
     _llama_layout,
+    _olmo2_layout,
     _opt_layout,
     from_hf_cohere,
     from_hf_falcon,
@@ -25,6 +26,7 @@ from ._hf_families import (
     from_hf_gptj,
     from_hf_llama,
     from_hf_mistral,
+    from_hf_olmo2,
     from_hf_opt,
     from_hf_phi3,
     from_hf_qwen2,
@@ -237,30 +239,21 @@ CONVERTERS = {"gpt2": from_hf_gpt2, "gpt_neox": from_hf_gpt_neox, "llama": from_
               "mistral": from_hf_mistral, "qwen2": from_hf_qwen2, "qwen3": from_hf_qwen3, "gemma": from_hf_gemma,
               "gemma2": from_hf_gemma2, "gemma3_text": from_hf_gemma3,
               "phi3": from_hf_phi3, "gptj": from_hf_gptj,
-              "opt": from_hf_opt, "cohere": from_hf_cohere, "falcon": from_hf_falcon, "bloom": from_hf_bloom} | MOE_CONVERTERS
+              "opt": from_hf_opt, "cohere": from_hf_cohere, "falcon": from_hf_falcon, "bloom": from_hf_bloom,
+              "olmo2": from_hf_olmo2} | MOE_CONVERTERS
 _LAYOUTS = {"gpt2": _gpt2_layout, "gpt_neox": _gpt_neox_layout, "llama": _llama_layout, "bert": _bert_layout,
             "mistral": lambda config: _llama_layout(config, "Mistral"), "qwen2": lambda config: _llama_layout(config, "Qwen2"),
             "qwen3": lambda config: _llama_layout(config, "Qwen3"), "gemma": lambda config: _llama_layout(config, "Gemma"),
             "gemma2": lambda config: _llama_layout(config, "Gemma2"),
             "gemma3_text": lambda config: _llama_layout(config, "Gemma3"),
             "phi3": lambda config: _llama_layout(config, "Phi3"), "gptj": _gptj_layout,
-            "opt": _opt_layout, "cohere": _cohere_layout, "falcon": _falcon_layout, "bloom": _bloom_layout} | MOE_LAYOUTS
-
-
-#: Architectures circuitmath knows and does not read, with the feature the reference lacks.
-REFUSED = {
-    "olmo2": "OLMo-2: blocks without a norm before attention and the MLP (each sub-layer reads the residual stream"
-             " itself and RMS-normalises its output: post-norms without pre-norms) and a QK-norm over the whole"
-             " query and key projections rather than each head, which the reference forward pass lacks",
-}
+            "opt": _opt_layout, "cohere": _cohere_layout, "falcon": _falcon_layout, "bloom": _bloom_layout,
+            "olmo2": _olmo2_layout} | MOE_LAYOUTS
 
 
 def hf_layout(config) -> Layout:
-    """The :class:`Layout` of ``config``'s ``model_type`` (see :data:`CONVERTERS`); one of
-    :data:`REFUSED` is refused naming the feature that keeps it out."""
+    """The :class:`Layout` of ``config``'s ``model_type`` (see :data:`CONVERTERS`)."""
     model_type = _option(config, "model_type")
-    if isinstance(model_type, str) and model_type in REFUSED:
-        raise UnsupportedArchitectureError(REFUSED[model_type])
     if not isinstance(model_type, str) or model_type not in _LAYOUTS:
         raise UnsupportedArchitectureError(f"model_type {model_type!r} is not one circuitmath reads; it reads {', '.join(sorted(_LAYOUTS))}")
     return _LAYOUTS[model_type](config)

@@ -1,5 +1,5 @@
 """The converters of the LLaMA-like families (LLaMA, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Phi-3,
-Cohere) and of GPT-J, OPT and Falcon: each a :class:`~circuitmath._hf_source.Layout` whose
+Cohere, OLMo-2) and of GPT-J, OPT and Falcon: each a :class:`~circuitmath._hf_source.Layout` whose
 tensors are views of the checkpoint's, so a processed model is written back through them.
 """
 
@@ -258,6 +258,45 @@ def _llama_layout(config, arch: str = "LLaMA") -> Layout:
             "ln_final.w": src.take("norm.weight"),
             **_unembed(src, config, arch, cfg, "embed_tokens.weight", tied_by_default=False),
         }
+
+    return Layout(cfg, ("model.",), r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", embed, block, final)
+
+
+def from_hf_olmo2(state_dict: StateDict, config) -> tuple[dict[str, torch.Tensor], Config]:
+    """Convert a Hugging Face OLMo-2 checkpoint (``Olmo2ForCausalLM``): LLaMA's names, with no norm
+    before attention or the MLP (``Config.pre_norms=False``: each reads the residual stream
+    itself), each sub-layer's output RMS-normed before it is added (``post_attention_layernorm``
+    is ``ln1_post``, ``post_feedforward_layernorm`` ``ln2_post``; ``Config.post_norms``), and the
+    queries and keys each RMS-normed over the whole projection (``q_norm.weight`` ``[n_heads *
+    d_head]`` read as ``attn.q_norm.w`` ``[n_heads, d_head]``, ``k_norm`` over the key/value heads;
+    ``Config.qk_norm_over="projection"``) before the rotary embedding."""
+    return _olmo2_layout(config).convert(state_dict)
+
+
+def _olmo2_layout(config) -> Layout:
+    arch = "OLMo-2"
+    llama = _llama_config(config, arch, _Variant(), eps=("rms_norm_eps", 1e-5))
+    cfg = llama.replace(pre_norms=False, post_norms=True, qk_norm=True, qk_norm_over="projection")
+    bias = bool(_option(config, "attention_bias", False))
+    d, d_head, heads, kv_heads = cfg.d_model, cfg.d_head, cfg.n_heads, cfg.n_key_value_heads or cfg.n_heads
+
+    def embed(src: _Source) -> dict:
+        return {"embed.W_E": src.take("embed_tokens.weight", cfg.d_vocab, d)}
+
+    def block(src: _Source, layer: int) -> dict:
+        h, p = f"layers.{layer}", f"blocks.{layer}"
+        out = _llama_attention(src, cfg, h, p, _Variant(), bias)
+        out[f"{p}.attn.q_norm.w"] = src.take(f"{h}.self_attn.q_norm.weight", heads * d_head).reshape(heads, d_head)
+        out[f"{p}.attn.k_norm.w"] = src.take(f"{h}.self_attn.k_norm.weight", kv_heads * d_head).reshape(kv_heads, d_head)
+        out[f"{p}.attn.W_O"] = src.linear(f"{h}.self_attn.o_proj.weight", d, heads * d_head).reshape(heads, d_head, d)
+        out[f"{p}.attn.b_O"] = src.take(f"{h}.self_attn.o_proj.bias") if bias else src.zeros(d)
+        out[f"{p}.ln1_post.w"] = src.take(f"{h}.post_attention_layernorm.weight", d)
+        out[f"{p}.ln2_post.w"] = src.take(f"{h}.post_feedforward_layernorm.weight", d)
+        return out | _llama_mlp(src, cfg, h, p, _Variant())
+
+    def final(src: _Source) -> dict:
+        return {"ln_final.w": src.take("norm.weight", d),
+                **_unembed(src, config, arch, cfg, "embed_tokens.weight", tied_by_default=False)}
 
     return Layout(cfg, ("model.",), r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", embed, block, final)
 

@@ -151,9 +151,16 @@ def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def _head_norm(params: StateDict, name: str, cfg: Config, x: torch.Tensor) -> torch.Tensor:
-    """The QK-norm ``name`` (``...attn.q_norm``): an RMSNorm over each head's ``d_head`` entries
-    of ``x: [batch, pos, head, d_head]``, with gain ``offset + w``."""
-    return normalize(x, "RMS", params[f"{name}.w"], None, cfg.eps, offset=cfg.norm_gain_offset)
+    """The QK-norm ``name`` (``...attn.q_norm``) of ``x: [batch, pos, head, d_head]`` (one per
+    query head), with gain ``offset + w``: an RMSNorm over each head's ``d_head`` entries, or with
+    ``cfg.qk_norm_over="projection"`` one over all heads' entries together, each entry with its
+    own gain (``w``: ``[heads, d_head]``; grouped keys repeat each key head, which leaves the mean
+    square of the projection as it is)."""
+    w = params[f"{name}.w"]
+    if cfg.qk_norm_over == "head":
+        return normalize(x, "RMS", w, None, cfg.eps, offset=cfg.norm_gain_offset)
+    w = per_query_head(w, cfg, w.shape[0], dim=0)
+    return normalize(x.flatten(-2), "RMS", w.flatten(), None, cfg.eps, offset=cfg.norm_gain_offset).unflatten(-1, x.shape[-2:])
 
 
 def _attention(params: StateDict, p: str, cfg: Config, q_in, k_in, v_in, record: dict | None = None,
@@ -217,7 +224,8 @@ def forward(state_dict: StateDict, cfg: Config, tokens: torch.Tensor, *, record:
     """Logits ``[batch, pos, d_vocab]`` for integer ``tokens: [batch, pos]``.
 
     Pre-norm block: ``x += attn(norm1(x)); x += mlp(norm2(x))`` (parallel: ``x += attn(norm1(x))
-    + mlp(norm2(x))``; with ``post_norms`` each sub-layer's output is RMS-normed before it is added),
+    + mlp(norm2(x))``; with ``post_norms`` each sub-layer's output is RMS-normed before it is added;
+    without ``pre_norms``, ``norm1`` and ``norm2`` are the identity),
     then ``norm_final``, the unembed and the logit softcap. Post-norm block: ``x = norm1(x + attn(x)); x = norm2(x + mlp(x))``, no final norm;
     with ``embedding_norm`` the embeddings are normed (``embed.ln``) before the first block.
     With shortformer embeddings ``W_pos`` is added to the query and key inputs after ``ln1``
@@ -273,14 +281,14 @@ def block(params: StateDict, layer: int, cfg: Config, x: torch.Tensor, pos: torc
         return x
     if record is not None:
         record["residuals"].append(x)
-    normed = _norm(params, f"{p}.ln1", cfg, x, centering)
+    normed = _norm(params, f"{p}.ln1", cfg, x, centering) if cfg.pre_norms else x
     qk_in = normed + pos if cfg.positional_embedding_type == "shortformer" else normed
     attn_out = _attention(params, f"{p}.attn", cfg, qk_in, qk_in, normed, record, layer)
     if cfg.parallel_attn_mlp:
         return x + attn_out + _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x, centering))
     x = x + _post_norm(params, f"{p}.ln1_post", cfg, attn_out)
     if not cfg.attn_only:
-        mlp_out = _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x, centering), record)
+        mlp_out = _mlp(params, f"{p}.mlp", cfg, _norm(params, f"{p}.ln2", cfg, x, centering) if cfg.pre_norms else x, record)
         x = x + _post_norm(params, f"{p}.ln2_post", cfg, mlp_out)
     return x
 

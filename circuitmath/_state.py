@@ -237,15 +237,18 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
         shapes["pos_embed.W_pos"] = (cfg.n_ctx, d)
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}"
-        shapes |= _norm_shapes(f"{p}.ln1", cfg.normalization_type, d)
+        if cfg.pre_norms:
+            shapes |= _norm_shapes(f"{p}.ln1", cfg.normalization_type, d)
         for name in ("Q", "K", "V"):
             weight, bias, heads = attention_names(cfg, name)
             shapes[f"{p}.attn.{weight}"] = (heads, d, e)
             shapes[f"{p}.attn.{bias}"] = (heads, e)
             if cfg.positional_embedding_type == "shortformer_tables" and name != "V":
                 shapes[f"{p}.attn.pos_{name}"] = (cfg.n_ctx, heads, e)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.qk_norm_over == "head":
             shapes[f"{p}.attn.q_norm.w"] = shapes[f"{p}.attn.k_norm.w"] = (e,)
+        elif cfg.qk_norm:  # one norm over each whole projection, a gain per entry
+            shapes[f"{p}.attn.q_norm.w"], shapes[f"{p}.attn.k_norm.w"] = (h, e), (cfg.n_key_value_heads or h, e)
         if cfg.attn_sinks:
             shapes[f"{p}.attn.sinks"] = (h,)
         shapes[f"{p}.attn.W_O"] = (h, e, d)
@@ -253,7 +256,8 @@ def expected_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
         if cfg.post_norms:
             shapes[f"{p}.ln1_post.w"] = (d,)
         if not cfg.attn_only:
-            shapes |= _norm_shapes(f"{p}.ln2", cfg.normalization_type, d)
+            if cfg.pre_norms:
+                shapes |= _norm_shapes(f"{p}.ln2", cfg.normalization_type, d)
             if cfg.n_experts is not None:
                 shapes |= mixture_shapes(cfg, f"{p}.mlp")
             else:

@@ -29,7 +29,8 @@ reference conventions (TransformerLens names, row vectors ``x @ W``, per-head
   post-norm); :func:`from_hf_cohere`: Cohere (parallel attention and gated MLP on one bias-free
   LayerNorm, interleaved rotary, a logit scale); :func:`from_hf_falcon`: Falcon-7B style (fused
   multi-query or per-head q/k/v, parallel or sequential blocks); :func:`from_hf_bloom`: BLOOM
-  (ALiBi, a LayerNorm of the token embeddings);
+  (ALiBi, a LayerNorm of the token embeddings); :func:`from_hf_olmo2`: OLMo-2 (no norm before
+  attention or the MLP, a norm after each, QK-norm over the whole query and key projections);
 - :func:`from_hf_mixtral`, :func:`from_hf_qwen2_moe`, :func:`from_hf_qwen3_moe`,
   :func:`from_hf_gpt_oss`: mixtures of experts (a router choosing the top-k gated experts per
   token; Qwen2-MoE's shared expert; GPT-OSS's attention sinks and clamped SwiGLU), from a model's
@@ -83,6 +84,7 @@ from ._hf import (
     from_hf_gemma3,
     from_hf_phi3,
     from_hf_gptj,
+    from_hf_olmo2,
     from_hf_opt,
     from_hf_cohere,
     from_hf_falcon,
@@ -121,6 +123,7 @@ __all__ = [
     "from_hf_cohere",
     "from_hf_falcon",
     "from_hf_bloom",
+    "from_hf_olmo2",
     "from_hf_mixtral",
     "from_hf_qwen2_moe",
     "from_hf_qwen3_moe",

@@ -28,7 +28,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
-from ._config import ACTIVATIONS, NORM_POSITIONS, NORMALIZATIONS, POSITIONAL, Config
+from ._config import ACTIVATIONS, NORM_POSITIONS, NORMALIZATIONS, POSITIONAL, QK_NORM_SPANS, Config
 from ._weights import random_state_dict
 
 __all__ = ["configs", "state_dicts", "models", "tokens", "DEVICE_VARIABLE"]
@@ -78,6 +78,7 @@ def configs(
     act_fns=ACTIVATIONS, attn_only: bool | None = None, gated_mlp=(False, True), parallel_attn_mlp=(False, True),
     grouped_query=(False,), sliding_window=(False,), qk_norm=(False,), norm_gain_offsets=(0.0,), softcaps=(False,),
     post_norms=(False,), rotary_interleaved=(False,), embedding_norm=(False,), local_rotary_base=(False,),
+    pre_norms=(True,), qk_norm_spans=("head",),
 ) -> st.SearchStrategy[Config]:
     """Strategy for :class:`~circuitmath.Config`\\ s no larger than the ``max_*`` sizes.
 
@@ -104,7 +105,10 @@ def configs(
     ``norm_gain_offsets=(0.0, 1.0)`` RMSNorm gains stored as ``w`` and applied as ``1 + w`` (Gemma),
     ``softcaps=(False, True)`` softcaps on the attention scores and the logits, small enough to
     bite, and a query scale of its own, and ``post_norms=(False, True)`` sandwich RMSNorms after
-    each sub-layer of sequential models without LayerNorm (Gemma 2), and
+    each sub-layer of sequential models without LayerNorm (Gemma 2), ``pre_norms=(True, False)``
+    drops the norms before the sub-layers of such models (OLMo-2: each reads the residual stream
+    itself), ``qk_norm_spans=("head", "projection")`` draws a QK-norm over the whole query and key
+    projections (OLMo-2) where a QK-norm is drawn, and
     ``rotary_interleaved=(False, True)`` rotary embeddings that rotate neighbouring pairs (GPT-J).
     The normalization and positional-embedding types are
     all drawn unless narrowed (a test names the ones its library processes), but for ALiBi
@@ -135,7 +139,7 @@ def configs(
         gated_mlp=gated_mlp, parallel_attn_mlp=parallel_attn_mlp, grouped_query=grouped_query,
         sliding_window=sliding_window, qk_norm=qk_norm, norm_gain_offsets=norm_gain_offsets, softcaps=softcaps,
         post_norms=post_norms, rotary_interleaved=rotary_interleaved, embedding_norm=embedding_norm,
-        local_rotary_base=local_rotary_base,
+        local_rotary_base=local_rotary_base, pre_norms=pre_norms, qk_norm_spans=qk_norm_spans,
     ).checked())
 
 
@@ -169,6 +173,8 @@ class _ConfigOptions:
     rotary_interleaved: tuple
     embedding_norm: tuple
     local_rotary_base: tuple
+    pre_norms: tuple
+    qk_norm_spans: tuple
 
     def checked(self) -> _ConfigOptions:
         """These options, each choice a tuple of allowed values; raises ``InvalidArgument`` naming the first bad one."""
@@ -187,8 +193,9 @@ class _ConfigOptions:
         for name in ("gated_mlp", "parallel_attn_mlp", "grouped_query", "sliding_window", "qk_norm"):
             choices[name] = _check_choices(name, getattr(self, name), (False, True))
         choices["norm_gain_offsets"] = _check_choices("norm_gain_offsets", self.norm_gain_offsets, (0.0, 1.0))
-        for name in ("softcaps", "post_norms", "rotary_interleaved", "embedding_norm", "local_rotary_base"):
+        for name in ("softcaps", "post_norms", "rotary_interleaved", "embedding_norm", "local_rotary_base", "pre_norms"):
             choices[name] = _check_choices(name, getattr(self, name), (False, True))
+        choices["qk_norm_spans"] = _check_choices("qk_norm_spans", self.qk_norm_spans, QK_NORM_SPANS)
         if choices["norm_positions"] == ("post",) and choices["normalization_types"] == (None,):
             raise InvalidArgument("post-norm models need a normalization type other than None")
         return replace(self, **choices)
@@ -222,6 +229,7 @@ def _drawn_config(draw, o: _ConfigOptions) -> Config:
             for name in ("attn_softcap", "logit_softcap", "attention_scale")}
     sandwich = (position == "pre" and not parallel and normalization not in ("LN", "LNPre")
                 and draw(st.sampled_from(o.post_norms)))
+    qk_norm = draw(st.sampled_from(o.qk_norm))
     return Config(
         n_layers=n_layers,
         d_model=draw(st.integers(o.min_d_model, o.max_d_model)),
@@ -239,7 +247,9 @@ def _drawn_config(draw, o: _ConfigOptions) -> Config:
         positional_embedding_type=positional,
         sliding_window=window,
         sliding_window_layers=window_layers,
-        qk_norm=draw(st.sampled_from(o.qk_norm)),
+        qk_norm=qk_norm,
+        qk_norm_over=draw(st.sampled_from(o.qk_norm_spans)) if qk_norm else "head",
+        pre_norms=not (sandwich and normalization in ("RMS", "RMSPre")) or draw(st.sampled_from(o.pre_norms)),
         norm_gain_offset=0.0 if normalization in ("LN", "LNPre") else draw(st.sampled_from(o.norm_gain_offsets)),
         post_norms=sandwich,
         rotary_interleaved=positional == "rotary" and draw(st.sampled_from(o.rotary_interleaved)),

@@ -5,6 +5,7 @@ to float32 rounding, bfloat16 within transformers' own rounding), a folder proce
 circuitmath is one transformers loads as the same architecture with the input's log-probs, and
 each identity either holds or refuses the family naming the feature that breaks it."""
 
+import copy
 import json
 
 import pytest
@@ -88,7 +89,7 @@ def _without(feature: str):
     return {
         "window": lambda cfg: cfg.replace(sliding_window=None, sliding_window_layers=None),
         "window+1": lambda cfg: cfg.replace(sliding_window=cfg.sliding_window + 1),
-        "qk_norm": lambda cfg: cfg.replace(qk_norm=False),
+        "qk_norm": lambda cfg: cfg.replace(qk_norm=False, qk_norm_over="head"),
         "1 + w": lambda cfg: cfg.replace(norm_gain_offset=0.0),
         "embedding_scale": lambda cfg: cfg.replace(embedding_scale=None),
         "logit_softcap": lambda cfg: cfg.replace(logit_softcap=None),
@@ -117,7 +118,7 @@ def _without(feature: str):
                                           ("Cohere", "rotary_interleaved"), ("BLOOM", "alibi"), ("Gemma3", "rotary_base_local"), ("Falcon-40B", "ln_mlp"),
                                           ("Falcon-40B", "kv_groups"),
                                           ("Gemma3", "qk_norm"), ("Gemma3", "post_norms"), ("Gemma3", "1 + w"),
-                                          ("BLOOM", "embedding_norm")])
+                                          ("BLOOM", "embedding_norm"), ("OLMo-2", "qk_norm")])
 def test_negative_control_a_feature_left_out_is_caught(name, feature, monkeypatch):
     tokens = _tokens()
     if feature == "alibi":
@@ -192,6 +193,8 @@ def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
         if name in ("GPT-J", "Cohere", "Falcon", "Falcon-sequential", "BLOOM"):  # a norm left, or one both branches read
             layers = loaded.model.layers if name == "Cohere" else loaded.transformer.h
             (layers[1].ln_1 if name == "GPT-J" else layers[1].input_layernorm).weight.mul_(-1)
+        elif name == "OLMo-2":  # no norm before a sub-layer: the final norm's gain put back
+            loaded.model.norm.weight.copy_(model.model.norm.weight)
         else:
             loaded.model.layers[1].input_layernorm.weight.copy_(model.model.layers[1].input_layernorm.weight)
     assert (_hf_log_probs(loaded, tokens) - expected).abs().max() > 1e-2
@@ -234,7 +237,7 @@ def test_unknown_model_type_names_it_and_lists_the_supported(tmp_path, capsys, c
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["BLOOM", "Gemma3", "Falcon-40B"])
+@pytest.mark.parametrize("name", ["BLOOM", "Gemma3", "Falcon-40B", "OLMo-2"])
 def test_check_processed_passes_the_processing_and_names_a_planted_error(tmp_path, name, capsys):
     """check on each new family's folder, and check --processed on its processed folder (its own layout or circuitmath's
     names): exit 0; the same folder with one processed MLP tensor of block 1 changed: exit 1, naming it."""
@@ -258,18 +261,24 @@ def test_check_processed_passes_the_processing_and_names_a_planted_error(tmp_pat
     assert target in capsys.readouterr().out  # named as the folder stores it
 
 
-def test_olmo2_is_refused_naming_its_features(tmp_path):
-    """OLMo-2's blocks have post-norms and no pre-norms, and its QK-norm spans the whole projection:
-    reading it is refused naming both (the CLI exits 2), not as an unknown model_type."""
-    from circuitmath._cli import main
+def test_olmo2_qk_norm_spans_the_whole_projection():
+    """OLMo-2's q_norm and k_norm gains are one per entry of the whole projection ([n_heads, d_head],
+    [n_key_value_heads, d_head] read as views of the stored [heads * d_head]), and the reference
+    normalises over every head's entries together: a norm over each head's entries alone (the
+    gains kept) computes other log-probs (control)."""
+    from circuitmath._reference import _head_norm
 
-    config = transformers.AutoConfig.for_model("olmo2", vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                                               num_attention_heads=4, intermediate_size=48, max_position_embeddings=16)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(io.UnsupportedArchitectureError, match="post-norms without pre-norms.*whole"):
-        io.from_hf(model.state_dict(), config.to_dict())
-    model.save_pretrained(tmp_path / "olmo2")
-    assert main(["check", str(tmp_path / "olmo2")]) == 2
+    model, config = _model("OLMo-2")
+    sd, cfg = io.from_hf(model.state_dict(), config)
+    assert sd["blocks.0.attn.q_norm.w"].shape == (cfg.n_heads, cfg.d_head)
+    assert sd["blocks.0.attn.k_norm.w"].shape == (cfg.n_key_value_heads, cfg.d_head)
+    assert not cfg.pre_norms and cfg.post_norms and cfg.qk_norm_over == "projection"
+    x = torch.randn(1, 3, cfg.n_heads, cfg.d_head, dtype=torch.float64)
+    gains = {"q.w": torch.rand(cfg.n_heads, cfg.d_head, dtype=torch.float64) + 0.5}
+    whole = _head_norm(gains, "q", cfg, x)
+    assert torch.allclose(whole.flatten(-2).pow(2).div(gains["q.w"].flatten() ** 2).mean(-1), torch.ones(1, 3, dtype=torch.float64))
+    per_head = torch.stack([_head_norm({"q.w": gains["q.w"][h]}, "q", cfg.replace(qk_norm_over="head"), x[:, :, h]) for h in range(cfg.n_heads)], 2)
+    assert (whole - per_head).abs().max() > 1e-2
 
 
 EXPECTED = {  # (family, identity): the verdict's start (a refusal names the feature that breaks it)
@@ -295,6 +304,14 @@ EXPECTED = {  # (family, identity): the verdict's start (a refusal names the fea
     ("BLOOM", "refactor_factored_attn_matrices"): "exact",
     ("BLOOM", "permute_heads"): "not exact: every head sees positions alike",
     ("BLOOM", "center_writing_weights"): "not applicable: pre-norm: the token embeddings pass through a LayerNorm",
+    ("OLMo-2", "fold_rms_norm"): "exact",  # the final norm: the only one with readers
+    ("OLMo-2", "permute_heads"): "exact",  # the whole-projection QK-norm's gains move with their heads
+    ("OLMo-2", "fold_value_biases"): "exact",  # the post-norm reads b_V W_O + b_O as it read both
+    ("OLMo-2", "center_unembed"): "exact",
+    ("OLMo-2", "rotate_residual_stream"): "not exact: each sandwich norm's gain is one number",
+    ("OLMo-2", "rotate_heads"): "not exact: no QK-norm: the model normalises the whole query and key projections",
+    ("OLMo-2", "refactor_factored_attn_matrices"): "not exact: keys and queries are not rotated by position",
+    ("OLMo-2", "rescale_residual_stream"): "not exact: no sandwich norms",
 }
 
 
@@ -316,13 +333,14 @@ from circuitmath import strategies  # noqa: E402
 FEATURES = strategies.configs(sliding_window=(False, True), qk_norm=(False, True), norm_gain_offsets=(0.0, 1.0),
                               softcaps=(False, True), post_norms=(False, True), rotary_interleaved=(False, True),
                               grouped_query=(False, True), local_rotary_base=(False, True), max_ctx=6,
-                              min_d_model=4)
+                              min_d_model=4, pre_norms=(True, False), qk_norm_spans=("head", "projection"))
 
 
 @settings(max_examples=16, deadline=None)
 @given(cfg=FEATURES, data=strategies.st.data())
 def test_identities_hold_or_refuse_with_every_feature_drawn(cfg, data):
-    """On drawn models with sliding windows, QK-norm, 1 + w gains, softcaps and sandwich norms, each registered identity's
+    """On drawn models with sliding windows, QK-norm (per head or over the projection), 1 + w gains, softcaps and
+    sandwich norms (with or without pre-norms), each registered identity's
     check passes or it refuses; a wrong rewrite that differs on the model is rejected."""
     sd = data.draw(strategies.state_dicts(cfg, min_gain_spread=0.2))
     for identity in cm.identities():
@@ -415,3 +433,59 @@ def test_alibi_key_bias_removal_is_exact_and_a_head_permutation_is_refused():
             moved[name] = tensor[permutation]
     tokens = _tokens()
     assert (_ours(moved, cfg, tokens) - _ours(sd, cfg, tokens)).abs().max() > 1e-3
+
+
+def test_olmo2_head_permutation_moves_the_qk_norm_gains_and_the_head_rotation_is_refused():
+    """A QK-norm over the whole projection divides by a root mean square no order of the heads
+    changes: permuting the heads is exact once its gains move with them; the twin that leaves
+    them in place changes the function. A rotation R of each head's query/key space commutes with
+    that root mean square but not with a gain that differs within a head: rotate_heads refuses
+    naming the QK-norm, and the rotation applied regardless changes the function. The residual
+    rotation needs the post-norms' gains to be one number each: refused on OLMo-2's gains, exact
+    once they are (with the final norm folded first), and applied regardless it changes the function."""
+    cfg = family("OLMo-2").cfg
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    tokens = _tokens()
+    base = _ours(sd, cfg, tokens)
+    permutation = torch.tensor([1, 0, 3, 2])  # each group of two query heads swaps with its key head kept
+    permuted, _ = cm.permute_heads(sd, cfg, torch.tensor([2, 3, 0, 1]))
+    assert (_ours(permuted, cfg, tokens) - base).abs().max() < 1e-12
+    gains_kept = permuted | {k: sd[k] for k in sd if k.endswith(("q_norm.w", "k_norm.w"))}
+    assert (_ours(gains_kept, cfg, tokens) - base).abs().max() > 1e-2
+    assert torch.equal(cm.permute_heads(sd, cfg, permutation)[0]["blocks.0.attn.k_norm.w"], sd["blocks.0.attn.k_norm.w"])
+    half, angles = cfg.d_head // 2, torch.linspace(0.3, 1.2, cfg.d_head // 2, dtype=torch.float64)
+    R = torch.zeros(cfg.d_head, cfg.d_head, dtype=torch.float64)  # turns each rotary pair: commutes with the rotary embedding
+    for i, angle in enumerate(angles):
+        c, s = torch.cos(angle), torch.sin(angle)
+        R[i, i], R[i, i + half], R[i + half, i], R[i + half, i + half] = c, s, -s, c
+    with pytest.raises(cm.PreconditionError, match="whole query and key projections"):
+        cm.rotate_heads(sd, cfg, query_key=R)
+    rotated = dict(sd)
+    for name in [k for k in sd if k.endswith(("attn.W_Q", "attn._W_K"))]:
+        rotated[name] = sd[name] @ R
+    assert (_ours(rotated, cfg, tokens) - base).abs().max() > 1e-2
+    Q = cm.random_orthogonal(cfg.d_model, seed=2)
+    folded, folded_cfg = cm.fold_rms_norm(sd, cfg)
+    with pytest.raises(cm.PreconditionError, match="sandwich norm"):
+        cm.rotate_residual_stream(folded, folded_cfg, Q)
+    even = folded | {k: torch.full_like(v, 1.7) for k, v in folded.items() if k.endswith("_post.w")}
+    turned, turned_cfg = cm.rotate_residual_stream(even, folded_cfg, Q)
+    assert (_ours(turned, turned_cfg, tokens) - _ours(even, folded_cfg, tokens)).abs().max() < 1e-10
+    uneven = {k: turned[k] if not k.endswith("_post.w") else folded[k] for k in turned}
+    assert (_ours(uneven, turned_cfg, tokens) - _ours(folded, folded_cfg, tokens)).abs().max() > 1e-2
+
+
+def test_olmo2_bfloat16_folder_processed_stays_within_its_own_rounding(tmp_path):
+    """A bfloat16 OLMo-2 folder processed by the defaults loads as Olmo2ForCausalLM, and its
+    bfloat16 log-probs are as far from the input's as the input's own bfloat16 forward pass is
+    from float32 arithmetic on the same weights (measured 0.040 against 0.055)."""
+    model, _config = _model("OLMo-2", torch.bfloat16)
+    model.save_pretrained(tmp_path / "in")
+    cfg = io.process_checkpoint(tmp_path / "in", tmp_path / "out")
+    assert cfg.applied == ("fold_rms_norm", "fold_value_biases", "center_unembed")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16).eval()
+    assert type(loaded) is type(model) and loaded.dtype == torch.bfloat16
+    tokens = _tokens()
+    expected = _hf_log_probs(model, tokens)
+    rounding = float((expected - _hf_log_probs(copy.deepcopy(model).float(), tokens)).abs().max())
+    assert 1e-3 < rounding and float((_hf_log_probs(loaded, tokens) - expected).abs().max()) <= rounding

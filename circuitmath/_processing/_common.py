@@ -15,7 +15,7 @@ from .._state import Validated, attention_names, entries_known_finite, not_finit
 
 __all__ = [
     "readers", "require", "refuse_reapplication", "rewrite", "undone_by",
-    "NOT_APPLIED", "PRE_NORM", "NORM_READ_LINEARLY", "NOT_ROTARY", "NO_QK_NORM", "NO_LOGIT_SOFTCAP", "NO_ATTN_SOFTCAP",
+    "NOT_APPLIED", "PRE_NORM", "NORM_READ_LINEARLY", "NOT_ROTARY", "NO_QK_NORM", "NO_LOGIT_SOFTCAP", "NO_ATTN_SOFTCAP", "qk_normed",
     "NO_POST_NORMS", "POST_NORM_GAINS_EQUAL", "require_even_post_norms", "DENSE_MLP", "require_dense_mlp",
     "NO_ATTN_SINKS", "require_no_sinks",
 ]
@@ -34,6 +34,14 @@ NO_QK_NORM = Precondition(
     "no QK-norm",
     "queries and keys are not normalised after their projection (no QK-norm): each score is bilinear in the stream",
 )
+
+def qk_normed(cfg: Config) -> str:
+    """What the QK-norm of ``cfg`` normalises, in words, for a refusal's detail."""
+    if cfg.qk_norm_over == "projection":
+        return ("the whole query and key projections, every head's entries together, each entry with a gain of its own"
+                " (QK-norm over the projection)")
+    return "each head's queries and keys (QK-norm)"
+
 
 NO_LOGIT_SOFTCAP = Precondition(
     "no logit softcap",
@@ -185,14 +193,16 @@ def _refuse_overflow(identity: str, given: Mapping, out: dict) -> None:
         )
 
 
-def readers(cfg: Config) -> list[tuple[str, list[tuple[str, str]]]]:
+def readers(cfg: Config, *, unnormed: bool = False) -> list[tuple[str, list[tuple[str, str]]]]:
     """For each norm, the (weight, bias) pairs that read its output (bias ``None``: W_gate has none).
 
     Attention weights are ``[n_heads, d_model, d_head]``, MLP and unembed ``[d_model, out]``;
-    in both the residual axis is the second to last.
+    in both the residual axis is the second to last. A model without pre-norms
+    (``cfg.pre_norms=False``) has only the final norm; ``unnormed`` adds its sub-layers' readers,
+    which read the residual stream itself, under the names ``ln1`` and ``ln2`` of the norms it lacks.
     """
     out = []
-    for layer in range(cfg.n_layers):
+    for layer in range(cfg.n_layers if cfg.pre_norms or unnormed else 0):
         p = f"blocks.{layer}"
         names = [attention_names(cfg, n) for n in "QKV"]
         out.append((f"{p}.ln1", [(f"{p}.attn.{w}", f"{p}.attn.{b}") for w, b, _ in names]))

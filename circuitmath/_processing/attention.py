@@ -6,7 +6,7 @@ import torch
 
 from .._config import Config
 from .._state import StateDict, attention_names, key_value_groups, validate_state_dict
-from ._common import NO_ATTN_SOFTCAP, NO_QK_NORM, NOT_ROTARY, require, require_no_sinks, rewrite
+from ._common import NO_ATTN_SOFTCAP, NO_QK_NORM, NOT_ROTARY, require, qk_normed, require_no_sinks, rewrite
 from ._memory import new_tensor
 
 __all__ = ["fold_value_biases", "remove_key_biases", "refactor_factored_attn_matrices"]
@@ -20,7 +20,7 @@ def _refuse_rotary(identity: str, cfg: Config, why: str) -> None:
 
 
 def _refuse_qk_norm(identity: str, cfg: Config, why: str) -> None:
-    require(identity, NO_QK_NORM, not cfg.qk_norm, f"the model normalises each head's queries and keys (QK-norm): {why}")
+    require(identity, NO_QK_NORM, not cfg.qk_norm, f"the model normalises {qk_normed(cfg)}: {why}")
 
 
 @rewrite
@@ -169,8 +169,8 @@ def refactor_factored_attn_matrices(
     )
     _refuse_qk_norm(
         identity, cfg,
-        "each head's queries and keys are divided by their root mean square over d_head after W_Q and W_K,"
-        " and W_Q N has another root mean square than W_Q unless N is orthogonal (the balanced factors are not)",
+        "the queries and keys are divided by their root mean square after W_Q and W_K, and W_Q N has another root"
+        " mean square than W_Q unless N is orthogonal (the balanced factors are not)",
     )
     validate_state_dict(state_dict, cfg)
     out = dict(state_dict)

@@ -21,7 +21,7 @@ import torch
 from .._config import Config
 from .._errors import Precondition, PreconditionError
 from .._state import StateDict, attention_names, key_value_groups, validate_state_dict
-from ._common import NO_QK_NORM, readers, require, require_dense_mlp, rewrite
+from ._common import NO_QK_NORM, qk_normed, readers, require, require_dense_mlp, rewrite
 from .layer_norm import reader_preconditions
 from ._rotary import rotary_generator, rotary_pairs
 from .rotation import HAS_MLPS, ORTHOGONALITY_SAFETY
@@ -283,8 +283,9 @@ def rotate_heads(
         changes |= {"value": R_v, "output": R_v.transpose(-1, -2)}
     if R_qk is not None:
         require(identity, NO_QK_NORM, not cfg.qk_norm,
-                "the model normalises each head's queries and keys (QK-norm): its gain diag(w) sits between W_Q R and"
-                " the scores and does not commute with R; rotate the values only")
+                f"the model normalises {qk_normed(cfg)}: its gain diag(w) sits between W_Q R and the scores and does"
+                " not commute with R (a norm over the whole projection commutes with an orthogonal R per head, its"
+                " gain only where it is one number on each head); rotate the values only")
         changes |= {"query": R_qk, "key": R_qk}
     return change_bases(state_dict, cfg, **changes), cfg
 

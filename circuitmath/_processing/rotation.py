@@ -82,8 +82,9 @@ def residual_writers(cfg: Config) -> list[str]:
 
 
 def residual_readers(cfg: Config) -> list[str]:
-    """Weights that read a norm's output; their second to last axis is ``d_model``."""
-    return [weight for _norm, pairs in readers(cfg) for weight, _bias in pairs]
+    """Weights that read the residual stream (through a norm or, without pre-norms, as it is);
+    their second to last axis is ``d_model``."""
+    return [weight for _norm, pairs in readers(cfg, unnormed=True) for weight, _bias in pairs]
 
 
 def orthogonality_error(Q: torch.Tensor) -> float:
@@ -369,7 +370,9 @@ def permute_heads(
     of the key/value head it reads: the permutation must move whole groups (reordering heads
     inside a group is fine), and the key/value heads follow their groups; any other permutation
     is refused. Rotary embeddings rotate every head alike and are unaffected; ALiBi gives each
-    head index its own slope, so under ALiBi a permutation that moves a head is refused.
+    head index its own slope, so under ALiBi a permutation that moves a head is refused. A QK-norm
+    over the whole projection (``cfg.qk_norm_over="projection"``) divides by a root mean square
+    that no order of the heads changes, and its gains ``[heads, d_head]`` move with their heads.
 
     Data movement only: every entry is copied exactly; dtype and device are kept. Permuting twice
     is permuting once by the composition, so a second application is not refused; each records
@@ -395,6 +398,9 @@ def permute_heads(
                 out[f"{p}.pos_{side}"] = _take(state_dict[f"{p}.pos_{side}"], index, 1)
         for name in ["W_O"] + (["sinks"] if cfg.attn_sinks else []):
             out[f"{p}.{name}"] = _take(state_dict[f"{p}.{name}"], perm, 0)
+        if cfg.qk_norm and cfg.qk_norm_over == "projection":  # a gain per entry: it moves with its head
+            out[f"{p}.q_norm.w"] = _take(state_dict[f"{p}.q_norm.w"], perm, 0)
+            out[f"{p}.k_norm.w"] = _take(state_dict[f"{p}.k_norm.w"], kv_perm, 0)
     return out, cfg
 
 
