@@ -78,3 +78,13 @@ def test_b_U_kept_from_random_weights_in_bfloat16_is_accepted():
     wrong = _with_W_U(before, _centered(before["unembed.W_U"], 0))
     with pytest.raises(NotEquivalentError, match="center_unembed.over_d_model"):
         assert_equivalent(before, wrong, cfg)
+
+
+def test_control_under_a_logit_softcap_the_same_centering_is_refused():
+    """Gemma 2 caps the logits before the softmax: a shift of them is no longer free, and the
+    centering accepted above is refused there."""
+    before, cfg = _model("Gemma2", torch.float32)
+    assert cfg.logit_softcap is not None
+    after = _with_W_U(before, _centered(before["unembed.W_U"], -1))
+    with pytest.raises(NotEquivalentError):
+        assert_equivalent(before, after, cfg)
