@@ -10,8 +10,9 @@ How to add an identity (four files):
    transform's own refusals through ``require``); the proof, a function returning a
    :class:`~circuitmath.Proof` with negative twins; the wrong rewrites; and
    ``register(Identity(title=..., summary=..., preconditions=(...), build_proof=...,
-   transform=..., wrong_rewrites={...}, half_precision=COMPUTES))``. Its ``CHAPTER`` names the
-   book chapter. An identity with a free parameter gives ``recover`` and ``with_parameters``; one
+   transform=..., wrong_rewrites={...}, half_precision=COMPUTES, postcondition=...))``, the
+   postcondition saying what the rewrite makes true of the weights (or :data:`NOTHING_SHOWN`).
+   Its ``CHAPTER`` names the book chapter. An identity with a free parameter gives ``recover`` and ``with_parameters``; one
    that licenses a computation rather than a weight rewrite gives ``name`` and ``compare``.
 2. **The one line that lists families**, for a new family only: its import in
    ``circuitmath/_identities/__init__.py``.
