@@ -95,7 +95,8 @@ class _Replay:
         self.thresholds = thresholds
         self._wrong_cache: dict = {}  # (id(state), cfg) -> (state, {rewrite: candidates}), the last state's only
         self._lessons = Lessons()  # what each wrong rewrite records and touches, by (rewrite, cfg)
-        #: The tensors a search is for (``None``: all): a stage whose exact rewrite touches none of them is not searched.
+        #: The tensors a search is for (``None``: all): a stage whose exact rewrite touches none of them is not searched,
+        #: unless its own wrong rewrites touch one of ``_orphans``.
         self._focus: set[str] | None = None
         #: Those of them no exact rewrite of the replay touched: a stage is searched where its own wrong rewrites touch one.
         self._orphans: set[str] = set()
