@@ -19,7 +19,8 @@ float times 10, an int plus 1, ``True``/``False``), ``.double()`` or ``.float()`
 assignment deleted. For each target every mutant of the kinds a float64 accumulation or a
 tolerance invites (see :func:`_priority`) is drawn, and ``--per-file`` of the others (seeded, so
 a run is reproducible), each run in a private copy of the repository; the mutant is *killed* when
-its tests fail. One whose tests run past the time limit (a hang, or a machine too busy) is
+its tests fail. Each copy's runs of pytest are processes forked from one that has imported the
+third-party modules once (:data:`PRELOADED`), and import the package afresh. One whose tests run past the time limit (a hang, or a machine too busy) is
 *undecided*: listed, and left out of the rate rather than counted as killed. Mutants are run one
 module at a time in turn, so a run stopped early has seen every module.
 
@@ -335,17 +336,83 @@ PYTEST = ["-q", "-p", "no:cacheprovider", "-n", "0", "-p", "no:randomly", "--hyp
 
 def _env(where: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(where), "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0",
-            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **extra}
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", **extra}
 
 
-def _pytest(where: Path, tests: list[str], timeout: float) -> tuple[str, float]:
-    command = [sys.executable, "-m", "pytest", "-x", *PYTEST, *tests]
-    start = time.perf_counter()
-    try:
-        done = subprocess.run(command, cwd=where, env=_env(where), capture_output=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return "timeout", time.perf_counter() - start
-    return ("passed" if done.returncode == 0 else "failed"), time.perf_counter() - start
+#: The third-party modules a worker imports once (:class:`_Server`), before it forks a process
+#: per run of pytest: their import is most of a short run's time. Never the package or its tests,
+#: which each run imports afresh from its copy of the repository, a mutant's source included.
+PRELOADED = ("numpy", "torch", "sympy", "hypothesis", "safetensors.torch", "transformers", "pytest", "xdist")
+
+
+class _Server:
+    """A process in the private copy ``where`` (``first`` before it on ``PYTHONPATH``) that has
+    imported :data:`PRELOADED` and runs pytest as asked (:meth:`pytest`), each time in a process
+    forked from it (:func:`_serve`): a fresh pytest session that imports the package from disk."""
+
+    def __init__(self, where: Path, first: str = ""):
+        path = os.pathsep.join(filter(None, [first, str(where)]))
+        self.process = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve"], cwd=where,
+                                        env=_env(where, PYTHONPATH=path), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True)
+
+    def pytest(self, args: list[str], timeout: float | None, env: dict[str, str] | None = None) -> tuple[str, float]:
+        """Runs ``pytest args`` (``env`` added to the environment): ``"passed"``, ``"failed"``
+        (with the exit status, ``"failed 4"``, where it is not 1) or ``"timeout"``, and the seconds."""
+        self.process.stdin.write(json.dumps({"args": args, "timeout": timeout, "env": env or {}}) + "\n")
+        self.process.stdin.flush()
+        reply = json.loads(self.process.stdout.readline())
+        return reply["outcome"], reply["seconds"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def _serve() -> None:
+    """The loop of a :class:`_Server`: one JSON request a line on stdin, one reply a line on the
+    stdout it starts with (anything else printed goes nowhere). Each run is a process of its own
+    group, forked, its output discarded; past its ``timeout`` the group is killed."""
+    import importlib
+    import signal
+
+    sys.path[0] = os.getcwd()  # as ``python -m pytest`` has it
+    replies = os.fdopen(os.dup(1), "w")
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 1)
+    for name in PRELOADED:
+        importlib.import_module(name)
+    import pytest
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        start = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            os.setpgrp()
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.environ.update(request["env"])
+            try:
+                status = int(pytest.main(request["args"]))
+            except BaseException:
+                status = 3
+            os._exit(status)
+        timed_out = False
+        while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+            if request["timeout"] is not None and time.perf_counter() - start > request["timeout"]:
+                os.killpg(pid, signal.SIGKILL)
+                timed_out, done = True, os.waitpid(pid, 0)
+                break
+            time.sleep(0.02)
+        status = os.waitstatus_to_exitcode(done[1])
+        try:
+            os.killpg(pid, signal.SIGKILL)  # whatever the run left running
+        except (ProcessLookupError, PermissionError):
+            pass
+        outcome = "timeout" if timed_out else "passed" if status == 0 else "failed" if status == 1 else f"failed {status}"
+        replies.write(json.dumps({"outcome": outcome, "seconds": time.perf_counter() - start}) + "\n")
+        replies.flush()
 
 
 #: ``path -> line -> the tests that ran it``: node ids, or ``""`` for a line run while modules are imported.
@@ -365,17 +432,15 @@ def _tests_of_context(context: str, collected: list[list]) -> set[str]:
     return users or {node for node, _ in collected}
 
 
-def _lines_of(test: str, where: Path, paths: list[str]) -> tuple[LineMap, list[str]]:
+def _lines_of(test: str, server: _Server, where: Path, paths: list[str]) -> tuple[LineMap, list[str]]:
     """Runs one test file in its own process under coverage of ``paths`` (:mod:`covermap_plugin`),
     the processes its tests start included: the lines each of its tests runs, with the caches and
     fixtures of no other file warm, and its node ids in collection order."""
     import coverage
 
     data = where / f".covermap-{Path(test).stem}"
-    env = _env(where, PYTHONPATH=f"{COVERMAP}{os.pathsep}{where}", CM_COVERMAP_DATA=str(data),
-               CM_COVERMAP_INCLUDE=",".join(str(where / p) for p in paths))
-    subprocess.run([sys.executable, "-m", "pytest", "-p", "covermap_plugin", *PYTEST, test],
-                   cwd=where, env=env, capture_output=True)
+    server.pytest(["-p", "covermap_plugin", *PYTEST, test], None,
+                  {"CM_COVERMAP_DATA": str(data), "CM_COVERMAP_INCLUDE": ",".join(str(where / p) for p in paths)})
     listing = Path(f"{data}.tests.json")
     collected = json.loads(listing.read_text()) if listing.exists() else []
     listing.unlink(missing_ok=True)
@@ -408,7 +473,7 @@ def coverage_map(tests: list[str], paths: list[str], dirs: list[Path]) -> tuple[
     ``tests`` run once under coverage, spread over ``dirs`` (private copies of the repository);
     cached in ``.cache/`` by the hash of the code, per test file (:func:`_map_cache`)."""
     cache = _map_cache(paths)
-    start, out, order, free = time.perf_counter(), {}, {}, list(dirs)
+    start, out, order, free, servers = time.perf_counter(), {}, {}, list(dirs), {}
 
     def run(test: str) -> tuple[dict, list[str]]:
         stored = cache / f"{Path(test).stem}-{hashlib.sha256((ROOT / test).read_bytes()).hexdigest()[:16]}.json"
@@ -417,7 +482,9 @@ def coverage_map(tests: list[str], paths: list[str], dirs: list[Path]) -> tuple[
             return {p: {int(k): set(v) for k, v in lines.items()} for p, lines in part["lines"].items()}, part["tests"]
         where = free.pop()
         try:
-            lines, nodes = _lines_of(test, where, paths)
+            if where not in servers:
+                servers[where] = _Server(where, first=str(COVERMAP))
+            lines, nodes = _lines_of(test, servers[where], where, paths)
         finally:
             free.append(where)
         cache.mkdir(parents=True, exist_ok=True)
@@ -431,6 +498,8 @@ def coverage_map(tests: list[str], paths: list[str], dirs: list[Path]) -> tuple[
             for path, by_line in lines.items():
                 for line, ran in by_line.items():
                     out.setdefault(path, {}).setdefault(line, set()).update(ran)
+    for server in servers.values():
+        server.close()
     print(f"coverage of {len(tests)} test files: {time.perf_counter() - start:.0f} s", flush=True)
     return out, order
 
@@ -513,8 +582,9 @@ def _draw(args, covered: dict[str, list[str]], found: dict[str, list[Mutant]]) -
 
 def _run(todo: list[Mutant], tests_of, dirs: list[Path], timeout: float) -> dict[str, str]:
     """Runs each mutant against ``tests_of(mutant)`` (``None``: no test runs it, it survives
-    unrun) in the private copies ``dirs``, one at a time in each; prints each outcome."""
-    free, results = list(dirs), {}
+    unrun) in the private copies ``dirs``, one at a time in each (``pytest -x``, by a
+    :class:`_Server` of each); prints each outcome."""
+    free, results, servers = list(dirs), {}, {}
 
     def run(mutant: Mutant):
         tests = tests_of(mutant)
@@ -522,8 +592,10 @@ def _run(todo: list[Mutant], tests_of, dirs: list[Path], timeout: float) -> dict
             return mutant, "passed", "no test runs it", 0.0
         where = free.pop()
         try:
+            if where not in servers:
+                servers[where] = _Server(where)
             (where / mutant.path).write_text(mutated_source(mutant.path, mutant.index))
-            outcome, seconds = _pytest(where, tests, timeout)
+            outcome, seconds = servers[where].pytest(["-x", *PYTEST, *tests], timeout)
         finally:
             shutil.copy(ROOT / mutant.path, where / mutant.path)
             free.append(where)
@@ -532,9 +604,13 @@ def _run(todo: list[Mutant], tests_of, dirs: list[Path], timeout: float) -> dict
 
     with concurrent.futures.ThreadPoolExecutor(len(dirs)) as pool:
         for mutant, outcome, ran, seconds in pool.map(run, todo):
-            results[mutant.id] = outcome
-            mark = {"passed": "survived", "failed": "killed", "timeout": "undecided"}[outcome]
+            kind, *status = outcome.split()
+            results[mutant.id] = kind
+            # an exit status other than 1 (an error in collection, a node id not found) is shown
+            mark = {"passed": "survived", "failed": "killed", "timeout": "undecided"}[kind] + "".join(f" (exit {n})" for n in status)
             print(f"{mark:18s} {seconds:6.1f} s  {ran:18s} line {mutant.line:4d}  {mutant.id}", flush=True)
+    for server in servers.values():
+        server.close()
     return results
 
 
@@ -589,4 +665,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_serve() if sys.argv[1:] == ["--serve"] else main())
