@@ -1,0 +1,28 @@
+"""Behaviours of the streamed paths that mutation testing (``make mutate``) found unpinned, each
+pinned by a test that the mutant it names fails."""
+
+import pytest
+import torch
+
+import circuitmath as cm
+from circuitmath import io
+
+GATED_LN = cm.Config(n_layers=3, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16, gated_mlp=True,
+                     act_fn="silu")
+
+
+def test_a_precondition_broken_in_a_later_block_names_that_block_when_streamed(tmp_path):
+    """A gated LayerNorm model whose block 1 alone has a nonzero ln2.b in front of W_gate (no
+    bias): folding is refused on the streamed checkpoint as in memory, the detail naming
+    blocks.1 (the part is processed as a one-block model, whose names say blocks.0)."""
+    state_dict = cm.random_state_dict(GATED_LN, seed=0, dtype=torch.float32)
+    for layer in (0, 2):
+        state_dict[f"blocks.{layer}.ln2.b"] = torch.zeros_like(state_dict[f"blocks.{layer}.ln2.b"])
+    with pytest.raises(cm.PreconditionError) as in_memory:
+        cm.fold_layer_norm(state_dict, GATED_LN)
+    io.save(tmp_path / "m.safetensors", state_dict, GATED_LN)
+    with pytest.raises(cm.PreconditionError) as streamed:
+        io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "out", steps=["fold_ln"])
+    assert "blocks.1.mlp.W_gate" in in_memory.value.detail  # control: the block that breaks it
+    assert streamed.value.detail == in_memory.value.detail
+    assert str(streamed.value) == str(in_memory.value)
