@@ -37,3 +37,21 @@ def test_other_operands_get_their_own_product():
     with SharedProducts(smallest=64 * 32 * 48 + 1) as products:
         a @ b
         assert not products.kept
+
+
+def test_products_offered_are_taken_in_order_and_dropped_at_the_first_other():
+    """A transform that repeats another's products takes them (the same tensors); one that asks
+    for another product first drops every offer (control: nothing taken, the offers gone)."""
+    a, b = _operands()
+    c, d = _operands(seed=1)
+    with SharedProducts(smallest=1) as before:
+        first, second = a @ b, c @ d
+    with SharedProducts(smallest=1, offered=before) as again:
+        assert (a.clone() @ b) is first and (c.clone() @ d) is second
+    assert len(again.kept) == 2 and not again.offered
+    with SharedProducts(smallest=1, offered=before) as other:
+        assert (c @ d) is not second  # not the next offered: computed, and the offers dropped
+        assert not other.offered and (a @ b) is not first
+    offered = SharedProducts(smallest=1, offered=before)
+    offered.decline()
+    assert not offered.offered

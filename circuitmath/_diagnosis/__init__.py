@@ -328,22 +328,26 @@ def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagn
         rows, positions = sensitivity_window(tokens)
         exact = _LogProbs(tokens[:rows, :positions], torch.float64), in_float64(state)
         exact[0].set_reference(exact[1], model_cfg)
-    findings = []
+    findings, products = [], None
     # each identity's models are freed before the next runs: its new tensors take their maps
     with recycling(huge_pages=False):
         for i, identity in enumerate(chosen, 1):
             report(i, total, identity.name)
-            findings.append(_identity_row(identity, resolved, lp, exact))
+            # the float64 products the identity before computed, offered to this one's transform
+            products = SharedProducts(offered=products)
+            findings.append(_identity_row(identity, resolved, lp, exact, products))
     report(total, total, "done")
     return Diagnosis(tuple(findings))
 
 
-def _identity_row(identity, resolved: Model, lp: _LogProbs, exact: tuple[_LogProbs, dict] | None) -> Finding:
+def _identity_row(identity, resolved: Model, lp: _LogProbs, exact: tuple[_LogProbs, dict] | None,
+                  products: SharedProducts) -> Finding:
     """The row of ``identity`` in :func:`check_model` of ``resolved``: compared by ``lp`` in the
     model's dtype and, below float64, by ``exact`` (float64 log-probs and the model in float64,
-    their reference) too, its rewrite certified. Nothing of the identity's models is kept."""
+    their reference) too, its rewrite certified. ``products``: the float64 products of its
+    transform, taken again by its float64 reference (and offered to the next identity's). Nothing
+    of the identity's models is kept."""
     state, model_cfg = resolved.state_dict, resolved.cfg
-    products = SharedProducts()  # the transform's float64 products, taken again by its float64 reference
     try:
         with products:
             prepared, prepared_cfg = identity.prepared(state, model_cfg)
@@ -351,6 +355,8 @@ def _identity_row(identity, resolved: Model, lp: _LogProbs, exact: tuple[_LogPro
     except PreconditionError as error:
         return Finding(identity.name, "identity", False, "not applicable", reason=str(error),
                        precondition=error.precondition)
+    finally:
+        products.decline()
     comparison = lp.compare(prepared, prepared_cfg, processed, processed_cfg)
     lp.forget_all_but(state)  # each identity's models go once it is checked
     if exact is None:
@@ -358,7 +364,6 @@ def _identity_row(identity, resolved: Model, lp: _LogProbs, exact: tuple[_LogPro
     exact, state64 = exact
     with products:
         chain, reference = _float64_of(identity, state64, model_cfg, prepared, prepared_cfg)
-    products = None
     mismatches = rewrite_mismatches(identity, prepared, prepared_cfg, processed, chain,
                                     Thresholds.of(resolved.dtype, model_cfg), reference=reference)
     prepared = processed = reference = None

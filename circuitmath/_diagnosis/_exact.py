@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 from .._compare import Comparison, in_dtype
 from .._errors import PreconditionError
 from ._report import Finding
-from ._tensors import ParameterMismatch, certificate, _largest_entry, _mismatch, Thresholds
+from ._tensors import ParameterMismatch, certified, _largest_entry, _mismatch, Thresholds
 
 __all__ = ["in_float64", "float64_chain", "rewrite_mismatches", "identity_row", "float64_rewrite", "SharedProducts"]
 
@@ -76,8 +76,8 @@ def rewrite_mismatches(
         if tensor is prepared.get(name) or keep(name) is None:
             continue
         expected = exact.get(name)
-        if expected is None or expected.shape != tensor.shape or certificate(
-                tensor, expected, max(_largest_entry(expected), _largest_entry(tensor)), thresholds) > 1:
+        if expected is None or expected.shape != tensor.shape or not certified(
+                tensor, expected, max(_largest_entry(expected), _largest_entry(tensor)), thresholds):
             found.append(_mismatch(keep(name), tensor, expected, None, thresholds.exact, None, "the float64 rewrite"))
     return tuple(found)
 
@@ -104,14 +104,25 @@ class SharedProducts(TorchFunctionMode):
     rounds ``W Q`` once) and its float64 reference multiply the same values: the reference takes
     the products the first computed. The results are those computing them again would give (the
     same operation on equal operands; an operand changed in place since is no longer equal). The
-    kept operands and results go with the object."""
+    kept operands and results go with the object.
+
+    ``offered``: the products another object kept (the identity checked before), offered in the
+    order they were computed: each product asked for is taken from them while it is the next
+    one offered (a transform that repeats another's computation, e.g. ``slicegpt_route``
+    repeating ``rotate_residual_stream`` on its preparation, takes them all); at the first that
+    is not, or on :meth:`decline`, the rest are dropped, so memory holds them only until then."""
 
     _PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm)
 
-    def __init__(self, smallest: int = 1 << 26):
+    def __init__(self, smallest: int = 1 << 26, offered: "SharedProducts | None" = None):
         super().__init__()
         self.smallest = smallest
         self.kept: list[tuple[torch.Tensor, int, torch.Tensor, int, torch.Tensor]] = []
+        self.offered = list(reversed(offered.kept)) if offered is not None else []
+
+    def decline(self) -> None:
+        """Drop the products offered and not taken."""
+        self.offered = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -121,13 +132,23 @@ class SharedProducts(TorchFunctionMode):
         a, b = args
         if a.numel() * b.shape[-1] < self.smallest:
             return func(a, b)
-        for x, x_version, y, y_version, product in self.kept:
-            if x.shape == a.shape and y.shape == b.shape and x.device == a.device and x._version == x_version \
-                    and y._version == y_version and torch.equal(x, a) and torch.equal(y, b):
-                return product
-        product = func(a, b)
-        self.kept.append((a, a._version, b, b._version, product))
-        return product
+        for entry in self.kept:
+            if _equal_operands(entry, a, b):
+                return entry[4]
+        if self.offered and _equal_operands(self.offered[-1], a, b):
+            entry = self.offered.pop()
+        else:
+            self.offered = []
+            entry = (a, a._version, b, b._version, func(a, b))
+        self.kept.append(entry)
+        return entry[4]
+
+
+def _equal_operands(entry: tuple, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` equal the operands of a kept product ``entry`` (unchanged since)."""
+    x, x_version, y, y_version, _product = entry
+    return (x.shape == a.shape and y.shape == b.shape and x.device == a.device and x._version == x_version
+            and y._version == y_version and torch.equal(x, a) and torch.equal(y, b))
 
 
 def float64_chain(identity, state64: Mapping, cfg) -> tuple[dict, object, dict, object] | None:

@@ -173,6 +173,41 @@ def certificate(got: torch.Tensor, expected: torch.Tensor, scale: float, thresho
     return worst
 
 
+def certified(got: torch.Tensor, expected: torch.Tensor, scale: float, thresholds: Thresholds) -> bool:
+    """Whether ``certificate(got, expected, scale, thresholds) <= 1``, decided in float32 where
+    an upper bound of every entry's ratio shows it, and by :func:`certificate` otherwise.
+
+    ``got`` in float32 or half precision on the CPU, ``expected`` in one of those or float64
+    (a float64 rewrite: then ``e32``, ``expected`` rounded to float32, is within ``h``, half a
+    float32 unit in the last place of ``e32`` and at least ``2**-126``, of it, and ``e``'s unit
+    in the last place is ``e32``'s or half of it). Each entry's ratio is at most ``(|x - e32| +
+    h) / (unit(e32) / 2 + floor)`` (``h = 0`` and the whole unit for the other dtypes; a unit
+    below ``2**-127`` taken as zero, which only lowers the bound), computed with four roundings
+    of float32 (within ``2**-21``: bounds of at least :data:`_SCREEN_FLOOR` stay normal) and
+    raised by ``2**-20``. Where every bound is at most 1, so is the certificate; a larger bound,
+    or a non-finite one, leaves the decision to :func:`certificate`. A rewrite rounded once
+    from float64 is decided here without a float64 pass."""
+    floor = thresholds.floor * scale
+    if not (got.dtype in _SCREENED and expected.dtype in (*_SCREENED, torch.float64) and got.device.type == "cpu"
+            and _SCREEN_FLOOR <= floor <= 2.0**100):
+        return certificate(got, expected, scale, thresholds) <= 1
+    bits = _MANTISSA_BITS.get(thresholds.dtype, 52)
+    rounded = expected.dtype == torch.float64
+    a, b = got.reshape(-1), expected.reshape(-1)
+    for start in range(0, a.numel(), _SCREEN_PIECE):  # pieces that stay in the cache
+        e32 = b[start:start + _SCREEN_PIECE].float()  # ``expected`` itself where it is float32: not written
+        ratio = torch.sub(a[start:start + _SCREEN_PIECE].float(), e32).abs_()
+        field = torch.bitwise_and(e32.view(torch.int32), 0x7F800000)
+        if rounded:
+            ratio.add_((field - (24 << 23)).clamp_min_(1 << 23).view(torch.float32))
+        unit = field.sub_(bits << 23).clamp_min_(0).view(torch.float32)
+        unit = unit.mul_(0.5) if rounded else unit
+        ratio.div_((unit if CERTIFICATE_ULPS == 1 else unit.mul_(CERTIFICATE_ULPS)).add_(floor))
+        if not float(ratio.max()) * (1 + 2.0**-20) <= 1:
+            return certificate(got, expected, scale, thresholds) <= 1
+    return True
+
+
 #: Dtypes whose values float32 holds exactly (the screen of :func:`certificate` runs in float32).
 _SCREENED = (torch.float32, torch.bfloat16, torch.float16)
 
