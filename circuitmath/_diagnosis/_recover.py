@@ -11,7 +11,7 @@ import torch
 
 from .._config import Config
 from .._processing.rotation import procrustes, residual_writers, rotated_tensors, rotation_mismatches
-from ._tensors import _HEAD_AXIS, _location
+from ._tensors import _HEAD_AXIS, _location, Thresholds
 
 __all__ = ["anchor_sets", "anchors", "best_rotation", "fixes_ones", "fixing_ones_exactly", "slice_permutation", "tensors_layer",
            "unit_axis"]
@@ -56,26 +56,54 @@ def fixing_ones_exactly(Q: torch.Tensor) -> torch.Tensor:
     return U @ Vh
 
 
-def best_rotation(state: Mapping, after: Mapping, cfg: Config) -> torch.Tensor:
-    """The Procrustes ``Q`` from ``W_E`` alone or from every tensor, whichever leaves fewer
-    tensors of ``after`` unexplained: ``W_E`` is robust to a wrong rotation of other tensors,
-    but leaves the image of a direction no writer has (1, once the writes are centered) free,
-    which uncentered readers then fix. Between fits that leave as many unexplained (in half
-    precision the mismatch tolerance passes a wrong fit too), the one with the smaller median
-    misfit over the rotated tensors: other steps (a centered ``W_E``, rotated heads) change a
-    few of them, the wrong fit all."""
-    fits = [procrustes(state, after, cfg, names) for names in anchor_sets(cfg)]
-    return min(fits, key=lambda Q: (len(rotation_mismatches(state, after, cfg, Q)), _median_misfit(state, after, cfg, Q)))
+def best_rotation(state: Mapping, after: Mapping, cfg: Config) -> tuple[torch.Tensor, list[str] | None]:
+    """``(Q, names)``: the Procrustes ``Q`` and the tensors it is fitted on (``None``: every
+    one). First from each of :func:`anchor_sets`, whichever leaves fewer tensors of ``after``
+    unexplained: ``W_E`` is robust to a wrong rotation of other tensors, but leaves the image of
+    a direction no writer has (1, once the writes are centered) free, which uncentered readers
+    then fix. Between fits that leave as many unexplained (in half precision the mismatch
+    tolerance, of the replay's float32, passes no fit at all), the one that reproduces more of
+    the rotated tensors to the replay's recognition threshold, then the one with the smaller
+    median misfit: other steps (a centered ``W_E``, rotated heads, scales migrated into the
+    readers) change some of them and leave the others as the rotation made them, while a fit bent
+    by the changed tensors reproduces none.
+
+    In half precision the fit is then refined on every rotated tensor it reproduces (writers and
+    readers), unless that reproduces fewer: the anchors alone (``W_E``'s ``d_vocab`` rows) leave
+    ``Q`` known to about ``1e-3``, and each reproduced tensor's rounding is independent of the
+    others', so the fit on all of them is several times closer (the widening of
+    :mod:`._uncertain` shrinks with it)."""
+    fits = [(procrustes(state, after, cfg, names), names) for names in anchor_sets(cfg)]
+    keys = [_fit_key(state, after, cfg, Q) for Q, _names in fits]
+    best = min(range(len(fits)), key=lambda i: keys[i][:3])
+    Q, names = fits[best]
+    if after["embed.W_E"].dtype not in (torch.bfloat16, torch.float16):
+        return Q, names
+    reproduced = keys[best][3]
+    if len(reproduced) > len(names or []) and reproduced != names:
+        refined = procrustes(state, after, cfg, reproduced)
+        if _fit_key(state, after, cfg, refined)[:2] <= keys[best][:2]:
+            return refined, reproduced
+    return Q, names
 
 
-def _median_misfit(state: Mapping, after: Mapping, cfg: Config, Q: torch.Tensor) -> float:
-    """The median over the tensors ``Q`` rotates of ``max |after - rotated| / max |after|``."""
-    misfits = []
+def _fit_key(state: Mapping, after: Mapping, cfg: Config, Q: torch.Tensor) -> tuple:
+    """``(mismatches, tensors missed, median misfit, tensors reproduced)`` of the fit ``Q`` (see
+    :func:`best_rotation`): a tensor is reproduced within the replay's recognition threshold."""
+    misfits = _misfits(state, after, cfg, Q)
+    reproduced = [n for n, m in misfits.items() if m <= Thresholds.of(after[n].dtype, cfg).recognise]
+    median = float(torch.tensor(list(misfits.values())).median()) if misfits else 0.0
+    return len(rotation_mismatches(state, after, cfg, Q)), len(misfits) - len(reproduced), median, reproduced
+
+
+def _misfits(state: Mapping, after: Mapping, cfg: Config, Q: torch.Tensor) -> dict[str, float]:
+    """``max |after - rotated| / max |after|`` of each tensor ``Q`` rotates."""
+    misfits = {}
     for name, rotated in rotated_tensors(state, cfg, Q).items():
         theirs = after[name].double()
         scale = float(theirs.abs().max()) if theirs.numel() else 0.0
-        misfits.append(float((theirs - rotated.double()).abs().max()) / scale if scale > 0 else 0.0)
-    return float(torch.tensor(misfits).median()) if misfits else 0.0
+        misfits[name] = float((theirs - rotated.double()).abs().max()) / scale if scale > 0 else 0.0
+    return misfits
 
 
 def unit_axis(name: str, cfg: Config) -> tuple[str, int] | None:

@@ -500,14 +500,14 @@ def procrustes(before: StateDict, after: StateDict, cfg: Config, names: Sequence
     """The orthogonal ``Q`` (float64, on the CPU) that best maps ``before``'s writer rows and
     reader columns onto ``after``'s (orthogonal Procrustes, see :func:`recover_rotation`), not
     verified: :func:`rotation_mismatches` names the tensors it does not explain. ``names``: only
-    these writers (e.g. ``["embed.W_E"]``, which the usual processing before a rotation leaves
-    as it is once the writes are centered), no readers. Directions no tensor has a component along
-    (the all-ones direction of a centered model) are mapped arbitrarily: no tensor depends on them."""
-    rows_before, rows_after = [], []
-    for name in residual_writers(cfg) if names is None else names:
+    these writers and readers (e.g. ``["embed.W_E"]``, which the usual processing before a
+    rotation leaves as it is once the writes are centered). Directions no tensor has a component
+    along (the all-ones direction of a centered model) are mapped arbitrarily: no tensor depends on them."""
+    rows_before, rows_after, readers = [], [], residual_readers(cfg)
+    for name in residual_writers(cfg) if names is None else [n for n in names if n not in readers]:
         rows_before.append(before[name].double().reshape(-1, cfg.d_model).cpu())
         rows_after.append(after[name].double().reshape(-1, cfg.d_model).cpu())
-    for name in [] if names is not None else residual_readers(cfg):
+    for name in readers if names is None else [n for n in names if n in readers]:
         rows_before.append(before[name].double().transpose(-1, -2).reshape(-1, cfg.d_model).cpu())
         rows_after.append(after[name].double().transpose(-1, -2).reshape(-1, cfg.d_model).cpu())
     U, _S, Vh = torch.linalg.svd(torch.cat(rows_before).T @ torch.cat(rows_after))
