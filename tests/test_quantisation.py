@@ -525,3 +525,35 @@ def test_a_scaled_rotation_is_refused_in_half_precision():
     rounded = _head_rotations(cfg).to(torch.bfloat16)  # a rotation given in bfloat16: to bfloat16's precision
     out, out_cfg = cm.rotate_heads(sd, cfg, value=rounded)
     assert out_cfg.applied == ("rotate_heads",)
+
+
+# -- one verdict in every form ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_key_value_heads", [None, 2])
+def test_the_bfloat16_pipeline_gets_one_verdict_in_memory_from_files_and_from_folders(tmp_path, n_key_value_heads):
+    """fold -> rotate -> per-head rotate -> smooth in bfloat16, recorded nowhere or in
+    ``cfg.applied``, and with the gates left unscaled: ``assert_equivalent`` in memory, ``check
+    --processed`` of two files and of two folders read a block at a time give one verdict each
+    (the exact processing passes, the wrong step fails)."""
+    from circuitmath._checkpoint import CheckpointWriter
+    from verdict_corpus import FORMS, verdict
+
+    dtype = torch.bfloat16
+    cfg, sd = _model(dtype, n_key_value_heads=n_key_value_heads)
+    after, after_cfg = _pipeline(sd, cfg)
+    out, out_cfg = cm.fold_rms_norm({k: v.double() for k, v in sd.items()}, cfg)
+    out, out_cfg = cm.rotate_residual_stream(out, out_cfg, cm.random_orthogonal(cfg.d_model, seed=3))
+    out, out_cfg = cm.rotate_heads(out, out_cfg, value=_head_rotations(cfg))
+    out, out_cfg = cm.get_identity("migrate_norm_scales").wrong_rewrites["gate_unscaled"](out, out_cfg, _scales(cfg, seed=7))
+    cases = {
+        "exact, recorded nowhere": (after, after_cfg, True),
+        "exact, recorded": (after, after_cfg.replace(applied=STEPS), True),
+        "gates unscaled": ({k: v.to(dtype) for k, v in out.items()}, out_cfg.replace(applied=()), False),
+    }
+    folder = tmp_path / "before"
+    with CheckpointWriter(folder, 2) as writer:
+        writer.write(sd, cfg)
+    for case, (processed, processed_cfg, valid) in cases.items():
+        found = [verdict(form, folder, sd, cfg, processed, processed_cfg, tmp_path / f"{case}-{form}") for form in FORMS]
+        assert found == [valid] * len(FORMS), (case, dict(zip(FORMS, found)))
