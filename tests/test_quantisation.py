@@ -352,6 +352,35 @@ def test_in_bfloat16_the_recovered_rotation_s_uncertainty_covers_its_error_and_n
         assert_equivalent(sd, changed, cfg, after_cfg=after_cfg)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_a_widening_term_bounds_its_error_operator_through_later_scalings_and_rotations(seed):
+    """A reader ``x`` ``[d, n]`` rewritten with ``Q + E`` is off by ``E^T x``; scaled by ``diag(s)``
+    along its rows the error is ``diag(s) E^T diag(s)^-1`` of the new tensor, bounded entry by
+    entry by the term with the scales as weights (and not without them); rotated by ``M`` along
+    the same axis, by the term :meth:`Term.rotated` makes; an entrywise relative error by its
+    relative term, through a scaling and, turned into a norm, through a rotation."""
+    from circuitmath._diagnosis._uncertain import Term
+
+    g = torch.Generator().manual_seed(seed)
+    d, n = 16, 24
+    x = torch.randn(d, n, dtype=F64, generator=g)
+    E = 1e-3 * torch.randn(d, d, dtype=F64, generator=g)
+    s = torch.exp(2 * torch.randn(d, dtype=F64, generator=g))
+    M = torch.linalg.qr(torch.randn(d, d, dtype=F64, generator=g))[0]
+    term = Term(-2, float(torch.linalg.matrix_norm(E, 2)), torch.linalg.vector_norm(E, dim=0))
+    assert bool(((E.T @ x).abs() <= term.bound(x) * (1 + 1e-12)).all())
+    scaled, scaled_term = s[:, None] * x, term.scaled((-2, s))
+    error = s[:, None] * (E.T @ x)
+    assert bool((error.abs() <= scaled_term.bound(scaled) * (1 + 1e-12)).all())
+    assert not bool((error.abs() <= term.bound(scaled)).all())  # unweighted, the bound breaks
+    assert bool(((M @ error).abs() <= scaled_term.rotated(-2).bound(M @ scaled) * (1 + 1e-12)).all())
+    assert term.scaled((-1, torch.ones(n, dtype=F64))) is term  # a scaling along another axis commutes
+    delta = 1e-3 * torch.rand(d, n, dtype=F64, generator=g)  # entrywise relative errors up to 1e-3
+    relative = Term(None, 1e-3)
+    assert bool(((delta * scaled).abs() <= relative.scaled((-2, s)).bound(scaled) * (1 + 1e-12)).all())
+    assert bool(((M @ (delta * scaled)).abs() <= relative.rotated(-2).bound(M @ scaled) * (1 + 1e-12)).all())
+
+
 # -- scales through the MLP's product or its ReLU --------------------------------------------
 
 
