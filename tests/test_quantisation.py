@@ -255,7 +255,7 @@ def _row_changed(after, name, row, r):
     return dict(after, **{name: changed.to(after[name].dtype)})
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n_key_value_heads", [None, 2])
 def test_every_step_of_a_quantisation_pipeline_is_recovered_and_named(n_key_value_heads, dtype):
     """fold -> rotate -> per-head rotate -> smooth, computed in float64 and rounded once: accepted,
