@@ -36,7 +36,7 @@ from .._processing.rotation import (
 )
 from ._lessons import Lessons
 from ._recover import anchor_sets, fixes_ones, fixing_ones_exactly, slice_permutation, tensors_layer, unit_axis
-from ._tensors import certificate, _largest_entry, _natural_order, _relative_difference, Thresholds
+from ._tensors import certified, _largest_entry, _natural_order, _relative_difference, Thresholds
 from ._uncertain import Widenings, widened_certificate
 
 __all__ = ["weight_identities", "SYMMETRIES"]
@@ -126,8 +126,8 @@ class _Replay:
             if level == "exact" and relative <= self.thresholds.recognise:  # entry by entry
                 scale = max(self.largest(t) for t in (theirs, tensor) + ((reference,) if reference is not None else ()))
                 verdict = relative == 0 or (
-                    widened_certificate(theirs, tensor, scale, self.thresholds, widening) if widening
-                    else certificate(theirs, tensor, scale, self.thresholds)) <= 1
+                    widened_certificate(theirs, tensor, scale, self.thresholds, widening) <= 1 if widening
+                    else certified(theirs, tensor, scale, self.thresholds))
             hit = (tensor, reference, verdict)
             self._verdicts[key] = hit
         return hit[2]
