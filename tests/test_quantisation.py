@@ -559,16 +559,16 @@ def test_a_scaled_rotation_is_refused_in_half_precision():
 # -- one verdict in every form ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n_key_value_heads", [None, 2])
-def test_the_bfloat16_pipeline_gets_one_verdict_in_memory_from_files_and_from_folders(tmp_path, n_key_value_heads):
-    """fold -> rotate -> per-head rotate -> smooth in bfloat16, recorded nowhere or in
-    ``cfg.applied``, and with the gates left unscaled: ``assert_equivalent`` in memory, ``check
-    --processed`` of two files and of two folders read a block at a time give one verdict each
-    (the exact processing passes, the wrong step fails)."""
+def test_the_pipeline_gets_one_verdict_in_memory_from_files_and_from_folders(tmp_path, n_key_value_heads, dtype):
+    """fold -> rotate -> per-head rotate -> smooth in float32, bfloat16 and float16, recorded
+    nowhere or in ``cfg.applied``, and with the gates left unscaled: ``assert_equivalent`` in
+    memory, ``check --processed`` of two files and of two folders read a block at a time give one
+    verdict each (the exact processing passes, the wrong step fails)."""
     from circuitmath._checkpoint import CheckpointWriter
     from verdict_corpus import FORMS, verdict
 
-    dtype = torch.bfloat16
     cfg, sd = _model(dtype, n_key_value_heads=n_key_value_heads)
     after, after_cfg = _pipeline(sd, cfg)
     out, out_cfg = cm.fold_rms_norm({k: v.double() for k, v in sd.items()}, cfg)
@@ -586,3 +586,21 @@ def test_the_bfloat16_pipeline_gets_one_verdict_in_memory_from_files_and_from_fo
     for case, (processed, processed_cfg, valid) in cases.items():
         found = [verdict(form, folder, sd, cfg, processed, processed_cfg, tmp_path / f"{case}-{form}") for form in FORMS]
         assert found == [valid] * len(FORMS), (case, dict(zip(FORMS, found)))
+
+
+@pytest.mark.parametrize("n_key_value_heads", [None, 2])
+def test_negative_control_a_float32_pipeline_with_one_row_one_percent_off_is_refused_in_every_form(tmp_path, n_key_value_heads):
+    """The float32 pipeline with one row of the rotated ``blocks.0.mlp.W_in`` times 1.01: refused
+    in memory, from files and from folders (the folder's changes no identity explains are judged
+    with every entry of a changed tensor taken from ``after``, and the tolerance stays sharp)."""
+    from circuitmath._checkpoint import CheckpointWriter
+    from verdict_corpus import FORMS, verdict
+
+    cfg, sd = _model(torch.float32, n_key_value_heads=n_key_value_heads)
+    after, after_cfg = _pipeline(sd, cfg)
+    changed = _row_changed(after, "blocks.0.mlp.W_in", 3, 0.01)
+    folder = tmp_path / "before"
+    with CheckpointWriter(folder, 2) as writer:
+        writer.write(sd, cfg)
+    found = [verdict(form, folder, sd, cfg, changed, after_cfg, tmp_path / form) for form in FORMS]
+    assert found == [False] * len(FORMS), dict(zip(FORMS, found))

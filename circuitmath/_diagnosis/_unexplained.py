@@ -12,15 +12,18 @@ whatever their dtype:
   1 % change of one row of a bfloat16 tensor is 1.3 to 2.6 units), the entries can;
 - a **change** (some entry further) is what an exact rewrite no identity names looks like (a
   head's value and output weights scaled against each other), or a larger error. Its entries
-  within the certificate are taken as the rewrite's, the others are the change; the function
-  decides: the replay's end against the replay's end with the changed entries taken from
-  ``after``, both run in float64 (nothing else differs between them, and nothing is rounded but
-  what ``after`` rounded), within :func:`~circuitmath.testing.logprob_tolerance` of float64 plus
-  ``SENSITIVITY_SAFETY`` times how far the log-probs move when every changed entry ``w`` is
-  moved by ``u * xi * (|w| + rms)`` (``u`` the unit roundoff of ``after``'s tensor, ``xi``
-  standard normal from a generator seeded by the tensor's name, ``rms`` the root mean square of
-  the changed entries: an entry computed by cancellation carries the rounding of its terms):
-  the rounding of the tensors that actually changed, and of nothing else.
+  beyond the certificate are the change; the function decides: the replay's end against the
+  replay's end with the changed tensors taken from ``after`` (every entry: one within the
+  certificate of the rewrite only by coincidence, a near-zero entry of a rotated tensor, is
+  ``after``'s and not the rewrite's), both run in float64 (nothing else differs between them,
+  and nothing is rounded but what ``after`` rounded), within
+  :func:`~circuitmath.testing.logprob_tolerance` of float64 plus ``SENSITIVITY_SAFETY`` times
+  how far the log-probs move when every changed entry ``w`` is moved by ``u * xi * (|w| +
+  rms)`` (``u`` the unit roundoff of ``after``'s tensor, ``xi`` standard normal from a
+  generator seeded by the tensor's name, ``rms`` the root mean square of the changed entries:
+  an entry computed by cancellation carries the rounding of its terms) and every other entry of
+  a changed tensor by ``xi`` times its distance from the rewrite: the rounding of the tensors
+  that actually changed, and of nothing else.
 
 A change of at least ``NEAR_ULPS`` units on a row moves the log-probs coherently, many times
 what rounding the same entries does; below that the certificate refuses it. So a change is
@@ -111,15 +114,16 @@ class ChangePasses:
             if name in rows:
                 tensor, mask = tensor[rows[name].to(tensor.device)], mask[rows[name].to(mask.device)]
             tensor, mask = tensor.to(base[name].device).double(), mask.to(base[name].device)
-            changed[name] = torch.where(mask, tensor, base[name])
-            moved = changed[name][mask]
+            changed[name] = tensor
+            moved = tensor[mask]
             rms = float(moved.square().mean().sqrt()) if moved.numel() else 0.0
             g = named_generator(f"{name}:change", self.seed)
             xi = torch.randn(change.tensor.shape, generator=g, dtype=torch.float64, device="cpu")
             if name in rows:
                 xi = xi[rows[name].cpu()]
-            noise = xi.to(tensor.device).mul_(changed[name].abs().add_(rms)).mul_(unit_roundoff(change.tensor.dtype))
-            nudged[name] = changed[name] + noise * mask
+            # a changed entry moved by its rounding; one within the certificate by its distance from the rewrite
+            size = torch.where(mask, tensor.abs().add_(rms).mul_(unit_roundoff(change.tensor.dtype)), (tensor - base[name]).abs())
+            nudged[name] = tensor + xi.to(tensor.device).mul_(size)
         return base, changed, nudged
 
     def start(self, ends: Mapping[str, torch.Tensor], changes: Mapping[str, Change]) -> None:
