@@ -139,15 +139,19 @@ class Identity:
 
     ``free_parameter``: the identity holds for every value of a parameter (a rotation ``Q``, a
     permutation) that its ``transform`` fixes for the numeric checks, so the diagnosis does not
-    replay it blind: it recovers the parameter from the tensors (the rotations and permutations
-    in :mod:`circuitmath._diagnosis._replay`, or ``recover``; an identity with ``recover`` has a
+    replay it blind: it recovers the parameter from the tensors (the residual rotation in
+    :mod:`circuitmath._diagnosis._replay`, or ``recover``; an identity with ``recover`` has a
     free parameter whether it says so or not).
 
-    ``recover(before, after, cfg)``: for an identity with a free parameter (per-channel scales),
-    the parameter that maps ``before`` onto ``after``, or ``None``; ``with_parameters(state_dict,
-    cfg, parameter)`` applies the identity with it (its public transform), and each wrong rewrite
-    takes it as an optional third argument. The diagnosis recovers the parameter instead of
-    replaying ``transform``, whose parameter is fixed for the numeric checks.
+    ``recover(before, after, cfg)``: for an identity with a free parameter (a permutation,
+    per-channel scales), the parameter that maps ``before`` onto ``after``, or ``None``;
+    ``with_parameters(state_dict, cfg, parameter)`` applies the identity with it (its public
+    transform). The diagnosis recovers the parameter instead of replaying ``transform``, whose
+    parameter is fixed for the numeric checks. ``wrong_rewrites_recovered``: whether the diagnosis
+    tries the wrong rewrites with the recovered parameter too, each taking it as an optional third
+    argument (``False`` where a recovered parameter is verified on every
+    tensor it moves, as a permutation's is: the exact rewrite with it reproduces each of them,
+    which a wrong one cannot better).
 
     ``postcondition``: what a weight identity's rewrite makes true of the weights it returns
     (:data:`Postcondition`), which holds of any model whose ``cfg.applied`` records the identity
@@ -176,6 +180,7 @@ class Identity:
     half_precision: str | None = None
     chapter: str | None = None
     free_parameter: bool = False
+    wrong_rewrites_recovered: bool = True
     postcondition: Postcondition | str | None = field(default=None, repr=False)
     moves_off: tuple[Callable, ...] = field(default=(), repr=False)
 

@@ -25,15 +25,7 @@ from .._identities.rotation import (
 from .._config import Config
 from .._errors import AlreadyAppliedError, PreconditionError
 from .._state import marked_as
-from .._processing.rotation import (
-    permute_heads,
-    permute_neurons,
-    procrustes,
-    recover_head_permutation,
-    recover_neuron_permutation,
-    rotate_residual_stream,
-    rotated_tensors,
-)
+from .._processing.rotation import procrustes, rotate_residual_stream, rotated_tensors
 from ._lessons import Lessons
 from ._recover import anchor_sets, fixes_ones, fixing_ones_exactly, slice_permutation, tensors_layer, unit_axis
 from ._tensors import certified, _largest_entry, _natural_order, _relative_difference, Thresholds
@@ -46,7 +38,8 @@ __all__ = ["weight_identities", "SYMMETRIES"]
 SYMMETRIES = tuple(identity.name for identity in _identities.identities()
                    if identity.free_parameter or identity.recover is not None)
 
-#: Symmetries whose identity recovers its own parameter (``Identity.recover``), tried after the permutations.
+#: Symmetries whose identity recovers its own parameter (``Identity.recover``), in registry order: tried after
+#: the residual rotation.
 RECOVERED = tuple(identity for identity in _identities.identities() if identity.recover is not None)
 
 
@@ -174,7 +167,8 @@ class _Replay:
         if refused or identity.name in SYMMETRIES:  # a symmetry's tried only where the symmetry is: not in every search
             # each with its own parameter and, for a symmetry, with the one recovered from ``after``
             found, widen = (None, None) if identity.name not in SYMMETRIES else (
-                self.widenings.recovered(identity, state, self.after, cfg) if identity.recover is not None
+                self.widenings.recovered(identity, state, self.after, cfg)
+                if identity.recover is not None and identity.wrong_rewrites_recovered
                 else self.widenings.rotation(state, self.after, cfg) if identity is ROTATION_INVARIANCE and _same_names(state, self.after)
                 else (None, None))
             return [
@@ -237,24 +231,18 @@ class _Replay:
         if identity.recover is not None:
             found, widen = self.widenings.recovered(identity, state, self.after, cfg)
             return identity.transform if found is None else widen(_given(identity.with_parameters, found))
-        if identity.name not in SYMMETRIES or not _same_names(state, self.after):
+        if identity not in (ROTATION_INVARIANCE, LAYER_NORM_ROTATION) or not _same_names(state, self.after):
             return identity.transform
-        if identity in (ROTATION_INVARIANCE, LAYER_NORM_ROTATION):
-            Q, widen = self.widenings.rotation(state, self.after, cfg)
-            if cfg.normalization_type == "LNPre" and fixes_ones(Q):
-                Q = fixing_ones_exactly(Q)  # to rounding: the Procrustes fit moves 1 by a little more
-            return widen(lambda sd, c: rotate_residual_stream(sd, c, Q))
-        recover, apply = {
-            PERMUTE_HEADS.name: (recover_head_permutation, permute_heads),
-            PERMUTE_NEURONS.name: (recover_neuron_permutation, permute_neurons),
-        }.get(identity.name, (None, None))
-        perm = recover(state, self.after, cfg, verify_all=False) if recover else None
-        return identity.transform if perm is None else (lambda sd, c: apply(sd, c, perm))
+        Q, widen = self.widenings.rotation(state, self.after, cfg)
+        if cfg.normalization_type == "LNPre" and fixes_ones(Q):
+            Q = fixing_ones_exactly(Q)  # to rounding: the Procrustes fit moves 1 by a little more
+        return widen(lambda sd, c: rotate_residual_stream(sd, c, Q))
 
     def symmetric(self, before: dict, cfg: Config, replayed: tuple[list, dict, Config], residual: list[str]):
-        """Recognise a rotation, then head and neuron permutations, applied after the replayed
-        identities: ``(stages, final, final_cfg, residual)`` when that leaves fewer tensors
-        unexplained than ``residual``, else ``None``.
+        """Recognise a rotation, then each identity that recovers its own parameter
+        (:data:`RECOVERED`: permutations, per-head rotations, scales), applied after the replayed identities:
+        ``(stages, final, final_cfg, residual)`` when that leaves fewer tensors unexplained than
+        ``residual``, else ``None``.
 
         The rotation is recovered by orthogonal Procrustes (on ``W_E``, and on every tensor) from
         the replay's end, or from the model with its norms made ``RMSPre`` (the SliceGPT
@@ -287,9 +275,9 @@ class _Replay:
                 if found and len(found[3]) < len(residual) and (best is None or len(found[3]) < len(best[3])):
                     best = found
         stages, state, state_cfg = best[:3] if best else replayed
-        for permutation in (PERMUTE_HEADS, PERMUTE_NEURONS, *RECOVERED):
+        for identity in RECOVERED:
             # a recovered parameter makes its wrong rewrites comparable here: a mistake in this step is named
-            stage = self.stage(permutation, state, state_cfg, forced=False, search=permutation in RECOVERED)
+            stage = self.stage(identity, state, state_cfg, forced=False, search=identity.wrong_rewrites_recovered)
             if stage is not None:
                 stages, state, state_cfg = stages + [stage], stage.state, stage.cfg
         found = self.residual(state, before)

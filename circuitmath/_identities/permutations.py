@@ -9,6 +9,8 @@ that is not its own inverse.
 
 from __future__ import annotations
 
+from functools import partial
+
 import sympy
 import torch
 from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, Transpose
@@ -18,6 +20,7 @@ from .._processing import permute_heads, permute_neurons
 from .._processing._common import DENSE_MLP
 from .._processing.rotation import (
     A_HEAD_PERMUTATION, A_NEURON_PERMUTATION, GROUPS_MOVE_TOGETHER, HAS_MLPS, HEADS_SEE_POSITIONS_ALIKE,
+    recover_head_permutation, recover_neuron_permutation,
 )
 from .._proof import Fact, Proof, Step, Twin
 from .._registry import MOVES_ENTRIES, NOTHING_SHOWN, Identity, WrongRewrite, register
@@ -203,8 +206,9 @@ PERMUTE_HEADS = register(
                 "move every head's W_Q, W_K, W_V but not its W_O",
             ),
         },
+        recover=partial(recover_head_permutation, verify_all=False),  # the rest may be another step's
+        with_parameters=permute_heads, wrong_rewrites_recovered=False,
         half_precision=MOVES_ENTRIES,
-        free_parameter=True,
     )
 )
 
@@ -223,7 +227,8 @@ PERMUTE_NEURONS = register(
             "bias_not_permuted": WrongRewrite(_neurons_but("b_in"), "permute W_in's columns but not b_in"),
             "out_not_permuted": WrongRewrite(_neurons_but("W_out"), "permute W_in but not W_out's rows"),
         },
+        recover=partial(recover_neuron_permutation, verify_all=False),
+        with_parameters=permute_neurons, wrong_rewrites_recovered=False,
         half_precision=MOVES_ENTRIES,
-        free_parameter=True,
     )
 )
