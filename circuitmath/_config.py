@@ -103,6 +103,11 @@ class Config:
       with ``g' = min(g, L)`` for the gate's ``g`` and up's ``u`` (GPT-OSS's clamped SwiGLU;
       ``act_fn`` is not used).
 
+    - ``tied_embeddings``: the unembedding is the token embedding transposed, ``unembed.W_U ==
+      embed.W_E.T``, one tensor in the checkpoint (``tie_word_embeddings``: GPT-2, Gemma, OPT). A
+      transform after which they differ returns ``tied_embeddings=False``: it untied them, and
+      the config says so.
+
     - ``rotary_base_local``: the rotary base of the layers with a sliding window (Gemma 3's local
       layers; ``None``: ``rotary_base`` in every layer); :meth:`rotary_base_at` gives a layer's.
 
@@ -151,6 +156,7 @@ class Config:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     rotary_base_local: float | None = None
+    tied_embeddings: bool = False
     applied: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -300,7 +306,7 @@ def _type_problems(cfg: Config) -> list[str]:
         if not (value is None or isinstance(value, str)) or value not in allowed:
             problems.append(f"{name} must be one of {allowed}, got {value!r}")
     for name in ("causal", "gated_mlp", "parallel_attn_mlp", "embedding_norm", "qk_norm", "post_norms", "pre_norms",
-                 "rotary_interleaved", "router_normalize_top_k", "attn_sinks"):
+                 "rotary_interleaved", "router_normalize_top_k", "attn_sinks", "tied_embeddings"):
         if not isinstance(getattr(cfg, name), bool):
             problems.append(f"{name} must be True or False, got {getattr(cfg, name)!r}")
     if not _is_number(cfg.rotary_base) or cfg.rotary_base <= 0:

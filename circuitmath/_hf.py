@@ -44,6 +44,7 @@ from ._hf_source import (  # noqa: F401  (re-exported: the checkpoint, the store
     _number,
     _option,
     _require,
+    _tied,
     _rotary,
     _Source,
 )
@@ -75,7 +76,7 @@ def _gpt2_layout(config) -> Layout:
         n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
         n_ctx=_int(config, "n_positions", arch), d_mlp=d_mlp,
         act_fn=_activation(_option(config, "activation_function", "gelu_new"), "activation_function", arch),
-        eps=_number(config, "layer_norm_epsilon", arch, 1e-5),
+        eps=_number(config, "layer_norm_epsilon", arch, 1e-5), tied_embeddings=_tied(config, True),
     )
 
     def embed(src: _Source) -> dict:
@@ -98,6 +99,7 @@ def _gpt2_layout(config) -> Layout:
 
     def final(src: _Source) -> dict:
         tied = "lm_head.weight" not in src
+        _require(not tied or cfg.tied_embeddings, arch, "no lm_head.weight and untied embeddings")
         return {
             "ln_final.w": src.take("ln_f.weight"), "ln_final.b": src.take("ln_f.bias"),
             "unembed.W_U": src.take("wte.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
@@ -130,7 +132,7 @@ def _gpt_neox_layout(config) -> Layout:
         n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "intermediate_size", arch),
         act_fn=_activation(_option(config, "hidden_act", "gelu"), "hidden_act", arch), eps=_number(config, "layer_norm_eps", arch, 1e-5),
         positional_embedding_type="rotary", rotary_dim=rotary_dim, rotary_base=base,
-        parallel_attn_mlp=bool(_option(config, "use_parallel_residual", True)),
+        parallel_attn_mlp=bool(_option(config, "use_parallel_residual", True)), tied_embeddings=_tied(config, False),
     )
     m = cfg.d_mlp
 
@@ -155,7 +157,7 @@ def _gpt_neox_layout(config) -> Layout:
 
     def final(src: _Source) -> dict:
         head = next((n for n in ("embed_out.weight", "lm_head.weight") if n in src), None)  # transformers 4 / 5 name
-        _require(head is not None or _option(config, "tie_word_embeddings", False), arch, "no unembed and untied embeddings")
+        _require(head is not None or cfg.tied_embeddings, arch, "no unembed and untied embeddings")
         return {
             "ln_final.w": src.take("final_layer_norm.weight"), "ln_final.b": src.take("final_layer_norm.bias"),
             "unembed.W_U": src.linear(head, cfg.d_vocab, d) if head else src.take("embed_in.weight", cfg.d_vocab, d).T,
@@ -196,7 +198,7 @@ def _bert_layout(config) -> Layout:
         n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
         n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "intermediate_size", arch),
         act_fn=_activation(_option(config, "hidden_act", "gelu"), "hidden_act", arch), eps=_number(config, "layer_norm_eps", arch, 1e-12),
-        norm_position="post", causal=False, embedding_norm=True,
+        norm_position="post", causal=False, embedding_norm=True, tied_embeddings=True,  # W_U is W_E^T by construction
     )
     e, m = "embeddings", cfg.d_mlp
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ._config import Config
-from ._hf_source import _unembed, Layout, _int, _number, _option, _require, _Source
+from ._hf_source import _unembed, Layout, _int, _number, _option, _require, _Source, _tied
 from ._state import StateDict
 
 # No __all__: circuitmath.io lists the public names (one list), and the package imports the rest by name.
@@ -45,6 +45,7 @@ def _bloom_layout(config) -> Layout:
         n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
         n_ctx=_int(config, "seq_length", arch, BLOOM_CONTEXT), d_mlp=4 * d, act_fn="gelu_new",
         eps=_number(config, "layer_norm_epsilon", arch, 1e-5), positional_embedding_type="alibi", embedding_norm=True,
+        tied_embeddings=_tied(config, True),
     )
     m = cfg.d_mlp
 
@@ -71,7 +72,7 @@ def _bloom_layout(config) -> Layout:
     def final(src: _Source) -> dict:
         return {
             "ln_final.w": src.take("ln_f.weight", d), "ln_final.b": src.take("ln_f.bias", d),
-            **_unembed(src, config, arch, cfg, "word_embeddings.weight", tied_by_default=True),
+            **_unembed(src, arch, cfg, "word_embeddings.weight"),
         }
 
     return Layout(cfg, ("transformer.",), None, embed, block, final)

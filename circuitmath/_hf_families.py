@@ -25,6 +25,7 @@ from ._hf_source import (
     _require,
     _rotary,
     _Source,
+    _tied,
 )
 from ._state import StateDict, attention_names
 
@@ -194,7 +195,8 @@ def _llama_config(config, arch: str, variant: _Variant, eps: tuple[str, float] =
         sliding_window=window, sliding_window_layers=window_layers, qk_norm=variant.qk_norm,
         norm_gain_offset=1.0 if variant.gemma else 0.0,
         embedding_scale=float(torch.tensor(d**0.5, dtype=torch.float32)) if variant.gemma else None,
-        rotary_base_local=local, **(_gemma2_options(config, arch) if variant.sandwich else {}),
+        rotary_base_local=local, tied_embeddings=_tied(config, variant.gemma),
+        **(_gemma2_options(config, arch) if variant.sandwich else {}),
     )
 
 
@@ -256,7 +258,7 @@ def _llama_layout(config, arch: str = "LLaMA") -> Layout:
     def final(src: _Source) -> dict:
         return {
             "ln_final.w": src.take("norm.weight"),
-            **_unembed(src, config, arch, cfg, "embed_tokens.weight", tied_by_default=False),
+            **_unembed(src, arch, cfg, "embed_tokens.weight"),
         }
 
     return Layout(cfg, ("model.",), r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", embed, block, final)
@@ -296,7 +298,7 @@ def _olmo2_layout(config) -> Layout:
 
     def final(src: _Source) -> dict:
         return {"ln_final.w": src.take("norm.weight", d),
-                **_unembed(src, config, arch, cfg, "embed_tokens.weight", tied_by_default=False)}
+                **_unembed(src, arch, cfg, "embed_tokens.weight")}
 
     return Layout(cfg, ("model.",), r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", embed, block, final)
 
@@ -328,6 +330,7 @@ def _gptj_layout(config) -> Layout:
         act_fn=_activation(_option(config, "activation_function", "gelu_new"), "activation_function", arch),
         eps=_number(config, "layer_norm_epsilon", arch, 1e-5), positional_embedding_type="rotary",
         rotary_dim=rotary_dim if rotary_dim != d_head else None, rotary_interleaved=True, parallel_attn_mlp=True,
+        tied_embeddings=_tied(config, False),
     )
     m = cfg.d_mlp
 
@@ -349,7 +352,7 @@ def _gptj_layout(config) -> Layout:
     def final(src: _Source) -> dict:
         return {
             "ln_final.w": src.take("ln_f.weight", d), "ln_final.b": src.take("ln_f.bias", d),
-            **_unembed(src, config, arch, cfg, "wte.weight", tied_by_default=False),
+            **_unembed(src, arch, cfg, "wte.weight"),
         }
 
     return Layout(cfg, ("transformer.",), r"h\.\d+\.attn\.(masked_)?bias", embed, block, final)
@@ -382,7 +385,7 @@ def _opt_layout(config) -> Layout:
         n_layers=layers, d_model=d, n_heads=heads, d_head=d_head, d_vocab=_int(config, "vocab_size", arch),
         n_ctx=_int(config, "max_position_embeddings", arch), d_mlp=_int(config, "ffn_dim", arch),
         act_fn=_activation(_option(config, "activation_function", "relu"), "activation_function", arch),
-        norm_position="pre" if pre else "post",
+        norm_position="pre" if pre else "post", tied_embeddings=_tied(config, True),
     )
     m = cfg.d_mlp
 
@@ -400,7 +403,7 @@ def _opt_layout(config) -> Layout:
 
     def final(src: _Source) -> dict:
         tied = "lm_head.weight" not in src
-        _require(not tied or _option(config, "tie_word_embeddings", True), arch, "no lm_head.weight and untied embeddings")
+        _require(not tied or cfg.tied_embeddings, arch, "no lm_head.weight and untied embeddings")
         out = {"unembed.W_U": src.take("embed_tokens.weight", cfg.d_vocab, d).T if tied else src.linear("lm_head.weight", cfg.d_vocab, d),
                "unembed.b_U": src.zeros(cfg.d_vocab)}
         if pre:
@@ -425,7 +428,8 @@ def _cohere_layout(config) -> Layout:
     llama = _llama_config(config, arch, _Variant(), eps=("layer_norm_eps", 1e-5))
     scale = _option(config, "logit_scale")
     cfg = llama.replace(normalization_type="LN", gated_mlp=True, parallel_attn_mlp=True, rotary_interleaved=True,
-                        logit_scale=None if scale is None else _number(config, "logit_scale", arch, 1.0))
+                        logit_scale=None if scale is None else _number(config, "logit_scale", arch, 1.0),
+                        tied_embeddings=_tied(config, True))
     bias = bool(_option(config, "attention_bias", False))
     d, d_head, heads = cfg.d_model, cfg.d_head, cfg.n_heads
 
@@ -445,7 +449,7 @@ def _cohere_layout(config) -> Layout:
     def final(src: _Source) -> dict:
         return {
             "ln_final.w": src.take("norm.weight", d), "ln_final.b": src.zeros(d),
-            **_unembed(src, config, arch, cfg, "embed_tokens.weight", tied_by_default=True),
+            **_unembed(src, arch, cfg, "embed_tokens.weight"),
         }
 
     return Layout(cfg, ("model.",), r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", embed, block, final)
@@ -486,7 +490,7 @@ def _falcon_layout(config) -> Layout:
         act_fn=_activation(_option(config, "activation", "gelu"), "activation", arch),
         eps=_number(config, "layer_norm_epsilon", arch, 1e-5), positional_embedding_type="rotary", rotary_base=base,
         rotary_dim=rotary_dim if rotary_dim != d_head else None, parallel_attn_mlp=parallel,
-        n_key_value_heads=kv_heads if kv_heads != heads else None,
+        n_key_value_heads=kv_heads if kv_heads != heads else None, tied_embeddings=_tied(config, True),
     )
     m = cfg.d_mlp
 
@@ -525,7 +529,7 @@ def _falcon_layout(config) -> Layout:
     def final(src: _Source) -> dict:
         return {
             "ln_final.w": src.take("ln_f.weight", d), "ln_final.b": src.take("ln_f.bias", d),
-            **_unembed(src, config, arch, cfg, "word_embeddings.weight", tied_by_default=True),
+            **_unembed(src, arch, cfg, "word_embeddings.weight"),
         }
 
     return Layout(cfg, ("transformer.",), r"(h\.\d+\.self_attention\.)?rotary_emb\.inv_freq", embed, block, final)

@@ -173,7 +173,7 @@ def _moe_layout(config, arch: str) -> Layout:
     def final(src: _Source) -> dict:
         return {
             "ln_final.w": src.take("norm.weight", d),
-            **_unembed(src, config, arch, cfg, "embed_tokens.weight", tied_by_default=False),
+            **_unembed(src, arch, cfg, "embed_tokens.weight"),
         }
 
     return Layout(cfg, ("model.",), r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", embed, block, final)

@@ -174,14 +174,21 @@ def _require(holds: bool, architecture: str, detail: str) -> None:
         raise UnsupportedArchitectureError(f"{architecture}: {detail}")
 
 
-def _unembed(src: "_Source", config, architecture: str, cfg, embedding: str, *, tied_by_default: bool) -> dict:
+def _tied(config, default: bool) -> bool:
+    """Whether ``config`` ties the unembedding to the token embedding (``tie_word_embeddings``,
+    whose default the architecture sets: ``default``, transformers' for its config class)."""
+    tied = _option(config, "tie_word_embeddings", default)
+    if not isinstance(tied, bool):
+        raise ConfigError(f"tie_word_embeddings must be true or false, got {tied!r}")
+    return tied
+
+
+def _unembed(src: "_Source", architecture: str, cfg, embedding: str) -> dict:
     """``unembed.W_U`` (``[d_model, d_vocab]``) from ``lm_head.weight``, else the transposed token
-    embedding ``embedding`` where the config ties the two (``tie_word_embeddings``, whose default
-    the architecture sets: ``tied_by_default``); ``unembed.b_U`` from ``lm_head.bias`` where the
-    checkpoint has one, else zeros."""
+    embedding ``embedding`` where the config ties the two (``cfg.tied_embeddings``);
+    ``unembed.b_U`` from ``lm_head.bias`` where the checkpoint has one, else zeros."""
     tied = "lm_head.weight" not in src
-    _require(not tied or _option(config, "tie_word_embeddings", tied_by_default), architecture,
-             "no lm_head.weight and untied embeddings")
+    _require(not tied or cfg.tied_embeddings, architecture, "no lm_head.weight and untied embeddings")
     d, vocab = cfg.d_model, cfg.d_vocab
     return {"unembed.W_U": src.take(embedding, vocab, d).T if tied else src.linear("lm_head.weight", vocab, d),
             "unembed.b_U": src.take("lm_head.bias", vocab) if "lm_head.bias" in src else src.zeros(vocab)}

@@ -13,7 +13,10 @@ The processed model fits the layout when every tensor the converter makes up (a 
 architecture lacks, read as zeros) is still what it makes up, and tensors stored once (a tied
 embedding and unembedding) are still equal; :func:`place` checks both and raises
 :class:`NotStored` otherwise (a tied GPT-2 or LLaMA whose unembedding the processing changes:
-the caller writes circuitmath's layout instead). An architecture without an unembedding bias
+the caller writes circuitmath's layout instead), but for a tied embedding and unembedding the
+processing made differ (:class:`Untied`): the caller writes them untied, the unembedding as
+:data:`UNEMBEDDING` and ``tie_word_embeddings`` false, and the processed config says so
+(``Config.tied_embeddings`` false). An architecture without an unembedding bias
 (GPT-2, GPT-NeoX) keeps its final LayerNorm's bias instead of the bias its fold makes
 (:func:`writing_steps`, :func:`final_bias_kept`); read back, a final norm of gain 1 and bias
 ``c`` is the unembedding bias ``c W_U``.
@@ -33,7 +36,7 @@ from ._hf import Layout, _Source
 from ._processing._memory import in_memory
 from ._state import expected_shapes
 
-__all__ = ["LAYOUT_KEY", "NotStored", "final_bias_kept", "place", "processed_layout", "viewers", "writing_steps"]
+__all__ = ["LAYOUT_KEY", "NotStored", "Untied", "UNEMBEDDING", "final_bias_kept", "place", "processed_layout", "viewers", "writing_steps"]
 
 #: The metadata key saying that a folder's tensors are in the names and layout of its
 #: ``config.json``'s architecture (value: ``"config.json"``), its circuitmath config under
@@ -44,6 +47,16 @@ LAYOUT_KEY = "circuitmath.layout"
 class NotStored(Exception):
     """A processed part that the checkpoint's layout cannot hold exactly (the message says which
     tensor and why)."""
+
+
+class Untied(NotStored):
+    """A processed model whose unembedding the processing made differ from the token embedding
+    the checkpoint stores once for both: the layout holds it untied (:data:`UNEMBEDDING`)."""
+
+
+#: The stored name of an untied unembedding ``[d_vocab, d_model]`` in every causal-LM layout
+#: circuitmath writes (``tie_word_embeddings`` false in its ``config.json``).
+UNEMBEDDING = "lm_head.weight"
 
 
 def identity_value(name: str, offset: float = 0.0) -> float | None:
@@ -204,7 +217,8 @@ def place(layout: Layout, layer: int | None, processed: Mapping[str, torch.Tenso
             else:
                 view.copy_(value)
         if tied and not all(torch.equal(views[name], processed[name]) for name in names if name in processed):
-            raise NotStored(f"{stored} is stored once for {names}, which the processing made different")
+            kind = Untied if sorted(names) == ["embed.W_E", "unembed.W_U"] else NotStored
+            raise kind(f"{stored} is stored once for {names}, which the processing made different")
         out[stored] = buffer
     return out
 

@@ -40,7 +40,7 @@ from ._processing.dispatch import bits_free_of_strides
 from ._processing.pipeline import process_weights
 from ._processing.steps import STEPS, leaving_out, steps_between
 from ._state import DTYPES, usable_device
-from ._stored import NotStored, place, writing_steps
+from ._stored import UNEMBEDDING, NotStored, Untied, place, writing_steps
 from ._streaming_parts import PartReader, find_untouched, opened, replayed
 
 __all__ = ["process_checkpoint"]
@@ -101,16 +101,21 @@ def process_checkpoint(
     # of every part and the writing starts again (what was written is removed). So is a part the
     # checkpoint's own layout cannot hold: then the whole model is written in circuitmath's.
     left_out: frozenset[str] = frozenset()
-    stored = checkpoint.hf_config is not None
+    stored, untie = checkpoint.hf_config is not None, False
     while True:
         try:
             steps = leaving_out(keywords, left_out)
             steps = writing_steps(checkpoint.stored(None), checkpoint.cfg, steps) if stored else steps
-            return _written(checkpoint, destination, steps, dtype or checkpoint.dtype, device, progress, stored)
+            return _written(checkpoint, destination, steps, dtype or checkpoint.dtype, device, progress, stored, untie)
         except _PartsDisagree as disagreement:
             if disagreement.keywords <= left_out:  # cannot happen: a step left out applies nowhere
                 raise RuntimeError(f"process_checkpoint: the parts disagree on {sorted(left_out)} left out") from None
             left_out |= disagreement.keywords
+        except Untied:  # the layout holds the unembedding untied: written so, the config saying it
+            # but not behind a kept final bias in half precision, where c W_U rounded can be further
+            # from the processed b_U than check --processed allows a rewrite rounded once
+            kept_bias_in_half = callable(steps) and torch.finfo(dtype or checkpoint.dtype).bits < 32
+            stored, untie = stored and not untie and not kept_bias_in_half, True
         except NotStored:
             stored = False
 
@@ -123,9 +128,10 @@ class _PartsDisagree(Exception):
         self.keywords = keywords
 
 
-def _config_written(checkpoint: Checkpoint, dtype: torch.dtype) -> dict:
-    """The checkpoint's ``config.json`` for its processed copy in ``dtype``."""
-    config = dict(checkpoint.hf_config)
+def _config_written(checkpoint: Checkpoint, dtype: torch.dtype, untie: bool) -> dict:
+    """The checkpoint's ``config.json`` for its processed copy in ``dtype`` (with ``untie``, its
+    unembedding stored apart from the token embedding)."""
+    config = dict(checkpoint.hf_config) | ({"tie_word_embeddings": False} if untie else {})
     for key in ("torch_dtype", "dtype"):  # transformers 4 and 5
         if key in config and dtype != checkpoint.dtype:
             config[key] = str(dtype).removeprefix("torch.")
@@ -133,7 +139,7 @@ def _config_written(checkpoint: Checkpoint, dtype: torch.dtype) -> dict:
 
 
 def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.dtype, device: torch.device,
-             progress: Progress | None, stored: bool) -> Config:
+             progress: Progress | None, stored: bool, untie: bool = False) -> Config:
     """The body of :func:`process_checkpoint`: ``checkpoint`` processed in ``target`` on ``device``
     and written to ``destination`` (with ``stored``, in the checkpoint's own layout); raises
     :class:`_PartsDisagree` when a block applies other steps than the ends, and
@@ -171,7 +177,7 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
     # Each part is written by a thread of its own while the next is read and processed (a file's
     # write and torch's copies let go of the GIL); at most one write is under way, so at most
     # two parts are held.
-    hf_config = _config_written(checkpoint, target) if stored else None
+    hf_config = _config_written(checkpoint, target, untie) if stored else None
     with CheckpointWriter(destination, total, hf_config) as writer, ThreadPoolExecutor(1) as pool:
         writing, written = None, []
 
@@ -188,7 +194,7 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
             tensors = {n: reader.natives[n] if n in as_given else t.cpu() for n, t in out.items()}
             reader.natives, reader.stand_ins = {}, {}
             if stored:
-                specs, fill, copied = _stored_part(checkpoint, layer, tensors, as_given, target)
+                specs, fill, copied = _stored_part(checkpoint, layer, tensors, as_given, target, untie)
                 job = [partial(writer.write_stored, specs, fill, out_cfg, copied)]
             else:
                 job = [partial(writer.write, tensors, out_cfg)]
@@ -204,7 +210,8 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
                 out, layer_cfg, same = run(layer)
                 if layer_cfg.applied != out_cfg.applied:
                     raise _PartsDisagree(steps_between(layer_cfg.applied, out_cfg.applied))
-                if layer_cfg != out_cfg.replace(n_layers=1, d_vocab=1):  # cannot happen: the same steps, the same config
+                # the same steps, the same config (a block's part tells nothing of the ends' tie)
+                if layer_cfg != out_cfg.replace(n_layers=1, d_vocab=1, tied_embeddings=layer_cfg.tied_embeddings):
                     raise RuntimeError(f"process_checkpoint: block {layer} gives {layer_cfg}, the ends {out_cfg}")
                 write(layer, out, same, f"block {layer}")
                 del out
@@ -221,7 +228,7 @@ def _released(job: list[Callable[[], None]]) -> None:
 
 
 def _stored_part(checkpoint: Checkpoint, layer: int | None, out: dict[str, torch.Tensor], as_given: set[str],
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, untie: bool = False):
     """The stored tensors' specs, the fill and the copied tensors that
     :meth:`~circuitmath._checkpoint.CheckpointWriter.write_stored` takes to write part ``layer``
     of the processed model ``out`` (on the CPU) in the checkpoint's layout: filled by
@@ -233,6 +240,8 @@ def _stored_part(checkpoint: Checkpoint, layer: int | None, out: dict[str, torch
     copied = {name: (entries[name][0], entries[name][1] + entries[name][2]["data_offsets"][0])
               for name, names in viewed.items() if names and all(n in as_given for n in names)}
     specs = {name: (dtype, tuple(entries[name][2]["shape"])) for name in viewed}
+    if untie and layer is None:  # the unembedding apart from the embedding, which the converter then reads it from
+        specs[UNEMBEDDING] = (dtype, (checkpoint.cfg.d_vocab, checkpoint.cfg.d_model))
     def fill(buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # the copied ones as placeholders: the converter takes them, nothing writes them
         for name in copied:

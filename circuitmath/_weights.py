@@ -31,6 +31,7 @@ def random_state_dict(
     - norm gains are ``exp(N(0, gain_spread))`` (a spread of 0.5 gives gains from about 0.2 to 5),
       and one in ten flips sign;
     - every bias, and every LayerNorm bias, is ``N(0, bias_scale)``;
+    - a config with ``tied_embeddings`` gets ``W_E = W_U^T`` (the unembedding's draw, no outliers);
     - ``outlier_dims`` residual directions are written ``outlier_scale`` times larger by the
       embeddings and by every layer's output (``W_O``, ``b_O``, ``W_out``, ``b_out``), as in
       trained transformers.
@@ -71,4 +72,6 @@ def random_state_dict(
         if leaf in ("W_E", "W_pos", "W_O", "b_O", "W_out", "b_out"):
             value = value * writer_scale
         out[name] = value.to(dtype=dtype, device=device or cpu)
+    if cfg.tied_embeddings:  # one tensor in the checkpoint, at the unembedding's scale
+        out["embed.W_E"] = out["unembed.W_U"].T.contiguous()
     return out

@@ -153,20 +153,17 @@ def test_negative_control_qwen2_biases_read_as_llama_are_refused():
 FITTING_STEPS = {"Qwen2": ("fold_ln", "center_unembed"), "Qwen2-MoE": ("fold_ln", "center_unembed"),
                  # GPT-J's q/k/v have no biases to receive ln_1's bias
                  "GPT-J": ("fold_value_biases", "center_writing_weights", "center_unembed"),
-                 # Falcon's final LayerNorm bias would fold into an unembedding bias Falcon lacks
-                 "Falcon": ("fold_value_biases", "center_writing_weights", "center_unembed"),
+                 # Falcon-sequential's q/k/v have no biases to receive its LayerNorms' biases
                  "Falcon-sequential": ("fold_value_biases", "center_writing_weights", "center_unembed"),
                  # BLOOM's embedding LayerNorm, once folded into W_E, is no stored LayerNorm
                  "BLOOM": ("fold_value_biases", "center_unembed")}
-#: Families whose tiny config ties the unembedding to the embedding, processed untied here (a
-#: tied folder falls back to circuitmath's names: see the next test).
-UNTIED = {"tie_word_embeddings": False}
 
 
 #: OPT reads its positions from row 2 of embed_positions on: the rows before belong to no tensor
-#: of the reference, so the layout cannot be written through the converter's views; nor can
-#: Falcon-40B's query heads, each group's stored ahead of its key and value (copies, not views).
-OWN_LAYOUT = [name for name in NAMES if not name.startswith("OPT") and name != "Falcon-40B"]
+#: of the reference, so the layout cannot be written through the converter's views once the
+#: processing changes W_pos (a post-norm OPT's is copied as it was); nor can Falcon-40B's query
+#: heads, each group's stored ahead of its key and value (copies, not views).
+OWN_LAYOUT = [name for name in NAMES if name not in ("OPT", "Falcon-40B")]
 
 
 @pytest.mark.parametrize("name", OWN_LAYOUT)
@@ -175,7 +172,7 @@ def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
     transformers loads it as the same class and computes the input's log-probs (float32 rounding
     of the folded weights; measured below 1e-5). Control: a folded norm's gain put back (GPT-J,
     Cohere, Falcon: a norm's gain negated)."""
-    model, _config = _model(name, **UNTIED)
+    model, _config = _model(name)  # a tied family's folder the processing unties is written untied
     folder = tmp_path / "in"
     model.save_pretrained(folder)
     out = tmp_path / "out"
@@ -188,9 +185,11 @@ def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
     tokens = _tokens()
     expected = _hf_log_probs(model, tokens)
     assert (_hf_log_probs(loaded, tokens) - expected).abs().max() < 1e-4
-    assert cfg.applied
+    assert cfg.applied and cfg.tied_embeddings == (json.loads((out / "config.json").read_text()).get("tie_word_embeddings") is True)
     with torch.no_grad():
-        if name in ("GPT-J", "Cohere", "Falcon", "Falcon-sequential", "BLOOM"):  # a norm left, or one both branches read
+        if name == "OPT-post":  # post-norms stay: one's gain negated
+            loaded.model.decoder.layers[1].final_layer_norm.weight.mul_(-1)
+        elif name in ("GPT-J", "Cohere", "Falcon", "Falcon-sequential", "BLOOM"):  # a norm left, or one both branches read
             layers = loaded.model.layers if name == "Cohere" else loaded.transformer.h
             (layers[1].ln_1 if name == "GPT-J" else layers[1].input_layernorm).weight.mul_(-1)
         elif name == "OLMo-2":  # no norm before a sub-layer: the final norm's gain put back
@@ -200,18 +199,17 @@ def test_processed_folder_loads_as_its_own_architecture(tmp_path, name):
     assert (_hf_log_probs(loaded, tokens) - expected).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["Qwen2", "Gemma", "GPT-J", "OPT", "OPT-post", "Falcon", "BLOOM", "Falcon-40B"])
+@pytest.mark.parametrize("name", ["Qwen2", "GPT-J", "OPT", "BLOOM", "Falcon-40B"])
 def test_what_the_layout_cannot_hold_is_written_in_circuitmath_names(tmp_path, name):
-    """The defaults fold Qwen2's value biases into an output bias its layout lacks, Gemma's
-    final norm into an unembedding it ties to the embedding, and GPT-J's LayerNorm bias into
+    """The defaults fold Qwen2's value biases into an output bias its layout lacks, and GPT-J's LayerNorm bias into
     query/key/value biases it lacks, BLOOM's embedding LayerNorm into W_E (a stored LayerNorm of
     gain 1 and bias 0 still normalises): the folder is written in circuitmath's names, and computes
-    the input's log-probs. OPT's positions cover part of embed_positions (post-norm OPT: no norm to fold)."""
+    the input's log-probs. OPT's positions, centered as a writer, cover part of embed_positions."""
     model, _config = _model(name)
     model.save_pretrained(tmp_path / "in")
     cfg = io.process_checkpoint(tmp_path / "in", tmp_path / "out")
     folded = {"fold_rms_norm", "fold_layer_norm"} & set(cfg.applied)
-    assert (folded or name == "OPT-post") and cfg.applied and not (tmp_path / "out" / "config.json").exists()
+    assert folded and cfg.applied and not (tmp_path / "out" / "config.json").exists()
     sd, got_cfg = io.open_checkpoint(tmp_path / "out").load()
     assert got_cfg == cfg
     if name == "Qwen2":
@@ -245,7 +243,7 @@ def test_check_processed_passes_the_processing_and_names_a_planted_error(tmp_pat
 
     from circuitmath._cli import main
 
-    model, _config = _model(name, **UNTIED)
+    model, _config = _model(name)
     model.save_pretrained(tmp_path / "in")
     io.process_checkpoint(tmp_path / "in", tmp_path / "out", steps=FITTING_STEPS.get(name))
     assert main(["check", str(tmp_path / "in")]) == 0  # every identity holds or refuses, streamed
@@ -489,3 +487,31 @@ def test_olmo2_bfloat16_folder_processed_stays_within_its_own_rounding(tmp_path)
     expected = _hf_log_probs(model, tokens)
     rounding = float((expected - _hf_log_probs(copy.deepcopy(model).float(), tokens)).abs().max())
     assert 1e-3 < rounding and float((_hf_log_probs(loaded, tokens) - expected).abs().max()) <= rounding
+
+
+@pytest.mark.parametrize("name", [f.name for f in FAMILIES if f.cfg.tied_embeddings])
+def test_the_tie_of_the_embeddings_recorded_is_true_of_the_weights(name):
+    """A family that ties its unembedding to its token embedding says so (Config.tied_embeddings,
+    W_U = W_E^T in its random weights). After process_weights and after each registered identity
+    that rewrites it, the config says tied exactly when W_U is still W_E^T: processing that makes
+    them differ (a norm folded into W_U, W_E centered, the embedding scale folded) records the
+    untying. Control: W_U one unit in the last place off is recorded untied."""
+    from circuitmath._processing._common import untied
+
+    cfg = family(name).cfg
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float32)
+    assert torch.equal(sd["unembed.W_U"], sd["embed.W_E"].T)
+    outputs = [cm.process_weights(sd, cfg), cm.process_weights(sd, cfg, fold_ln=False, center_writing_weights=False,
+                                                                center_unembed=False, fold_value_biases=True)]
+    for identity in cm.identities():
+        try:
+            if identity.transform is not None and identity.check(sd, cfg).passed:
+                outputs.append(identity.transform(sd, cfg))
+        except (cm.PreconditionError, TypeError):  # refused, or a transform with parameters of its own
+            continue
+    assert not outputs[0][1].tied_embeddings and outputs[1][1].tied_embeddings
+    for out, out_cfg in outputs:
+        assert out_cfg.tied_embeddings == torch.equal(out["unembed.W_U"], out["embed.W_E"].T), out_cfg.applied
+    nudged = dict(sd, **{"unembed.W_U": sd["unembed.W_U"].clone()})
+    nudged["unembed.W_U"].view(-1)[0] = torch.nextafter(nudged["unembed.W_U"].view(-1)[0], torch.tensor(1.0))
+    assert not untied(sd, nudged, cfg).tied_embeddings and untied(sd, dict(sd), cfg).tied_embeddings

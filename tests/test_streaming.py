@@ -223,7 +223,7 @@ def test_circuitmath_files_stream_too(tmp_path, cfg, dtype):
 
 
 def test_dtype_option_processes_in_that_dtype(tmp_path):
-    folder = _hf_folder(tmp_path, "gpt2")
+    folder = _hf_folder(tmp_path, "llama-gqa")  # its own layout read back is process_weights' output, bit for bit
     state_dict, cfg = io.load_hf_directory(folder)
     expected, _ = cm.process_weights({k: v.double() for k, v in state_dict.items()}, cfg)
     io.process_checkpoint(folder, tmp_path / "out", dtype=torch.float64)

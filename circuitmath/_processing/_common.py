@@ -15,7 +15,7 @@ from .._state import Validated, attention_names, entries_known_finite, not_finit
 
 __all__ = [
     "readers", "require", "refuse_reapplication", "rewrite", "undone_by",
-    "NOT_APPLIED", "PRE_NORM", "NORM_READ_LINEARLY", "NOT_ROTARY", "NO_QK_NORM", "NO_LOGIT_SOFTCAP", "NO_ATTN_SOFTCAP", "qk_normed",
+    "NOT_APPLIED", "PRE_NORM", "NORM_READ_LINEARLY", "NOT_ROTARY", "NO_QK_NORM", "NO_LOGIT_SOFTCAP", "NO_ATTN_SOFTCAP", "qk_normed", "untied",
     "NO_POST_NORMS", "POST_NORM_GAINS_EQUAL", "require_even_post_norms", "DENSE_MLP", "require_dense_mlp",
     "NO_ATTN_SINKS", "require_no_sinks",
 ]
@@ -166,6 +166,7 @@ def rewrite(transform: Callable | None = None, *, composes: bool = False, record
             out, out_cfg = transform(state_dict, cfg, *args, identity=identity, **kwargs)
             if records:
                 out_cfg = out_cfg.replace(applied=out_cfg.applied + (identity,))
+            out_cfg = untied(state_dict, out, out_cfg)
             out = {name: tensor.detach() if tensor.requires_grad else tensor for name, tensor in out.items()}
             if check_output and entries_known_finite(state_dict):
                 _refuse_overflow(identity, state_dict, out)
@@ -178,6 +179,21 @@ def rewrite(transform: Callable | None = None, *, composes: bool = False, record
     run.__signature__ = signature.replace(parameters=[p for p in signature.parameters.values() if p.name != "identity"])
     run.identity = identity  # the registered identity it performs
     return run
+
+
+def untied(given: Mapping, out: Mapping, cfg: Config) -> Config:
+    """``cfg`` (the config of ``out``, a rewrite of ``given``), with ``tied_embeddings=False``
+    where it says the unembedding is the token embedding transposed and ``out``'s no longer is:
+    the rewrite untied them (a norm folded into ``W_U``, the writers centered). ``W_E`` and
+    ``W_U`` passed through as given are as tied as they were."""
+    W_E, W_U = out.get("embed.W_E"), out.get("unembed.W_U")
+    if not cfg.tied_embeddings or W_E is None or W_U is None:
+        return cfg
+    if W_E is given.get("embed.W_E") and W_U is given.get("unembed.W_U"):
+        return cfg
+    if W_U.shape == W_E.shape[::-1] and W_U.device == W_E.device and torch.equal(W_U, W_E.T):
+        return cfg
+    return cfg.replace(tied_embeddings=False)
 
 
 def _refuse_overflow(identity: str, given: Mapping, out: dict) -> None:

@@ -6,7 +6,7 @@ import torch
 
 from .._config import Config
 from .._state import StateDict, validated
-from ._common import rewrite
+from ._common import rewrite, untied
 from .dispatch import fused_first, only_fused, processed
 from .half_precision import half_by_parts
 from .steps import StepDefaults, requested as requested_steps
@@ -90,4 +90,4 @@ def process_weights(
         out, out_cfg = half_by_parts(state_dict, cfg, requested, process_weights.identity)
     else:
         out, out_cfg = processed(state_dict, cfg, requested, process_weights.identity)
-    return dict(out), out_cfg  # a plain dict: the caller's to change
+    return dict(out), untied(state_dict, out, out_cfg)  # a plain dict: the caller's to change
