@@ -515,3 +515,21 @@ def test_the_tie_of_the_embeddings_recorded_is_true_of_the_weights(name):
     nudged = dict(sd, **{"unembed.W_U": sd["unembed.W_U"].clone()})
     nudged["unembed.W_U"].view(-1)[0] = torch.nextafter(nudged["unembed.W_U"].view(-1)[0], torch.tensor(1.0))
     assert not untied(sd, nudged, cfg).tied_embeddings and untied(sd, dict(sd), cfg).tied_embeddings
+
+
+def test_olmo2_head_permutation_that_leaves_the_qk_norm_gains_is_a_twin_the_checker_names():
+    """permute_heads' wrong rewrite qk_norm_gains_not_permuted (every head moved, the gains of the
+    whole-projection QK-norm left in place) is rejected on OLMo-2, and a model so processed is
+    blamed on it by name; it is no twin where the QK-norm is per head (one gain serves every head)."""
+    from circuitmath.testing import NotEquivalentError, assert_equivalent
+
+    cfg = family("OLMo-2").cfg
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    identity = cm.get_identity("permute_heads")
+    assert "qk_norm_gains_not_permuted" in identity.wrong_rewrites_for(cfg)
+    assert "qk_norm_gains_not_permuted" not in identity.wrong_rewrites_for(family("Qwen3").cfg)
+    assert not identity.check_wrong_rewrite("qk_norm_gains_not_permuted", sd, cfg).passed
+    wrong, wrong_cfg = identity.wrong_rewrites["qk_norm_gains_not_permuted"](sd, cfg)
+    with pytest.raises(NotEquivalentError) as failure:
+        assert_equivalent(sd, wrong, cfg, after_cfg=wrong_cfg)
+    assert "qk_norm_gains_not_permuted" in str(failure.value)

@@ -173,6 +173,12 @@ def _heads_but(kept):
     return forgetting(_permute_heads, lambda cfg: [name for layer in range(cfg.n_layers) for name in kept(cfg, layer)])
 
 
+def _qk_norm_gains_kept(state_dict, cfg):
+    """Move every head, but leave the gains of a QK-norm over the whole projection in place."""
+    spans = cfg.qk_norm and cfg.qk_norm_over == "projection"  # per head, one gain serves every head
+    return _heads_but(lambda cfg, l: [f"blocks.{l}.attn.{side}_norm.w" for side in "qk"] if spans else [])(state_dict, cfg)
+
+
 def _permute_neurons(state_dict, cfg):
     return permute_neurons(state_dict, cfg, _reversed(cfg.d_mlp or 0))  # attention-only: refused
 
@@ -204,6 +210,9 @@ PERMUTE_HEADS = register(
             "output_not_permuted": WrongRewrite(
                 _heads_but(lambda cfg, l: [f"blocks.{l}.attn.W_O"]),
                 "move every head's W_Q, W_K, W_V but not its W_O",
+            ),
+            "qk_norm_gains_not_permuted": WrongRewrite(  # OLMo-2: a gain per entry of the projection
+                _qk_norm_gains_kept, differs_on=lambda cfg: cfg.qk_norm and cfg.qk_norm_over == "projection",
             ),
         },
         recover=partial(recover_head_permutation, verify_all=False),  # the rest may be another step's
