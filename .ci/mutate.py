@@ -7,8 +7,8 @@ it). Prints every surviving mutant and the kill rate.
 The targets are today's modules, derived: every module of the families of :data:`FAMILIES` (the
 transforms, the tolerances, the checkers, the diagnosis and its certificates, the reference pass,
 state validation, streaming, the stored layout, the proof engine) and of every registered
-identity's transform, each with its family's tests, its own ``tests/test_<module>.py`` and the
-test files that import it. A pattern that matches nothing, a test file that does not exist, a
+identity's transform, each with its family's tests, its own ``tests/test_<module>.py``, its
+docstring examples (the suite runs them: ``--doctest-modules``) and the test files that import it. A pattern that matches nothing, a test file that does not exist, a
 transform module no family covers, or an equivalent mutant the code no longer has stops the run
 before any mutant is run: nothing is silently left untested.
 
@@ -24,8 +24,8 @@ third-party modules once (:data:`PRELOADED`), and import the package afresh. One
 *undecided*: listed, and left out of the rate rather than counted as killed. Mutants are run one
 module at a time in turn, so a run stopped early has seen every module.
 
-Its tests are those that can see it: first the suite (the book's build aside) runs once under
-coverage, each test file in a process of its own (so no other file's caches or fixtures hide the
+Its tests are those that can see it: first the suite (the book's build aside; the package's
+docstring examples included, :func:`suite`) runs once under coverage, each file in a process of its own (so no other file's caches or fixtures hide the
 lines it needs) with the processes its tests start, and records which test (node id) runs which
 line, a shared fixture's lines counting for every test that uses it (:func:`coverage_map`,
 cached per test file by the hash of the code). A mutant is then run against the tests that run
@@ -125,6 +125,20 @@ def _registered_modules() -> set[str]:
     return out
 
 
+def _has_doctests(path: str) -> bool:
+    """Whether the module ``path`` has docstring examples, which the suite runs (``--doctest-modules``)."""
+    return any(">>>" in (ast.get_docstring(node) or "") for node in ast.walk(ast.parse((ROOT / path).read_text()))
+               if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))
+
+
+def suite() -> list[str]:
+    """What the coverage map runs: every test file but :data:`SLOW_TESTS`, and every module of the
+    package with docstring examples."""
+    tests = sorted(str(t.relative_to(ROOT)) for t in (ROOT / "tests").glob("test_*.py"))
+    modules = sorted(str(m.relative_to(ROOT)) for m in (ROOT / "circuitmath").glob("**/*.py"))
+    return [t for t in tests if t not in SLOW_TESTS] + [m for m in modules if _has_doctests(m)]
+
+
 def targets() -> dict[str, list[str]]:
     """Target file -> the tests that cover it: every module of :data:`FAMILIES` and of the
     registry's transforms, but :data:`LEFT_OUT`. Raises ``SystemExit`` when a family's pattern
@@ -149,6 +163,7 @@ def targets() -> dict[str, list[str]]:
             continue
         stem = Path(path).stem.lstrip("_")
         own = [f"tests/test_{stem}.py"] if (ROOT / f"tests/test_{stem}.py").exists() else []
+        own += [path] if _has_doctests(path) else []  # its docstring examples (pytest --doctest-modules)
         dotted = _module_name(path)
         package, _, name = dotted.rpartition(".")
         importers = [] if not name.startswith("_") else [  # a public module's importers are most tests
@@ -438,7 +453,7 @@ def _lines_of(test: str, server: _Server, where: Path, paths: list[str]) -> tupl
     fixtures of no other file warm, and its node ids in collection order."""
     import coverage
 
-    data = where / f".covermap-{Path(test).stem}"
+    data = where / f".covermap-{test.replace('/', '-')}"
     server.pytest(["-p", "covermap_plugin", *PYTEST, test], None,
                   {"CM_COVERMAP_DATA": str(data), "CM_COVERMAP_INCLUDE": ",".join(str(where / p) for p in paths)})
     listing = Path(f"{data}.tests.json")
@@ -476,7 +491,7 @@ def coverage_map(tests: list[str], paths: list[str], dirs: list[Path]) -> tuple[
     start, out, order, free, servers = time.perf_counter(), {}, {}, list(dirs), {}
 
     def run(test: str) -> tuple[dict, list[str]]:
-        stored = cache / f"{Path(test).stem}-{hashlib.sha256((ROOT / test).read_bytes()).hexdigest()[:16]}.json"
+        stored = cache / f"{test.removeprefix('tests/').removesuffix('.py').replace('/', '-')}-{hashlib.sha256((ROOT / test).read_bytes()).hexdigest()[:16]}.json"
         if stored.exists():
             part = json.loads(stored.read_text())
             return {p: {int(k): set(v) for k, v in lines.items()} for p, lines in part["lines"].items()}, part["tests"]
@@ -652,8 +667,7 @@ def main(argv=None) -> int:
         if args.listed_tests:
             tests_of = lambda m: covered[m.path]  # noqa: E731
         else:
-            suite = sorted(str(t.relative_to(ROOT)) for t in (ROOT / "tests").glob("test_*.py"))
-            lines, order = coverage_map([t for t in suite if t not in SLOW_TESTS], sorted(covered), dirs)
+            lines, order = coverage_map(suite(), sorted(covered), dirs)
             tests_of = lambda m: selected(m, covered[m.path], lines, order, by_file=args.by_file)  # noqa: E731
         results = _run(todo, tests_of, dirs, args.timeout)
         if args.confirm:
