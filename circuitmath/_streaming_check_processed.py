@@ -9,7 +9,10 @@ against one with every weight nudged by a unit roundoff and every LayerNorm's me
 plus the compute dtype's own rounding),
 every weight converted to float64 one tensor at a time as the pass reads it; and the processed
 tensors are compared one part at a time with the exact rewrite, replayed on the parts
-:func:`~circuitmath.io.process_checkpoint` processes. Each part of the original is read once
+:func:`~circuitmath.io.process_checkpoint` processes, with what the processed tensors show
+beyond the recorded steps recovered a part at a time (:mod:`circuitmath._streaming_recovery`: the
+residual rotation from the ends, each block's head rotations and migrated scales, and the widened
+certificates of half precision, as in memory). Each part of the original is read once
 (:class:`~circuitmath._streaming_parts.PartReader`: contiguous, in its own dtype) for both.
 """
 
@@ -36,6 +39,8 @@ from ._processing._parts import Parts
 from ._processing.steps import KEYWORD_OF, STEPS
 from ._streaming_forward import ForwardPass
 from ._streaming_parts import PartReader, find_untouched, opened, replayed
+from ._streaming_recovery import Recovery
+from ._diagnosis._uncertain import widened_certificate
 from ._compare import unit_roundoff, compute_dtype, logprob_tolerance
 
 __all__ = ["check_processed", "StreamingReport"]
@@ -117,6 +122,20 @@ class _Tensors:
         self.refused: str | None = None  # the replay's config differs from after's: nothing compared
         self.changes: list[Change] = []  # tensors off their certificate by more than a near miss
         self.judged: Comparison | None = None  # those changes in float64 (_judge_changes)
+        #: the symmetries recovered from after beyond the steps it records (a process_weights call's)
+        self.recovery = Recovery(keywords, before.cfg, after.dtype) if isinstance(keywords, dict) else None
+
+    def plan(self, layer: int | None, theirs: dict):
+        """The replay of part ``layer`` (``None``: the ends), ``theirs`` after's part."""
+        return self.keywords if self.recovery is None else self.recovery.plan(layer, theirs)
+
+    def forget(self) -> None:
+        """Drops the widenings of the part last compared."""
+        if self.recovery is not None:
+            self.recovery.widenings.forget()
+
+    def _terms(self, tensor) -> list:
+        return [] if self.recovery is None else self.recovery.widenings.of(tensor)
 
     def compare(self, replayed: dict, natives: dict, passed: set[int], theirs: dict) -> None:
         """``replayed`` (a part's rewrite; a tensor whose id is in ``passed`` is the one given,
@@ -133,12 +152,15 @@ class _Tensors:
                 self.rounded = self.rounded or ours.dtype != processed.dtype  # then bounded by half a unit
                 continue
             scale = max(float(ours.abs().max()), float(processed.abs().max())) if ours.numel() else 0.0
-            ratio = certificate(processed, ours.to(self.compute), scale, self.thresholds)
+            terms = self._terms(replayed[name])
+            ratio = (widened_certificate(processed, ours.to(self.compute), scale, self.thresholds, terms) if terms
+                     else certificate(processed, ours.to(self.compute), scale, self.thresholds))
             self.certified += 1
             if ratio <= 1:
                 self.worst = max(self.worst, ratio)
                 continue
-            change = changes_of([name], theirs, {name: ours.to(self.compute)}, self.thresholds)[0]
+            change = changes_of([name], theirs, {name: ours.to(self.compute)}, self.thresholds,
+                                {name: terms} if terms else None)[0]
             if change.near or not math.isfinite(ratio):  # a near miss: refused entry by entry
                 self.worst = max(self.worst, ratio) if not math.isnan(ratio) else math.inf
                 self.wrong.append((name, ratio))
@@ -150,6 +172,8 @@ class _Tensors:
         if self.refused:
             return row | {"status": "violated", "explanation": self.refused}
         steps = _steps(self.keywords)
+        if self.recovery is not None and self.recovery.named:
+            steps += "".join(f" then {name}" for name in self.recovery.named) + " (their parameters recovered from after)"
         bound = f"{CERTIFICATE_ULPS} unit in the last place of {after_dtype} (and {self.compute}'s rounding of the rewrite)"
         # bit for bit equal to the rounded rewrite: within half a unit, by that rounding
         worst = max(self.worst, 0.5 if self.rounded else 0.0)
@@ -191,12 +215,14 @@ def _judge_changes(before: Checkpoint, after: Checkpoint, tensors: _Tensors, tok
     parts = Parts(PartReader(before, tensors.compute), before.cfg, tensors.compute, device, before.path)
     ends = ends_changes = None
     for layer in [None, *range(before.cfg.n_layers)]:
-        rewrite = replayed(parts, layer, tensors.keywords)[0]
         theirs = after.ends() if layer is None else after.block(layer)
+        rewrite = replayed(parts, layer, tensors.plan(layer, theirs))[0]
         names = [n for n in rewrite if n in changed]
         changes = {c.name: c for c in changes_of(names, {n: theirs[n].to(device) for n in names},
-                                                 {n: rewrite[n].to(tensors.compute) for n in names}, tensors.thresholds)
+                                                 {n: rewrite[n].to(tensors.compute) for n in names}, tensors.thresholds,
+                                                 {n: tensors._terms(rewrite[n]) for n in names})
                    if not c.near}
+        tensors.forget()
         if layer is None:
             ends, ends_changes = rewrite, changes
             passes.start(ends, changes)
@@ -264,8 +290,10 @@ def _walked(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progres
     # checkpoint holds them), and a block is converted once for the replay and the compute-dtype
     # pass; on another device the parts are converted there, as process_checkpoint does.
     on_cpu = tensors is not None and device.type == "cpu"
+    rotated = tensors is not None and tensors.recovery is not None and \
+        tensors.recovery.shows_rotation(before.ends()["embed.W_E"], after.ends()["embed.W_E"])
     untouched = ({layer is None: find_untouched(before.cfg, keywords, layer, tensors.compute) for layer in (None, 0)}
-                 if on_cpu and isinstance(keywords, dict) else None)
+                 if on_cpu and isinstance(keywords, dict) and not rotated else None)  # a rotation reads every tensor
     reader = PartReader(before, tensors.compute if on_cpu else None, untouched, keep_all=True)
     parts = Parts(reader, before.cfg, tensors.compute if tensors else before.dtype, device, before.path)
     coarse = max((before.dtype, after.dtype), key=lambda d: torch.finfo(d).eps)
@@ -277,7 +305,9 @@ def _walked(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progres
     for layer in [None, *range(before.cfg.n_layers)]:
         processed = _finite(after.ends() if layer is None else after.block(layer), after.path)
         if tensors is not None and tensors.refused is None:  # the replay refuses what is not finite
-            rewrite, rewrite_cfg, passed = replayed(parts, layer, keywords)
+            rewrite, rewrite_cfg, passed = replayed(parts, layer, tensors.plan(layer, processed))
+            if layer is None and tensors.recovery is not None and tensors.recovery.on:  # the recorded steps' config
+                rewrite_cfg = tensors.recovery.replayed_cfg.replace(n_layers=before.cfg.n_layers)
             if layer is None and rewrite_cfg != after.cfg and isinstance(keywords, dict) and \
                     _replay_identities(before.cfg, after.cfg) is not None:
                 return None
@@ -285,6 +315,7 @@ def _walked(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progres
                 tensors.refused = f"the replay of {keywords} gives {rewrite_cfg}, after has {after.cfg}"
             else:
                 tensors.compare(rewrite, reader.natives, passed, processed)
+                tensors.forget()
             del rewrite
         else:
             _finite(reader.ends() if layer is None else reader.block(layer), before.path)

@@ -588,17 +588,51 @@ def test_the_pipeline_gets_one_verdict_in_memory_from_files_and_from_folders(tmp
         assert found == [valid] * len(FORMS), (case, dict(zip(FORMS, found)))
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_folder_s_recovered_steps_are_named_and_its_tensors_certified(tmp_path, dtype):
+    """The exact pipeline read from folders a part at a time: every tensor certified against the
+    replay with the fold, the residual rotation, the head rotations and the scales recovered, each
+    named; the control, the gates left unscaled, leaves the gates unexplained and is refused."""
+    from circuitmath._checkpoint import CheckpointWriter
+    from circuitmath._streaming_check_processed import check_processed
+
+    cfg, sd = _model(dtype, n_key_value_heads=2)
+    after, after_cfg = _pipeline(sd, cfg)
+    out, out_cfg = cm.fold_rms_norm({k: v.double() for k, v in sd.items()}, cfg)
+    out, out_cfg = cm.rotate_residual_stream(out, out_cfg, cm.random_orthogonal(cfg.d_model, seed=3))
+    out, out_cfg = cm.rotate_heads(out, out_cfg, value=_head_rotations(cfg))
+    out, out_cfg = cm.get_identity("migrate_norm_scales").wrong_rewrites["gate_unscaled"](out, out_cfg, _scales(cfg, seed=7))
+    tokens = torch.randint(0, cfg.d_vocab, (4, 8), generator=torch.Generator().manual_seed(0))
+    rows = {}
+    with CheckpointWriter(tmp_path / "before", 2) as writer:
+        writer.write(sd, cfg)
+    for case, (processed, processed_cfg) in {"exact": (after, after_cfg), "gates unscaled": (
+            {k: v.to(dtype) for k, v in out.items()}, out_cfg.replace(applied=()))}.items():
+        with CheckpointWriter(tmp_path / case, 2) as writer:
+            writer.write(processed, processed_cfg)
+        rows[case] = check_processed(tmp_path / "before", tmp_path / case, tokens=tokens).rows[1]
+    exact = rows["exact"]
+    assert exact["status"] == "holds" and exact["max_abs_error"] <= 1, exact
+    assert "34 tensors within" in exact["explanation"], exact
+    assert "then fold_rms_norm then rotate_residual_stream then rotate_heads then migrate_norm_scales" in exact["explanation"]
+    wrong = rows["gates unscaled"]
+    assert wrong["status"] == "violated" and "W_gate" in wrong["explanation"], wrong
+
+
+@pytest.mark.parametrize("dtype, r", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
 @pytest.mark.parametrize("n_key_value_heads", [None, 2])
-def test_negative_control_a_float32_pipeline_with_one_row_one_percent_off_is_refused_in_every_form(tmp_path, n_key_value_heads):
-    """The float32 pipeline with one row of the rotated ``blocks.0.mlp.W_in`` times 1.01: refused
-    in memory, from files and from folders (the folder's changes no identity explains are judged
-    with every entry of a changed tensor taken from ``after``, and the tolerance stays sharp)."""
+def test_negative_control_the_pipeline_with_one_row_off_is_refused_in_every_form(tmp_path, n_key_value_heads, dtype, r):
+    """The pipeline with one row of the rotated ``blocks.0.mlp.W_in`` times ``1 + r`` (0.01 % in
+    float32, 10 % in bfloat16): refused in memory, from files and from folders (a folder's
+    residual rotation, head rotations and scales are recovered a part at a time, and the other
+    tensors certified against them)."""
     from circuitmath._checkpoint import CheckpointWriter
     from verdict_corpus import FORMS, verdict
 
-    cfg, sd = _model(torch.float32, n_key_value_heads=n_key_value_heads)
+    cfg, sd = _model(dtype, n_key_value_heads=n_key_value_heads)
     after, after_cfg = _pipeline(sd, cfg)
-    changed = _row_changed(after, "blocks.0.mlp.W_in", 3, 0.01)
+    changed = _row_changed(after, "blocks.0.mlp.W_in", 3, r)
     folder = tmp_path / "before"
     with CheckpointWriter(folder, 2) as writer:
         writer.write(sd, cfg)

@@ -39,8 +39,8 @@ def anchor_sets(cfg: Config) -> list:
     (``W_pos``, ``b_O``, ``W_out``, ``b_out``: ``W_out`` first), which a rotation inside the heads
     (``rotate_heads``) or a centered ``W_E`` leave as the rotation made them."""
     sets = [anchors(cfg), None]
-    if not cfg.attn_only:
-        outside = [n for n in residual_writers(cfg) if n != "embed.W_E" and not n.endswith("attn.W_O")]
+    outside = [n for n in residual_writers(cfg) if n != "embed.W_E" and not n.endswith("attn.W_O")]
+    if not cfg.attn_only and outside:  # none in the ends of a rotary model
         sets.append(sorted(outside, key=lambda n: not n.endswith("mlp.W_out")))
     return sets
 

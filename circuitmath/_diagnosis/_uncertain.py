@@ -168,17 +168,19 @@ class Widenings:
         self.dtype = dtype
         self._by_id: dict = {}  # id(tensor) -> (tensor, terms)
 
-    def rotation(self, state: Mapping, after: Mapping, cfg: Config):
+    def rotation(self, state: Mapping, after: Mapping, cfg: Config, widened: Config | None = None):
         """``(Q, widen)``: :func:`best_rotation` from ``state`` to ``after``, and what makes a
         rewrite with it widen the bound of each tensor it rotates (writers on their last axis,
-        readers on their second to last) by the :func:`column_spreads` of ``Q`` and ``Q'`` (and
+        readers on their second to last; those of ``widened``, default ``cfg``: a part of a model
+        fits ``Q`` for every part) by the :func:`column_spreads` of ``Q`` and ``Q'`` (and
         their :func:`spread`), ``Q'`` re-fitted to the rewrite on the tensors ``Q`` was fitted on."""
         Q, names = best_rotation(state, after, cfg)
         if not self.half:
             return Q, _unchanged
         rewrite = rounded(dict(state) | rotated_tensors(state, cfg, Q), self.dtype)
-        readers = set(residual_readers(cfg))
-        axes = {n: -2 if n in readers else -1 for n in [*residual_writers(cfg), *readers]}
+        widened = cfg if widened is None else widened
+        readers = set(residual_readers(widened))
+        axes = {n: -2 if n in readers else -1 for n in [*residual_writers(widened), *readers]}
         refit = procrustes(state, rewrite, cfg, names)
         return Q, self._widen(axes, spread(Q, refit), column_spreads(Q, refit))
 
@@ -230,6 +232,10 @@ class Widenings:
                 return out, out_cfg
             return widened
         return widen
+
+    def forget(self) -> None:
+        """Drops every tensor recorded (a streamed replay's part, once compared)."""
+        self._by_id.clear()
 
     def of(self, tensor) -> list[Term]:
         """The :class:`Term` list by which ``tensor``'s certificate widens (``[]``: none)."""
