@@ -85,12 +85,14 @@ class Recovery:
     def shows_rotation(self, ours: torch.Tensor, theirs: torch.Tensor) -> bool:
         """Whether ``theirs`` (``after``'s ``W_E``, ``[d_vocab, d_model]``) differs from ``ours``
         beyond the recognition threshold and keeps its row norms: a rotation of it."""
-        if ours.shape != theirs.shape:
+        if ours.shape != theirs.shape or not ours.numel():
             return False
-        ours, theirs = ours.double(), theirs.double().to(ours.device)
+        # in float32 (no copy of a float32 embedding): its rounding is far below the threshold;
+        # the row norms first, which a centering or a scaling changes
+        ours, theirs = ours.float(), theirs.float().to(ours.device)
         threshold = Thresholds.of(self.dtype, self.cfg).recognise * float(theirs.abs().max())
-        return float((ours - theirs).abs().max()) > threshold and \
-            float((ours.norm(dim=-1) - theirs.norm(dim=-1)).abs().max()) <= threshold * ours.shape[-1] ** 0.5
+        return float((ours.norm(dim=-1) - theirs.norm(dim=-1)).abs().max()) <= threshold * ours.shape[-1] ** 0.5 \
+            and float((ours - theirs).abs().max()) > threshold
 
     def _start(self, ends: dict, cfg: Config, after: Mapping) -> None:
         """Where the ends show a rotation (:meth:`shows_rotation`), the fold and ``Q``."""

@@ -638,3 +638,17 @@ def test_negative_control_the_pipeline_with_one_row_off_is_refused_in_every_form
         writer.write(sd, cfg)
     found = [verdict(form, folder, sd, cfg, changed, after_cfg, tmp_path / form) for form in FORMS]
     assert found == [False] * len(FORMS), dict(zip(FORMS, found))
+
+
+def test_only_a_rotated_embedding_starts_the_streamed_recovery():
+    """The streamed replay looks for a residual rotation where ``after``'s ``W_E`` changed and
+    kept its row norms: a rotation; not an unchanged, centered or scaled one."""
+    from circuitmath._streaming_recovery import Recovery
+
+    cfg, sd = _model(torch.float32)
+    recovery, W = Recovery({}, cfg, torch.float32), sd["embed.W_E"]
+    rotated = (W.double() @ cm.random_orthogonal(cfg.d_model, seed=3)).float()
+    assert recovery.shows_rotation(W, rotated)
+    assert not recovery.shows_rotation(W, W.clone())
+    assert not recovery.shows_rotation(W, W - W.mean(-1, keepdim=True))
+    assert not recovery.shows_rotation(W, rotated * 1.01)
