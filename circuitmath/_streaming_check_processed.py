@@ -39,7 +39,7 @@ from ._processing._parts import Parts
 from ._processing.steps import KEYWORD_OF, STEPS
 from ._streaming_forward import ForwardPass
 from ._streaming_parts import PartReader, find_untouched, opened, replayed
-from ._streaming_recovery import Recovery
+from ._streaming_recovery import RECOVERABLE, Recovery
 from ._diagnosis._uncertain import widened_certificate
 from ._compare import unit_roundoff, compute_dtype, logprob_tolerance
 
@@ -83,6 +83,16 @@ def _replay_keywords(before_cfg: Config, after_cfg: Config) -> dict[str, bool] |
         return None
     wanted = {KEYWORD_OF[i] for i in after_cfg.applied[len(done):]}
     return {keyword: keyword in wanted for keyword in STEPS}
+
+
+def _recorded_recoverable(before_cfg: Config, after_cfg: Config) -> dict[str, bool] | None:
+    """:func:`process_weights`' keywords, none set, where ``after_cfg.applied`` records beyond
+    ``before_cfg.applied`` only steps the replay recovers (:mod:`._streaming_recovery`), in its
+    order (``None`` otherwise)."""
+    done, tail = before_cfg.applied, after_cfg.applied[len(before_cfg.applied):]
+    if after_cfg.applied[: len(done)] != done or not tail or [n for n in RECOVERABLE if n in tail] != list(tail):
+        return None
+    return dict.fromkeys(STEPS, False)
 
 
 def _replay_identities(before_cfg: Config, after_cfg: Config) -> tuple | None:
@@ -262,7 +272,8 @@ def _processed_rows(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor,
     forward on the tokens, three times (in the compute dtype, in float64, and in float64 nudged),
     beside ``after``'s part run forward once; the replay and the passes run on ``device``."""
     device = torch.device("cpu") if device is None else torch.device(device)
-    keywords = _replay_keywords(before.cfg, after.cfg) or _replay_identities(before.cfg, after.cfg)
+    keywords = (_replay_keywords(before.cfg, after.cfg) or _recorded_recoverable(before.cfg, after.cfg)
+                or _replay_identities(before.cfg, after.cfg))
     walked = _walked(before, after, tokens, progress, device, keywords)
     if walked is None:  # no pipeline call records after's config: a chain of identities does
         walked = _walked(before, after, tokens, progress, device, _replay_identities(before.cfg, after.cfg))
@@ -306,8 +317,8 @@ def _walked(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progres
         processed = _finite(after.ends() if layer is None else after.block(layer), after.path)
         if tensors is not None and tensors.refused is None:  # the replay refuses what is not finite
             rewrite, rewrite_cfg, passed = replayed(parts, layer, tensors.plan(layer, processed))
-            if layer is None and tensors.recovery is not None and tensors.recovery.on:  # the recorded steps' config
-                rewrite_cfg = tensors.recovery.replayed_cfg.replace(n_layers=before.cfg.n_layers)
+            if layer is None and tensors.recovery is not None and tensors.recovery.on:
+                rewrite_cfg = _recovered_cfg(tensors.recovery, before.cfg, after.cfg)
             if layer is None and rewrite_cfg != after.cfg and isinstance(keywords, dict) and \
                     _replay_identities(before.cfg, after.cfg) is not None:
                 return None
@@ -329,6 +340,17 @@ def _walked(before: Checkpoint, after: Checkpoint, tokens: torch.Tensor, progres
         if progress:
             progress(1 if layer is None else layer + 2, total, "embedding and unembedding" if layer is None else f"block {layer}")
     return tensors, walk
+
+
+def _recovered_cfg(recovery: Recovery, before_cfg: Config, after_cfg: Config) -> Config:
+    """The config the ends' replay is held to where ``recovery`` recovered steps: the recorded
+    steps' (``recovery.replayed_cfg``), recording what ``after_cfg`` records beyond ``before_cfg``
+    where those are steps the replay recovers and include every one recovered at the ends."""
+    cfg = recovery.replayed_cfg.replace(n_layers=before_cfg.n_layers)
+    tail = after_cfg.applied[len(before_cfg.applied):]
+    if _recorded_recoverable(before_cfg, after_cfg) is not None and set(recovery.named) <= set(tail):
+        cfg = cfg.replace(applied=after_cfg.applied)
+    return cfg
 
 
 def _kept_for_unembedding(ends: dict) -> dict:

@@ -29,10 +29,12 @@ from ._processing.norms import fold_rms_norm
 from ._processing.pipeline import process_weights
 from ._processing.rotation import rotate_residual_stream
 
-__all__ = ["PER_BLOCK", "Recovery"]
+__all__ = ["PER_BLOCK", "RECOVERABLE", "Recovery"]
 
 #: The identities whose parameters are recovered block by block, in the order they are replayed.
 PER_BLOCK = ("rotate_heads", "migrate_norm_scales")
+#: Every step the replay may add, in the order each part replays them.
+RECOVERABLE = ("fold_rms_norm", "rotate_residual_stream", *PER_BLOCK)
 
 
 class Recovery:
@@ -54,7 +56,7 @@ class Recovery:
     @property
     def named(self) -> list[str]:
         """The steps recovered, in the order each part replays them."""
-        return [n for n in ("fold_rms_norm", "rotate_residual_stream", *PER_BLOCK) if n in self.steps]
+        return [n for n in RECOVERABLE if n in self.steps]
 
     @property
     def on(self) -> bool:

@@ -591,9 +591,10 @@ def test_the_pipeline_gets_one_verdict_in_memory_from_files_and_from_folders(tmp
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_folder_s_recovered_steps_are_named_and_its_tensors_certified(tmp_path, dtype):
-    """The exact pipeline read from folders a part at a time: every tensor certified against the
-    replay with the fold, the residual rotation, the head rotations and the scales recovered, each
-    named; the control, the gates left unscaled, leaves the gates unexplained and is refused."""
+    """The exact pipeline read from folders a part at a time, recorded nowhere or in
+    ``cfg.applied``: every tensor certified against the replay with the fold, the residual
+    rotation, the head rotations and the scales recovered, each named; the controls, the gates
+    left unscaled and one row of the rotated ``W_in`` times 1.1, are refused naming the tensor."""
     from circuitmath._checkpoint import CheckpointWriter
     from circuitmath._streaming_check_processed import check_processed
 
@@ -607,17 +608,20 @@ def test_a_folder_s_recovered_steps_are_named_and_its_tensors_certified(tmp_path
     rows = {}
     with CheckpointWriter(tmp_path / "before", 2) as writer:
         writer.write(sd, cfg)
-    for case, (processed, processed_cfg) in {"exact": (after, after_cfg), "gates unscaled": (
-            {k: v.to(dtype) for k, v in out.items()}, out_cfg.replace(applied=()))}.items():
+    for case, (processed, processed_cfg) in {"exact": (after, after_cfg), "recorded": (after, after_cfg.replace(applied=STEPS)),
+                                             "gates unscaled": ({k: v.to(dtype) for k, v in out.items()}, out_cfg.replace(applied=())),
+                                             "one row off": (_row_changed(after, "blocks.0.mlp.W_in", 3, 0.1), after_cfg.replace(applied=STEPS)),
+                                             }.items():
         with CheckpointWriter(tmp_path / case, 2) as writer:
             writer.write(processed, processed_cfg)
         rows[case] = check_processed(tmp_path / "before", tmp_path / case, tokens=tokens).rows[1]
-    exact = rows["exact"]
-    assert exact["status"] == "holds" and exact["max_abs_error"] <= 1, exact
-    assert "34 tensors within" in exact["explanation"], exact
-    assert "then fold_rms_norm then rotate_residual_stream then rotate_heads then migrate_norm_scales" in exact["explanation"]
-    wrong = rows["gates unscaled"]
-    assert wrong["status"] == "violated" and "W_gate" in wrong["explanation"], wrong
+    for case in ("exact", "recorded"):
+        exact = rows[case]
+        assert exact["status"] == "holds" and exact["max_abs_error"] <= 1, exact
+        assert "34 tensors within" in exact["explanation"], exact
+        assert "then fold_rms_norm then rotate_residual_stream then rotate_heads then migrate_norm_scales" in exact["explanation"]
+    for case, tensor in (("gates unscaled", "W_gate"), ("one row off", "blocks.0.mlp.W_in")):
+        assert rows[case]["status"] == "violated" and tensor in rows[case]["explanation"], rows[case]
 
 
 @pytest.mark.parametrize("dtype, r", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
