@@ -32,7 +32,7 @@ from .. import _identities
 from .._compare import Comparison, compute_dtype, in_dtype
 from .._config import Config
 from .._errors import InputError, PreconditionError
-from .._processing._memory import recycling
+from .._processing._memory import without_huge_pages
 from .._state import marked_as, vouched
 from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
 from ._names import speak
@@ -66,7 +66,7 @@ def _replayed(first: Model, second: Model, plan):
     compute dtype) against ``second``, ``plan`` as for :func:`replay_and_explain`."""
     dtype = coarser(first.dtype, second.dtype)
     replay = _Replay(second.state_dict, Thresholds.of(dtype, first.cfg))
-    with recycling(huge_pages=False):  # the replayed tensors live as long as the check
+    with without_huge_pages():  # the replayed tensors live as long as the check
         return replay, replay.explain(_in_compute_dtype(first.state_dict, dtype), first.cfg, plan)
 
 
@@ -329,12 +329,11 @@ def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagn
         exact = _LogProbs(tokens[:rows, :positions], torch.float64), in_float64(state)
         exact[0].set_reference(exact[1], model_cfg)
     findings, products = [], None
-    # each identity's models are freed before the next runs: its new tensors take their maps
-    with recycling(huge_pages=False):
-        for i, identity in enumerate(chosen, 1):
-            report(i, total, identity.name)
-            # the float64 products the identity before computed, offered to this one's transform
-            products = SharedProducts(offered=products)
+    for i, identity in enumerate(chosen, 1):
+        report(i, total, identity.name)
+        # the float64 products the identity before computed, offered to this one's transform
+        products = SharedProducts(offered=products)
+        with without_huge_pages():  # its models live as long as its row takes
             findings.append(_identity_row(identity, resolved, lp, exact, products))
     report(total, total, "done")
     return Diagnosis(tuple(findings))

@@ -26,7 +26,7 @@ import torch
 
 __all__ = [
     "HUGE_PAGE_MIN_BYTES", "SCRATCH_MIN_BYTES", "new_tensor", "scratch", "converted", "rows_per_block", "recycling",
-    "in_memory",
+    "without_huge_pages", "in_memory",
 ]
 
 HUGE_PAGE_MIN_BYTES = 4 << 20
@@ -36,12 +36,12 @@ SCRATCH_MIN_BYTES = 64 << 10
 
 
 class _Maps(list):
-    """The maps :func:`new_tensor` made within one :func:`recycling`, and whether it advises new
-    ones huge pages."""
+    """The maps :func:`new_tensor` made within one :func:`recycling` (none are kept where maps are
+    not ``reused``: :func:`without_huge_pages`), and whether new ones are advised huge pages."""
 
-    def __init__(self, huge_pages: bool):
+    def __init__(self, huge_pages: bool, reused: bool = True):
         super().__init__()
-        self.huge_pages = huge_pages
+        self.huge_pages, self.reused = huge_pages, reused
 
 
 #: The maps :func:`new_tensor` made within :func:`recycling` (``None`` outside it).
@@ -49,7 +49,7 @@ _RECYCLED: contextvars.ContextVar[_Maps | None] = contextvars.ContextVar("recycl
 
 
 @contextlib.contextmanager
-def recycling(*, huge_pages: bool = True):
+def recycling():
     """Within it, a tensor that :func:`new_tensor` maps reuses a map made earlier within it, of
     the same size in bytes, that no tensor uses any more (its contents are left as they were),
     instead of a fresh one: for a loop that makes tensors of the same sizes over and over (a
@@ -57,12 +57,6 @@ def recycling(*, huge_pages: bool = True):
     kernel a page fault and the zeroing of every page on first write, a large share of the
     time of streamed processing. A map no tensor uses stays mapped until the ``with`` statement ends, so memory holds
     what the loop held at most.
-
-    ``huge_pages=False``: new maps are not advised huge pages, for tensors that live only as long
-    as a check and are read once or twice (a replayed rewrite, certified and dropped): they save
-    no TLB misses worth it, and where the kernel must compact memory to find huge pages, or a
-    hypervisor back them, their first touch costs several times that of 4 KiB pages
-    (``benchmarks/check_speed.py``).
 
     >>> with recycling():
     ...     first = new_tensor((1 << 20,), torch.float32, torch.device("cpu")).fill_(7)
@@ -72,7 +66,21 @@ def recycling(*, huge_pages: bool = True):
     >>> again.data_ptr() == address and bool((again == 7).all())
     True
     """
-    token = _RECYCLED.set(_Maps(huge_pages))
+    token = _RECYCLED.set(_Maps(huge_pages=True))
+    try:
+        yield
+    finally:
+        _RECYCLED.reset(token)
+
+
+@contextlib.contextmanager
+def without_huge_pages():
+    """Within it, :func:`new_tensor` advises no map huge pages (and reuses none): for tensors that
+    live only as long as a check and are read once or twice (a replayed rewrite, certified and
+    dropped), which save no TLB misses worth it, while where the kernel must compact memory to
+    find huge pages, or a hypervisor back them, an advised map's first touch costs several times
+    that of 4 KiB pages (``benchmarks/check_speed.py``)."""
+    token = _RECYCLED.set(_Maps(huge_pages=False, reused=False))
     try:
         yield
     finally:
@@ -133,7 +141,7 @@ def new_tensor(
     one of at least ``mapped_from`` bytes is mapped (advised huge pages from
     :data:`HUGE_PAGE_MIN_BYTES`); a smaller one, or one on any other device, from :func:`torch.empty`.
     ``mapped_from`` defaults to :data:`HUGE_PAGE_MIN_BYTES`. Within :func:`recycling`, a map no
-    tensor uses any more is mapped again (and a new one advised huge pages only where it says so).
+    tensor uses any more is mapped again; within :func:`without_huge_pages`, none is advised.
     """
     if mapped_from is None:
         mapped_from = HUGE_PAGE_MIN_BYTES
@@ -141,16 +149,16 @@ def new_tensor(
     size = count * dtype.itemsize
     if torch.device(device).type != "cpu" or size < mapped_from or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype, device=device)
+    maps = _RECYCLED.get()
     buffer = _reused(size)
     if buffer is None:
-        maps = _RECYCLED.get()
         try:
             buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if size >= HUGE_PAGE_MIN_BYTES and (maps is None or maps.huge_pages):
                 buffer.madvise(mmap.MADV_HUGEPAGE)
         except (OSError, ValueError):
             return torch.empty(shape, dtype=dtype, device=device)
-        if maps is not None:
+        if maps is not None and maps.reused:
             maps.append(buffer)
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
 
