@@ -144,7 +144,8 @@ class _Tensors:
         if self.recovery is not None:
             self.recovery.widenings.forget()
 
-    def _terms(self, tensor) -> list:
+    def terms(self, tensor) -> list:
+        """The widening of the replayed ``tensor``'s certificate (``[]``: none)."""
         return [] if self.recovery is None else self.recovery.widenings.of(tensor)
 
     def compare(self, replayed: dict, natives: dict, passed: set[int], theirs: dict) -> None:
@@ -162,7 +163,7 @@ class _Tensors:
                 self.rounded = self.rounded or ours.dtype != processed.dtype  # then bounded by half a unit
                 continue
             scale = max(float(ours.abs().max()), float(processed.abs().max())) if ours.numel() else 0.0
-            terms = self._terms(replayed[name])
+            terms = self.terms(replayed[name])
             ratio = (widened_certificate(processed, ours.to(self.compute), scale, self.thresholds, terms) if terms
                      else certificate(processed, ours.to(self.compute), scale, self.thresholds))
             self.certified += 1
@@ -230,7 +231,7 @@ def _judge_changes(before: Checkpoint, after: Checkpoint, tensors: _Tensors, tok
         names = [n for n in rewrite if n in changed]
         changes = {c.name: c for c in changes_of(names, {n: theirs[n].to(device) for n in names},
                                                  {n: rewrite[n].to(tensors.compute) for n in names}, tensors.thresholds,
-                                                 {n: tensors._terms(rewrite[n]) for n in names})
+                                                 {n: tensors.terms(rewrite[n]) for n in names})
                    if not c.near}
         tensors.forget()
         if layer is None:
