@@ -21,7 +21,7 @@ Where the time goes besides the forward passes (cProfile, one thread):
 - ``check --processed``: the replay of the recorded identities (one new tensor per rewritten
   tensor and identity, about 1.2 GB here) and the certificates of OTHER's tensors against it;
   the two log-prob tensors compared in float64. A replayed tensor lives as long as the check,
-  so it is mapped without the huge-page advice (``_processing._memory.recycling``): on a shared
+  so it is mapped without the huge-page advice (``_processing._memory.without_huge_pages``): on a shared
   or virtualised machine an advised map's first touch costs several times a 4 KiB page's.
   The rounding sensitivity (two float64 passes) is measured only when the difference exceeds the
   tolerance's a-priori term, so a correct float32 processing pays none.
