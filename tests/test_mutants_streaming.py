@@ -26,3 +26,23 @@ def test_a_precondition_broken_in_a_later_block_names_that_block_when_streamed(t
     assert "blocks.1.mlp.W_gate" in in_memory.value.detail  # control: the block that breaks it
     assert streamed.value.detail == in_memory.value.detail
     assert str(streamed.value) == str(in_memory.value)
+
+
+def test_a_streamed_report_prints_a_ruled_table_then_the_explanations():
+    """The table of check --processed: a header, a rule as wide as each column, one line a row
+    (None as '-'), then each row's explanation."""
+    from circuitmath._streaming_check_processed import StreamingReport
+
+    report = StreamingReport([
+        {"name": "log-probs", "status": "holds", "max_abs_error": 1.5e-6, "tolerance": 1e-4, "explanation": "within"},
+        {"name": "tensors", "status": "violated", "max_abs_error": None, "tolerance": None, "explanation": "W_U"},
+    ])
+    assert str(report).splitlines() == [
+        "check      status    max |Δ|  tolerance",
+        "---------  --------  -------  ---------",
+        "log-probs  holds     1.5e-06  0.0001",
+        "tensors    violated  -        -",
+        "",
+        "log-probs: within",
+        "tensors: W_U",
+    ]
