@@ -154,7 +154,7 @@ def certificate(got: torch.Tensor, expected: torch.Tensor, scale: float, thresho
     float32 (:func:`_screen`) and only the entries within a relative ``2**-14`` of its largest
     screened ratio are computed in float64: the same number, to the last bit, at a fraction of
     the cost. On another device the screen's synchronisations would cost more than it saves."""
-    bits = _MANTISSA_BITS.get(thresholds.dtype, 52)
+    bits = _MANTISSA_BITS[thresholds.dtype]
     floor = thresholds.floor * scale
     screened = (got.dtype in _SCREENED and expected.dtype in _SCREENED and _SCREEN_FLOOR <= floor <= 2.0**100
                 and got.device.type == "cpu")
@@ -191,7 +191,7 @@ def certified(got: torch.Tensor, expected: torch.Tensor, scale: float, threshold
     if not (got.dtype in _SCREENED and expected.dtype in (*_SCREENED, torch.float64) and got.device.type == "cpu"
             and _SCREEN_FLOOR <= floor <= 2.0**100):
         return certificate(got, expected, scale, thresholds) <= 1
-    bits = _MANTISSA_BITS.get(thresholds.dtype, 52)
+    bits = _MANTISSA_BITS[thresholds.dtype]
     rounded = expected.dtype == torch.float64
     a, b = got.reshape(-1), expected.reshape(-1)
     for start in range(0, a.numel(), _SCREEN_PIECE):  # pieces that stay in the cache

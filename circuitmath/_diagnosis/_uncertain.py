@@ -149,7 +149,7 @@ def widened_ratios(got: torch.Tensor, expected: torch.Tensor, scale: float, thre
     in float64."""
     x, e = got.double(), expected.double().to(got.device)
     _mantissa, exponent = torch.frexp(e)
-    bits = _MANTISSA_BITS.get(thresholds.dtype, 52)
+    bits = _MANTISSA_BITS[thresholds.dtype]
     unit = torch.where(e == 0, 0.0, torch.ldexp(torch.ones_like(e), exponent - 1 - bits))
     bound = CERTIFICATE_ULPS * unit + thresholds.floor * scale
     for term in widening:

@@ -73,7 +73,7 @@ def changes_of(names: Iterable[str], after: Mapping, rewrite: Mapping, threshold
     """The :class:`Change` of each tensor named (``after``'s against ``rewrite``'s, same shapes),
     measured entry by entry in float64 as the certificate measures it (widened where
     ``allowance`` says a recovered rotation rewrote the tensor: :mod:`._uncertain`)."""
-    bits = _MANTISSA_BITS.get(thresholds.dtype, 52)
+    bits = _MANTISSA_BITS[thresholds.dtype]
     out = []
     for name in names:
         got, expected = after[name], rewrite[name]
