@@ -5,6 +5,7 @@ scaled with the other readers of their norm (a router left out is a twin the che
 experts permute with the router's columns (top-k routing is permutation-equivariant)."""
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -206,6 +207,22 @@ def test_the_expert_permutation_is_recovered_and_named():
         ("permute_experts", "holds", "exact")
     spoiled = dict(after, **{"blocks.1.mlp.experts.0.W_out": after["blocks.1.mlp.experts.1.W_out"]})
     assert cm.recover_expert_permutation(sd, spoiled, cfg) is None
+
+
+@pytest.mark.parametrize("spoil", ["nan", "extra key", "wrong shape"])
+def test_bad_input_to_permute_experts_is_refused_naming_the_key(spoil):
+    cfg = io.family("Mixtral").cfg
+    sd = cm.random_state_dict(cfg, seed=0, dtype=F64)
+    name = "blocks.1.mlp.experts.2.W_in"
+    if spoil == "nan":
+        sd[name] = sd[name].clone().index_fill_(0, torch.tensor([3]), float("nan"))
+    elif spoil == "extra key":
+        name = "blocks.1.mlp.experts.9.W_in"
+        sd[name] = sd["blocks.1.mlp.experts.2.W_in"]
+    else:
+        sd[name] = sd[name][:-1]
+    with pytest.raises(cm.CircuitMathError, match=re.escape(name)):
+        cm.permute_experts(sd, cfg, torch.tensor([1, 2, 3, 0]))
 
 
 def test_a_pipeline_with_an_expert_permutation_is_taken_apart():
