@@ -143,11 +143,13 @@ def test_negative_control_a_private_name_imported_across_is_found(tmp_path):
 # -- no context variable steers control flow ---------------------------------------------------
 
 #: Modules allowed a ``ContextVar``, each with its reason. What a caller must know is an argument
-#: or a return value; the one left is the pool of memory maps that the allocator of processed
-#: tensors reuses within ``recycling()`` (streamed processing, the checks), which reaches every
-#: tensor a transform allocates: as an argument it would be one on every transform.
+#: or a return value. The one left is the allocator's policy for processed tensors: the pool of
+#: memory maps reused within ``recycling()`` (streamed processing) and the huge-page advice
+#: withheld within ``without_huge_pages()`` (the checks). It decides where a tensor's memory
+#: comes from, never its values nor any verdict, and reaches every tensor a transform
+#: allocates: as an argument it would be one on every transform.
 CONTEXT_VARIABLES = {
-    "circuitmath._processing._memory": "the maps recycled within recycling(), read by new_tensor",
+    "circuitmath._processing._memory": "the allocator's policy (maps recycled, huge pages advised), read by new_tensor",
 }
 
 

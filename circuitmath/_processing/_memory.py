@@ -44,11 +44,21 @@ class _Maps(list):
         self.huge_pages, self.reused = huge_pages, reused
 
 
-#: The maps :func:`new_tensor` made within :func:`recycling` (``None`` outside it).
+#: How :func:`new_tensor` maps: the maps made within :func:`recycling`, or the policy of
+#: :func:`without_huge_pages` (``None`` outside both: huge pages advised, no map reused).
 _RECYCLED: contextvars.ContextVar[_Maps | None] = contextvars.ContextVar("recycled", default=None)
 
 
 @contextlib.contextmanager
+def _maps(maps: _Maps):
+    """Within it, :func:`new_tensor` maps by the policy of ``maps`` (and keeps its maps there)."""
+    token = _RECYCLED.set(maps)
+    try:
+        yield
+    finally:
+        _RECYCLED.reset(token)
+
+
 def recycling():
     """Within it, a tensor that :func:`new_tensor` maps reuses a map made earlier within it, of
     the same size in bytes, that no tensor uses any more (its contents are left as they were),
@@ -66,25 +76,16 @@ def recycling():
     >>> again.data_ptr() == address and bool((again == 7).all())
     True
     """
-    token = _RECYCLED.set(_Maps(huge_pages=True))
-    try:
-        yield
-    finally:
-        _RECYCLED.reset(token)
+    return _maps(_Maps(huge_pages=True))
 
 
-@contextlib.contextmanager
 def without_huge_pages():
     """Within it, :func:`new_tensor` advises no map huge pages (and reuses none): for tensors that
     live only as long as a check and are read once or twice (a replayed rewrite, certified and
     dropped), which save no TLB misses worth it, while where the kernel must compact memory to
     find huge pages, or a hypervisor back them, an advised map's first touch costs several times
     that of 4 KiB pages (``benchmarks/check_speed.py``)."""
-    token = _RECYCLED.set(_Maps(huge_pages=False, reused=False))
-    try:
-        yield
-    finally:
-        _RECYCLED.reset(token)
+    return _maps(_Maps(huge_pages=False, reused=False))
 
 
 def _reused(size: int) -> mmap.mmap | None:
