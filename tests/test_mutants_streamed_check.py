@@ -1,0 +1,59 @@
+"""The streamed ``check MODEL`` where parts of a model apply other steps of process_weights,
+pinned where mutation testing (``make mutate``) found it unpinned: the steps some block cannot
+take are left out of every part, and the passes start again once, as the whole model leaves
+them out in memory."""
+
+import signal
+
+import torch
+
+import circuitmath as cm
+from circuitmath import _diagnosis as diagnosis_module
+from circuitmath import _streaming_check_model as streaming_model
+from circuitmath import io
+from circuitmath._diagnosis import weight_identities
+from circuitmath._streaming_check_model import check_model_streaming
+from support import same_rows, with_identities
+
+GATED_LN = cm.Config(n_layers=3, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16, gated_mlp=True,
+                     act_fn="silu")
+TOKENS = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(0))
+
+
+def _within(seconds: int, call):
+    """``call()``, failing the test past ``seconds`` (a pass that never ends) instead of hanging."""
+    def late(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, late)
+    signal.alarm(seconds)
+    try:
+        return call()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_step_some_block_cannot_take_is_left_out_of_the_streamed_check(tmp_path, monkeypatch):
+    """A gated LayerNorm model whose ln2 bias is zero in block 0 only: the ends and block 0 could
+    fold the LayerNorm, blocks 1 and 2 cannot (W_gate has no bias to take ln2.b). The streamed
+    check of process_weights leaves the fold out of every part, as the whole model does in memory,
+    and its row is the in-memory row; it ends (within 30 s on a busy machine: it takes well
+    under a second alone), its passes started again once, at
+    block 1. Control: without the zero bias the whole
+    model refuses nothing, and the fold is applied."""
+    state_dict = cm.random_state_dict(GATED_LN, seed=0, dtype=torch.float32)
+    state_dict["blocks.0.ln2.b"] = torch.zeros_like(state_dict["blocks.0.ln2.b"])
+    io.save(tmp_path / "m.safetensors", state_dict, GATED_LN)
+    identity = next(i for i in weight_identities(symmetries=True) if i.name == "process_weights")
+    with_identities(monkeypatch, identity)
+    agreed, agrees = [], streaming_model._Run.agrees
+    monkeypatch.setattr(streaming_model._Run, "agrees", lambda run, cfg: agreed.append(agrees(run, cfg)) or agreed[-1])
+    in_memory = diagnosis_module.check_model(state_dict, GATED_LN, tokens=TOKENS)
+    streamed = _within(30, lambda: check_model_streaming(tmp_path / "m.safetensors", tokens=TOKENS))
+    same_rows(streamed, in_memory)
+    assert agreed.count(False) == 1 and agreed[-GATED_LN.n_layers:] == [True] * GATED_LN.n_layers
+    assert [f.status for f in streamed.findings] == ["holds"]
+    _, applied_cfg = cm.process_weights(state_dict, GATED_LN)
+    assert "fold_layer_norm" not in applied_cfg.applied and "fold_value_biases" in applied_cfg.applied
+    every_bias_zero = {n: torch.zeros_like(t) if n.endswith("ln2.b") else t for n, t in state_dict.items()}
+    assert "fold_layer_norm" in cm.process_weights(every_bias_zero, GATED_LN)[1].applied
