@@ -28,18 +28,22 @@ from ._threads import check_threads
 COLUMNS = ("identity", "symbolic dims", "steps", "seconds", "twins rejected", "status")
 
 
+def _cells(r: dict, depth: int = 0) -> list[tuple[str, ...]]:
+    """A report's row, then a row for each of its lemmas, indented under it (their time is the
+    identity's)."""
+    row = (
+        "  " * depth + ("lemma " if depth else "") + r["name"],
+        "yes" if r["symbolic_dims"] else "no",
+        str(r["steps"]),
+        f"{r['seconds']:.3f}" if "seconds" in r else "",
+        f"{r['twins_rejected']}/{r['twins_total']}",
+        r["status"],
+    )
+    return [row] + [cell for lemma in r.get("lemmas", ()) for cell in _cells(lemma, depth + 1)]
+
+
 def _table(rows: list[dict]) -> str:
-    cells = [COLUMNS] + [
-        (
-            r["name"],
-            "yes" if r["symbolic_dims"] else "no",
-            str(r["steps"]),
-            f"{r['seconds']:.3f}",
-            f"{r['twins_rejected']}/{r['twins_total']}",
-            r["status"],
-        )
-        for r in rows
-    ]
+    cells = [COLUMNS] + [cell for r in rows for cell in _cells(r)]
     widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -82,6 +82,8 @@ class ProofReport:
     assumed: tuple = field(default=(), repr=False)
     #: The sizes of the instances of the second check.
     instances: tuple[dict, ...] = ()
+    #: The reports of the proof's lemmas, each named, with their own twins.
+    lemmas: tuple["ProofReport", ...] = field(default=(), repr=False)
 
     @property
     def twins_rejected(self) -> int:
@@ -102,8 +104,8 @@ class ProofReport:
 
     @property
     def ok(self) -> bool:
-        """The claim is proved and every twin is rejected."""
-        return self.proved and self.twins_rejected == len(self.twins)
+        """The claim is proved and every twin is rejected, the lemmas' twins included."""
+        return self.proved and self.twins_rejected == len(self.twins) and all(lemma.ok for lemma in self.lemmas)
 
     def as_dict(self) -> dict:
         return {
@@ -117,12 +119,28 @@ class ProofReport:
             "claim_proved": self.proved,
             "concrete_check": self.concrete_check,
             "failed_steps": [s.reason for s in self.steps if not (s.holds and s.instances_agree)],
-            "accepted_twins": [t.name for t in self.twins if not t.rejected],
+            "accepted_twins": [t.name for t in self.twins if not t.rejected] + [
+                f"{lemma['name']}/{twin}" for lemma in map(_lemma_row, self.lemmas) for twin in lemma["accepted_twins"]],
             "reasons": list(self.reasons),
             "axioms": [{"latex": latex, "text": text} for latex, text in self.axioms],
             "assumptions": list(self.assumptions),
             "instances": [{str(s): int(v) for s, v in i.items()} for i in self.instances],
+            "lemmas": [_lemma_row(lemma) for lemma in self.lemmas],
         }
+
+
+def _lemma_row(report: ProofReport) -> dict:
+    """A lemma's verdict as a row of its proof's ``as_dict``: status, sizes, twins."""
+    return {
+        "name": report.name,
+        "status": "proved" if report.ok else "failed",
+        "symbolic_dims": report.symbolic_dims,
+        "steps": len(report.steps),
+        "twins_rejected": report.twins_rejected,
+        "twins_total": len(report.twins),
+        "accepted_twins": [t.name for t in report.twins if not t.rejected],
+        "lemmas": [_lemma_row(lemma) for lemma in report.lemmas],
+    }
 
 
 def _assumption(a) -> dict:
@@ -465,8 +483,9 @@ class Proof:
         if malformed:
             raise FactError(f"{name or 'proof'}: " + "; ".join(malformed) + ": fix or drop the fact")
         reasons = self._definition_errors() + self._nonzero_errors()
-        for lemma_name, lemma in self.lemmas:
-            reasons += [f"lemma {lemma_name}: {r}" for r in lemma.verify(lemma_name).reasons]
+        lemmas = tuple(lemma.verify(lemma_name) for lemma_name, lemma in self.lemmas)
+        for lemma in lemmas:
+            reasons += [f"lemma {lemma.name}: {r}" for r in lemma.reasons]
         try:
             lhs_shape, rhs_shape = self._shape(self.lhs), self._shape(self.rhs)
             if lhs_shape is None or rhs_shape is None or not all(map(same_size, lhs_shape, rhs_shape)):
@@ -511,6 +530,7 @@ class Proof:
             reasons=tuple(reasons),
             assumed=(*self.axioms, *dict.fromkeys((*self.assumptions, *(a for _n, lm in self.lemmas for a in lm.assumptions)))),
             instances=self.instance_dims() if concrete else (),
+            lemmas=lemmas,
         )
 
     def _reject(self, twin: Twin, attempts: int = 5) -> TwinReport:

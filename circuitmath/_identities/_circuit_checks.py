@@ -1,8 +1,9 @@
 """What the circuits families share: samplers for exact instances, and their numeric checks.
 
-Sympy side: dimension symbols, rational orthogonal matrices (Cayley transforms), block selectors,
-samplers for symbols that must be drawn together (``G`` with ``G^{-1}``; a matrix with an
-eigenvector), and :func:`notation_proof`, a :class:`Proof` with every ``(A ⊗ B)·X`` defined.
+Sympy side: dimension symbols, rational orthogonal matrices (Cayley transforms), rotations of the
+rotary layout, block selectors, samplers for symbols that must be drawn together (``G`` with
+``G^{-1}``; a matrix with an eigenvector), and :func:`notation_proof`, a :class:`Proof` with every
+``(A ⊗ B)·X`` defined.
 
 Torch side: the comparisons that the ``compare`` field of these identities uses (logits computed
 along an identity's route against the reference forward pass; a quantity computed from factors
@@ -51,6 +52,20 @@ def rational_orthogonal(rng, n: int) -> sympy.Matrix:
             K[i, j] = _rational(rng)
             K[j, i] = -K[i, j]
     return (sympy.eye(n) - K) * (sympy.eye(n) + K).inv()
+
+
+def rotary_like(rng, shape):
+    """A rotation of the NeoX rotary layout, exact and rational: each pair ``(a, a + h)`` turned by
+    ``[[c, s], [-s, c]]`` with ``(c, s)`` from a Pythagorean triple, a dimension past the pairs
+    kept. Any two such matrices commute: the rotary rotations ``P_i``, ``P_j`` and an ``R`` made so."""
+    size = shape[0]
+    half = size // 2
+    M = sympy.eye(size)
+    for a in range(half):
+        p, q, r = rng.choice([(3, 4, 5), (5, 12, 13), (8, 15, 17), (7, 24, 25)])
+        c, s_ = sympy.Rational(p, r) * rng.choice([1, -1]), sympy.Rational(q, r) * rng.choice([1, -1])
+        M[a, a], M[a + half, a + half], M[a, a + half], M[a + half, a] = c, c, s_, -s_
+    return M
 
 
 def orthonormal_columns(rng, shape) -> sympy.Matrix:

@@ -4,16 +4,21 @@ Symbols (row-vector convention; ``n`` positions, ``d`` = d_model, ``e`` = d_head
 d_mlp; ``k`` the columns of the free test matrices ``T``): as in :mod:`.rotation`, several
 conclusions are proved at once as one equality of sums whose terms each end in their own test
 matrix. ``P`` ``[m, m]`` is a permutation matrix (``P P^T = I``), sampled as a random permutation
-that is not its own inverse.
+that is not its own inverse. Under OLMo-2's QK-norm over the whole projection (the lemma
+``projection_qk_norm``), ``x_i``, ``x_j`` ``[1, d]`` are what the projections read at a query and a
+key position, ``\\rho_i``, ``\\rho_j`` the projections' normalisers, ``g_{Q,h}``, ``g_{K,j}``
+``[e, 1]`` the gains of head ``h``'s and key/value head ``j``'s entries, ``P_i``, ``P_j`` ``[e, e]``
+the rotary rotations.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import sympy
 import torch
-from sympy import Identity as Eye, MatAdd, MatMul, MatrixSymbol, Transpose
+from sympy import DiagMatrix, Identity as Eye, MatAdd, MatMul, MatrixSymbol, Symbol, Transpose
 
 from .._errors import Precondition
 from .._processing import permute_heads, permute_neurons
@@ -63,6 +68,10 @@ def _heads_claim(query_of, key_of, value_of, output_of, pattern_of):
 
 
 def _heads_proof() -> Proof:
+    return dataclasses.replace(_plain_heads_proof(), lemmas=(("projection_qk_norm", _projection_qk_norm_proof()),))
+
+
+def _plain_heads_proof() -> Proof:
     moved = lambda i: HEAD_MOVE[i]  # noqa: E731
     slot_group = lambda i: GROUP_MOVE[GROUP[i]]  # noqa: E731
     rhs = MatAdd(*(MatMul(PS[HEAD_MOVE[i]], PT[i]) for i in HEADS),
@@ -99,6 +108,77 @@ def _heads_proof() -> Proof:
                               lambda i: {1: 3, 2: 1, 3: 2, 4: 4}[i], lambda i: {1: 3, 2: 1, 3: 2, 4: 4}[i]),
                  MatAdd(*(MatMul(PS[{1: 3, 2: 1, 3: 2, 4: 4}[i]], PT[i]) for i in HEADS),
                         MatMul(MatAdd(*(MatMul(PA[h], _affine(PV[GROUP[h]]), PO[h]) for h in HEADS)), T_out))),
+        ),
+    )
+
+
+# -- the heads under a QK-norm over the whole projection (OLMo-2) -----------------------------
+
+x_i, x_j = MatrixSymbol("x_i", 1, d), MatrixSymbol("x_j", 1, d)  # what the projections read at positions i, j
+rho_i, rho_j = Symbol(r"\rho_i", positive=True), Symbol(r"\rho_j", positive=True)
+P_i, P_j = MatrixSymbol("P_i", e, e), MatrixSymbol("P_j", e, e)
+GQ = {h: MatrixSymbol(f"g_{{Q,{h}}}", e, 1) for h in HEADS}
+GK = {j: MatrixSymbol(f"g_{{K,{j}}}", e, 1) for j in GROUPS}
+TS = {h: free_matrix(f"T_{{s,{h}}}", 1) for h in HEADS}
+T_q, T_k = free_matrix("T_q", 1), free_matrix("T_k", 1)
+
+
+def _projected(weight_bias, x):
+    weight, bias = weight_bias
+    return MatAdd(MatMul(x, weight), bias)
+
+
+def _normed_claim(slots, key_slots):
+    """The query projection's sum of squares at position ``i`` (times ``T_q``), the key
+    projection's at ``j`` (times ``T_k``), and each query slot's score of ``i`` on ``j`` (times
+    ``T_{s,i}``). ``slots`` gives, per query slot, ``(query head, query gain, key/value head, key
+    gain)`` it holds; ``key_slots`` the key/value head in each key slot."""
+    q = {h: _projected(PQ[h], x_i) for h in HEADS}
+    k_ = {j: _projected(PK[j], x_j) for j in GROUPS}
+    squares = [MatMul(MatAdd(*(MatMul(q[h], Transpose(q[h])) for h, *_rest in slots)), T_q),
+               MatMul(MatAdd(*(MatMul(k_[j], Transpose(k_[j])) for j in key_slots)), T_k)]
+    scores = [MatMul(rho_i, q[h], DiagMatrix(GQ[gq]), P_i, Transpose(MatMul(rho_j, k_[j], DiagMatrix(GK[gk]), P_j)), TS[s])
+              for s, (h, gq, j, gk) in zip(HEADS, slots)]
+    return MatAdd(*squares, *scores)
+
+
+def _projection_qk_norm_proof() -> Proof:
+    """The queries and keys of :func:`_plain_heads_proof`'s permuted heads under OLMo-2's QK-norm:
+    one RMSNorm over each whole projection, a gain per entry, then the rotary embedding."""
+    pi, sigma = HEAD_MOVE.__getitem__, lambda s: GROUP_MOVE[GROUP[s]]  # query slot s, the key slot it reads
+    claim = _normed_claim([(pi(s), pi(s), sigma(s), sigma(s)) for s in HEADS], [GROUP_MOVE[j] for j in GROUPS])
+    rhs = _normed_claim([(pi(s), pi(s), GROUP[pi(s)], GROUP[pi(s)]) for s in HEADS], list(GROUPS))
+    describe = PERMUTE_HEADS.describe
+    return Proof(
+        lhs=claim,
+        rhs=rhs,
+        steps=(
+            Step(rhs, r"the sums of squares are the same terms in another order, so the normalisers $\rho_i$,"
+                      r" $\rho_j$ are the same; slot $s$ holds head $\pi(s)$ with its gain $g_{Q,\pi(s)}$, and the"
+                      r" key slot it reads holds key/value head $\sigma(g(s)) = g(\pi(s))$ with its gain"),),
+        explicit_dims={d: 2, e: 2, k: 1},
+        assumptions=(
+            "x_i, x_j: what the projections read at query position i and key position j (the stream itself in"
+            " OLMo-2, which has no norm before attention)",
+            "rho_i = (|q_i|^2 / (n_heads d_head) + eps)^(-1/2), with |q_i|^2 the sum of squares of the whole query"
+            " projection at position i, a function of that sum only (rho_j likewise of the key projection; keys"
+            " repeated over a group's query heads have the same mean square); the first two conclusions show the"
+            " sums of the permuted model equal to the original's, so its normalisers are rho_i and rho_j too",
+            "the gain multiplies each entry after the normaliser; P_i, P_j are the rotary rotations of positions i"
+            " and j, the same for every head (the identity without rotary embeddings)",
+            "four query heads in two groups ({1, 2} read key/value head 1, {3, 4} head 2); the permutation"
+            " pi = (3, 4, 2, 1) moves whole groups (sigma = (2, 1)); any number of heads works alike",
+            "the values, W_O and the patterns move as in permute_heads' own proof: the QK-norm acts on queries"
+            " and keys only",
+        ),
+        twins=(
+            Twin("qk_norm_gains_not_permuted", describe("qk_norm_gains_not_permuted"),
+                 _normed_claim([(pi(s), s, sigma(s), GROUP[s]) for s in HEADS], [GROUP_MOVE[j] for j in GROUPS]), rhs),
+            Twin("key_norm_gains_not_permuted", "move the heads and the query gains, leave the key projection's gains"
+                 " in place: each key slot's entries are scaled by another key/value head's gain",
+                 _normed_claim([(pi(s), pi(s), sigma(s), GROUP[s]) for s in HEADS], [GROUP_MOVE[j] for j in GROUPS]), rhs),
+            Twin("keys_not_permuted", describe("keys_not_permuted") + ", the key gains moved with the heads",
+                 _normed_claim([(pi(s), pi(s), GROUP[s], sigma(s)) for s in HEADS], list(GROUPS)), rhs),
         ),
     )
 

@@ -46,7 +46,8 @@ from .._processing.rotation import HAS_MLPS
 from .._state import attention_names, key_value_groups, per_query_head
 from .._proof import Fact, Proof, Step, Twin
 from .._registry import COMPUTES, NOTHING_SHOWN, Identity, WrongRewrite, register
-from ._circuit_checks import dim, rational_orthogonal
+from ._circuit_checks import dim, rational_orthogonal, rotary_like
+from ._qk_norm import uniform_gain_head_rotations
 from .rotation import free_matrix
 
 #: The book chapter whose sections state, prove and check this family's identities.
@@ -245,20 +246,6 @@ def _head_target():
     return MatAdd(MatMul(MatAdd(MatMul(A_1, V_, W_O1), MatMul(A_2, V_, W_O2)), T_out), MatMul(q, Transpose(k_), T_s))
 
 
-def _rotary_like(rng, shape):
-    """A rotation of the NeoX rotary layout, exact and rational: each pair ``(a, a + h)`` turned by
-    ``[[c, s], [-s, c]]`` with ``(c, s)`` from a Pythagorean triple, a dimension past the pairs
-    kept. Any two such matrices commute: the rotary rotations ``P_i``, ``P_j`` and an ``R`` made so."""
-    size = shape[0]
-    half = size // 2
-    M = sympy.eye(size)
-    for a in range(half):
-        p, q, r = rng.choice([(3, 4, 5), (5, 12, 13), (8, 15, 17), (7, 24, 25)])
-        c, s_ = sympy.Rational(p, r) * rng.choice([1, -1]), sympy.Rational(q, r) * rng.choice([1, -1])
-        M[a, a], M[a + half, a + half], M[a, a + half], M[a + half, a] = c, c, s_, -s_
-    return M
-
-
 def _orthogonal(rng, shape):
     return rational_orthogonal(rng, shape[0])
 
@@ -286,7 +273,7 @@ def _head_rotation_proof() -> Proof:
             Fact(MatMul(R, P_i), MatMul(P_i, R), "R commutes with the rotary rotation of position i"),
             Fact(MatMul(R, P_j.T), MatMul(P_j.T, R), "R commutes with the inverse rotary rotation of position j"),
         ),
-        samplers={U: _orthogonal, U_2: _orthogonal, G_e: _orthogonal, R: _rotary_like, P_i: _rotary_like, P_j: _rotary_like},
+        samplers={U: _orthogonal, U_2: _orthogonal, G_e: _orthogonal, R: rotary_like, P_i: rotary_like, P_j: rotary_like},
         explicit_dims={n: 2, d: 2, e: 4, k: 1},
         assumptions=(
             "a_1, a_2 are the two heads' pattern rows at query position i, functions of their scores, which the"
@@ -307,6 +294,7 @@ def _head_rotation_proof() -> Proof:
                  _head_claim(query=G_e, key=G_e), rhs),
             Twin("key_unrotated", ROTATE_HEADS.describe("key_unrotated"), _head_claim(key=Eye(e)), rhs),
         ),
+        lemmas=(("uniform_qk_norm_gains", uniform_gain_head_rotations()),),
     )
 
 
