@@ -18,8 +18,11 @@ processing made differ (:class:`Untied`): the caller writes them untied, the une
 :data:`UNEMBEDDING` and ``tie_word_embeddings`` false, and the processed config says so
 (``Config.tied_embeddings`` false). An architecture without an unembedding bias
 (GPT-2, GPT-NeoX) keeps its final LayerNorm's bias instead of the bias its fold makes
-(:func:`writing_steps`, :func:`final_bias_kept`); read back, a final norm of gain 1 and bias
-``c`` is the unembedding bias ``c W_U``.
+(:func:`writing_steps`, :func:`final_bias_kept`), in every dtype; read back, a final norm of
+gain 1 and bias ``c`` is the unembedding bias ``c W_U``. That product of two rounded tensors is
+not the fold's ``b_U`` rounded once (in half precision an entry made by cancellation can be
+many of its own units off), so a check certifies the stored ``c`` against ``b / w`` instead
+(:func:`kept_final_bias`, :func:`gives`), and ``W_U`` as any other tensor.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from ._hf import Layout, _Source
 from ._processing._memory import in_memory
 from ._state import expected_shapes
 
-__all__ = ["LAYOUT_KEY", "NotStored", "Untied", "UNEMBEDDING", "final_bias_kept", "place", "processed_layout", "viewers", "writing_steps"]
+__all__ = ["LAYOUT_KEY", "NotStored", "Untied", "UNEMBEDDING", "final_bias_kept", "gives", "kept_final_bias", "place",
+           "processed_layout", "viewers", "writing_steps"]
 
 #: The metadata key saying that a folder's tensors are in the names and layout of its
 #: ``config.json``'s architecture (value: ``"config.json"``), its circuitmath config under
@@ -281,9 +285,29 @@ def final_bias_kept(processed: Mapping[str, torch.Tensor], w: torch.Tensor, b: t
     if bool(((w64 == 0) & (b64 != 0)).any()):
         raise NotStored("the final LayerNorm has a zero gain with a nonzero bias: its bias cannot be kept behind the folded gain")
     c = (b64 / torch.where(w64 == 0, 1.0, w64)).to(b_U.dtype)
-    W_U = processed["unembed.W_U"].double()
     # c, the folded W_U and b_U are each rounded once: their products agree to a few units of rounding
-    bound = 8 * torch.finfo(b_U.dtype).eps * (c.double().abs() @ W_U.abs() + b_U.double().abs())
-    if not bool(((c.double() @ W_U - b_U.double()).abs() <= bound).all()):
+    if not gives(c, processed["unembed.W_U"], b_U, torch.finfo(b_U.dtype).eps):
         raise NotStored("the processed unembed.b_U is not the final LayerNorm's bias through the processed W_U")
     return {**processed, "unembed.b_U": given_b_U.clone(), "ln_final.b": c}
+
+
+def gives(c: torch.Tensor, W_U: torch.Tensor, b_U: torch.Tensor, eps: float) -> bool:
+    """Whether the bias ``c`` ``[d_model]`` ahead of ``W_U`` ``[d_model, d_vocab]`` gives the
+    unembedding bias ``b_U`` ``[d_vocab]``: ``|c W_U - b_U| <= 8 eps (|c| |W_U| + |b_U|)`` entry by
+    entry, in float64 (``eps``: the unit roundoff each of the three was computed to, times 2)."""
+    c64, W64, b64 = c.double(), W_U.double(), b_U.double()
+    return bool(((c64 @ W64 - b64).abs() <= 8 * eps * (c64.abs() @ W64.abs() + b64.abs())).all())
+
+
+def kept_final_bias(native: Layout | None, cfg: Config, stored: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The bias a processed folder in its architecture's layout keeps in its final LayerNorm ahead
+    of the unembedding (:func:`final_bias_kept`), ``[d_model]``, as stored (``native``: the
+    architecture's converter, ``None`` for circuitmath's names; ``cfg``: the processed config;
+    ``stored``: the folder's tensors by their stored names); ``None`` where it keeps none.
+    :func:`processed_layout` reads it as the unembedding bias ``c W_U``, rounded once more, which
+    is not the stored tensor: a check certifies ``c`` itself."""
+    shapes = expected_shapes(cfg)
+    if native is None or "unembed.b_U" not in shapes or "ln_final.b" in shapes:
+        return None
+    c = native.final(native.source(stored)).get("ln_final.b")
+    return None if c is None or not bool(c.ne(0).any()) else c

@@ -13,7 +13,10 @@ tensors are compared one part at a time with the exact rewrite, replayed on the 
 beyond the recorded steps recovered a part at a time (:mod:`circuitmath._streaming_recovery`: the
 residual rotation from the ends, each block's head rotations and migrated scales, and the widened
 certificates of half precision, as in memory). Each part of the original is read once
-(:class:`~circuitmath._streaming_parts.PartReader`: contiguous, in its own dtype) for both.
+(:class:`~circuitmath._streaming_parts.PartReader`: contiguous, in its own dtype) for both. A
+GPT-2 or GPT-NeoX folder that keeps its final LayerNorm's bias ahead of the unembedding
+(:func:`~circuitmath._stored.final_bias_kept`) has that bias certified as stored, in place of the
+unembedding bias it is read back as (:meth:`_Tensors.kept_ratio`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from ._processing.steps import KEYWORD_OF, STEPS
 from ._streaming_forward import ForwardPass
 from ._streaming_parts import PartReader, find_untouched, opened, replayed
 from ._streaming_recovery import RECOVERABLE, Recovery
+from ._stored import gives, kept_final_bias
 from ._diagnosis._uncertain import widened_certificate
 from ._compare import unit_roundoff, compute_dtype, logprob_tolerance
 
@@ -134,6 +138,14 @@ class _Tensors:
         self.judged: Comparison | None = None  # those changes in float64 (_judge_changes)
         #: the symmetries recovered from after beyond the steps it records (a process_weights call's)
         self.recovery = Recovery(keywords, before.cfg, after.dtype) if isinstance(keywords, dict) else None
+        #: after's final LayerNorm bias kept ahead of W_U (stored), with before's final norm (w, b)
+        self.kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.kept_certified = False
+        c = kept_final_bias(after.native, after.cfg, after.tensors)
+        if c is not None:
+            ends = before.ends()
+            if "ln_final.w" in ends and "ln_final.b" in ends:
+                self.kept = (c, ends["ln_final.w"], ends["ln_final.b"])
 
     def plan(self, layer: int | None, theirs: dict):
         """The replay of part ``layer`` (``None``: the ends), ``theirs`` after's part."""
@@ -151,7 +163,16 @@ class _Tensors:
     def compare(self, replayed: dict, natives: dict, passed: set[int], theirs: dict) -> None:
         """``replayed`` (a part's rewrite; a tensor whose id is in ``passed`` is the one given,
         ``natives[name]`` as the checkpoint holds it) against ``theirs``, after's part."""
+        kept = self.kept_ratio(replayed) if "unembed.b_U" in theirs else None
         for name in sorted(set(replayed) | set(theirs)):
+            if name == "unembed.b_U" and kept is not None and kept * CERTIFICATE_ULPS <= NEAR_ULPS:
+                self.count, self.certified = self.count + 1, self.certified + 1  # judged as stored (kept_ratio)
+                if kept <= 1:
+                    self.worst, self.kept_certified = max(self.worst, kept), True
+                else:  # a near miss of the kept bias: refused as stored; a farther change is judged as b_U
+                    self.worst = max(self.worst, kept)
+                    self.wrong.append(("ln_final.b", kept))
+                continue
             if name not in replayed or name not in theirs or replayed[name].shape != theirs[name].shape:
                 self.wrong.append((name, math.inf))
                 continue
@@ -177,6 +198,24 @@ class _Tensors:
                 self.wrong.append((name, ratio))
             else:  # a change no identity explains: judged in float64 at the end (_judge_changes), its
                 self.changes.append(replace(change, tensor=None, mask=None))  # tensor read again
+
+    def kept_ratio(self, replayed: dict) -> float | None:
+        """For after's final LayerNorm bias ``c`` kept ahead of W_U (``self.kept``; after's b_U,
+        read back, is ``c W_U`` rounded once more, not a stored tensor): the certificate of the
+        stored ``c`` against before's ``b / w``, where ``b / w`` through the replayed W_U gives the
+        replayed b_U (:func:`~circuitmath._stored.gives`, to the compute dtype's rounding) and no
+        gain is zero; ``None`` otherwise (b_U is then compared as read back). Each stored tensor
+        of the layout is so held to the rewrite rounded once: ``c`` here, W_U as any other."""
+        if self.kept is None or "unembed.W_U" not in replayed or "unembed.b_U" not in replayed:
+            return None
+        c, w, b = (t.double() for t in self.kept)
+        if bool((w == 0).any()):
+            return None
+        expected = b / w
+        if not gives(expected, replayed["unembed.W_U"], replayed["unembed.b_U"], torch.finfo(self.compute).eps):
+            return None
+        scale = max(float(expected.abs().max()), float(c.abs().max()))
+        return certificate(self.kept[0], expected.to(self.compute), scale, self.thresholds)
 
     def row(self, after_dtype: torch.dtype) -> dict:
         row = {"name": "tensors", "kind": "rewrite", "max_abs_error": None, "tolerance": None}
@@ -208,9 +247,10 @@ class _Tensors:
                 f" changes no identity explains, run in float64 against the rewrite, move the log-probs by"
                 f" {judged.max_abs_error:.3g} {'<=' if judged.passed else '>'} {judged.tolerance:.3g}, the tolerance"
                 f" of the rounding of the changed entries; the other tensors within {bound}{certified}")}
+        kept = (", unembed.b_U as the final LayerNorm's bias kept ahead of W_U, as stored" if self.kept_certified else "")
         return row | {"status": "holds", "max_abs_error": worst, "tolerance": 1.0, "explanation": (
             f"{self.count} tensors within {bound} of {steps} of before, replayed part by"
-            f" part in {self.compute} ({self.equal} equal to it rounded, bit for bit, so within half a unit{certified})")}
+            f" part in {self.compute} ({self.equal} equal to it rounded, bit for bit, so within half a unit{certified}{kept})")}
 
 
 def _judge_changes(before: Checkpoint, after: Checkpoint, tensors: _Tensors, tokens: torch.Tensor,

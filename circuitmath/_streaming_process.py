@@ -112,10 +112,7 @@ def process_checkpoint(
                 raise RuntimeError(f"process_checkpoint: the parts disagree on {sorted(left_out)} left out") from None
             left_out |= disagreement.keywords
         except Untied:  # the layout holds the unembedding untied: written so, the config saying it
-            # but not behind a kept final bias in half precision, where c W_U rounded can be further
-            # from the processed b_U than check --processed allows a rewrite rounded once
-            kept_bias_in_half = callable(steps) and torch.finfo(dtype or checkpoint.dtype).bits < 32
-            stored, untie = stored and not untie and not kept_bias_in_half, True
+            stored, untie = stored and not untie, True
         except NotStored:
             stored = False
 

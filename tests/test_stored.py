@@ -7,6 +7,7 @@ they lack; tied embeddings the processing makes differ are written untied; and a
 import errno
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from circuitmath._checkpoint import INDEX
 from circuitmath._hf import hf_layout
 from circuitmath._processing.fused import _scaled_rows
 from circuitmath._stored import LAYOUT_KEY, NotStored, Untied, place
+from circuitmath._streaming_check_processed import check_processed
 from test_streaming import EVERYTHING, HF, ROPE, TOKENS, VOCAB, CTX, _hf_folder
 
 
@@ -120,22 +122,6 @@ def test_tied_embeddings_the_processing_makes_differ_are_written_untied_in_the_l
     assert (_log_probs(out, torch.float64) - expected_log_probs).abs().max() > 4 * tolerance
 
 
-def test_a_bfloat16_gpt2_whose_kept_final_bias_the_check_would_refuse_is_written_in_circuitmath_names(tmp_path):
-    """GPT-2 keeps its final LayerNorm's bias c = b / w where the fold makes an unembedding bias it
-    lacks; in bfloat16 the rounding of c moves entries of c W_U near zero by many of their own units
-    in the last place, more than check --processed allows a rewrite rounded once. Such a folder is
-    written in circuitmath's names (process_weights' steps, the tie recorded as undone), and the
-    check passes it."""
-    from circuitmath.testing import assert_equivalent
-
-    folder = _hf_folder(tmp_path, "gpt2", torch.bfloat16, spec=HF["gpt2"])
-    cfg = io.process_checkpoint(folder, tmp_path / "out")
-    assert LAYOUT_KEY not in _index(tmp_path / "out")["metadata"] and not cfg.tied_embeddings
-    assert "center_reading_weights" in cfg.applied
-    io.process_checkpoint(folder, tmp_path / "given", steps=[])
-    assert assert_equivalent(tmp_path / "given", tmp_path / "out", tokens=TOKENS).passed
-
-
 def test_steps_that_keep_the_tied_embeddings_equal_keep_them_tied(tmp_path):
     """Folding the value biases leaves W_E and W_U alone: a tied GPT-2 processed so is written
     tied (no lm_head.weight, config.json as given) and its config still says tied_embeddings."""
@@ -153,39 +139,79 @@ def _untied_gpt2():
     return model_class, transformers.GPT2Config(**(config.to_dict() | {"tie_word_embeddings": False}))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["gpt2-untied", "neox-parallel-partial-rotary"])
+_CLASSES = {"gpt2": "GPT2LMHeadModel", "gpt2-untied": "GPT2LMHeadModel", "neox-parallel-partial-rotary": "GPTNeoXForCausalLM"}
+
+
+def _with_final_bias(out, tmp_path, label, final, change):
+    """A copy of the folder ``out`` whose stored final norm bias is ``change(bias)``."""
+    wrong = tmp_path / label
+    shutil.copytree(out, wrong)
+    shard = wrong / _index(wrong)["weight_map"][f"{final}.bias"]
+    tensors = load_file(shard)
+    tensors[f"{final}.bias"] = change(tensors[f"{final}.bias"])
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return wrong
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["gpt2", "gpt2-untied", "neox-parallel-partial-rotary"])
 def test_gpt2_and_neox_keep_their_layout_with_the_final_norms_bias(tmp_path, name, dtype):
     """GPT-2 and GPT-NeoX have no unembedding bias for the folded final LayerNorm's: the folder is
     processed with the same steps but for the centering of the norms' readers (not in
-    ``applied``), and keeps ln_f's bias behind its folded gain (b / w) with gain 1. transformers
-    loads it as the same class with the input's log-probs;
-    read back by circuitmath, b_U is that bias through W_U. Control: the kept bias zeroed moves
-    the log-probs by far more than the tolerance."""
+    ``applied``), and keeps ln_f's bias behind its folded gain (b / w) with gain 1, in every dtype
+    (a tied GPT-2 untied). transformers loads it as the same class with the input's log-probs;
+    read back by circuitmath, b_U is that bias through W_U; check --processed passes it, the kept
+    bias certified as stored. Controls: the kept bias zeroed moves the log-probs by far more than
+    the tolerance; the check refuses b taken for b / w (a wrong bias) and one entry of the kept
+    bias moved by a few of the certificate's bounds (a near miss, named as stored)."""
     spec = _untied_gpt2() if name == "gpt2-untied" else HF[name]
     folder = _hf_folder(tmp_path, name, dtype, spec=spec)
     out = tmp_path / "out"
     cfg = io.process_checkpoint(folder, out)
     assert _index(out)["metadata"][LAYOUT_KEY] == "config.json"
+    assert json.loads((out / "config.json").read_text())["architectures"] == [_CLASSES[name]]
     assert cfg.applied == ("fold_layer_norm", "fold_value_biases", "center_writing_weights", "center_unembed")
-    final = "transformer.ln_f" if name == "gpt2-untied" else "gpt_neox.final_layer_norm"
+    assert not cfg.tied_embeddings
+    final = "gpt_neox.final_layer_norm" if name.startswith("neox") else "transformer.ln_f"
     after = _stored_tensors(out)
+    assert all(t.dtype == dtype for t in after.values())
     assert bool((after[f"{final}.weight"] == 1).all()) and bool(after[f"{final}.bias"].ne(0).any())
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(out)).__name__ == _CLASSES[name]
     expected = _log_probs(folder, torch.float64)
-    # measured 2.8e-7 / 4.9e-7 (float32) and 0.012 / 0.015 (bfloat16, where transformers' own
-    # bfloat16 forward pass is 0.026 / 0.032 from its float64 one)
-    tolerance = 1e-4 if dtype == torch.float32 else 0.05
+    # measured 2.3e-7 / 2.8e-7 / 4.9e-7 (float32), 0.012 / 0.012 / 0.015 (bfloat16, where
+    # transformers' own bfloat16 forward pass is 0.026 / 0.032 from its float64 one) and
+    # 0.0012 / 0.0014 / 0.0017 (float16) for gpt2 / gpt2-untied / neox
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 0.05, torch.float16: 0.006}[dtype]
     assert (_log_probs(out, torch.float64) - expected).abs().max() < tolerance
     sd, got_cfg = io.open_checkpoint(out).load()
     assert got_cfg == cfg and bool(sd["unembed.b_U"].ne(0).any())
     with torch.no_grad():
         ours = torch.log_softmax(cm.forward({k: v.double() for k, v in sd.items()}, cfg, TOKENS), -1)
     assert (ours - expected).abs().max() < tolerance
-    shard = out / _index(out)["weight_map"][f"{final}.bias"]
-    tensors = load_file(shard)
-    tensors[f"{final}.bias"] = torch.zeros_like(tensors[f"{final}.bias"])
-    save_file(tensors, shard, metadata={"format": "pt"})
-    assert (_log_probs(out, torch.float64) - expected).abs().max() > 4 * tolerance
+    report = check_processed(folder, out, tokens=TOKENS)
+    assert report.ok, str(report)
+    assert "final LayerNorm's bias kept ahead of W_U" in report.rows[1]["explanation"]
+
+    zeroed = _with_final_bias(out, tmp_path, "zeroed", final, torch.zeros_like)
+    assert (_log_probs(zeroed, torch.float64) - expected).abs().max() > 4 * tolerance
+    b = load_file(folder / _index(folder)["weight_map"][f"{final}.bias"])[f"{final}.bias"]
+    assert not check_processed(folder, _with_final_bias(out, tmp_path, "undivided", final, lambda c: b), tokens=TOKENS).ok
+    nudged = _with_final_bias(out, tmp_path, "nudged", final, _units_out)
+    row = check_processed(folder, nudged, tokens=TOKENS).rows[1]
+    assert row["status"] == "violated" and "ln_final.b" in row["explanation"]
+
+
+def _units_out(c: torch.Tensor) -> torch.Tensor:
+    """``c`` with its largest entry moved away from zero by 4 units in the last place of its dtype
+    in half precision, 512 in float32 (6e-5 of it: the certificate's floor there is 8 float32 unit
+    roundoffs times the square root of the widest dimension, about 78 units of the largest entry
+    here); its bits, sign and magnitude, read as an integer: the magnitude's next values."""
+    c, i = c.clone(), int(c.abs().argmax())
+    if c.dtype == torch.float32:
+        c.view(torch.int32)[i] += 512
+    else:
+        c.view(torch.int16)[i] += 4
+    return c
 
 
 def test_the_final_norms_bias_is_kept_only_where_it_gives_the_processed_b_U():
@@ -204,6 +230,34 @@ def test_the_final_norms_bias_is_kept_only_where_it_gives_the_processed_b_U():
     with pytest.raises(NotStored, match="not the final LayerNorm's bias"):
         final_bias_kept(folded | {"unembed.b_U": (b * w) @ W_U * w.mean()}, w, b, zeros)
     assert final_bias_kept({"unembed.W_U": W_U, "unembed.b_U": zeros}, w, b, zeros)["unembed.b_U"] is zeros
+
+
+def test_the_check_certifies_a_kept_final_bias_as_stored_only_where_it_gives_the_replayed_b_U():
+    """check --processed holds a kept final bias c (stored bfloat16) to before's b / w, 1 unit in
+    the last place, where b / w through the replayed W_U gives the replayed b_U: c rounded once
+    passes (at most half a unit); c moved by 2 units fails; a replay whose W_U the kept bias does not
+    explain (its rows rotated) or a zero gain leaves b_U to be compared as read back (None)."""
+    from types import SimpleNamespace
+
+    from circuitmath._diagnosis._tensors import Thresholds
+    from circuitmath._streaming_check_processed import _Tensors
+
+    g = torch.Generator().manual_seed(0)
+    w, b, W = torch.rand(24, generator=g) + 0.5, torch.randn(24, generator=g), torch.randn(24, 64, generator=g)
+    W = W - W.mean(1, keepdim=True)
+    replayed = {"unembed.W_U": w[:, None] * W, "unembed.b_U": b @ W}
+    c = (b.double() / w.double()).to(torch.bfloat16)
+    cfg = cm.Config(n_layers=1, d_model=24, n_heads=3, d_head=8, d_vocab=64, n_ctx=4, d_mlp=96)
+    tensors = SimpleNamespace(kept=(c, w, b), compute=torch.float32, thresholds=Thresholds.of(torch.bfloat16, cfg))
+    assert _Tensors.kept_ratio(tensors, replayed) <= 0.5
+    moved = c.clone()
+    moved.view(torch.int16)[int(c.abs().argmax())] += 2
+    assert _Tensors.kept_ratio(SimpleNamespace(**{**vars(tensors), "kept": (moved, w, b)}), replayed) > 1
+    q, _ = torch.linalg.qr(torch.randn(24, 24, generator=g))
+    rotated = {"unembed.W_U": q.T @ replayed["unembed.W_U"], "unembed.b_U": replayed["unembed.b_U"]}
+    assert _Tensors.kept_ratio(tensors, rotated) is None
+    assert _Tensors.kept_ratio(SimpleNamespace(**{**vars(tensors), "kept": (c, torch.cat([w[:23], torch.zeros(1)]), b)}),
+                               replayed) is None
 
 
 def test_steps_that_fit_the_layout_keep_it_for_any_architecture(tmp_path):
