@@ -25,6 +25,7 @@ Fresh memory costs the kernel a fault and the zeroing of every page.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -191,6 +192,7 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
             tensors = {n: reader.natives[n] if n in as_given else t.cpu() for n, t in out.items()}
             reader.natives, reader.stand_ins = {}, {}
             if stored:
+                as_given |= _unchanged_partly_viewed(checkpoint, layer, tensors)
                 specs, fill, copied = _stored_part(checkpoint, layer, tensors, as_given, target, untie)
                 job = [partial(writer.write_stored, specs, fill, out_cfg, copied)]
             else:
@@ -222,6 +224,23 @@ def _released(job: list[Callable[[], None]]) -> None:
     is in (on a busy machine, often): through ``job`` it keeps nothing, so once a part is on disk
     no reference to its tensors is left and the next blocks recycle their maps."""
     job.pop()()
+
+
+def _unchanged_partly_viewed(checkpoint: Checkpoint, layer: int | None, out: dict[str, torch.Tensor]) -> set[str]:
+    """The names of ``out`` (part ``layer`` of the processed model, on the CPU) taken from a
+    stored tensor that its views do not cover once (OPT's positions, whose first rows no view
+    reads; a tied embedding), where every one of its views came out bit for bit as the checkpoint
+    holds it: that stored tensor is copied as it is. In half precision the processing computes in
+    float32 and hands back new tensors, so none is found by identity."""
+    entries, given, found = checkpoint.tensors.entries, None, set()
+    for stored, names in checkpoint.stored(layer).items():
+        if not names or not all(n in out for n in names) or \
+                sum(out[n].numel() for n in names) == math.prod(entries[stored][2]["shape"]):
+            continue
+        given = given or (checkpoint.ends() if layer is None else checkpoint.block(layer))
+        if all(out[n].dtype == given[n].dtype and torch.equal(out[n], given[n]) for n in names):
+            found.update(names)
+    return found
 
 
 def _stored_part(checkpoint: Checkpoint, layer: int | None, out: dict[str, torch.Tensor], as_given: set[str],

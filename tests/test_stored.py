@@ -260,6 +260,38 @@ def test_the_check_certifies_a_kept_final_bias_as_stored_only_where_it_gives_the
                                replayed) is None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_opt_post_keeps_its_layout_with_its_positions_copied(tmp_path, dtype):
+    """OPT's positions start at row 2 of embed_positions, a stored tensor W_pos does not cover
+    once: where the processing leaves W_pos as it is (a post-norm OPT), the stored tensor is
+    copied, in half precision too, where the processing computes in float32 and hands back a new
+    tensor of the same bits. The folder loads as OPTForCausalLM with the input's log-probs
+    (measured 0.010 in bfloat16, 0.0008 in float16, where transformers' own passes in those dtypes
+    are 0.020 and 0.0028 from float64) and check --processed passes it. Control: W_pos moved by one
+    unit in one entry is not copied."""
+    from circuitmath._streaming_process import _unchanged_partly_viewed
+    from test_families import _hf_log_probs, _model, _tokens
+
+    model, _ = _model("OPT-post")
+    model.to(dtype).save_pretrained(tmp_path / "in")
+    out = tmp_path / "out"
+    cfg = io.process_checkpoint(tmp_path / "in", out)
+    assert _index(out)["metadata"][LAYOUT_KEY] == "config.json" and "center_unembed" in cfg.applied
+    name = "model.decoder.embed_positions.weight"
+    assert torch.equal(_stored_tensors(out)[name], load_file(tmp_path / "in" / "model.safetensors")[name])
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
+    assert type(loaded) is transformers.OPTForCausalLM
+    tokens = _tokens()
+    expected = _hf_log_probs(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "in", dtype=torch.float64), tokens)
+    assert (_hf_log_probs(loaded, tokens) - expected).abs().max() < 0.05
+    assert check_processed(tmp_path / "in", out, tokens=tokens).ok
+    checkpoint = io.open_checkpoint(tmp_path / "in")
+    ends = {n: t.clone() for n, t in checkpoint.ends().items()}
+    assert {"pos_embed.W_pos"} <= _unchanged_partly_viewed(checkpoint, None, ends)
+    ends["pos_embed.W_pos"].view(torch.int16)[0, 0] += 1
+    assert "pos_embed.W_pos" not in _unchanged_partly_viewed(checkpoint, None, ends)
+
+
 def test_steps_that_fit_the_layout_keep_it_for_any_architecture(tmp_path):
     """GPT-2 with only the unembedding centered (no bias appears; it is untied here) and the
     value biases folded is written in GPT-2's own names, the in-memory transform's bit for bit."""
