@@ -72,7 +72,7 @@ FAMILIES = {
     "tolerances": ("circuitmath/_compare.py",
                    ["tests/test_tolerance_pins.py", "tests/test_rounding_sensitivity.py", "tests/test_mutants.py"]),
     "checkers": ("circuitmath/testing.py", ["tests/test_checkers.py", "tests/test_mutants.py"]),
-    "diagnosis and certificates": ("circuitmath/_diagnosis/*.py",
+    "diagnosis and certificates": ("circuitmath/_diagnosis/*.py circuitmath/_identities/_residual_fit.py",
                                    ["tests/test_diagnosis.py", "tests/test_certificate.py", "tests/test_mutants.py"]),
     "reference pass": ("circuitmath/_reference.py circuitmath/_moe.py", ["tests/test_processing_pins.py", "tests/test_moe.py"]),
     "state validation": ("circuitmath/_state.py", ["tests/test_state_validation.py", "tests/test_io.py"]),
@@ -94,7 +94,8 @@ EXTRA_TESTS = {
     "circuitmath/_state.py": ["tests/test_state.py"],
     "circuitmath/_proof.py": ["tests/test_registry.py"],
     "circuitmath/_diagnosis/_replay.py": ["tests/test_rotation.py"],
-    "circuitmath/_diagnosis/_recover.py": ["tests/test_rotation.py"],  # the recovery of rotations and permutations
+    "circuitmath/_diagnosis/_recover.py": ["tests/test_rotation.py"],  # the recovery of permutations by hand
+    "circuitmath/_identities/_residual_fit.py": ["tests/test_rotation.py"],  # the recovery of the residual rotation
 }
 
 #: Modules of the families above left out, with the reason.

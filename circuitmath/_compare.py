@@ -107,6 +107,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if torch.finfo(dtype).bits < 32 else dtype
 
 
+def recognition_threshold(dtype: torch.dtype) -> float:
+    """The largest relative difference (over a tensor's largest entry) at which a tensor of
+    ``dtype`` counts as another's rewrite by the same identity: ``max(1e-3, 4 eps)``. Wrong
+    rewrites miss it by orders of magnitude; the same rewrite computed another way (in float32, in
+    another summation order, rounded to ``dtype``) stays well inside."""
+    return max(1e-3, 4 * torch.finfo(dtype).eps)
+
+
 def rounding_sensitivity(
     state_dict: StateDict,
     cfg: Config,

@@ -34,7 +34,7 @@ imports comes back to it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 import functools
 import sys
 from dataclasses import dataclass, field
@@ -48,7 +48,7 @@ from ._proof import Proof, ProofReport
 from ._state import StateDict
 from ._compare import Comparison, compare_log_probs
 
-__all__ = ["Identity", "WrongRewrite", "register", "registered", "COMPUTES", "MOVES_ENTRIES", "COMPOSES",
+__all__ = ["Identity", "WrongRewrite", "FirstRecovery", "SharedRotation", "register", "registered", "COMPUTES", "MOVES_ENTRIES", "COMPOSES",
            "AS_THE_FORWARD_PASS", "NOTHING_SHOWN"]
 
 Transform = Callable[[StateDict, Config], tuple[dict, Config]]
@@ -102,6 +102,49 @@ class WrongRewrite:
         return self.function(state_dict, cfg, *tokens)
 
 
+class SharedRotation:
+    """A recovered parameter that rotates one space many tensors share (the residual stream's
+    basis): ``matrix`` (``[d, d]``, float64) the recovered rotation. In half precision the
+    diagnosis widens the bound of each tensor a rewrite with it rotates by the spread of each
+    column of ``matrix`` against a re-fit to the rewrite rounded: :meth:`rewrite` is ``state_dict``
+    rotated by ``matrix``, unchecked and unrounded; :meth:`refit` the same fit, of the same
+    tensors, from ``before`` to another ``after``; :meth:`axes` each tensor it rotates (names of
+    models of config ``cfg``) and its axis along the space."""
+
+    matrix: torch.Tensor
+
+    def rewrite(self, state_dict: StateDict, cfg: Config) -> dict:
+        raise NotImplementedError
+
+    def refit(self, before: StateDict, after: StateDict, cfg: Config) -> "SharedRotation":
+        raise NotImplementedError
+
+    def axes(self, cfg: Config) -> dict[str, int]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class FirstRecovery:
+    """How the diagnosis recognises a symmetry that acts on every tensor (the residual
+    rotation) before the other recovered parameters, whose steps may come before or after it.
+
+    ``start(before, cfg)``: a starting point besides the replay's end (``before`` brought into
+    the form the symmetry needs), or a :class:`~circuitmath._errors.PreconditionError`.
+    ``undone(start, after, cfg, same, recognise)``: ``None`` where ``after`` cannot be ``start``
+    so rewritten, else ``after`` with the parameter, fitted from ``start`` each way the recovery
+    tries, undone (an iterable; ``same(name, tensor)`` says whether ``tensor`` is ``after``'s
+    ``name``, ``recognise`` the relative threshold of such tests): the diagnosis replays the
+    other steps against each. ``first(state, after, cfg)``: the identity replayed before the
+    symmetry where its parameter needs another form of the model (``None``: none).
+    ``performed(cfg)``: the identity the symmetry is on a model of config ``cfg``.
+    """
+
+    start: Callable[[StateDict, Config], tuple[StateDict, Config]]
+    undone: Callable[..., "Iterable[dict] | None"]
+    first: Callable[[StateDict, StateDict, Config], "Identity | None"]
+    performed: Callable[[Config], "Identity"]
+
+
 @dataclass(frozen=True, eq=False, kw_only=True)
 class Identity:
     """One identity, seen three ways: a proof, a numeric check, and the transform it licenses.
@@ -139,19 +182,21 @@ class Identity:
 
     ``free_parameter``: the identity holds for every value of a parameter (a rotation ``Q``, a
     permutation) that its ``transform`` fixes for the numeric checks, so the diagnosis does not
-    replay it blind: it recovers the parameter from the tensors (the residual rotation in
-    :mod:`circuitmath._diagnosis._replay`, or ``recover``; an identity with ``recover`` has a
-    free parameter whether it says so or not).
+    replay it blind: it recovers the parameter from the tensors with ``recover`` (an identity
+    with ``recover`` has a free parameter whether it says so or not).
 
-    ``recover(before, after, cfg)``: for an identity with a free parameter (a permutation,
-    per-channel scales), the parameter that maps ``before`` onto ``after``, or ``None``;
+    ``recover(before, after, cfg)``: for an identity with a free parameter (a rotation, a
+    permutation, per-channel scales), the parameter that maps ``before`` onto ``after``, or
+    ``None`` (a :class:`SharedRotation` where it rotates a space many tensors share);
     ``with_parameters(state_dict, cfg, parameter)`` applies the identity with it (its public
     transform). The diagnosis recovers the parameter instead of replaying ``transform``, whose
     parameter is fixed for the numeric checks. ``wrong_rewrites_recovered``: whether the diagnosis
     tries the wrong rewrites with the recovered parameter too, each taking it as an optional third
     argument (``False`` where a recovered parameter is verified on every
     tensor it moves, as a permutation's is: the exact rewrite with it reproduces each of them,
-    which a wrong one cannot better).
+    which a wrong one cannot better). ``recovered_first``: for a symmetry the diagnosis recognises
+    before the other recovered ones, how (:class:`FirstRecovery`; identities that share it are
+    one symmetry, each the form it takes on some models).
 
     ``postcondition``: what a weight identity's rewrite makes true of the weights it returns
     (:data:`Postcondition`), which holds of any model whose ``cfg.applied`` records the identity
@@ -181,6 +226,7 @@ class Identity:
     chapter: str | None = None
     free_parameter: bool = False
     wrong_rewrites_recovered: bool = True
+    recovered_first: FirstRecovery | None = field(default=None, repr=False)
     postcondition: Postcondition | str | None = field(default=None, repr=False)
     moves_off: tuple[Callable, ...] = field(default=(), repr=False)
 

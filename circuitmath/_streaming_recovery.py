@@ -3,9 +3,10 @@
 :class:`Recovery` extends the replay of the steps a processed checkpoint records (a
 :func:`~circuitmath.process_weights` call) where its tensors show more: at the ends, where
 ``after``'s ``W_E`` is not the replay's but keeps its row norms, the RMSNorm gains folded (a
-rotation needs them folded) and the residual rotation ``Q`` recovered from the ends
-(:meth:`~circuitmath._diagnosis._uncertain.Widenings.rotation`: orthogonal Procrustes on
-``W_E`` first, snapped to ``Q 1 = ±1`` in an ``LNPre`` model, as in memory); in each block, then,
+rotation needs them folded) and the residual rotation ``Q`` recovered from the ends (its
+identity's ``recover``, with the widening of
+:meth:`~circuitmath._diagnosis._uncertain.Widenings.recovered`: orthogonal Procrustes on ``W_E``
+first, snapped to ``Q 1 = ±1`` in an ``LNPre`` model, as in memory); in each block, then,
 the same fold and ``Q``, and the parameters of each identity in :data:`PER_BLOCK` recovered from
 that block of ``after`` (``Identity.recover``, with the widening of
 :meth:`~circuitmath._diagnosis._uncertain.Widenings.recovered`). Every step is an exact rewrite
@@ -20,21 +21,21 @@ from collections.abc import Mapping
 import torch
 
 from ._config import Config
-from ._diagnosis._recover import fixes_ones, fixing_ones_exactly
 from ._diagnosis._tensors import Thresholds
 from ._diagnosis._uncertain import Widenings
 from ._errors import CircuitMathError
 from ._identities import get_identity
 from ._processing.norms import fold_rms_norm
 from ._processing.pipeline import process_weights
-from ._processing.rotation import rotate_residual_stream
 
 __all__ = ["PER_BLOCK", "RECOVERABLE", "Recovery"]
 
 #: The identities whose parameters are recovered block by block, in the order they are replayed.
 PER_BLOCK = ("rotate_heads", "migrate_norm_scales")
+#: The residual rotation, recovered from the ends.
+ROTATION = "rotate_residual_stream"
 #: Every step the replay may add, in the order each part replays them.
-RECOVERABLE = ("fold_rms_norm", "rotate_residual_stream", *PER_BLOCK)
+RECOVERABLE = ("fold_rms_norm", ROTATION, *PER_BLOCK)
 
 
 class Recovery:
@@ -106,17 +107,16 @@ class Recovery:
                 state, state_cfg = fold_rms_norm(ends, cfg)
             except CircuitMathError:
                 return
+        rotation = get_identity(ROTATION)
         try:
-            Q, widen = self.widenings.rotation(state, dict(state) | dict(after), state_cfg,
-                                               widened=self.cfg.replace(n_layers=1))
+            found, widen = self.widenings.recovered(rotation, state, dict(state) | dict(after), state_cfg,
+                                                    widened=self.cfg.replace(n_layers=1))
         except (CircuitMathError, RuntimeError):
             return
-        if state_cfg.normalization_type == "LNPre" and fixes_ones(Q):
-            Q = fixing_ones_exactly(Q)
         self.fold = state is not ends
-        self.rotate = widen(lambda sd, c: rotate_residual_stream(sd, c, Q))
+        self.rotate = widen(lambda sd, c: rotation.with_parameters(sd, c, found))
         self.steps.update(dict.fromkeys(["fold_rms_norm"] if self.fold else []))
-        self.steps["rotate_residual_stream"] = None
+        self.steps[rotation.name] = None
 
     def _recovered(self, identity, state: dict, cfg: Config, after: Mapping):
         """``state`` rewritten by ``identity`` with its parameter recovered from ``after`` (the

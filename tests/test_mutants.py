@@ -241,7 +241,7 @@ def test_default_tokens_take_at_most_32_positions_from_a_fixed_seed():
 def test_a_rotation_mapping_the_ones_to_plus_or_minus_the_ones_is_told_from_one_that_does_not(sign):
     """The diagnosis snaps a recovered LNPre rotation to ``Q 1 = ±1`` exactly only when it
     recognises one: both signs are recognised, a general rotation is not."""
-    from circuitmath._diagnosis._recover import fixes_ones
+    from circuitmath._identities._residual_fit import fixes_ones
     from circuitmath._processing.rotation import orthogonal_fixing_ones, random_orthogonal
 
     assert fixes_ones(sign * orthogonal_fixing_ones(12, seed=3))

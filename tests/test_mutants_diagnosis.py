@@ -27,7 +27,7 @@ def test_rows_past_the_ranges_shown_are_counted():
 def test_the_rotation_made_to_fix_the_ones_direction_fixes_it_and_stays_orthogonal():
     """fixing_ones_exactly of a random orthogonal Q (Q·1 far from ±1): an orthogonal matrix that
     maps 1 to ±1 to float64 rounding, with the sign of uᵀQu; Q itself fails (the control)."""
-    from circuitmath._diagnosis._recover import fixes_ones, fixing_ones_exactly
+    from circuitmath._identities._residual_fit import fixes_ones, fixing_ones_exactly
 
     for seed in range(3):
         Q = cm.random_orthogonal(12, seed=seed)

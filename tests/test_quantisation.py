@@ -323,7 +323,7 @@ def test_in_bfloat16_the_recovered_rotation_s_uncertainty_covers_its_error_and_n
     nothing rotated is certified, and with it a 1 % change of one row of a rotated tensor is still
     caught (twice the spread lets it through: the widening is pinned within a factor of two)."""
     from circuitmath._diagnosis import _uncertain
-    from circuitmath._diagnosis._recover import best_rotation
+    from circuitmath._identities._residual_fit import best_rotation
     from circuitmath._processing.rotation import procrustes, rotate_residual_stream
 
     cfg, sd = _model(torch.bfloat16)

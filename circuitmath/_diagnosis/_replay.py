@@ -8,26 +8,18 @@ its rewrite applied regardless.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import _identities
-from .._identities.norms import LAYER_NORM_TO_RMS_NORM
 from .._identities.permutations import PERMUTE_HEADS, PERMUTE_NEURONS
-from .._identities.rotation import (
-    LAYER_NORM_ROTATION,
-    ROTATION_INVARIANCE,
-    to_rms_pre,
-)
 from .._config import Config
 from .._errors import AlreadyAppliedError, PreconditionError
 from .._state import marked_as
-from .._processing.rotation import procrustes, rotate_residual_stream, rotated_tensors
 from ._lessons import Lessons
-from ._recover import anchor_sets, fixes_ones, fixing_ones_exactly, slice_permutation, tensors_layer, unit_axis
+from ._recover import slice_permutation, tensors_layer, unit_axis
 from ._tensors import certified, _largest_entry, _natural_order, _relative_difference, Thresholds
 from ._uncertain import Widenings, widened_certificate
 
@@ -38,9 +30,14 @@ __all__ = ["weight_identities", "SYMMETRIES"]
 SYMMETRIES = tuple(identity.name for identity in _identities.identities()
                    if identity.free_parameter or identity.recover is not None)
 
-#: Symmetries whose identity recovers its own parameter (``Identity.recover``), in registry order: tried after
-#: the residual rotation.
-RECOVERED = tuple(identity for identity in _identities.identities() if identity.recover is not None)
+#: How each symmetry recognised first (``Identity.recovered_first``: the residual rotation) is, once each.
+FIRST = tuple({id(identity.recovered_first): identity.recovered_first for identity in _identities.identities()
+               if identity.recovered_first is not None}.values())
+
+#: The other symmetries whose identity recovers its own parameter (``Identity.recover``), in registry order:
+#: tried after those of :data:`FIRST`.
+RECOVERED = tuple(identity for identity in _identities.identities()
+                  if identity.recover is not None and identity.recovered_first is None)
 
 
 def weight_identities(*, symmetries: bool = False) -> tuple:
@@ -166,11 +163,8 @@ class _Replay:
         records ``records``, does not (a wrong pipeline is no wrong version of one of its steps)."""
         if refused or identity.name in SYMMETRIES:  # a symmetry's tried only where the symmetry is: not in every search
             # each with its own parameter and, for a symmetry, with the one recovered from ``after``
-            found, widen = (None, None) if identity.name not in SYMMETRIES else (
-                self.widenings.recovered(identity, state, self.after, cfg)
-                if identity.recover is not None and identity.wrong_rewrites_recovered
-                else self.widenings.rotation(state, self.after, cfg) if identity is ROTATION_INVARIANCE and _same_names(state, self.after)
-                else (None, None))
+            found, widen = (self.widenings.recovered(identity, state, self.after, cfg)
+                            if identity.recover is not None and identity.wrong_rewrites_recovered else (None, None))
             return [
                 candidate
                 for name, wrong in identity.wrong_rewrites.items() if wrong.regardless == refused
@@ -227,51 +221,31 @@ class _Replay:
 
     def transform_of(self, identity, state: Mapping, cfg: Config):
         """The rewrite the replay applies for ``identity``: its transform, except for a symmetry,
-        whose parameter (``Q``, the permutation) is recovered from ``state`` and ``after``."""
-        if identity.recover is not None:
-            found, widen = self.widenings.recovered(identity, state, self.after, cfg)
-            return identity.transform if found is None else widen(_given(identity.with_parameters, found))
-        if identity not in (ROTATION_INVARIANCE, LAYER_NORM_ROTATION) or not _same_names(state, self.after):
+        whose parameter (``Q``, the permutation) is recovered from ``state`` and ``after``
+        (``Identity.recover``; its transform where none is)."""
+        if identity.recover is None:
             return identity.transform
-        Q, widen = self.widenings.rotation(state, self.after, cfg)
-        if cfg.normalization_type == "LNPre" and fixes_ones(Q):
-            Q = fixing_ones_exactly(Q)  # to rounding: the Procrustes fit moves 1 by a little more
-        return widen(lambda sd, c: rotate_residual_stream(sd, c, Q))
+        found, widen = self.widenings.recovered(identity, state, self.after, cfg)
+        return identity.transform if found is None else widen(_given(identity.with_parameters, found))
 
     def symmetric(self, before: dict, cfg: Config, replayed: tuple[list, dict, Config], residual: list[str]):
-        """Recognise a rotation, then each identity that recovers its own parameter
-        (:data:`RECOVERED`: permutations, per-head rotations, scales), applied after the replayed identities:
-        ``(stages, final, final_cfg, residual)`` when that leaves fewer tensors unexplained than
-        ``residual``, else ``None``.
+        """Recognise each symmetry of :data:`FIRST` (the residual rotation), then each identity that
+        recovers its own parameter (:data:`RECOVERED`: permutations, per-head rotations, scales),
+        applied after the replayed identities: ``(stages, final, final_cfg, residual)`` when that
+        leaves fewer tensors unexplained than ``residual``, else ``None``.
 
-        The rotation is recovered by orthogonal Procrustes (on ``W_E``, and on every tensor) from
-        the replay's end, or from the model with its norms made ``RMSPre`` (the SliceGPT
-        preparation), to ``after``, where ``W_E`` changed but kept its row norms; ``after`` rotated
-        back is replayed blind, and ``Q`` recovered again from that replay's end, where the exact
-        rotation, or one of its registered wrong rewrites (then named with the tensors it
-        explains), must reproduce ``after``. The starting point itself, rotated, is tried too.
+        A symmetry of :data:`FIRST` is looked for from the replay's end and from its own starting
+        point (``FirstRecovery.start``: for the rotation, the model with its norms made ``RMSPre``,
+        the SliceGPT preparation): ``after`` with the parameter fitted from there undone
+        (``FirstRecovery.undone``) is replayed blind, and the parameter recovered again from that
+        replay's end, where the exact rewrite, or one of its registered wrong rewrites (then named
+        with the tensors it explains), must reproduce ``after``. The starting point itself,
+        rewritten, is tried too.
         """
         best = None
-        final, final_cfg = replayed[1], replayed[2]
-        starts = [(final, final_cfg)]
-        try:
-            starts.append(to_rms_pre(before, cfg))
-        except PreconditionError:
-            pass
-        for start, start_cfg in starts:
-            if not _same_names(start, self.after):
-                continue
-            routes = []
-            for names in anchor_sets(start_cfg):
-                if not self._norms_kept(start, (names or ["embed.W_E"])[0]):
-                    continue  # a rotation keeps the norm of every row of a writer: no rotation from this start
-                Q = procrustes(start, self.after, start_cfg, names)
-                back = dict(self.after) | rotated_tensors(self.after, start_cfg, Q.T)
-                routes.append(_Replay(back, self.thresholds).run(before, cfg, None, search=False))
-            if start is not final:  # the start itself, rotated rightly or by a known wrong rotation
-                routes.append(_Replay(start, self.thresholds).run(before, cfg, None, search=False))
-            for stages, state, state_cfg in routes:
-                found = self._rotation(before, stages, state, state_cfg)
+        for recovery in FIRST:
+            for stages, state, state_cfg in self._routes(recovery, before, cfg, replayed):
+                found = self._first(recovery, before, stages, state, state_cfg)
                 if found and len(found[3]) < len(residual) and (best is None or len(found[3]) < len(best[3])):
                     best = found
         stages, state, state_cfg = best[:3] if best else replayed
@@ -283,28 +257,36 @@ class _Replay:
         found = self.residual(state, before)
         return (stages, state, state_cfg, found) if len(found) < len(residual) else None
 
-    def _norms_kept(self, start: Mapping, name: str = "embed.W_E") -> bool:
-        """Whether ``after``'s writer ``name`` differs from ``start``'s but its rows have the same norms (to
-        the recognition threshold): the cheap test before a rotation from ``start`` is looked for."""
-        if self.same(name, start[name], None):
-            return False  # the writer itself unchanged: nothing rotated it
-        ours, theirs = (sd[name].double().norm(dim=-1) for sd in (start, self.after))
-        if ours.shape != theirs.shape or ours.device != theirs.device:
-            return ours.shape == theirs.shape
-        scale = max(float(ours.max()), float(theirs.max()), 1e-30)
-        return float((ours - theirs).abs().max()) <= self.thresholds.recognise * scale
+    def _routes(self, recovery, before: dict, cfg: Config, replayed: tuple[list, dict, Config]) -> Iterator[tuple]:
+        """The replays ``(stages, state, state_cfg)`` from whose end ``recovery``'s symmetry is
+        recovered (see :meth:`symmetric`), a starting point's at a time."""
+        final, final_cfg = replayed[1], replayed[2]
+        starts = [(final, final_cfg)]
+        try:
+            starts.append(recovery.start(before, cfg))
+        except PreconditionError:
+            pass
+        for start, start_cfg in starts:
+            backs = recovery.undone(start, self.after, start_cfg, lambda name, tensor: self.same(name, tensor, None),
+                                    self.thresholds.recognise)
+            if backs is None:
+                continue
+            routes = [_Replay(back, self.thresholds).run(before, cfg, None, search=False) for back in backs]
+            if start is not final:  # the start itself, rewritten rightly or by a known wrong rewrite
+                routes.append(_Replay(start, self.thresholds).run(before, cfg, None, search=False))
+            yield from routes
 
-    def _rotation(self, before, stages, state, state_cfg):
-        """``stages`` then the rotation recovered from ``state`` to ``after`` (or a known wrong
-        rotation), after switching an ``LNPre`` model to RMSNorm when ``Q 1`` is neither ``1``
-        nor ``-1``: ``(stages, final, final_cfg, residual)``, or ``None`` when it cannot apply."""
-        if state_cfg.normalization_type == "LNPre" and not fixes_ones(procrustes(state, self.after, state_cfg)):
-            # LNPre rotates only by a Q with Q 1 = ±1; with centered writes switch to RMSNorm first
-            switch = self.stage(LAYER_NORM_TO_RMS_NORM, state, state_cfg, forced=True, search=False)
+    def _first(self, recovery, before, stages, state, state_cfg):
+        """``stages`` then the symmetry ``recovery`` recognises, with the parameter recovered from
+        ``state`` to ``after`` (or a known wrong rewrite), after the identity its ``first`` names
+        where it applies (an ``LNPre`` model switched to RMSNorm when ``Q 1`` is neither ``1`` nor
+        ``-1``): ``(stages, final, final_cfg, residual)``, or ``None`` when it cannot apply."""
+        step = recovery.first(state, self.after, state_cfg)
+        if step is not None:
+            switch = self.stage(step, state, state_cfg, forced=True, search=False)
             if switch is not None and switch.refusal is None:
                 stages, state, state_cfg = stages + [switch], switch.state, switch.cfg
-        rotation = LAYER_NORM_ROTATION if state_cfg.normalization_type == "LNPre" else ROTATION_INVARIANCE
-        stage = self.stage(rotation, state, state_cfg, forced=True, search=True)
+        stage = self.stage(recovery.performed(state_cfg), state, state_cfg, forced=True, search=True)
         if stage is None or stage.exact is None:
             return None
         return stages + [stage], stage.state, stage.cfg, self.residual(stage.state, before)
@@ -571,10 +553,3 @@ def _given(function, parameter):
     """``function(state_dict, cfg, parameter)`` as a rewrite ``(state_dict, cfg) -> (state_dict, cfg)``."""
     return lambda state_dict, cfg: function(state_dict, cfg, parameter)
 
-
-def _same_names(state: Mapping, after: Mapping) -> bool:
-    """The same tensor names, but for norm parameters ``after`` may add: a later step (a scale
-    migration into a folded norm, ``migrate_norm_scales``) gives a gain back to a norm a fold took
-    it from, and the rotation before it is recovered all the same."""
-    extra = set(after) - set(state)
-    return set(state) <= set(after) and all(re.search(r"(^|\.)ln(1|2|_final)\.[wb]$", name) for name in extra)

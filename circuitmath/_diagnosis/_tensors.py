@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._compare import compute_dtype
+from .._compare import compute_dtype, recognition_threshold
 from .._config import Config
 
 __all__ = ["ParameterMismatch"]
@@ -133,7 +133,7 @@ class Thresholds:
     @classmethod
     def of(cls, dtype: torch.dtype, cfg: Config) -> "Thresholds":
         root_k = math.sqrt(max(cfg.d_model, cfg.d_mlp or 0, cfg.d_vocab))
-        recognise = max(1e-3, 4 * torch.finfo(dtype).eps)
+        recognise = recognition_threshold(dtype)
         return cls(
             recognise=recognise,
             exact=min(recognise, 8 * torch.finfo(dtype).eps * root_k),

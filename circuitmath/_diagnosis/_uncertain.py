@@ -45,8 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from .._config import Config
-from .._processing.rotation import procrustes, residual_readers, residual_writers, rotated_tensors
-from ._recover import best_rotation
+from .._registry import SharedRotation
 from ._tensors import _MANTISSA_BITS, CERTIFICATE_ULPS, Thresholds
 
 __all__ = ["SPREAD", "Term", "Widenings", "column_spreads", "rounded", "spread", "relative_spread",
@@ -168,31 +167,19 @@ class Widenings:
         self.dtype = dtype
         self._by_id: dict = {}  # id(tensor) -> (tensor, terms)
 
-    def rotation(self, state: Mapping, after: Mapping, cfg: Config, widened: Config | None = None):
-        """``(Q, widen)``: :func:`best_rotation` from ``state`` to ``after``, and what makes a
-        rewrite with it widen the bound of each tensor it rotates (writers on their last axis,
-        readers on their second to last; those of ``widened``, default ``cfg``: a part of a model
-        fits ``Q`` for every part) by the :func:`column_spreads` of ``Q`` and ``Q'`` (and
-        their :func:`spread`), ``Q'`` re-fitted to the rewrite on the tensors ``Q`` was fitted on."""
-        Q, names = best_rotation(state, after, cfg)
-        if not self.half:
-            return Q, _unchanged
-        rewrite = rounded(dict(state) | rotated_tensors(state, cfg, Q), self.dtype)
-        widened = cfg if widened is None else widened
-        readers = set(residual_readers(widened))
-        axes = {n: -2 if n in readers else -1 for n in [*residual_writers(widened), *readers]}
-        refit = procrustes(state, rewrite, cfg, names)
-        return Q, self._widen(axes, spread(Q, refit), column_spreads(Q, refit))
-
-    def recovered(self, identity, state: Mapping, after: Mapping, cfg: Config):
+    def recovered(self, identity, state: Mapping, after: Mapping, cfg: Config, widened: Config | None = None):
         """``(parameter, widen)``: ``identity.recover(state, after, cfg)``, and what makes a rewrite
-        with it widen the bound of each tensor it changes: where it recovers rotations (square
+        with it widen the bound of each tensor it changes: where it recovers a rotation of a space
+        many tensors share (a :class:`~circuitmath._registry.SharedRotation`, the residual
+        stream's ``Q``), see :meth:`_shared`; where it recovers rotations (square
         ``[..., d_head, d_head]`` matrices), on the ``d_head`` axis (``W_O``'s second to last) by
         their :func:`spread` (not by columns: fitted after other recovered parameters, a rotation
         inside the heads carries their errors too, which a re-fit from its own rounding does not
         draw, and the spectral norm's slack covers); where it recovers scales (floating, not square), entrywise by their
         :func:`relative_spread`. A permutation is exact: no widening."""
         found = identity.recover(state, after, cfg)
+        if isinstance(found, SharedRotation):
+            return found, self._shared(found, state, cfg, cfg if widened is None else widened)
         values = list(found.values()) if isinstance(found, dict) else [found]
         if not self.half or found is None or not all(
                 isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() for v in values):
@@ -211,6 +198,16 @@ class Widenings:
             axes = {n: -2 if n.endswith(".W_O") else -1 for n in changed}
             return found, self._widen(axes, max(spread(f, r) for f, r in pairs))
         return found, self._widen(dict.fromkeys(changed), max(relative_spread(f, r) for f, r in pairs))
+
+    def _shared(self, found: SharedRotation, state: Mapping, cfg: Config, widened: Config):
+        """What makes a rewrite with ``found`` widen the bound of each tensor it rotates (its
+        ``axes`` in a model of config ``widened``: a part of a model fits ``Q`` for every part) by
+        the :func:`column_spreads` of ``Q`` and ``Q'`` (and their :func:`spread`), ``Q'`` re-fitted
+        to ``found``'s rewrite of ``state`` rounded, on the tensors ``Q`` was fitted on."""
+        if not self.half:
+            return _unchanged
+        refit = found.refit(state, rounded(found.rewrite(state, cfg), self.dtype), cfg).matrix
+        return self._widen(found.axes(widened), spread(found.matrix, refit), column_spreads(found.matrix, refit))
 
     def _widen(self, axes: Mapping[str, int | None], coefficient: float, columns: torch.Tensor | None = None):
         """``widen(rewrite)``: ``rewrite`` recording, for each tensor of ``axes`` it replaces, the

@@ -29,25 +29,17 @@ from .._errors import Precondition
 from .._processing._common import POST_NORM_GAINS_EQUAL, PRE_NORM, require
 from .._processing.layer_norm import IS_LN
 from .._processing.norms import IS_LNPRE
-from .._processing.rotation import (
-    NO_NORM_GAIN,
-    Q_FIXES_ONES,
-    Q_ORTHOGONAL,
-    Q_SQUARE,
-    rotated_tensors,
-    orthogonal_fixing_ones,
-    kept_orthogonal,
-    residual_readers,
-    residual_writers,
-    rotate_residual_stream,
-)
+from .._processing.rotation import (NO_NORM_GAIN, Q_FIXES_ONES, Q_ORTHOGONAL, Q_SQUARE, kept_orthogonal,
+                                    orthogonal_fixing_ones, residual_readers, residual_writers, rotate_residual_stream,
+                                    rotated_tensors)
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._moe import routers
 from .._reference import forward, normalize
-from .._registry import COMPOSES, COMPUTES, NOTHING_SHOWN, Identity, WrongRewrite, register
+from .._registry import COMPOSES, COMPUTES, NOTHING_SHOWN, FirstRecovery, Identity, SharedRotation, WrongRewrite, register
 from .._state import marked_as, validate_state_dict
 from .._compare import compute_dtype, default_tokens
 from ._circuit_checks import compare_values, dim, rational_orthogonal
+from ._residual_fit import recover_residual_rotation, rotate_by_fit, switch_first, undone
 from .norms import centered_layer_norm_model
 from .reparametrise import invertible
 
@@ -360,10 +352,10 @@ def check_rotation(cfg) -> torch.Tensor:
 
 def _non_orthogonal(cfg, Q=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``G = Q diag(s)`` with ``s = exp(N(0, 0.3))`` and its inverse: well conditioned, not orthogonal
-    (``Q``: :func:`check_rotation` unless given)."""
+    (``Q``: :func:`_matrix`)."""
     generator = torch.Generator(device="cpu").manual_seed(1)
     scale = torch.exp(0.3 * torch.randn(cfg.d_model, generator=generator, dtype=torch.float64, device="cpu"))
-    Q_ = check_rotation(cfg) if Q is None else Q.double().cpu()
+    Q_ = _matrix(cfg, Q).double().cpu()
     return Q_ * scale, (Q_ / scale).T
 
 
@@ -389,10 +381,14 @@ def to_rms_pre(state_dict, cfg):
     return state_dict, cfg
 
 
-def _rotate(state_dict, cfg, Q=None):
-    """The rotation by ``Q`` (:func:`check_rotation` unless given: the diagnosis passes the ``Q`` it
-    recovered to this and to each wrong rewrite)."""
-    return rotate_residual_stream(state_dict, cfg, check_rotation(cfg) if Q is None else Q)
+def _matrix(cfg, Q=None) -> torch.Tensor:
+    """``Q``: :func:`check_rotation` unless given; the fitted ``Q`` of a recovered rotation (the
+    diagnosis passes the rotation it recovered to :func:`_rotate` and to each wrong rewrite)."""
+    return check_rotation(cfg) if Q is None else Q.matrix if isinstance(Q, SharedRotation) else Q
+
+
+def _rotate(state_dict, cfg, Q=None):  # the rotation by Q (see _matrix)
+    return rotate_residual_stream(state_dict, cfg, _matrix(cfg, Q))
 
 
 def _rotate_non_orthogonal(state_dict, cfg, Q=None):
@@ -416,7 +412,7 @@ def forgetting(transform, names_of):
 
 
 def _readers_not_transposed(state_dict, cfg, Q=None):
-    Q_ = check_rotation(cfg) if Q is None else Q.double().cpu()
+    Q_ = _matrix(cfg, Q).double().cpu()
     _unused, new_cfg = _rotate(state_dict, cfg, Q)
     return _by_hand(state_dict, cfg, lambda W: W @ Q_, lambda W: Q_ @ W), new_cfg
 
@@ -529,6 +525,10 @@ RMS_NORM_ROTATION = register(
     )
 )
 
+#: The residual rotation as the diagnosis recognises it, before the other recovered symmetries.
+RESIDUAL_ROTATION = FirstRecovery(start=to_rms_pre, undone=undone, first=switch_first, performed=lambda cfg: (
+    LAYER_NORM_ROTATION if cfg.normalization_type == "LNPre" else ROTATION_INVARIANCE))
+
 LAYER_NORM_ROTATION = register(
     Identity(
         name="layer_norm_rotation",
@@ -542,8 +542,8 @@ LAYER_NORM_ROTATION = register(
             "generic_rotation": WrongRewrite(_layer_norm_generic_rotation, "rotate an LNPre model by an orthogonal"
                                              " R that moves 1: centering does not commute with R"),
         },
-        prepare=_to_lnpre,
-        half_precision=COMPUTES, free_parameter=True,
+        prepare=_to_lnpre, recover=recover_residual_rotation, with_parameters=rotate_by_fit,
+        wrong_rewrites_recovered=False, recovered_first=RESIDUAL_ROTATION, half_precision=COMPUTES, free_parameter=True,
     )
 )
 
@@ -575,8 +575,8 @@ ROTATION_INVARIANCE = register(
                 _centered_embedding, "W_E mean-centered before rotating behind RMSNorm: centering the writes is exact"
                 " only for LayerNorm readers, which center what they read", differs_on=lambda cfg: cfg.normalization_type != "LNPre"),
         },
-        prepare=to_rms_pre,
-        half_precision=COMPUTES, free_parameter=True,
+        prepare=to_rms_pre, recover=recover_residual_rotation, with_parameters=rotate_by_fit,
+        recovered_first=RESIDUAL_ROTATION, half_precision=COMPUTES, free_parameter=True,
     )
 )
 
