@@ -107,3 +107,39 @@ def test_in_bfloat16_the_recovered_rotation_widens_by_its_refit_on_the_tensors_i
     _fit, unchanged = float32.recovered(identity, folded, after, folded_cfg)
     out, _cfg = unchanged(lambda s, c: identity.with_parameters(s, c, fit))(folded, folded_cfg)
     assert float32.of(out["blocks.0.mlp.W_out"]) == []  # in float32 the recovery is exact to the certificate
+
+
+# -- the replay's recovery is the identities' -------------------------------------------------
+
+#: The replay's methods that recover a symmetry's parameter and apply it.
+RECOVERING = ("transform_of", "wrong_rewrites", "symmetric", "_routes", "_first")
+
+
+def identities_named(source: str, methods=RECOVERING) -> dict[str, set[str]]:
+    """For each of ``methods`` (functions anywhere in ``source``): the names it uses that the module
+    imports from an identity family (``from .._identities.<family> import NAME``)."""
+    import ast
+
+    tree = ast.parse(source)
+    imported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("_identities.") for alias in node.names}
+    return {node.name: {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in imported}
+            for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name in methods}
+
+
+def test_the_replay_recovers_every_symmetry_through_its_identity_s_hooks():
+    """No method of the replay that recovers a parameter names an identity: each reads the
+    registry's hooks (``recover``, ``with_parameters``, ``recovered_first``)."""
+    from pathlib import Path
+
+    found = identities_named(Path(_replay.__file__).read_text())
+    assert set(found) == set(RECOVERING)
+    assert found == {name: set() for name in RECOVERING}
+
+
+def test_negative_control_a_method_naming_an_identity_is_found():
+    source = ("from .._identities.rotation import ROTATION_INVARIANCE\n"
+              "def transform_of(identity):\n    return identity is ROTATION_INVARIANCE\n"
+              "def symmetric():\n    return None\n")
+    assert identities_named(source, ("transform_of", "symmetric")) == {"transform_of": {"ROTATION_INVARIANCE"},
+                                                                       "symmetric": set()}
