@@ -59,3 +59,30 @@ def test_a_processed_tensor_the_layout_has_no_place_for_is_not_stored(tmp_path):
     extra = dict(ends, **{"pos_embed.W_pos": torch.zeros(checkpoint.cfg.n_ctx, checkpoint.cfg.d_model)})
     with pytest.raises(NotStored, match=r"the processed \['pos_embed\.W_pos'\] have no place in the checkpoint's layout"):
         place(checkpoint.native, None, extra, buffers)
+
+
+def test_a_tensor_taken_for_untouched_that_the_processing_rewrites_is_caught_and_nothing_written(tmp_path, monkeypatch):
+    """The streamed processing hands a tensor found untouched (on a small model of the same kind)
+    over as zeros and writes the stored one in its place; were one rewritten after all (here
+    W_Q, which the norm fold rewrites, claimed unread), the run stops, naming the tensors handed
+    over as zeros (W_Q among them), and leaves no folder. The same run with the true answer writes the in-memory processing (the control)."""
+    from circuitmath import _streaming_process
+
+    folder = _hf_folder(tmp_path, "llama-gqa")
+    state_dict, cfg = io.load_hf_directory(folder)
+    io.process_checkpoint(folder, tmp_path / "right", steps=["fold_ln"])
+    got, _ = io.open_checkpoint(tmp_path / "right").load()
+    expected, _ = cm.process_weights(state_dict, cfg, fold_ln=True, fold_value_biases=False, center_unembed=False,
+                                     center_writing_weights=False)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    found = _streaming_process.find_untouched
+
+    def claiming_w_q(cfg, keywords, layer, dtype):
+        right = found(cfg, keywords, layer, dtype)
+        claimed = frozenset() if layer is None else frozenset({"blocks.0.attn.W_Q"})
+        return dataclasses.replace(right, kept=right.kept | claimed, unread=right.unread | claimed)
+
+    monkeypatch.setattr(_streaming_process, "find_untouched", claiming_w_q)
+    with pytest.raises(RuntimeError, match=r"rewrote \[.*'blocks\.0\.attn\.W_Q'.*\], found untouched"):
+        io.process_checkpoint(folder, tmp_path / "wrong", steps=["fold_ln"])
+    assert not (tmp_path / "wrong").exists()
