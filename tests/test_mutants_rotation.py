@@ -1,0 +1,31 @@
+"""The residual rotation given a ``Q`` in the model's own precision, pinned where mutation
+testing (``make mutate``) found it unpinned: a float32 ``Q`` that fixes the all-ones direction
+rotates a float32 LNPre model exactly as its float64 original does, and one that does not is
+refused."""
+
+import pytest
+import torch
+
+import circuitmath as cm
+
+CFG = cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
+TOKENS = torch.tensor([[1, 4, 2, 7, 3]])
+
+
+@pytest.mark.parametrize("sign", [1, -1], ids=["Q1=1", "Q1=-1"])
+def test_a_float32_q_fixing_the_ones_rotates_a_float32_layer_norm_model(sign):
+    """A float32 LNPre model (its LayerNorms folded) rotated by a float32 Q with Q1 = ±1: accepted
+    as layer_norm_rotation, its log-probs within 1e-5 of the model's; the rotated tensors are
+    those the float32 Q gives in float64, rounded once. Control: a float32 Q moving 1 elsewhere
+    is refused, naming the condition."""
+    folded, cfg = cm.fold_layer_norm(cm.random_state_dict(CFG, seed=0, dtype=torch.float32), CFG)
+    Q = (sign * cm.orthogonal_fixing_ones(CFG.d_model, seed=1)).float()
+    rotated, rotated_cfg = cm.rotate_residual_stream(folded, cfg, Q)
+    assert rotated_cfg.applied == ("fold_layer_norm", "layer_norm_rotation")
+    assert rotated["embed.W_E"].dtype == torch.float32
+    assert torch.equal(rotated["embed.W_E"], (folded["embed.W_E"].double() @ Q.double()).float())
+    before = torch.log_softmax(cm.forward(folded, cfg, TOKENS).double(), -1)
+    after = torch.log_softmax(cm.forward(rotated, rotated_cfg, TOKENS).double(), -1)
+    assert (before - after).abs().max() < 1e-5
+    with pytest.raises(cm.PreconditionError, match="Q 1 is neither 1 nor -1"):
+        cm.rotate_residual_stream(folded, cfg, cm.random_orthogonal(CFG.d_model, seed=1).float())
