@@ -196,7 +196,9 @@ class Identity:
     tensor it moves, as a permutation's is: the exact rewrite with it reproduces each of them,
     which a wrong one cannot better). ``recovered_first``: for a symmetry the diagnosis recognises
     before the other recovered ones, how (:class:`FirstRecovery`; identities that share it are
-    one symmetry, each the form it takes on some models).
+    one symmetry, each the form it takes on some models). ``permutes``: for a permutation, the
+    units it permutes (``"heads"``, ``"neurons"``): the diagnosis recognises those units moved by
+    hand, tensor by tensor, as this identity or its partial wrong rewrite.
 
     ``postcondition``: what a weight identity's rewrite makes true of the weights it returns
     (:data:`Postcondition`), which holds of any model whose ``cfg.applied`` records the identity
@@ -227,6 +229,7 @@ class Identity:
     free_parameter: bool = False
     wrong_rewrites_recovered: bool = True
     recovered_first: FirstRecovery | None = field(default=None, repr=False)
+    permutes: str | None = None
     postcondition: Postcondition | str | None = field(default=None, repr=False)
     moves_off: tuple[Callable, ...] = field(default=(), repr=False)
 

@@ -112,7 +112,7 @@ def test_in_bfloat16_the_recovered_rotation_widens_by_its_refit_on_the_tensors_i
 # -- the replay's recovery is the identities' -------------------------------------------------
 
 #: The replay's methods that recover a symmetry's parameter and apply it.
-RECOVERING = ("transform_of", "wrong_rewrites", "symmetric", "_routes", "_first")
+RECOVERING = ("transform_of", "wrong_rewrites", "symmetric", "_routes", "_first", "permuted")
 
 
 def identities_named(source: str, methods=RECOVERING) -> dict[str, set[str]]:
@@ -129,7 +129,7 @@ def identities_named(source: str, methods=RECOVERING) -> dict[str, set[str]]:
 
 def test_the_replay_recovers_every_symmetry_through_its_identity_s_hooks():
     """No method of the replay that recovers a parameter names an identity: each reads the
-    registry's hooks (``recover``, ``with_parameters``, ``recovered_first``)."""
+    registry's hooks (``recover``, ``with_parameters``, ``recovered_first``, ``permutes``)."""
     from pathlib import Path
 
     found = identities_named(Path(_replay.__file__).read_text())

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _identities
-from .._identities.permutations import PERMUTE_HEADS, PERMUTE_NEURONS
 from .._config import Config
 from .._errors import AlreadyAppliedError, PreconditionError
 from .._state import marked_as
@@ -492,7 +491,8 @@ class _Replay:
             if not all(self.same(n, state[n].index_select(unit_axis(n, cfg)[1], index.to(state[n].device)), None)
                        for n in every):  # the others of these units stayed: a partial permutation
                 rewrites.setdefault(kind, []).extend(names)
-        identity = PERMUTE_HEADS if "heads" in {kind for kind, _l, _p in moved} else PERMUTE_NEURONS
+        kinds = {kind for kind, _l, _p in moved}
+        identity = next(i for unit in ("heads", "neurons") if unit in kinds for i in RECOVERED if i.permutes == unit)
         touched = {n for names in moved.values() for n in names}
         out = marked_as(state, out)  # tensors of ``state`` permuted along their heads or neurons
         stage = _Stage(identity.name, out, cfg, touched, None if rewrites else out, None)

@@ -296,7 +296,7 @@ PERMUTE_HEADS = register(
             ),
         },
         recover=partial(recover_head_permutation, verify_all=False),  # the rest may be another step's
-        with_parameters=permute_heads, wrong_rewrites_recovered=False,
+        with_parameters=permute_heads, wrong_rewrites_recovered=False, permutes="heads",
         half_precision=MOVES_ENTRIES,
     )
 )
@@ -317,7 +317,7 @@ PERMUTE_NEURONS = register(
             "out_not_permuted": WrongRewrite(_neurons_but("W_out"), "permute W_in but not W_out's rows"),
         },
         recover=partial(recover_neuron_permutation, verify_all=False),
-        with_parameters=permute_neurons, wrong_rewrites_recovered=False,
+        with_parameters=permute_neurons, wrong_rewrites_recovered=False, permutes="neurons",
         half_precision=MOVES_ENTRIES,
     )
 )
