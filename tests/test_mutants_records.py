@@ -1,0 +1,27 @@
+"""Records that a later rewrite would make false are kept true, pinned where mutation testing
+(``make mutate``) found it unpinned: a model that records ``remove_key_biases`` keeps zero key
+biases through the LayerNorm fold, which adds ``ln1.b @ W_K`` to them."""
+
+import torch
+
+import circuitmath as cm
+
+CFG = cm.Config(n_layers=2, d_model=8, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16)
+TOKENS = torch.tensor([[1, 4, 2, 7, 3]])
+
+
+def test_key_biases_removed_stay_removed_through_the_layer_norm_fold():
+    """remove_key_biases, then fold_layer_norm on a float64 LN model with nonzero ln1 biases: every
+    b_K is zero again after the fold (the record stays true of the weights), both records in
+    order, and the log-probs are the model's to 1e-12. Control: the fold alone gives nonzero key
+    biases (ln1.b @ W_K)."""
+    model = cm.random_state_dict(CFG, seed=0, dtype=torch.float64)
+    assert all(model[f"blocks.{l}.ln1.b"].abs().max() > 0 for l in range(CFG.n_layers))
+    removed, removed_cfg = cm.remove_key_biases(model, CFG)
+    folded, folded_cfg = cm.fold_layer_norm(removed, removed_cfg)
+    assert folded_cfg.applied == ("remove_key_biases", "fold_layer_norm")
+    assert all(not folded[f"blocks.{l}.attn.b_K"].any() for l in range(CFG.n_layers))
+    lp = cm.log_probs(model, CFG, TOKENS) - cm.log_probs(folded, folded_cfg, TOKENS)
+    assert lp.abs().max() < 1e-12
+    fold_alone, _ = cm.fold_layer_norm(model, CFG)
+    assert all(fold_alone[f"blocks.{l}.attn.b_K"].abs().max() > 1e-3 for l in range(CFG.n_layers))
