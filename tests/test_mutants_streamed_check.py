@@ -57,3 +57,16 @@ def test_a_step_some_block_cannot_take_is_left_out_of_the_streamed_check(tmp_pat
     assert "fold_layer_norm" not in applied_cfg.applied and "fold_value_biases" in applied_cfg.applied
     every_bias_zero = {n: torch.zeros_like(t) if n.endswith("ln2.b") else t for n, t in state_dict.items()}
     assert "fold_layer_norm" in cm.process_weights(every_bias_zero, GATED_LN)[1].applied
+
+
+def test_the_streamed_check_reports_each_part_once_and_ends_at_its_total(tmp_path):
+    """progress(done, total, what) of a streamed check of an LN model, whose identities that
+    reach layer_norm_to_rms_norm's decision record the writers of every block first: each part
+    once, counted from 1 to the total announced from the start, the writers' pass before the
+    main pass and 'done' last."""
+    cfg = GATED_LN.replace(gated_mlp=False, act_fn="gelu", n_layers=2)
+    io.save(tmp_path / "m.safetensors", cm.random_state_dict(cfg, seed=0, dtype=torch.float32), cfg)
+    calls = []
+    check_model_streaming(tmp_path / "m.safetensors", tokens=TOKENS, progress=lambda *call: calls.append(call))
+    assert calls == [(1, 6, "embedding and unembedding"), (2, 6, "writers, block 0"), (3, 6, "writers, block 1"),
+                     (4, 6, "block 0"), (5, 6, "block 1"), (6, 6, "done")]
