@@ -31,8 +31,9 @@ Where the time goes besides the forward passes (cProfile, one thread):
   transform's own float64 products, ``_diagnosis._exact.SharedProducts``) and its tensors
   certified (``_diagnosis._tensors.certified``: a float32 bound where it decides). The three
   rotations of the whole residual stream compute ``W Q`` in float64 (rounded once) as their
-  transform: about 250 GFLOP, three forward passes' time, each; ``slicegpt_route`` takes
-  ``rotate_residual_stream``'s products.
+  transform, with the structured ``Q`` of ``_processing._orthogonal.BlockOrthogonal``: a
+  gather and a product with one 16 x 16 block, passes over memory (a dense ``Q`` would cost
+  about 250 GFLOP, three forward passes' time, each rotation).
 
 One reference forward pass of GPT-2-small on 4 x 128 tokens is about 127 GFLOP.
 """

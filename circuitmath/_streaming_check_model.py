@@ -413,8 +413,7 @@ def check_model_streaming(model, config=None, *, tokens, progress: Progress | No
     ``exact``: below float64, also check each identity in float64 and certify its rewrite, as
     the in-memory check always does (:mod:`~circuitmath._diagnosis._exact`). Off by default:
     each part is then held in float64 as well, several times over, and every transform runs
-    again in float64 (several times the memory and the time of the check without it; the
-    rotation's float64 products dominate the time)."""
+    again in float64 (several times the memory and the time of the check without it)."""
     checkpoint = opened(model, config)
     tokens = tokens(checkpoint.cfg) if callable(tokens) else tokens
     tokens = check_tokens(checkpoint.cfg, tokens)

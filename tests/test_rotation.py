@@ -1,5 +1,7 @@
 """Rotating the residual stream, permuting heads and neurons, and recognising each from the weights."""
 
+import dataclasses
+
 import pytest
 import sympy
 import torch
@@ -8,6 +10,7 @@ from hypothesis import given, reject, strategies as st
 import circuitmath as cm
 from circuitmath import zoo
 from circuitmath._identities.rotation import check_rotation, slicegpt_route, to_rms_pre
+from circuitmath._processing._orthogonal import block_orthogonal
 from circuitmath._processing.rotation import (
     ORTHOGONALITY_SAFETY,
     rotated_tensors,
@@ -76,7 +79,7 @@ def _norm_results(name, sd, cfg, toks):
     record = {}
     cm.forward(sd, cfg, toks, record=record)
     x = record["final_residual"]
-    Q = check_rotation(cfg).to(x.dtype)
+    Q = check_rotation(cfg).dense().to(x.dtype)
     return (RMS_NORM_ROTATION.transform(x, Q, cfg.eps),
             RMS_NORM_ROTATION.wrong_rewrites[name].function(x, Q, cfg.eps))
 
@@ -644,21 +647,38 @@ def test_an_unrecognised_exact_processing_passes():
     assert any(f.name == "residual" and f.parameters for f in found.findings)  # reported, not hidden
 
 
-def test_orthogonality_error_is_remembered_for_an_equal_q_only():
-    """``orthogonality_error`` answers a ``Q`` equal to the one ``kept_orthogonal`` keeps (the
-    check rotation) from memory: a copy of it changed in place, or changed through numpy (which
-    torch's version counter does not see), is measured again. ``check_rotation`` hands out
-    copies, so changing one does not change the next."""
-    cfg = cm.Config(n_layers=1, d_model=64, n_heads=2, d_head=8, d_vocab=5, n_ctx=4, d_mlp=8, normalization_type="RMS")
-    Q = check_rotation(cfg)
-    assert orthogonality_error(Q) < 1e-13
-    Q[3, 5] += 1e-3
-    assert orthogonality_error(Q) > 1e-4
-    Q[3, 5] -= 1e-3
-    assert orthogonality_error(Q) < 1e-13
-    Q.numpy()[7, 1] += 1e-3
-    assert orthogonality_error(Q) > 1e-4
-    handed = check_rotation(cfg)
-    handed[0, 0] = 5.0
-    assert check_rotation(cfg)[0, 0] != 5.0
-    assert orthogonality_error(check_rotation(cfg)) < 1e-13
+@pytest.mark.parametrize("size", [1, 2, 6, 16, 47, 768])
+@pytest.mark.parametrize("fixing_ones", [False, True])
+def test_block_orthogonal_is_the_dense_q_it_stands_for(size, fixing_ones):
+    """The check rotation's ``W Q``, ``Q^T W``, ``Q 1`` and orthogonality error are those of its
+    dense form, which is orthogonal, maps 1 to 1 with ``fixing_ones`` and to neither 1 nor -1
+    without; from 16 coordinates on it mixes each coordinate with at least 15 others, through a
+    permutation that is not the identity."""
+    Q = block_orthogonal(size, seed=0, fixing_ones=fixing_ones)
+    dense = Q.dense()
+    W, R = torch.randn(3, 2, size, dtype=torch.float64), torch.randn(2, size, 5)
+    assert torch.allclose(Q.times(W), W @ dense, atol=1e-13) and Q.times(W).is_contiguous()
+    assert torch.allclose(Q.transposed_times(R), dense.T @ R.double(), atol=1e-13)
+    ones = torch.ones(size, dtype=torch.float64)
+    assert torch.allclose(Q.image_of_ones(), dense @ ones, atol=1e-14)
+    assert abs(orthogonality_error(Q) - orthogonality_error(dense)) < 1e-14 and orthogonality_error(Q) < 1e-13
+    moves_ones = float((dense @ ones - ones).abs().max()) > 1e-3 and float((dense @ ones + ones).abs().max()) > 1e-3
+    assert moves_ones != fixing_ones or size == 1
+    if size >= 16:
+        assert int((dense != 0).sum(1).min()) >= 16 and not torch.equal(Q.perm, torch.arange(size))
+        assert len(Q.block) == {16: 16, 47: 47, 768: 16}[size]
+
+
+def test_a_block_orthogonal_q_that_is_not_orthogonal_or_square_is_refused():
+    """rotate_residual_stream holds a structured Q to the preconditions a dense one meets: a
+    scaled block is not orthogonal, a Q of another size is not [d_model, d_model]."""
+    cfg = cm.Config(n_layers=1, d_model=32, n_heads=2, d_head=4, d_vocab=11, n_ctx=5, d_mlp=16, normalization_type="RMSPre")
+    sd = cm.random_state_dict(cfg, seed=0, dtype=torch.float64)
+    Q = block_orthogonal(32, seed=0)
+    scaled = dataclasses.replace(Q, block=Q.block * 1.001)
+    with pytest.raises(cm.PreconditionError, match="Q is orthogonal"):
+        cm.rotate_residual_stream(sd, cfg, scaled)
+    with pytest.raises(cm.PreconditionError, match="Q has shape .16, 16., d_model is 32"):
+        cm.rotate_residual_stream(sd, cfg, block_orthogonal(16, seed=0))
+    rotated, _cfg = cm.rotate_residual_stream(sd, cfg, Q)
+    assert rotation_mismatches(sd, rotated, cfg, Q.dense()) == {}

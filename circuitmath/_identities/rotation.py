@@ -29,9 +29,9 @@ from .._errors import Precondition
 from .._processing._common import POST_NORM_GAINS_EQUAL, PRE_NORM, require
 from .._processing.layer_norm import IS_LN
 from .._processing.norms import IS_LNPRE
-from .._processing.rotation import (NO_NORM_GAIN, Q_FIXES_ONES, Q_ORTHOGONAL, Q_SQUARE, kept_orthogonal,
-                                    orthogonal_fixing_ones, residual_readers, residual_writers, rotate_residual_stream,
-                                    rotated_tensors)
+from .._processing._orthogonal import BlockOrthogonal, block_orthogonal
+from .._processing.rotation import (NO_NORM_GAIN, Q_FIXES_ONES, Q_ORTHOGONAL, Q_SQUARE, residual_readers, residual_writers,
+                                    rotate_residual_stream, rotated_tensors)
 from .._proof import Definition, Fact, Proof, Step, Twin
 from .._moe import routers
 from .._reference import forward, normalize
@@ -344,10 +344,11 @@ def _slicegpt_proof() -> Proof:
 CHECK_SEED = 0
 
 
-def check_rotation(cfg) -> torch.Tensor:
-    """The orthogonal ``Q`` (float64) the numeric checks rotate by: a copy of one made once per
-    ``d_model`` (:func:`~circuitmath._processing.rotation.kept_orthogonal`)."""
-    return kept_orthogonal(cfg.d_model, seed=CHECK_SEED)
+def check_rotation(cfg, *, fixing_ones: bool = False):
+    """The orthogonal ``Q`` the numeric checks rotate by, mapping 1 to itself with ``fixing_ones``:
+    a :class:`~circuitmath._processing._orthogonal.BlockOrthogonal` (``.dense()`` as a float64
+    tensor), cheap to apply and as sharp for the checks as a dense one (its module says why)."""
+    return block_orthogonal(cfg.d_model, seed=CHECK_SEED, fixing_ones=fixing_ones)
 
 
 def _non_orthogonal(cfg, Q=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,7 +356,7 @@ def _non_orthogonal(cfg, Q=None) -> tuple[torch.Tensor, torch.Tensor]:
     (``Q``: :func:`_matrix`)."""
     generator = torch.Generator(device="cpu").manual_seed(1)
     scale = torch.exp(0.3 * torch.randn(cfg.d_model, generator=generator, dtype=torch.float64, device="cpu"))
-    Q_ = _matrix(cfg, Q).double().cpu()
+    Q_ = _dense(_matrix(cfg, Q))
     return Q_ * scale, (Q_ / scale).T
 
 
@@ -381,10 +382,15 @@ def to_rms_pre(state_dict, cfg):
     return state_dict, cfg
 
 
-def _matrix(cfg, Q=None) -> torch.Tensor:
+def _matrix(cfg, Q=None):
     """``Q``: :func:`check_rotation` unless given; the fitted ``Q`` of a recovered rotation (the
     diagnosis passes the rotation it recovered to :func:`_rotate` and to each wrong rewrite)."""
     return check_rotation(cfg) if Q is None else Q.matrix if isinstance(Q, SharedRotation) else Q
+
+
+def _dense(Q) -> torch.Tensor:
+    """``Q`` (a tensor or the check rotation's structured form) as a float64 tensor on the CPU."""
+    return Q.dense() if isinstance(Q, BlockOrthogonal) else Q.double().cpu()
 
 
 def _rotate(state_dict, cfg, Q=None):  # the rotation by Q (see _matrix)
@@ -412,7 +418,7 @@ def forgetting(transform, names_of):
 
 
 def _readers_not_transposed(state_dict, cfg, Q=None):
-    Q_ = _matrix(cfg, Q).double().cpu()
+    Q_ = _dense(_matrix(cfg, Q))
     _unused, new_cfg = _rotate(state_dict, cfg, Q)
     return _by_hand(state_dict, cfg, lambda W: W @ Q_, lambda W: Q_ @ W), new_cfg
 
@@ -430,7 +436,7 @@ def _norm_compare(state_dict, cfg, tokens, computation):
     record: dict = {}
     forward(state_dict, cfg, default_tokens(cfg) if tokens is None else tokens, record=record)
     x = record["final_residual"]
-    return compare_values(computation(x, check_rotation(cfg).to(x.dtype), cfg.eps),
+    return compare_values(computation(x, check_rotation(cfg).dense().to(x.dtype), cfg.eps),
                           normalize(x, "RMSPre", None, None, cfg.eps), dtype, cfg.d_model)
 
 
@@ -457,7 +463,7 @@ def _layer_norm_rotation(state_dict, cfg):
         f"normalization_type is {cfg.normalization_type!r}: this identity is about LayerNorm without gain and bias"
         + (f" (fold it first: {fold_layer_norm.identity})" if cfg.normalization_type == "LN" else ""),
     )
-    return rotate_residual_stream(state_dict, cfg, orthogonal_fixing_ones(cfg.d_model, seed=CHECK_SEED))
+    return rotate_residual_stream(state_dict, cfg, check_rotation(cfg, fixing_ones=True))
 
 
 def _layer_norm_generic_rotation(state_dict, cfg):

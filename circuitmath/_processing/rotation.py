@@ -26,6 +26,13 @@ import torch
 from .._config import Config
 from .._errors import Precondition, PreconditionError
 from .._state import StateDict, attention_names, validate_state_dict
+from ._orthogonal import (
+    BlockOrthogonal,
+    hadamard,
+    orthogonal_fixing_ones,
+    orthogonality_error,
+    random_orthogonal,
+)
 from ._common import readers, require, require_dense_mlp, require_even_post_norms, rewrite
 from .centering import center_writing_weights, require_pre_norm, writers
 from .layer_norm import fold_layer_norm
@@ -33,7 +40,7 @@ from .norms import fold_rms_norm, layer_norm_to_rms_norm
 
 __all__ = [
     "rotate_residual_stream", "permute_heads", "permute_neurons", "residual_writers", "residual_readers",
-    "orthogonality_error", "kept_orthogonal", "rotated_tensors", "rotation_mismatches", "recover_rotation",
+    "orthogonality_error", "rotated_tensors", "rotation_mismatches", "recover_rotation",
     "recover_head_permutation", "recover_neuron_permutation", "ORTHOGONALITY_SAFETY", "random_orthogonal",
     "hadamard", "orthogonal_fixing_ones", "procrustes", "NO_NORM_GAIN", "Q_SQUARE", "Q_ORTHOGONAL", "Q_FIXES_ONES",
     "A_HEAD_PERMUTATION", "GROUPS_MOVE_TOGETHER", "HAS_MLPS", "A_NEURON_PERMUTATION",
@@ -87,103 +94,12 @@ def residual_readers(cfg: Config) -> list[str]:
     return [weight for _norm, pairs in readers(cfg, unnormed=True) for weight, _bias in pairs]
 
 
-def orthogonality_error(Q: torch.Tensor) -> float:
-    """``max |Q^T Q - I|`` computed in float64 (remembered for the matrix :func:`kept_orthogonal`
-    keeps: a ``Q`` equal to it bit for bit, one comparison of ``d_model**2`` entries, has its
-    error)."""
-    if Q.device.type == "cpu":
-        for kept, error in _KEPT.values():
-            if kept.shape == Q.shape and kept.dtype == Q.dtype and torch.equal(kept, Q):
-                return error
-    return _orthogonality_error(Q)
-
-
-def _orthogonality_error(Q: torch.Tensor) -> float:
-    Q = Q.double()
-    return float((Q.T @ Q - torch.eye(Q.shape[0], dtype=torch.float64, device=Q.device)).abs().max())
-
-
-#: The matrix :func:`kept_orthogonal` made last, by its size and seed, with its orthogonality
-#: error; never handed out (callers get copies), so nothing changes it.
-_KEPT: dict[tuple[int, int], tuple[torch.Tensor, float]] = {}
-
-
-def kept_orthogonal(size: int, *, seed: int) -> torch.Tensor:
-    """A copy of ``random_orthogonal(size, seed=seed)`` (float64, on the CPU), made once for the
-    last ``size`` and ``seed`` asked for: the numeric checks rotate every part of a checkpoint by
-    one such ``Q``, and for a model's ``size`` its QR factorisation and ``Q^T Q``
-    (:func:`orthogonality_error`, then answered from memory) take seconds. Holds one
-    ``[size, size]`` matrix."""
-    if (size, seed) not in _KEPT:
-        _KEPT.clear()
-        Q = random_orthogonal(size, seed=seed)
-        _KEPT[size, seed] = Q, _orthogonality_error(Q)
-    return _KEPT[size, seed][0].clone()
-
-
-def random_orthogonal(size: int, *, seed: int, dtype: torch.dtype = torch.float64, device="cpu") -> torch.Tensor:
-    """A random orthogonal ``[size, size]`` matrix (Haar distributed), computed in float64 on the
-    CPU (the same matrix for a seed whatever the device) and returned on ``device``: the QR factor
-    of a Gaussian matrix, its columns' signs fixed by ``R``'s diagonal. A ``Q`` for
-    :func:`rotate_residual_stream` (``size = d_model``).
-
-    >>> import torch
-    >>> Q = random_orthogonal(8, seed=0)
-    >>> Q.shape, Q.dtype, bool(torch.allclose(Q.T @ Q, torch.eye(8, dtype=torch.float64)))
-    (torch.Size([8, 8]), torch.float64, True)
-    """
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    gaussian = torch.randn(size, size, generator=generator, dtype=torch.float64, device="cpu")
-    Q, R = torch.linalg.qr(gaussian)
-    return (Q * torch.where(R.diagonal() < 0, -1.0, 1.0)).to(dtype=dtype, device=device)
-
-
-def hadamard(size: int, *, dtype: torch.dtype = torch.float64, device="cpu") -> torch.Tensor:
-    """The Sylvester Hadamard matrix of order ``size`` (a power of 2) divided by ``sqrt(size)``:
-    orthogonal, symmetric, every entry ``±1/sqrt(size)`` (QuaRot's choice: it spreads every
-    direction, an outlier dimension included, evenly over all dimensions). A ``Q`` for
-    :func:`rotate_residual_stream` when ``d_model`` is a power of 2.
-
-    >>> hadamard(4) * 2
-    tensor([[ 1.,  1.,  1.,  1.],
-            [ 1., -1.,  1., -1.],
-            [ 1.,  1., -1., -1.],
-            [ 1., -1., -1.,  1.]], dtype=torch.float64)
-    """
-    if size < 1 or size & (size - 1):
-        raise ValueError(f"a Sylvester Hadamard matrix needs a power of 2, got {size}")
-    H = torch.ones(1, 1, dtype=torch.float64, device=device)
-    while H.shape[0] < size:
-        H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)])
-    return (H / math.sqrt(size)).to(dtype)
-
-
-def orthogonal_fixing_ones(size: int, *, seed: int, dtype: torch.dtype = torch.float64, device="cpu") -> torch.Tensor:
-    """A random orthogonal ``Q`` with ``Q 1 = 1``: ``H diag(1, R) H`` with ``H`` the Householder
-    reflection that swaps ``e_1`` and ``1 / sqrt(size)``, ``R`` random orthogonal of size
-    ``size - 1``. It rotates the vectors orthogonal to ``1`` and leaves ``1`` alone, so it commutes
-    with centering (``layer_norm_rotation``): the ``Q`` (``[size, size]``, ``size = d_model``)
-    by which :func:`rotate_residual_stream` rotates an ``LNPre`` model; built on the CPU and
-    returned on ``device``.
-
-    >>> import torch
-    >>> Q = orthogonal_fixing_ones(6, seed=0)
-    >>> bool(torch.allclose(Q @ torch.ones(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)))
-    True
-    """
-    v = torch.full((size,), 1 / math.sqrt(size), dtype=torch.float64, device="cpu")
-    v[0] -= 1.0
-    norm = float(v.norm())
-    H = torch.eye(size, dtype=torch.float64, device="cpu") - (2 * torch.outer(v, v) / norm**2 if norm > 0 else 0)
-    inner = torch.eye(size, dtype=torch.float64, device="cpu")
-    if size > 1:
-        inner[1:, 1:] = random_orthogonal(size - 1, seed=seed)
-    return (H @ inner @ H).to(dtype=dtype, device=device)
-
-
-def rotated_tensors(state_dict: StateDict, cfg: Config, Q: torch.Tensor) -> dict[str, torch.Tensor]:
+def rotated_tensors(state_dict: StateDict, cfg: Config, Q: "torch.Tensor | BlockOrthogonal") -> dict[str, torch.Tensor]:
     """The rotated tensors (writers ``W Q``, readers ``Q^T W``), computed in float64 and rounded
     once to each tensor's dtype; nothing is checked."""
+    if isinstance(Q, BlockOrthogonal):
+        out = {name: Q.times(state_dict[name]).to(state_dict[name].dtype) for name in residual_writers(cfg)}
+        return out | {name: Q.transposed_times(state_dict[name]).to(state_dict[name].dtype) for name in residual_readers(cfg)}
     out = {}
     for name in residual_writers(cfg):
         W = state_dict[name]
@@ -194,14 +110,14 @@ def rotated_tensors(state_dict: StateDict, cfg: Config, Q: torch.Tensor) -> dict
     return out
 
 
-def _as_square(identity: str, Q, d_model: int) -> torch.Tensor:
-    if not isinstance(Q, torch.Tensor) or not Q.is_floating_point():
+def _as_square(identity: str, Q, d_model: int) -> "torch.Tensor | BlockOrthogonal":
+    if not isinstance(Q, (torch.Tensor, BlockOrthogonal)) or not Q.dtype.is_floating_point:
         raise PreconditionError(identity, Q_SQUARE,
                                 f"got {type(Q).__name__}" + (f" of dtype {Q.dtype}" if isinstance(Q, torch.Tensor) else ""))
     if tuple(Q.shape) != (d_model, d_model):
         raise PreconditionError(identity, Q_SQUARE,
                                 f"Q has shape {tuple(Q.shape)}, d_model is {d_model}")
-    if not bool(torch.isfinite(Q).all()):
+    if isinstance(Q, torch.Tensor) and not bool(torch.isfinite(Q).all()):
         raise PreconditionError(identity, Q_SQUARE, "Q has NaN or Inf entries")
     return Q
 
@@ -230,7 +146,8 @@ def rotate_residual_stream(
     shortformer ``W_pos``, added to ``ln1``'s output before ``W_Q`` and ``W_K``, is rotated with it.
 
     :func:`random_orthogonal` and :func:`hadamard` make such a ``Q``, :func:`orthogonal_fixing_ones`
-    one for an ``LNPre`` model. ``Q`` must be orthogonal to the precision of the model: ``max |Q^T Q - I| <=``
+    one for an ``LNPre`` model; the numeric checks pass a structured one that is cheaper to apply
+    (:class:`~circuitmath._processing._orthogonal.BlockOrthogonal`). ``Q`` must be orthogonal to the precision of the model: ``max |Q^T Q - I| <=``
     :data:`ORTHOGONALITY_SAFETY` ``* d_model * eps(dtype)`` (a float32 ``Q`` does not rotate a
     float64 model exactly; orthogonalise it in float64). Computed in float64, rounded once to the
     model's dtype; every tensor keeps its dtype and device; tensors not rotated are shared with
@@ -296,8 +213,8 @@ def _require_orthogonal(identity: str, Q: torch.Tensor, dtype: torch.dtype, d_mo
 
 def _require_fixing_ones(identity: str, Q: torch.Tensor, tolerance: float) -> None:
     """Refuse, for an ``LNPre`` model, a ``Q`` that maps the all-ones vector to neither 1 nor -1."""
-    ones = torch.ones(Q.shape[0], dtype=torch.float64, device=Q.device)
-    image = Q.double() @ ones
+    ones = torch.ones(Q.shape[0], dtype=torch.float64, device=getattr(Q, "device", "cpu"))
+    image = Q.image_of_ones() if isinstance(Q, BlockOrthogonal) else Q.double() @ ones
     plus, minus = float((image - ones).abs().max()), float((image + ones).abs().max())
     require(
         identity, Q_FIXES_ONES, min(plus, minus) <= tolerance * math.sqrt(Q.shape[0]),
