@@ -29,7 +29,7 @@ from .._errors import Precondition
 from .._processing._common import POST_NORM_GAINS_EQUAL, PRE_NORM, require
 from .._processing.layer_norm import IS_LN
 from .._processing.norms import IS_LNPRE
-from .._processing._orthogonal import BlockOrthogonal, block_orthogonal
+from .._processing._orthogonal import as_dense, block_orthogonal
 from .._processing.rotation import (NO_NORM_GAIN, Q_FIXES_ONES, Q_ORTHOGONAL, Q_SQUARE, residual_readers, residual_writers,
                                     rotate_residual_stream, rotated_tensors)
 from .._proof import Definition, Fact, Proof, Step, Twin
@@ -345,9 +345,8 @@ CHECK_SEED = 0
 
 
 def check_rotation(cfg, *, fixing_ones: bool = False):
-    """The orthogonal ``Q`` the numeric checks rotate by, mapping 1 to itself with ``fixing_ones``:
-    a :class:`~circuitmath._processing._orthogonal.BlockOrthogonal` (``.dense()`` as a float64
-    tensor), cheap to apply and as sharp for the checks as a dense one (its module says why)."""
+    """The orthogonal ``Q`` the numeric checks rotate by (``Q 1 = 1`` with ``fixing_ones``): a
+    :class:`~circuitmath._processing._orthogonal.BlockOrthogonal`, cheap and as sharp as a dense one."""
     return block_orthogonal(cfg.d_model, seed=CHECK_SEED, fixing_ones=fixing_ones)
 
 
@@ -356,7 +355,7 @@ def _non_orthogonal(cfg, Q=None) -> tuple[torch.Tensor, torch.Tensor]:
     (``Q``: :func:`_matrix`)."""
     generator = torch.Generator(device="cpu").manual_seed(1)
     scale = torch.exp(0.3 * torch.randn(cfg.d_model, generator=generator, dtype=torch.float64, device="cpu"))
-    Q_ = _dense(_matrix(cfg, Q))
+    Q_ = as_dense(_matrix(cfg, Q))
     return Q_ * scale, (Q_ / scale).T
 
 
@@ -388,11 +387,6 @@ def _matrix(cfg, Q=None):
     return check_rotation(cfg) if Q is None else Q.matrix if isinstance(Q, SharedRotation) else Q
 
 
-def _dense(Q) -> torch.Tensor:
-    """``Q`` (a tensor or the check rotation's structured form) as a float64 tensor on the CPU."""
-    return Q.dense() if isinstance(Q, BlockOrthogonal) else Q.double().cpu()
-
-
 def _rotate(state_dict, cfg, Q=None):  # the rotation by Q (see _matrix)
     return rotate_residual_stream(state_dict, cfg, _matrix(cfg, Q))
 
@@ -418,7 +412,7 @@ def forgetting(transform, names_of):
 
 
 def _readers_not_transposed(state_dict, cfg, Q=None):
-    Q_ = _dense(_matrix(cfg, Q))
+    Q_ = as_dense(_matrix(cfg, Q))
     _unused, new_cfg = _rotate(state_dict, cfg, Q)
     return _by_hand(state_dict, cfg, lambda W: W @ Q_, lambda W: Q_ @ W), new_cfg
 
@@ -436,7 +430,7 @@ def _norm_compare(state_dict, cfg, tokens, computation):
     record: dict = {}
     forward(state_dict, cfg, default_tokens(cfg) if tokens is None else tokens, record=record)
     x = record["final_residual"]
-    return compare_values(computation(x, check_rotation(cfg).dense().to(x.dtype), cfg.eps),
+    return compare_values(computation(x, as_dense(check_rotation(cfg)).to(x.dtype), cfg.eps),
                           normalize(x, "RMSPre", None, None, cfg.eps), dtype, cfg.d_model)
 
 

@@ -30,7 +30,7 @@ import torch
 
 __all__ = [
     "orthogonality_error", "random_orthogonal", "hadamard", "orthogonal_fixing_ones",
-    "BlockOrthogonal", "block_orthogonal", "BLOCK",
+    "BlockOrthogonal", "block_orthogonal", "as_dense", "BLOCK",
 ]
 
 #: The coordinates one block of a :class:`BlockOrthogonal` mixes, at least (all of them when
@@ -177,3 +177,8 @@ def block_orthogonal(size: int, *, seed: int, fixing_ones: bool = False) -> Bloc
         if b <= 2 or bool((block != 0).all()):
             break
     return BlockOrthogonal(perm, block)
+
+
+def as_dense(Q: "torch.Tensor | BlockOrthogonal") -> torch.Tensor:
+    """``Q`` as a ``[d, d]`` float64 tensor on the CPU (a :class:`BlockOrthogonal`'s dense form)."""
+    return Q.dense() if isinstance(Q, BlockOrthogonal) else Q.double().cpu()
