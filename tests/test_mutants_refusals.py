@@ -157,3 +157,24 @@ def test_a_validated_state_dict_changed_in_place_is_validated_again(change):
     MUTATIONS[change](v, torch.full((CFG.d_vocab, CFG.d_model), float("nan")))
     with pytest.raises(StateDictError):
         validate_state_dict(v, CFG)
+
+
+def test_a_config_claiming_a_billion_layers_is_refused_before_its_shapes_are_listed(monkeypatch):
+    """A state dict of 2 layers with a config of 10**9: refused naming the mismatch, before the
+    config's expected shapes (a billion blocks' worth) are listed; listing them is made to fail
+    here, so a refusal that came after listing would show as that failure. Control: its own
+    config resolves, listing its shapes."""
+    from circuitmath._diagnosis import _inputs
+
+    listed, expected_shapes = [], _inputs.expected_shapes
+
+    def listing(cfg):
+        assert cfg.n_layers < 1000, f"the shapes of {cfg.n_layers} layers listed"
+        listed.append(cfg.n_layers)
+        return expected_shapes(cfg)
+
+    monkeypatch.setattr(_inputs, "expected_shapes", listing)
+    sd = _model()
+    with pytest.raises(StateDictError, match="n_layers=1000000000"):
+        _inputs.resolve(sd, CFG.replace(n_layers=10**9))
+    assert _inputs.resolve(sd, CFG).cfg == CFG and listed
