@@ -1,7 +1,10 @@
-"""Records that a later rewrite would make false are kept true, pinned where mutation testing
-(``make mutate``) found it unpinned: a model that records ``remove_key_biases`` keeps zero key
-biases through the LayerNorm fold, which adds ``ln1.b @ W_K`` to them."""
+"""Records kept true, pinned where mutation testing (``make mutate``) found them unpinned: a
+model that records ``remove_key_biases`` keeps zero key biases through the LayerNorm fold, which
+adds ``ln1.b @ W_K`` to them; and a check's findings cannot be changed once reported."""
 
+import dataclasses
+
+import pytest
 import torch
 
 import circuitmath as cm
@@ -25,3 +28,14 @@ def test_key_biases_removed_stay_removed_through_the_layer_norm_fold():
     assert lp.abs().max() < 1e-12
     fold_alone, _ = cm.fold_layer_norm(model, CFG)
     assert all(fold_alone[f"blocks.{l}.attn.b_K"].abs().max() > 1e-3 for l in range(CFG.n_layers))
+
+
+def test_a_checks_findings_cannot_be_changed():
+    """Each row of check_model's diagnosis is frozen: assigning its status raises, and the row
+    still says what the check found."""
+    model = cm.random_state_dict(CFG, seed=0, dtype=torch.float64)
+    finding = cm.testing.check_model(model, CFG).findings[0]
+    status = finding.status
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        finding.status = "changed"
+    assert finding.status == status
