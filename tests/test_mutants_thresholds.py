@@ -55,3 +55,18 @@ def test_float32_recognition_lies_two_orders_of_magnitude_from_rounding_and_from
     assert max(rounding) <= recognise / GAP
     assert len(missed) >= 12
     assert [(name, miss) for name, miss in missed if miss < GAP * recognise] == []
+
+
+def test_a_permutation_is_recovered_among_slices_all_within_the_threshold_of_one_another():
+    """80 slices alike to 1e-6 of their largest entry, permuted: every pair passes the screen
+    (6400 pairs, more than one chunk of the entrywise comparison), and the exact permutation is
+    still the one recovered (each slice is nearest its own image). Control: the identity order
+    is no permutation (None)."""
+    from circuitmath._diagnosis._recover import slice_permutation
+
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(1, 16, generator=generator, dtype=torch.float64)
+    ours = base + 1e-6 * torch.randn(80, 16, generator=generator, dtype=torch.float64)
+    perm = torch.randperm(80, generator=generator)
+    assert slice_permutation(ours, ours[perm], 0, 1e-3) == tuple(perm.tolist())
+    assert slice_permutation(ours, ours.clone(), 0, 1e-3) is None
