@@ -108,9 +108,9 @@ def uniform_gain_head_rotations() -> Proof:
         samplers={**{R[h]: rotary_like for h in HEADS}, P_i: rotary_like, P_j: rotary_like},
         explicit_dims={d: 2, e: 2, k: 1},
         assumptions=(
-            "rho_{i,h} = (s / N + eps)^(-1/2) for the sum of squares s of what the norm spans at position i: head"
-            " h's query (a QK-norm per head, N = d_head, each head its own rho) or the whole query projection"
-            " (OLMo-2, N = n_heads d_head, one rho for every head); rho_{j,h} likewise for the keys. The first"
+            "head h's query normaliser at position i is (s / N + eps)^(-1/2) for the sum of squares s of what the"
+            " norm spans there: the head's query (a QK-norm per head, N = d_head, each head its own) or the whole"
+            " query projection (OLMo-2, N = n_heads d_head, one for every head); the keys' at j likewise. The first"
             " conclusions show every head's sum of squares kept, hence their sum, the projection's: the turned"
             " model's normalisers are the same",
             "the gain multiplies each entry after the normaliser and before the rotary rotations P_i, P_j, which"

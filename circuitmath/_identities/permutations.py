@@ -160,10 +160,11 @@ def _projection_qk_norm_proof() -> Proof:
         assumptions=(
             "x_i, x_j: what the projections read at query position i and key position j (the stream itself in"
             " OLMo-2, which has no norm before attention)",
-            "rho_i = (|q_i|^2 / (n_heads d_head) + eps)^(-1/2), with |q_i|^2 the sum of squares of the whole query"
-            " projection at position i, a function of that sum only (rho_j likewise of the key projection; keys"
-            " repeated over a group's query heads have the same mean square); the first two conclusions show the"
-            " sums of the permuted model equal to the original's, so its normalisers are rho_i and rho_j too",
+            "rho_i, rho_j: the normalisers of the whole query projection at position i and of the whole key"
+            " projection at j, each (s / N + eps)^(-1/2) for that projection's sum of squares s over its N entries:"
+            " d_head times the number of query heads, or of key/value heads for the keys, whose repetition over a"
+            " group's query heads keeps their mean square. A function of s only; the first two conclusions show"
+            " the permuted model's sums equal to the original's, so its normalisers are the same",
             "the gain multiplies each entry after the normaliser; P_i, P_j are the rotary rotations of positions i"
             " and j, the same for every head (the identity without rotary embeddings)",
             "four query heads in two groups ({1, 2} read key/value head 1, {3, 4} head 2); the permutation"
