@@ -121,9 +121,10 @@ def test_float64_models_are_checked_once(monkeypatch):
     assert calls
 
 
-def test_each_identitys_models_are_freed_before_the_next_runs(monkeypatch):
+def test_each_identitys_models_are_freed_before_the_one_after_the_next_runs(monkeypatch):
     """The log-prob caches and the validation keep no identity's prepared or transformed model
-    once its row is made (in float32 and in float64): memory holds one identity's at a time."""
+    once the next identity's row is made (in float32 and in float64): memory holds two
+    identities' at a time (the next one's preparation may be one of the last one's models)."""
     import gc
     import weakref
 
@@ -132,17 +133,17 @@ def test_each_identitys_models_are_freed_before_the_next_runs(monkeypatch):
     def shift(i):
         def shifted_unembed_bias(state_dict, cfg):  # exact: every logit shifted by 1
             gc.collect()
-            alive = [j for j, ref in written if j != i and ref() is not None]
+            alive = [j for j, ref in written if j < i - 1 and ref() is not None]
             assert not alive, f"identity {i} runs while the outputs of {alive} are alive"
             out = dict(state_dict, **{"unembed.b_U": state_dict["unembed.b_U"] + 1.0})
             written.append((i, weakref.ref(out["unembed.b_U"])))
             return out, cfg
         return shifted_unembed_bias
 
-    with_identities(monkeypatch, *[Identity(f"shift_{i}", shift(i)) for i in range(3)])
+    with_identities(monkeypatch, *[Identity(f"shift_{i}", shift(i)) for i in range(4)])
     cfg = MODELS["LN"]
     report = diagnosis_module.check_model(cm.random_state_dict(cfg, seed=0, dtype=torch.float32), cfg, tokens=TOKENS)
-    assert report.ok and len(written) == 6  # each identity in float32 and in float64
+    assert report.ok and len(written) == 8  # each identity in float32 and in float64
 
 
 def test_an_identity_refused_in_float64_is_checked_in_its_dtype_and_says_so(tmp_path, monkeypatch):
@@ -161,3 +162,43 @@ def test_an_identity_refused_in_float64_is_checked_in_its_dtype_and_says_so(tmp_
     same_rows(streamed, in_memory, tolerances=0.5)
     for row in (in_memory.findings[0], streamed.findings[0]):
         assert row.status == "holds" and "in float64 the identity refuses these weights" in row.explanation
+
+
+def test_a_preparation_equal_to_the_last_identitys_model_is_not_run_again(monkeypatch):
+    """center_reading_weights prepares by folding the LayerNorm: its preparation is the model
+    fold_layer_norm's row wrote, computed again, and its log-probs are taken from that row (one
+    float32 pass fewer), with the same rows as when each is checked alone."""
+    from circuitmath._diagnosis import _logprobs
+
+    passes = []
+    original = _logprobs.log_probs
+    monkeypatch.setattr(_logprobs, "log_probs",
+                        lambda sd, cfg, tokens: passes.append(next(iter(sd.values())).dtype) or original(sd, cfg, tokens))
+    cfg = MODELS["LN"]
+    state_dict = cm.random_state_dict(cfg, seed=0, dtype=torch.float32)
+    chosen = [i for i in weight_identities(symmetries=True) if i.name in ("fold_layer_norm", "center_reading_weights")]
+    with_identities(monkeypatch, *chosen)
+    together = diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS)
+    in_float32 = [dtype for dtype in passes if dtype == torch.float32]
+    assert together.ok and len(in_float32) == 3  # the model, and each identity's transform
+    alone = []
+    for identity in chosen:
+        with_identities(monkeypatch, identity)
+        alone += diagnosis_module.check_model(state_dict, cfg, tokens=TOKENS).findings
+    same_rows(together, diagnosis_module.Diagnosis(tuple(alone)), tolerances=1e-9)
+
+
+def test_models_are_one_when_their_configs_and_every_entry_are_equal():
+    """same_model: equal copies are one model; one entry changed, another config, an unknown
+    config or a missing tensor are not."""
+    from circuitmath._diagnosis._logprobs import same_model
+
+    cfg = MODELS["LN"]
+    a = cm.random_state_dict(cfg, seed=0, dtype=torch.float32)
+    b = {k: v.clone() for k, v in a.items()}
+    assert same_model(a, cfg, b, cfg)
+    b["blocks.1.mlp.W_out"][3, 2] += 1e-3
+    assert not same_model(a, cfg, b, cfg)
+    assert not same_model(a, cfg, a, cfg.replace(applied=("fold_layer_norm",)))
+    assert not same_model(a, None, a, cfg)
+    assert not same_model(a, cfg, {k: v for k, v in a.items() if k != "unembed.b_U"}, cfg)

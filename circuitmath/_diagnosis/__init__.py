@@ -344,8 +344,8 @@ def _identity_row(identity, resolved: Model, lp: _LogProbs, exact: tuple[_LogPro
     """The row of ``identity`` in :func:`check_model` of ``resolved``: compared by ``lp`` in the
     model's dtype and, below float64, by ``exact`` (float64 log-probs and the model in float64,
     their reference) too, its rewrite certified. ``products``: the float64 products of its
-    transform, taken again by its float64 reference (and offered to the next identity's). Nothing
-    of the identity's models is kept."""
+    transform, taken again by its float64 reference (and offered to the next identity's). Its
+    models in the model's dtype stay in ``lp`` until the next identity's row is made."""
     state, model_cfg = resolved.state_dict, resolved.cfg
     try:
         with products:
@@ -357,7 +357,9 @@ def _identity_row(identity, resolved: Model, lp: _LogProbs, exact: tuple[_LogPro
     finally:
         products.decline()
     comparison = lp.compare(prepared, prepared_cfg, processed, processed_cfg)
-    lp.forget_all_but(state)  # each identity's models go once it is checked
+    # each identity's models go once the next is checked: the next one's preparation may be
+    # one of them (center_reading_weights prepares by fold_layer_norm), its log-probs taken
+    lp.forget_all_but(state, prepared, processed)
     if exact is None:
         return identity_row(identity.name, comparison, None)
     exact, state64 = exact
