@@ -3,6 +3,8 @@ testing (``make mutate``) found it unpinned: a float32 ``Q`` that fixes the all-
 rotates a float32 LNPre model exactly as its float64 original does, and one that does not is
 refused."""
 
+import re
+
 import pytest
 import torch
 
@@ -29,3 +31,19 @@ def test_a_float32_q_fixing_the_ones_rotates_a_float32_layer_norm_model(sign):
     assert (before - after).abs().max() < 1e-5
     with pytest.raises(cm.PreconditionError, match="Q 1 is neither 1 nor -1"):
         cm.rotate_residual_stream(folded, cfg, cm.random_orthogonal(CFG.d_model, seed=1).float())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_float32_q_off_orthogonal_is_refused_with_its_error_measured_in_float64(seed):
+    """A float32 Q scaled by 1 + 2.5e-6 (max |QᵀQ - I| about 5e-6, above the 3.8e-6 a float32
+    model of d_model 8 allows): refused, the message giving max |QᵀQ - I| of Q's entries as
+    float64 computes it (float32's own product is off in the second digit at this size).
+    Control: the same Q unscaled is accepted."""
+    rms = CFG.replace(normalization_type="RMS")
+    model, cfg = cm.fold_rms_norm(cm.random_state_dict(rms, seed=0, dtype=torch.float32), rms)
+    Q = cm.random_orthogonal(CFG.d_model, seed=seed)
+    scaled = (Q * (1 + 2.5e-6)).float()
+    error = float((scaled.double().T @ scaled.double() - torch.eye(CFG.d_model, dtype=torch.float64)).abs().max())
+    with pytest.raises(cm.PreconditionError, match=re.escape(f"max |Q^T Q - I| is {error:.3g}, above")):
+        cm.rotate_residual_stream(model, cfg, scaled)
+    cm.rotate_residual_stream(model, cfg, Q.float())
