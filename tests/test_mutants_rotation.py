@@ -1,7 +1,7 @@
 """The residual rotation given a ``Q`` in the model's own precision, pinned where mutation
 testing (``make mutate``) found it unpinned: a float32 ``Q`` that fixes the all-ones direction
-rotates a float32 LNPre model exactly as its float64 original does, and one that does not is
-refused."""
+rotates a float32 LNPre model exactly as its float64 original does, one that does not is
+refused, and one off orthogonal is refused with its error measured in float64."""
 
 import re
 

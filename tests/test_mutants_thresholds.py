@@ -70,3 +70,24 @@ def test_a_permutation_is_recovered_among_slices_all_within_the_threshold_of_one
     perm = torch.randperm(80, generator=generator)
     assert slice_permutation(ours, ours[perm], 0, 1e-3) == tuple(perm.tolist())
     assert slice_permutation(ours, ours.clone(), 0, 1e-3) is None
+
+
+def test_a_recovered_scaling_is_the_float64_least_squares_ratio_of_half_precision_tensors():
+    """A bfloat16 tensor's columns scaled by s and rounded to bfloat16: _scaling finds the last
+    axis and, per column, the least-squares ratio sum(old new) / sum(old old) of the tensors'
+    values computed in float64 (to 1e-12 relative), within bfloat16's rounding of s. Control: a
+    tensor not so scaled (a column mixed into another) gives None."""
+    from circuitmath._diagnosis._uncertain import _scaling
+
+    generator = torch.Generator().manual_seed(0)
+    old = torch.randn(64, 4, generator=generator).to(torch.bfloat16)
+    s = torch.tensor([0.5, 2.0, 3.0, 1.25], dtype=torch.float64)
+    new = (old.double() * s).to(torch.bfloat16)
+    axis, v = _scaling(old, new)
+    a, b = old.double(), new.double()
+    assert axis == -1 and v.dtype == torch.float64
+    assert torch.allclose(v, (a * b).sum(0) / (a * a).sum(0), rtol=1e-12, atol=0)
+    assert torch.allclose(v, s, rtol=2 ** -8, atol=0)
+    mixed = new.clone()
+    mixed[:, 0] += new[:, 1]
+    assert _scaling(old, mixed) is None
