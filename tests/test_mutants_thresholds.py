@@ -91,3 +91,27 @@ def test_a_recovered_scaling_is_the_float64_least_squares_ratio_of_half_precisio
     mixed = new.clone()
     mixed[:, 0] += new[:, 1]
     assert _scaling(old, mixed) is None
+
+
+def test_a_certificate_ratio_is_computed_in_float64_whatever_the_dtypes_compared():
+    """widened_ratios of float32 tensors with no widening: |got - e| over ulp(e) (2**(floor(log2
+    |e|) - 23)) plus floor times the scale, entry by entry as float64 computes it from the float32
+    values (to 1e-12 relative; float32 would round the bound at 6e-8). Control: an entry moved by
+    two units has a ratio above 1."""
+    from circuitmath._diagnosis._uncertain import widened_ratios
+
+    cfg = cm.Config(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=23, n_ctx=5, d_mlp=16)
+    thresholds = Thresholds.of(torch.float32, cfg)  # floor 8 eps sqrt(23): no float32 number
+    generator = torch.Generator().manual_seed(0)
+    expected = torch.randn(200, generator=generator) * 3.0
+    got = expected + torch.randn(200, generator=generator) * 1e-7
+    scale = float(expected.abs().max())
+    e = expected.double()
+    unit = torch.ldexp(torch.ones_like(e), torch.frexp(e)[1] - 1 - 23)
+    exact = (got.double() - e).abs() / (unit + thresholds.floor * scale)
+    ratios = widened_ratios(got, expected, scale, thresholds, [])
+    assert ratios.dtype == torch.float64
+    assert torch.allclose(ratios, exact, rtol=1e-12, atol=0)
+    moved = expected.clone()
+    moved[0] = expected[0] + 2 * float(unit[0]) + 2 * thresholds.floor * scale
+    assert float(widened_ratios(moved, expected, scale, thresholds, [])[0]) > 1
