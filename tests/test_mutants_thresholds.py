@@ -115,3 +115,26 @@ def test_a_certificate_ratio_is_computed_in_float64_whatever_the_dtypes_compared
     moved = expected.clone()
     moved[0] = expected[0] + 2 * float(unit[0]) + 2 * thresholds.floor * scale
     assert float(widened_ratios(moved, expected, scale, thresholds, [])[0]) > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_change_is_measured_in_units_of_the_certificates_bound(dtype):
+    """changes_of a tensor with entries up to about 300 against its rewrite moved by a few units
+    of rounding (a tensor's scale far from 1, where the floor's share of the bound, floor times
+    the largest entry, shows): its worst ratio is the certificate's, whose bound is at most 1
+    where the tensor is certified. Control: an entry moved by 1 % is far beyond 1."""
+    from circuitmath._diagnosis._tensors import certificate
+    from circuitmath._diagnosis._unexplained import changes_of
+
+    cfg = MODELS["LN"]
+    thresholds = Thresholds.of(dtype, cfg)
+    generator = torch.Generator().manual_seed(0)
+    rewrite = (torch.randn(32, 16, generator=generator) * 100).to(dtype)
+    after = (rewrite.float() * (1 + 4 * torch.finfo(dtype).eps * torch.randn(32, 16, generator=generator))).to(dtype)
+    scale = max(float(rewrite.float().abs().max()), float(after.float().abs().max()))
+    (change,) = changes_of(["W"], {"W": after}, {"W": rewrite}, thresholds)
+    assert change.worst == pytest.approx(certificate(after, rewrite, scale, thresholds), rel=1e-9)
+    moved = after.clone()
+    moved[0, 0] = rewrite[0, 0] * 1.01 + 1
+    (far,) = changes_of(["W"], {"W": moved}, {"W": rewrite}, thresholds)
+    assert far.worst > 10 and far.worst == pytest.approx(certificate(moved, rewrite, scale, thresholds), rel=1e-9)
