@@ -70,3 +70,18 @@ def test_the_streamed_check_reports_each_part_once_and_ends_at_its_total(tmp_pat
     check_model_streaming(tmp_path / "m.safetensors", tokens=TOKENS, progress=lambda *call: calls.append(call))
     assert calls == [(1, 6, "embedding and unembedding"), (2, 6, "writers, block 0"), (3, 6, "writers, block 1"),
                      (4, 6, "block 0"), (5, 6, "block 1"), (6, 6, "done")]
+
+
+def test_check_processed_reports_each_part_once_and_ends_at_its_total(tmp_path):
+    """progress(done, total, what) of check --processed on a folder and its processing: the ends,
+    then each block, counted from 1 to the total (blocks + 1); the pair holds."""
+    from circuitmath._streaming_check_processed import check_processed
+
+    cfg = GATED_LN.replace(gated_mlp=False, act_fn="gelu", n_layers=2)
+    io.save(tmp_path / "m.safetensors", cm.random_state_dict(cfg, seed=0, dtype=torch.float32), cfg)
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "before", steps=[])
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "after", steps="applicable")
+    calls = []
+    report = check_processed(tmp_path / "before", tmp_path / "after", tokens=TOKENS, progress=lambda *c: calls.append(c))
+    assert report.ok
+    assert calls == [(1, 3, "embedding and unembedding"), (2, 3, "block 0"), (3, 3, "block 1")]
