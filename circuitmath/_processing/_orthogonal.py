@@ -145,13 +145,13 @@ class BlockOrthogonal:
 
     def image_of_ones(self) -> torch.Tensor:
         """``Q 1`` (``[d]``, float64): ``(Q 1)[perm[j]] = (B 1)[j]``."""
-        image = torch.empty(len(self.perm), dtype=torch.float64)
+        image = torch.empty(len(self.perm), dtype=torch.float64, device=self.perm.device)
         image[self.perm] = self.block.sum(-1).repeat(len(self.perm) // len(self.block))
         return image
 
     def orthogonality_error(self) -> float:
         """``max |Q^T Q - I|``, that of ``block``: ``P`` is exact."""
-        return float((self.block.T @ self.block - torch.eye(len(self.block), dtype=torch.float64)).abs().max())
+        return float((self.block.T @ self.block - torch.eye(len(self.block), dtype=torch.float64, device=self.block.device)).abs().max())
 
 
 def block_orthogonal(size: int, *, seed: int, fixing_ones: bool = False) -> BlockOrthogonal:
@@ -172,8 +172,8 @@ def block_orthogonal(size: int, *, seed: int, fixing_ones: bool = False) -> Bloc
     draw = orthogonal_fixing_ones if fixing_ones else random_orthogonal
     for attempt in range(seed, seed + 100):
         generator = torch.Generator(device="cpu").manual_seed(attempt)
-        perm = torch.randperm(size, generator=generator)
-        block = draw(b, seed=int(torch.randint(0, 2**31 - 1, (), generator=generator)))
+        perm = torch.randperm(size, generator=generator, device="cpu")
+        block = draw(b, seed=int(torch.randint(0, 2**31 - 1, (), generator=generator, device="cpu")))
         if b <= 2 or bool((block != 0).all()):
             break
     return BlockOrthogonal(perm, block)
