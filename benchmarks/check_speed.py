@@ -26,14 +26,14 @@ Where the time goes besides the forward passes (cProfile, one thread):
   The rounding sensitivity (two float64 passes) is measured only when the difference exceeds the
   tolerance's a-priori term, so a correct float32 processing pays none.
 - ``check MODEL``: a forward pass per applicable identity, and another for each prepared model
-  (the LayerNorm folded, the model switched to RMSNorm); each identity's transform; below
-  float64, each identity again in float64 on 32 positions (its float64 rewrite taking the
-  transform's own float64 products, ``_diagnosis._exact.SharedProducts``) and its tensors
-  certified (``_diagnosis._tensors.certified``: a float32 bound where it decides). The three
-  rotations of the whole residual stream compute ``W Q`` in float64 (rounded once) as their
-  transform, with the structured ``Q`` of ``_processing._orthogonal.BlockOrthogonal``: a
-  gather and a product with one 16 x 16 block, passes over memory (a dense ``Q`` would cost
-  about 250 GFLOP, three forward passes' time, each rotation).
+  (the LayerNorm folded, the model switched to RMSNorm) unless it equals a model the identity
+  before wrote (``_diagnosis._logprobs.same_model``); each identity's transform; below
+  float64, each identity again in float64 on 32 positions, and its tensors certified
+  (``_diagnosis._tensors.certified``: a float32 bound where it decides). The three rotations
+  of the whole residual stream compute ``W Q`` in float64 (rounded once) as their transform,
+  with the structured ``Q`` of ``_processing._orthogonal.BlockOrthogonal``: a gather and a
+  product with one 16 x 16 block, passes over memory (a dense ``Q`` would cost about 250
+  GFLOP, three forward passes' time, each rotation).
 
 One reference forward pass of GPT-2-small on 4 x 128 tokens is about 127 GFLOP.
 """

@@ -36,7 +36,7 @@ from .._processing._memory import without_huge_pages
 from .._state import marked_as, vouched
 from ._inputs import Model, resolve, resolve_model, resolve_pair, resolve_tokens
 from ._names import speak
-from ._exact import SharedProducts, float64_chain, float64_rewrite, identity_row, in_float64, rewrite_mismatches
+from ._exact import float64_chain, float64_rewrite, identity_row, in_float64, rewrite_mismatches
 from ._logprobs import coarser, _LogProbs, sensitivity_window
 from ._replay import _Replay, weight_identities
 from ._report import Diagnosis, Finding, _config_differences, _identity_finding, _residual_finding
@@ -328,34 +328,27 @@ def _check_resolved(resolved: Model, tokens, progress: Progress | None) -> Diagn
         rows, positions = sensitivity_window(tokens)
         exact = _LogProbs(tokens[:rows, :positions], torch.float64), in_float64(state)
         exact[0].set_reference(exact[1], model_cfg)
-    findings, products = [], None
+    findings = []
     for i, identity in enumerate(chosen, 1):
         report(i, total, identity.name)
-        # the float64 products the identity before computed, offered to this one's transform
-        products = SharedProducts(offered=products)
         with without_huge_pages():  # its models live as long as its row takes
-            findings.append(_identity_row(identity, resolved, lp, exact, products))
+            findings.append(_identity_row(identity, resolved, lp, exact))
     report(total, total, "done")
     return Diagnosis(tuple(findings))
 
 
-def _identity_row(identity, resolved: Model, lp: _LogProbs, exact: tuple[_LogProbs, dict] | None,
-                  products: SharedProducts) -> Finding:
+def _identity_row(identity, resolved: Model, lp: _LogProbs, exact: tuple[_LogProbs, dict] | None) -> Finding:
     """The row of ``identity`` in :func:`check_model` of ``resolved``: compared by ``lp`` in the
     model's dtype and, below float64, by ``exact`` (float64 log-probs and the model in float64,
-    their reference) too, its rewrite certified. ``products``: the float64 products of its
-    transform, taken again by its float64 reference (and offered to the next identity's). Its
-    models in the model's dtype stay in ``lp`` until the next identity's row is made."""
+    their reference) too, its rewrite certified. Its models in the model's dtype stay in ``lp``
+    until the next identity's row is made."""
     state, model_cfg = resolved.state_dict, resolved.cfg
     try:
-        with products:
-            prepared, prepared_cfg = identity.prepared(state, model_cfg)
-            processed, processed_cfg = identity.transform(prepared, prepared_cfg)
+        prepared, prepared_cfg = identity.prepared(state, model_cfg)
+        processed, processed_cfg = identity.transform(prepared, prepared_cfg)
     except PreconditionError as error:
         return Finding(identity.name, "identity", False, "not applicable", reason=str(error),
                        precondition=error.precondition)
-    finally:
-        products.decline()
     comparison = lp.compare(prepared, prepared_cfg, processed, processed_cfg)
     # each identity's models go once the next is checked: the next one's preparation may be
     # one of them (center_reading_weights prepares by fold_layer_norm), its log-probs taken
@@ -363,8 +356,7 @@ def _identity_row(identity, resolved: Model, lp: _LogProbs, exact: tuple[_LogPro
     if exact is None:
         return identity_row(identity.name, comparison, None)
     exact, state64 = exact
-    with products:
-        chain, reference = _float64_of(identity, state64, model_cfg, prepared, prepared_cfg)
+    chain, reference = _float64_of(identity, state64, model_cfg, prepared, prepared_cfg)
     mismatches = rewrite_mismatches(identity, prepared, prepared_cfg, processed, chain,
                                     Thresholds.of(resolved.dtype, model_cfg), reference=reference)
     prepared = processed = reference = None

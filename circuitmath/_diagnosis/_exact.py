@@ -20,10 +20,7 @@ A row holds when all three pass (:func:`identity_row`). The in-memory and the st
 In memory, an identity with a preparation is checked in float64 on its preparation in the
 model's dtype, converted (exact), which is what its certificate compares with: one float64
 transform serves both (:func:`float64_rewrite`); only where that refuses (a precondition the
-preparation met to the model's rounding) is the model prepared in float64. And the float64
-products the transform in the model's dtype computed (a rotation computes ``W Q`` in float64
-and rounds it once) are taken by its float64 rewrite, which multiplies the same values
-(:class:`SharedProducts`).
+preparation met to the model's rounding) is the model prepared in float64.
 """
 
 from __future__ import annotations
@@ -31,14 +28,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from .._compare import Comparison, in_dtype
 from .._errors import PreconditionError
 from ._report import Finding
 from ._tensors import ParameterMismatch, certified, _largest_entry, _mismatch, Thresholds
 
-__all__ = ["in_float64", "float64_chain", "rewrite_mismatches", "identity_row", "float64_rewrite", "SharedProducts"]
+__all__ = ["in_float64", "float64_chain", "rewrite_mismatches", "identity_row", "float64_rewrite"]
 
 
 def in_float64(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -93,62 +89,6 @@ def float64_rewrite(identity, prepared: Mapping, prepared_cfg) -> tuple[dict, ob
         return (prepared64, prepared_cfg, *identity.transform(prepared64, prepared_cfg))
     except PreconditionError:
         return None
-
-
-class SharedProducts(TorchFunctionMode):
-    """Within, each float64 matrix product of two operands (matrices, or stacks of them) of at least ``smallest``
-    multiply-adds is computed once: a product whose operands equal (entry by entry, checked)
-    those of a product computed before within is that product's result, the same tensor.
-
-    The transform of an identity in a dtype below float64 that computes in float64 (a rotation
-    rounds ``W Q`` once) and its float64 reference multiply the same values: the reference takes
-    the products the first computed. The results are those computing them again would give (the
-    same operation on equal operands; an operand changed in place since is no longer equal). The
-    kept operands and results go with the object.
-
-    ``offered``: the products another object kept (the identity checked before), offered in the
-    order they were computed: each product asked for is taken from them while it is the next
-    one offered (a transform that repeats another's computation, e.g. ``slicegpt_route``
-    repeating ``rotate_residual_stream`` on its preparation, takes them all); at the first that
-    is not, or on :meth:`decline`, the rest are dropped, so memory holds them only until then."""
-
-    _PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm)
-
-    def __init__(self, smallest: int = 1 << 26, offered: "SharedProducts | None" = None):
-        super().__init__()
-        self.smallest = smallest
-        self.kept: list[tuple[torch.Tensor, int, torch.Tensor, int, torch.Tensor]] = []
-        self.offered = list(reversed(offered.kept)) if offered is not None else []
-
-    def decline(self) -> None:
-        """Drop the products offered and not taken."""
-        self.offered = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func not in self._PRODUCTS or kwargs or len(args) != 2 or not all(
-                isinstance(a, torch.Tensor) and a.dtype == torch.float64 and a.ndim >= 2 for a in args):
-            return func(*args, **kwargs)
-        a, b = args
-        if a.numel() * b.shape[-1] < self.smallest:
-            return func(a, b)
-        for entry in self.kept:
-            if _equal_operands(entry, a, b):
-                return entry[4]
-        if self.offered and _equal_operands(self.offered[-1], a, b):
-            entry = self.offered.pop()
-        else:
-            self.offered = []
-            entry = (a, a._version, b, b._version, func(a, b))
-        self.kept.append(entry)
-        return entry[4]
-
-
-def _equal_operands(entry: tuple, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` equal the operands of a kept product ``entry`` (unchanged since)."""
-    x, x_version, y, y_version, _product = entry
-    return (x.shape == a.shape and y.shape == b.shape and x.device == a.device and x._version == x_version
-            and y._version == y_version and torch.equal(x, a) and torch.equal(y, b))
 
 
 def float64_chain(identity, state64: Mapping, cfg) -> tuple[dict, object, dict, object] | None:
