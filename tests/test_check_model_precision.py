@@ -202,3 +202,23 @@ def test_models_are_one_when_their_configs_and_every_entry_are_equal():
     assert not same_model(a, cfg, a, cfg.replace(applied=("fold_layer_norm",)))
     assert not same_model(a, None, a, cfg)
     assert not same_model(a, cfg, {k: v for k, v in a.items() if k != "unembed.b_U"}, cfg)
+
+
+def test_a_preparation_in_float64_takes_the_models_own_tensors_from_its_float64_copy():
+    """in_float64 of a preparation given the model and its float64 copy: the tensors the
+    preparation left alone are the copy's, the others converted; entry by entry what converting
+    it all gives, and validated as that is."""
+    from circuitmath._diagnosis._exact import in_float64
+    from circuitmath._state import Validated, validated
+
+    cfg = MODELS["LN"]
+    model = validated(cm.random_state_dict(cfg, seed=0, dtype=torch.float32), cfg)
+    model64 = in_float64(model)
+    prepared, prepared_cfg = cm.fold_layer_norm(model, cfg)
+    known = in_float64(prepared, (model, model64))
+    whole = in_float64(prepared)
+    assert isinstance(known, Validated) and known.dtype == torch.float64 and known.cfg == prepared_cfg
+    assert all(torch.equal(known[k], whole[k]) and known[k].dtype == torch.float64 for k in whole)
+    kept = [k for k in prepared if prepared[k] is model[k]]
+    assert kept and all(known[k] is model64[k] for k in kept)
+    assert all(known[k] is not model64[k] for k in prepared if k not in kept)

@@ -24,7 +24,7 @@ rewrites are the registry's (``Identity.wrong_rewrites``): none is listed here.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -356,7 +356,7 @@ def _identity_row(identity, resolved: Model, lp: _LogProbs, exact: tuple[_LogPro
     if exact is None:
         return identity_row(identity.name, comparison, None)
     exact, state64 = exact
-    chain, reference = _float64_of(identity, state64, model_cfg, prepared, prepared_cfg)
+    chain, reference = _float64_of(identity, (state, state64), model_cfg, prepared, prepared_cfg)
     mismatches = rewrite_mismatches(identity, prepared, prepared_cfg, processed, chain,
                                     Thresholds.of(resolved.dtype, model_cfg), reference=reference)
     prepared = processed = reference = None
@@ -365,17 +365,19 @@ def _identity_row(identity, resolved: Model, lp: _LogProbs, exact: tuple[_LogPro
     return identity_row(identity.name, comparison, float64, mismatches, refused_in_float64=chain is None)
 
 
-def _float64_of(identity, state64, cfg, prepared, prepared_cfg):
+def _float64_of(identity, model: tuple[Mapping, Mapping], cfg, prepared, prepared_cfg):
     """``(chain, reference)``: ``identity`` checked in float64 (``chain``, as :func:`float64_chain`
     gives it) and the float64 rewrite its certificate compares with (``reference``; ``None``:
     the transform refuses the prepared model in float64). An identity without a preparation has
     one of each: its transform of the model in float64. An identity with one is checked on its
     preparation in the model's dtype, converted, which its certificate compares with anyway;
-    where the transform refuses that, on the model prepared in float64 (see :mod:`._exact`)."""
+    where the transform refuses that, on the model prepared in float64 (see :mod:`._exact`).
+    ``model``: the model and its float64 copy."""
+    state64 = model[1]
     if not identity.prepare:
         chain = float64_chain(identity, state64, cfg)
         return chain, None if chain is None else chain[2]
-    rewrite = float64_rewrite(identity, prepared, prepared_cfg)
+    rewrite = float64_rewrite(identity, prepared, prepared_cfg, known=model)
     if rewrite is not None:
         return rewrite, rewrite[2]
     return float64_chain(identity, state64, cfg), None

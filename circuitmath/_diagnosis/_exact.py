@@ -31,16 +31,24 @@ import torch
 
 from .._compare import Comparison, in_dtype
 from .._errors import PreconditionError
+from .._state import Validated, vouched
 from ._report import Finding
 from ._tensors import ParameterMismatch, certified, _largest_entry, _mismatch, Thresholds
 
 __all__ = ["in_float64", "float64_chain", "rewrite_mismatches", "identity_row", "float64_rewrite"]
 
 
-def in_float64(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def in_float64(state_dict: Mapping[str, torch.Tensor], known: tuple[Mapping, Mapping] | None = None) -> dict[str, torch.Tensor]:
     """``state_dict``'s tensors in float64 (exact: every dtype below it converts exactly); a
-    validated state dict stays one (:func:`~circuitmath._compare.in_dtype`)."""
-    return in_dtype(state_dict, torch.float64)
+    validated state dict stays one (:func:`~circuitmath._compare.in_dtype`). ``known``: ``(model,
+    model64)``, a model and its float64 copy: a tensor of ``state_dict`` that is one of
+    ``model``'s (a preparation leaves most of them alone) is taken from ``model64``, not
+    converted again."""
+    if known is None or not isinstance(state_dict, Validated) or state_dict.dtype == torch.float64:
+        return in_dtype(state_dict, torch.float64)
+    model, model64 = known
+    copy = {name: model64[name] if model.get(name) is tensor else tensor.double() for name, tensor in state_dict.items()}
+    return vouched(copy, state_dict.cfg, torch.float64, entries=state_dict.entries, writers=state_dict.writers)
 
 
 def rewrite_mismatches(
@@ -78,13 +86,15 @@ def rewrite_mismatches(
     return tuple(found)
 
 
-def float64_rewrite(identity, prepared: Mapping, prepared_cfg) -> tuple[dict, object, dict, object] | None:
+def float64_rewrite(identity, prepared: Mapping, prepared_cfg, known: tuple[Mapping, Mapping] | None = None,
+                    ) -> tuple[dict, object, dict, object] | None:
     """``(prepared64, prepared_cfg, processed64, processed_cfg)``: ``identity``'s transform of
-    ``prepared`` (the model prepared in its own dtype) converted to float64, the reference of its
-    certificate and, for an identity with a preparation, its check in float64 too; ``None`` when
-    the transform refuses it there (a precondition the preparation met only to the model's
-    rounding: then :func:`float64_chain` prepares the model in float64)."""
-    prepared64 = in_float64(prepared)
+    ``prepared`` (the model prepared in its own dtype) converted to float64 (``known`` as for
+    :func:`in_float64`), the reference of its certificate and, for an identity with a
+    preparation, its check in float64 too; ``None`` when the transform refuses it there (a
+    precondition the preparation met only to the model's rounding: then :func:`float64_chain`
+    prepares the model in float64)."""
+    prepared64 = in_float64(prepared, known)
     try:
         return (prepared64, prepared_cfg, *identity.transform(prepared64, prepared_cfg))
     except PreconditionError:
