@@ -47,3 +47,15 @@ def test_a_float32_q_off_orthogonal_is_refused_with_its_error_measured_in_float6
     with pytest.raises(cm.PreconditionError, match=re.escape(f"max |Q^T Q - I| is {error:.3g}, above")):
         cm.rotate_residual_stream(model, cfg, scaled)
     cm.rotate_residual_stream(model, cfg, Q.float())
+
+
+def test_the_dense_form_of_any_q_is_float64_on_the_cpu():
+    """as_dense of a float32 Q is that Q's values in float64 on the CPU, as a block-structured
+    Q's dense form is."""
+    from circuitmath._processing._orthogonal import as_dense, block_orthogonal
+
+    Q = cm.random_orthogonal(CFG.d_model, seed=1).float()
+    dense = as_dense(Q)
+    assert dense.dtype == torch.float64 and dense.device.type == "cpu" and torch.equal(dense, Q.double())
+    structured = block_orthogonal(32, seed=0)
+    assert as_dense(structured).dtype == torch.float64 and torch.equal(as_dense(structured), structured.dense())
