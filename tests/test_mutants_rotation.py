@@ -59,3 +59,19 @@ def test_the_dense_form_of_any_q_is_float64_on_the_cpu():
     assert dense.dtype == torch.float64 and dense.device.type == "cpu" and torch.equal(dense, Q.double())
     structured = block_orthogonal(32, seed=0)
     assert as_dense(structured).dtype == torch.float64 and torch.equal(as_dense(structured), structured.dense())
+
+
+def test_a_rotation_behind_uneven_sandwich_norms_is_refused_naming_three_of_them():
+    """Gemma 2 (RMSNorm gains folded) with all four sandwich norms' gains uneven: the rotation is
+    refused naming the first three of them, not more; with every sandwich gain one number (the
+    gains set to their first entry) the same rotation is accepted."""
+    from circuitmath.io import family
+
+    cfg = family("Gemma2").cfg
+    model, folded_cfg = cm.fold_rms_norm(cm.random_state_dict(cfg, seed=0, dtype=torch.float64), cfg)
+    Q = cm.random_orthogonal(cfg.d_model, seed=0)
+    with pytest.raises(cm.PreconditionError, match=re.escape(
+            "the sandwich norms ['blocks.0.ln1_post.w', 'blocks.0.ln2_post.w', 'blocks.1.ln1_post.w'] apply a gain")):
+        cm.rotate_residual_stream(model, folded_cfg, Q)
+    even = {n: torch.full_like(t, float(t[0])) if n.endswith("_post.w") else t for n, t in model.items()}
+    cm.rotate_residual_stream(even, folded_cfg, Q)
