@@ -30,7 +30,8 @@ lines it needs) with the processes its tests start, and records which test (node
 line, a shared fixture's lines counting for every test that uses it (:func:`coverage_map`,
 cached per test file by the hash of the code). A mutant is then run against the tests that run
 one of its lines, by node id in collection order, those of the files listed for its module first,
-with ``-x``; against all the listed files where a line of it runs while modules are imported; and
+with ``-x``; where a line of it runs while modules are imported, against all the listed files and then the
+tests of other files that run one of its lines; and
 it survives unrun where no test runs it. ``--by-file`` runs the whole files of those tests
 instead, ``--listed-tests`` every mutant against the listed files, and ``--confirm`` each survivor
 again against the listed files.
@@ -86,6 +87,7 @@ EXTRA_TESTS = {
     "circuitmath/_processing/attention.py": ["tests/test_value_biases.py", "tests/test_key_bias.py",
                                              "tests/test_reparametrise.py"],
     "circuitmath/_processing/fused.py": ["tests/test_pipeline.py"],
+    "circuitmath/_processing/experts.py": ["tests/test_moe.py"],
     "circuitmath/_processing/_common.py": ["tests/test_layer_norm.py", "tests/test_norms.py", "tests/test_preconditions.py"],
     "circuitmath/_processing/_memory.py": ["tests/test_memory_pins.py"],
     "circuitmath/_processing/_parts.py": ["tests/test_pipeline.py"],
@@ -523,15 +525,16 @@ def coverage_map(tests: list[str], paths: list[str], dirs: list[Path]) -> tuple[
 def selected(mutant: Mutant, listed: list[str], lines: LineMap, order: TestOrder, *, by_file: bool = False) -> list[str] | None:
     """The tests run against ``mutant`` (pytest arguments): every test that ran one of its lines,
     by node id, in collection order, those of the files ``listed`` for its module first (a file
-    whose every test ran one is named whole; ``by_file``: every such file whole); all of
-    ``listed`` where a line of it runs while modules are imported (its effect reaches any test);
-    ``None`` where no test runs it (it survives)."""
+    whose every test ran one is named whole; ``by_file``: every such file whole); where a line of
+    it runs while modules are imported (its effect reaches any test), all of ``listed`` first,
+    then those tests of other files; ``None`` where no test runs it (it survives)."""
     by_line = lines.get(mutant.path, {})
     hits = set().union(*(by_line.get(n, set()) for n in range(mutant.line, max(mutant.end_line, mutant.line) + 1)))
-    if "" in hits:
-        return listed
     if not hits:
         return None
+    if "" in hits:
+        rest = selected(mutant, [], {mutant.path: {mutant.line: hits - {""}}}, order, by_file=by_file) or []
+        return listed + [test for test in rest if test.split("::")[0] not in listed]
     files: dict[str, set[str]] = {}
     for node in hits:
         files.setdefault(node.split("::")[0], set()).add(node)
