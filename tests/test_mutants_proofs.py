@@ -40,3 +40,14 @@ def test_a_step_a_fact_and_a_steps_report_cannot_be_changed():
     for record, field in ((step, "reason"), (report.steps[0], "reason")):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(record, field, "changed")
+
+
+def test_diag_takes_a_vector_and_of_a_square_matrix_is_ill_typed():
+    """shape_of diag(v) for a column and a row vector is square of its length; diag of an n x n
+    matrix is refused as ill-typed, naming why."""
+    from circuitmath._algebra import IllTyped, shape_of
+
+    column, row = sympy.MatrixSymbol("v", n, 1), sympy.MatrixSymbol("r", 1, n)
+    assert shape_of(sympy.DiagMatrix(column)) == (n, n) == shape_of(sympy.DiagMatrix(row))
+    with pytest.raises(IllTyped, match="diag of a matrix that is not a vector"):
+        shape_of(sympy.DiagMatrix(A))

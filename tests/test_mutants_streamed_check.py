@@ -85,3 +85,19 @@ def test_check_processed_reports_each_part_once_and_ends_at_its_total(tmp_path):
     report = check_processed(tmp_path / "before", tmp_path / "after", tokens=TOKENS, progress=lambda *c: calls.append(c))
     assert report.ok
     assert calls == [(1, 3, "embedding and unembedding"), (2, 3, "block 0"), (3, 3, "block 1")]
+
+
+def test_a_bfloat16_processing_equal_to_the_rounded_rewrite_is_reported_within_half_a_unit(tmp_path):
+    """check --processed of a bfloat16 folder's processing, every tensor equal bit for bit to the
+    float32 rewrite rounded once: the tensors row holds at half a unit of the bound of one
+    (the rounding to nearest), never more than its tolerance."""
+    from circuitmath._streaming_check_processed import check_processed
+
+    cfg = GATED_LN.replace(gated_mlp=False, act_fn="gelu", n_layers=2)
+    io.save(tmp_path / "m.safetensors", cm.random_state_dict(cfg, seed=0, dtype=torch.bfloat16), cfg)
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "before", steps=[])
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "after", steps="applicable")
+    tensors = check_processed(tmp_path / "before", tmp_path / "after", tokens=TOKENS).rows[1]
+    assert tensors["name"] == "tensors" and tensors["status"] == "holds"
+    assert (tensors["max_abs_error"], tensors["tolerance"]) == (0.5, 1.0)
+    assert "equal to it rounded, bit for bit, so within half a unit" in tensors["explanation"]
