@@ -39,3 +39,15 @@ def test_a_checks_findings_cannot_be_changed():
     with pytest.raises(dataclasses.FrozenInstanceError):
         finding.status = "changed"
     assert finding.status == status
+
+
+def test_process_weights_is_decided_by_its_steps_records_not_its_own_name():
+    """process_weights records its steps, never itself, and composes: run on the output of a run
+    it applies nothing more; run on a config that records the name 'process_weights' and none of
+    the steps (a hand-made one) it applies every step, as on a config that records nothing."""
+    model = cm.random_state_dict(CFG, seed=0, dtype=torch.float64)
+    out, out_cfg = cm.process_weights(model, CFG)
+    assert "process_weights" not in out_cfg.applied
+    assert cm.process_weights(out, out_cfg)[1].applied == out_cfg.applied
+    named = CFG.replace(applied=("process_weights",))
+    assert cm.process_weights(model, named)[1].applied == ("process_weights", *out_cfg.applied)

@@ -101,3 +101,24 @@ def test_a_bfloat16_processing_equal_to_the_rounded_rewrite_is_reported_within_h
     assert tensors["name"] == "tensors" and tensors["status"] == "holds"
     assert (tensors["max_abs_error"], tensors["tolerance"]) == (0.5, 1.0)
     assert "equal to it rounded, bit for bit, so within half a unit" in tensors["explanation"]
+
+
+def test_a_bfloat16_tensor_a_few_units_off_is_a_near_miss_reported_against_a_tolerance_of_one(tmp_path):
+    """check --processed of a bfloat16 processing with one tensor's entries moved by four units
+    in the last place (within the near-miss range): the tensors row is violated, naming it, its
+    worst entry a multiple of the bound above the tolerance of 1 (the bound itself)."""
+    from circuitmath._checkpoint import CheckpointWriter
+    from circuitmath._streaming_check_processed import check_processed
+
+    cfg = GATED_LN.replace(gated_mlp=False, act_fn="gelu", n_layers=2)
+    io.save(tmp_path / "m.safetensors", cm.random_state_dict(cfg, seed=0, dtype=torch.bfloat16), cfg)
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "before", steps=[])
+    io.process_checkpoint(tmp_path / "m.safetensors", tmp_path / "after", steps="applicable")
+    processed, processed_cfg = io.open_checkpoint(tmp_path / "after").load()
+    name = "blocks.1.mlp.W_in"
+    moved = dict(processed, **{name: (processed[name].float() * (1 + 4 * 2.0**-8)).to(torch.bfloat16)})
+    with CheckpointWriter(tmp_path / "moved", 1) as writer:
+        writer.write(moved, processed_cfg)
+    tensors = check_processed(tmp_path / "before", tmp_path / "moved", tokens=TOKENS).rows[1]
+    assert tensors["status"] == "violated" and name in tensors["explanation"]
+    assert tensors["tolerance"] == 1.0 < tensors["max_abs_error"]
