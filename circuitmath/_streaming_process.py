@@ -167,8 +167,9 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
             del out
             with reader.whole():
                 out, out_cfg, same = replayed(parts, layer, keywords)
-        if any(out.get(n) is not t for n, t in reader.stand_ins.items()):  # find_untouched found them passed through
-            raise RuntimeError(f"process_checkpoint: {process_weights.__name__} rewrote {sorted(reader.stand_ins)}, found untouched")
+        rewritten = sorted(n for n, t in reader.stand_ins.items() if out.get(n) is not t)  # find_untouched: passed through
+        if rewritten:
+            raise RuntimeError(f"process_checkpoint: {process_weights.__name__} rewrote {rewritten}, found untouched")
         return out, out_cfg, same
 
     total = cfg.n_layers + 1
