@@ -246,3 +246,20 @@ def test_overflow_refusals_say_overflow():
     for transform in (cm.process_weights, cm.fold_layer_norm):
         with pytest.raises(cm.OverflowedError, match="overflow"):
             transform(sd, cfg)
+
+
+@pytest.mark.parametrize("call", ["assert_equivalent", "diagnose", "check_fold_layer_norm"])
+def test_a_state_dict_without_its_config_is_bad_input_saying_what_to_pass(call):
+    """A state dict carries no config: each checker given one without it is refused, saying what
+    to pass; the same call with the config is the control."""
+    from circuitmath import testing
+
+    state_dict = cm.random_state_dict(CFG, seed=0)
+    check = getattr(testing, call)
+    with pytest.raises(cm.CircuitMathError, match="a state dict needs its config: a circuitmath Config or a Hugging Face"):
+        check(state_dict, state_dict)
+    if call == "check_fold_layer_norm":
+        after, after_cfg = cm.fold_layer_norm(state_dict, CFG)
+        assert check(state_dict, after, CFG, after_cfg=after_cfg).ok
+    else:
+        check(state_dict, state_dict, CFG)
