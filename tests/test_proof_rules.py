@@ -111,6 +111,13 @@ RULES = {
         facts=invertible(MatAdd(A, B), MatAdd(A, MatMul(-1, B))), samplers={A: _unit_lower, B: _strictly_lower},
         twins=(Twin("other_sum", "(A+B)(A-B)^-1 = I", MatMul(MatAdd(A, B), Inverse(MatAdd(A, MatMul(-1, B)))), Eye(n)),),
     ),
+    "(A+B)(C+D)(C+D)^-1 (A+B)^-1 = I: the inner pair cancelled, then the pair it leaves adjacent": lambda: proof(
+        MatMul(MatAdd(A, B), MatAdd(C, D), Inverse(MatAdd(C, D)), Inverse(MatAdd(A, B))), Eye(n),
+        facts=invertible(MatAdd(A, B), MatAdd(C, D)),
+        samplers={A: _unit_lower, B: _strictly_lower, C: _unit_lower, D: _strictly_lower},
+        twins=(Twin("outer_pair_swapped", "(A+B)(C+D)(A+B)^-1 (C+D)^-1 = I: inverses cancel only as neighbours",
+                    MatMul(MatAdd(A, B), MatAdd(C, D), Inverse(MatAdd(A, B)), Inverse(MatAdd(C, D))), Eye(n)),),
+    ),
     "A 1 1^T = 1 1^T given A 1 = 1": lambda: proof(
         MatMul(A, ones, ones.T), MatMul(ones, ones.T), facts=(Fact(MatMul(A, ones), ones, "rows of A sum to 1"),),
         samplers={A: _rows_sum_to_one},
