@@ -167,8 +167,7 @@ def _written(checkpoint: Checkpoint, destination, keywords: dict, target: torch.
             del out
             with reader.whole():
                 out, out_cfg, same = replayed(parts, layer, keywords)
-        rewritten = sorted(n for n, t in reader.stand_ins.items() if out.get(n) is not t)  # find_untouched: passed through
-        if rewritten:
+        if rewritten := sorted(n for n, t in reader.stand_ins.items() if out.get(n) is not t):  # find_untouched: kept
             raise RuntimeError(f"process_checkpoint: {process_weights.__name__} rewrote {rewritten}, found untouched")
         return out, out_cfg, same
 
